@@ -1,0 +1,78 @@
+//! Named tolerances (each with its reason) and the relative error they bound.
+
+use candle_core::{DType, Tensor};
+
+/// A bound on `||got - want|| / ||want||`, with why it is that value.
+#[derive(Clone, Copy, Debug)]
+pub struct Tolerance {
+    pub rel: f64,
+    pub reason: &'static str,
+}
+
+/// Reference gradients vs central finite differences, both in f64.
+pub const FD_F64: Tolerance = Tolerance {
+    rel: 1e-6,
+    reason: "central differences in f64: truncation O(eps^2) ~1e-10 plus rounding ~1e-16/eps ~1e-10, far below 1e-6",
+};
+
+/// The Rust reference in f32 vs an independent f32/f64 oracle (PyTorch, transformers).
+pub const ORACLE_F32: Tolerance = Tolerance {
+    rel: 1e-4,
+    reason: "f32 rounding (~6e-8 per op) accumulated over a few hundred ops of tiny models, different op order",
+};
+
+/// The Rust reference in f64 vs an f64 oracle computed from the same f32-exact inputs.
+pub const ORACLE_F64: Tolerance = Tolerance {
+    rel: 1e-10,
+    reason:
+        "f64 rounding (~1e-16 per op) with different op order; RoPE tables computed alike in f64",
+};
+
+/// `||got - want|| / ||want||` in f64 (`||got||` when `want` is zero); infinity if either
+/// holds NaN or Inf, so that NaN never passes.
+pub fn rel_error(got: &Tensor, want: &Tensor) -> f64 {
+    let flat = |t: &Tensor| {
+        t.to_dtype(DType::F64)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f64>())
+    };
+    let (g, w) = (
+        flat(got).expect("got to f64"),
+        flat(want).expect("want to f64"),
+    );
+    assert_eq!(
+        g.len(),
+        w.len(),
+        "element counts differ: {:?} vs {:?}",
+        got.dims(),
+        want.dims()
+    );
+    if g.iter().chain(&w).any(|x| !x.is_finite()) {
+        return f64::INFINITY;
+    }
+    let diff: f64 = g
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f64>()
+        .sqrt();
+    let norm: f64 = w.iter().map(|b| b * b).sum::<f64>().sqrt();
+    let gnorm: f64 = g.iter().map(|a| a * a).sum::<f64>().sqrt();
+    if norm == 0.0 {
+        gnorm
+    } else {
+        diff / norm
+    }
+}
+
+/// Panics naming `what`, the error and the tolerance's reason when `got` is not within `tol`.
+pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: Tolerance) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes differ");
+    let err = rel_error(got, want);
+    assert!(
+        err <= tol.rel,
+        "{what}: relative error {err:.3e} above {:.0e} ({})",
+        tol.rel,
+        tol.reason
+    );
+}

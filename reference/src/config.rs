@@ -1,0 +1,451 @@
+//! Drafter and target configs, read from and written to HF `config.json` (spec section 1).
+
+use std::path::Path;
+
+use serde_json::{json, Map, Value};
+
+use crate::error::{Error, Result};
+use crate::io::write_atomically;
+use crate::json_fields::{read_json, Fields};
+use std::io::Write;
+
+/// The attention kind of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttnKind {
+    /// `full_attention`.
+    Full,
+    /// `sliding_attention` with a window of `window` positions (the query's own included).
+    Sliding { window: usize },
+}
+
+/// Dimensions shared by the target and the drafter (a Qwen3 / Llama decoder stack).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelDims {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    /// One entry per decoder layer; its length is the number of layers.
+    pub layer_kinds: Vec<AttnKind>,
+}
+
+impl ModelDims {
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layer_kinds.len()
+    }
+
+    /// Query heads per K/V head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    fn parse(f: &Fields) -> Result<Self> {
+        let hidden_size = f.positive("hidden_size")?;
+        let num_layers = f.positive("num_hidden_layers")?;
+        let num_heads = f.positive("num_attention_heads")?;
+        let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(f.error(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
+            ));
+        }
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(f.error(
+                    "head_dim",
+                    "missing, and hidden_size is not a multiple of num_attention_heads",
+                ))
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(f.error(
+                "head_dim",
+                format!("{head_dim} must be even and positive (RoPE rotates halves)"),
+            ));
+        }
+        if let Some(act) = f.opt_str("hidden_act")? {
+            if act != "silu" {
+                return Err(f.error(
+                    "hidden_act",
+                    format!("unsupported activation `{act}` (only `silu`)"),
+                ));
+            }
+        }
+        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
+        if rms_norm_eps <= 0.0 {
+            return Err(f.error("rms_norm_eps", "must be positive"));
+        }
+        Ok(ModelDims {
+            hidden_size,
+            intermediate_size: f.positive("intermediate_size")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: f.positive("vocab_size")?,
+            rms_norm_eps,
+            rope_theta: parse_rope_theta(f)?,
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+            layer_kinds: parse_layer_kinds(f, num_layers)?,
+        })
+    }
+
+    fn write(&self, out: &mut Map<String, Value>) {
+        let sliding_window = self.layer_kinds.iter().find_map(|k| match k {
+            AttnKind::Sliding { window } => Some(*window),
+            AttnKind::Full => None,
+        });
+        let layer_types: Vec<&str> = self
+            .layer_kinds
+            .iter()
+            .map(|k| match k {
+                AttnKind::Full => "full_attention",
+                AttnKind::Sliding { .. } => "sliding_attention",
+            })
+            .collect();
+        let fields = json!({
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers(),
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "layer_types": layer_types,
+            "sliding_window": sliding_window,
+        });
+        out.extend(fields.as_object().expect("json! object").clone());
+    }
+}
+
+/// `rope_theta` at the top level (transformers 4) or in `rope_parameters` (transformers 5);
+/// scaled RoPE variants are refused.
+fn parse_rope_theta(f: &Fields) -> Result<f64> {
+    for key in ["rope_scaling", "rope_parameters"] {
+        if let Some(sub) = f.object(key)? {
+            let kind = sub
+                .opt_str("rope_type")?
+                .or(sub.opt_str("type")?)
+                .unwrap_or("default");
+            if kind != "default" {
+                return Err(sub.error(
+                    "rope_type",
+                    format!("unsupported RoPE scaling `{kind}` (only `default`)"),
+                ));
+            }
+            if key == "rope_parameters" {
+                if let Some(theta) = sub.opt_f64("rope_theta")? {
+                    return Ok(theta);
+                }
+            }
+        }
+    }
+    Ok(f.opt_f64("rope_theta")?.unwrap_or(10000.0))
+}
+
+fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
+    let Some(types) = f.opt_str_list("layer_types")? else {
+        return Ok(vec![AttnKind::Full; num_layers]);
+    };
+    if types.len() != num_layers {
+        return Err(f.error(
+            "layer_types",
+            format!(
+                "has {} entries but num_hidden_layers is {num_layers}",
+                types.len()
+            ),
+        ));
+    }
+    types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            "full_attention" => Ok(AttnKind::Full),
+            "sliding_attention" => match f.opt_usize("sliding_window")? {
+                Some(window) if window > 0 => Ok(AttnKind::Sliding { window }),
+                _ => Err(f.error("sliding_window", format!("layer_types[{i}] is sliding_attention but no positive sliding_window is set"))),
+            },
+            other => Err(f.error(&format!("layer_types[{i}]"), format!("unknown layer type `{other}`"))),
+        })
+        .collect()
+}
+
+/// The spec's default `target_layer_ids` for `num_target_layers` layers and `n` features:
+/// `n == 1 -> [L/2]`, else `round(1 + i*(L-4)/(n-1))` (halves round away from zero).
+pub fn default_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize> {
+    if n == 1 {
+        return vec![num_target_layers / 2];
+    }
+    let span = num_target_layers as f64 - 4.0;
+    (0..n)
+        .map(|i| (1.0 + i as f64 * span / (n - 1) as f64).round().max(0.0) as usize)
+        .collect()
+}
+
+/// The DFlash drafter's config (`DFlashDraftModel`, `model_type: qwen3`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftConfig {
+    pub dims: ModelDims,
+    /// Tokens per drafted block `B` (anchor included).
+    pub block_size: usize,
+    /// Number of decoder layers of the target the features come from.
+    pub num_target_layers: usize,
+    pub mask_token_id: u32,
+    /// Target layers whose outputs are concatenated into the context features (length `F`).
+    pub target_layer_ids: Vec<usize>,
+}
+
+/// The architecture of a supported target model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TargetArch {
+    /// `Qwen3ForCausalLM`: per-head q/k RMSNorm.
+    Qwen3,
+    /// `LlamaForCausalLM`: no q/k norm.
+    Llama,
+}
+
+impl TargetArch {
+    /// The HF `architectures[0]` name.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            TargetArch::Qwen3 => "Qwen3ForCausalLM",
+            TargetArch::Llama => "LlamaForCausalLM",
+        }
+    }
+
+    fn model_type(self) -> &'static str {
+        match self {
+            TargetArch::Qwen3 => "qwen3",
+            TargetArch::Llama => "llama",
+        }
+    }
+}
+
+/// A dense Qwen3 or Llama target model's config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TargetConfig {
+    pub arch: TargetArch,
+    pub dims: ModelDims,
+    pub tie_word_embeddings: bool,
+}
+
+impl DraftConfig {
+    /// A drafter for `target`: the target's dims with `num_layers` full-attention layers,
+    /// features from the default layer ids for `num_features` features.
+    pub fn for_target(
+        target: &TargetConfig,
+        num_layers: usize,
+        block_size: usize,
+        mask_token_id: u32,
+        num_features: usize,
+    ) -> Self {
+        let mut dims = target.dims.clone();
+        dims.layer_kinds = vec![AttnKind::Full; num_layers];
+        let num_target_layers = target.dims.num_layers();
+        DraftConfig {
+            dims,
+            block_size,
+            num_target_layers,
+            mask_token_id,
+            target_layer_ids: default_target_layer_ids(num_target_layers, num_features),
+        }
+    }
+
+    /// Checks that this drafter fits `target`: same hidden size and vocabulary, and features
+    /// taken from a target of `num_target_layers` layers.
+    pub fn check_target(&self, target: &TargetConfig) -> Result<()> {
+        let (d, t) = (&self.dims, &target.dims);
+        if d.hidden_size != t.hidden_size || d.vocab_size != t.vocab_size {
+            return Err(Error::invalid(
+                "drafter config",
+                format!(
+                    "hidden_size/vocab_size {}/{} differ from the target's {}/{}",
+                    d.hidden_size, d.vocab_size, t.hidden_size, t.vocab_size
+                ),
+            ));
+        }
+        if self.num_target_layers != t.num_layers() {
+            return Err(Error::invalid(
+                "drafter config",
+                format!(
+                    "num_target_layers {} but the target has {} layers",
+                    self.num_target_layers,
+                    t.num_layers()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Number of target features `F` concatenated per token.
+    pub fn num_features(&self) -> usize {
+        self.target_layer_ids.len()
+    }
+
+    /// Reads and validates a drafter `config.json`.
+    pub fn from_file(file: &Path) -> Result<Self> {
+        let value = read_json(file)?;
+        Self::from_value(file, &value)
+    }
+
+    /// Validates a parsed drafter config; `file` names the source in errors.
+    pub fn from_value(file: &Path, value: &Value) -> Result<Self> {
+        let f = Fields::top(file, value)?;
+        if let Some(archs) = f.opt_str_list("architectures")? {
+            if !archs.iter().any(|a| a == "DFlashDraftModel") {
+                return Err(f.error(
+                    "architectures",
+                    format!("{archs:?} is not a DFlash drafter (expected DFlashDraftModel)"),
+                ));
+            }
+        }
+        let dims = ModelDims::parse(&f)?;
+        let block_size = f.opt_usize("block_size")?.unwrap_or(16);
+        if block_size < 2 {
+            return Err(f.error(
+                "block_size",
+                format!("{block_size} must be at least 2 (anchor plus one drafted token)"),
+            ));
+        }
+        let num_target_layers = f.positive("num_target_layers")?;
+        let dflash = f
+            .object("dflash_config")?
+            .ok_or_else(|| f.error("dflash_config", "missing"))?;
+        let mask_token_id = dflash.usize("mask_token_id")?;
+        if mask_token_id >= dims.vocab_size {
+            return Err(dflash.error(
+                "mask_token_id",
+                format!(
+                    "{mask_token_id} is not below vocab_size {}",
+                    dims.vocab_size
+                ),
+            ));
+        }
+        let target_layer_ids = match dflash.opt_usize_list("target_layer_ids")? {
+            Some(ids) => ids,
+            None => default_target_layer_ids(num_target_layers, dims.num_layers()),
+        };
+        if target_layer_ids.is_empty() {
+            return Err(dflash.error("target_layer_ids", "is empty"));
+        }
+        if let Some((i, id)) = target_layer_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id >= num_target_layers)
+        {
+            return Err(dflash.error(
+                &format!("target_layer_ids[{i}]"),
+                format!("{id} is out of range for num_target_layers {num_target_layers}"),
+            ));
+        }
+        Ok(DraftConfig {
+            dims,
+            block_size,
+            num_target_layers,
+            mask_token_id: mask_token_id as u32,
+            target_layer_ids,
+        })
+    }
+
+    /// The HF `config.json` value.
+    pub fn to_value(&self) -> Value {
+        let mut out = Map::new();
+        out.insert("architectures".into(), json!(["DFlashDraftModel"]));
+        out.insert("model_type".into(), json!("qwen3"));
+        self.dims.write(&mut out);
+        out.insert("block_size".into(), json!(self.block_size));
+        out.insert("num_target_layers".into(), json!(self.num_target_layers));
+        out.insert("tie_word_embeddings".into(), json!(false));
+        out.insert(
+            "dflash_config".into(),
+            json!({"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids}),
+        );
+        Value::Object(out)
+    }
+
+    /// Writes `config.json` atomically (temporary name, then rename).
+    pub fn save(&self, file: &Path) -> Result<()> {
+        write_json(file, &self.to_value())
+    }
+}
+
+impl TargetConfig {
+    /// Reads and validates a target `config.json`.
+    pub fn from_file(file: &Path) -> Result<Self> {
+        let value = read_json(file)?;
+        Self::from_value(file, &value)
+    }
+
+    /// Validates a parsed target config; `file` names the source in errors.
+    pub fn from_value(file: &Path, value: &Value) -> Result<Self> {
+        let f = Fields::top(file, value)?;
+        let supported = [TargetArch::Qwen3, TargetArch::Llama];
+        let archs = f
+            .opt_str_list("architectures")?
+            .ok_or_else(|| f.error("architectures", "missing"))?;
+        let arch = supported
+            .into_iter()
+            .find(|a| archs.first().map(String::as_str) == Some(a.hf_name()))
+            .ok_or_else(|| {
+                f.error("architectures", format!("unsupported architecture {archs:?} (supported: Qwen3ForCausalLM, LlamaForCausalLM)"))
+            })?;
+        if let Some(model_type) = f.opt_str("model_type")? {
+            if model_type != arch.model_type() {
+                return Err(f.error(
+                    "model_type",
+                    format!(
+                        "`{model_type}` does not match architecture {}",
+                        arch.hf_name()
+                    ),
+                ));
+            }
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if f.opt_bool(key)? == Some(true) {
+                return Err(f.error(key, "biases are not supported"));
+            }
+        }
+        Ok(TargetConfig {
+            arch,
+            dims: ModelDims::parse(&f)?,
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+        })
+    }
+
+    /// The HF `config.json` value.
+    pub fn to_value(&self) -> Value {
+        let mut out = Map::new();
+        out.insert("architectures".into(), json!([self.arch.hf_name()]));
+        out.insert("model_type".into(), json!(self.arch.model_type()));
+        self.dims.write(&mut out);
+        out.insert(
+            "tie_word_embeddings".into(),
+            json!(self.tie_word_embeddings),
+        );
+        out.insert("attention_bias".into(), json!(false));
+        Value::Object(out)
+    }
+
+    /// Writes `config.json` atomically.
+    pub fn save(&self, file: &Path) -> Result<()> {
+        write_json(file, &self.to_value())
+    }
+}
+
+fn write_json(file: &Path, value: &Value) -> Result<()> {
+    let text =
+        serde_json::to_string_pretty(value).map_err(|e| Error::invalid("config", e.to_string()))?;
+    write_atomically(file, |w| w.write_all(text.as_bytes()))
+}

@@ -1,0 +1,150 @@
+//! Files: atomic writes, and safetensors weight sets whose errors name the file and tensor.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+
+/// Writes `file` through `fill` into a temporary name in the same folder, then renames it, so
+/// a failure never leaves a half-written `file`.
+pub fn write_atomically(
+    file: &Path,
+    fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<()> {
+    let tmp = temporary_name(file);
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        fill(&mut f)?;
+        f.flush()?;
+        f.sync_all()
+    })();
+    finish_atomic_write(file, &tmp, result)
+}
+
+/// Saves named tensors as one safetensors file, atomically.
+pub fn save_safetensors(file: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
+    let tmp = temporary_name(file);
+    let result = candle_core::safetensors::save(tensors, &tmp)
+        .map_err(|e| std::io::Error::other(e.to_string()));
+    finish_atomic_write(file, &tmp, result)
+}
+
+fn temporary_name(file: &Path) -> PathBuf {
+    let name = file
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    file.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
+
+fn finish_atomic_write(file: &Path, tmp: &Path, result: std::io::Result<()>) -> Result<()> {
+    match result.and_then(|()| std::fs::rename(tmp, file)) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = std::fs::remove_file(tmp);
+            Err(Error::io(file, e))
+        }
+    }
+}
+
+/// Tensors of one model, loaded from one or several safetensors files, each remembered with
+/// the file it came from.
+pub struct WeightSet {
+    /// The file named in errors about a tensor that is missing.
+    origin: PathBuf,
+    tensors: HashMap<String, (Tensor, PathBuf)>,
+}
+
+impl WeightSet {
+    /// Loads `model.safetensors` from `dir`, or the shards listed in `model.safetensors.index.json`.
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        let index = dir.join("model.safetensors.index.json");
+        if !index.exists() {
+            return Self::load_files(
+                &dir.join("model.safetensors"),
+                &[dir.join("model.safetensors")],
+            );
+        }
+        let value = crate::json_fields::read_json(&index)?;
+        let map = value
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Field {
+                file: index.clone(),
+                field: "weight_map".into(),
+                message: "missing or not an object".into(),
+            })?;
+        let mut shards: Vec<PathBuf> = Vec::new();
+        for (name, shard) in map {
+            let shard = shard.as_str().ok_or_else(|| Error::Field {
+                file: index.clone(),
+                field: format!("weight_map.{name}"),
+                message: "expected a file name".into(),
+            })?;
+            let path = dir.join(shard);
+            if !shards.contains(&path) {
+                shards.push(path);
+            }
+        }
+        Self::load_files(&index, &shards)
+    }
+
+    /// Loads the given safetensors files; `origin` names the set in errors about missing tensors.
+    pub fn load_files(origin: &Path, files: &[PathBuf]) -> Result<Self> {
+        let mut tensors = HashMap::new();
+        for file in files {
+            if !file.exists() {
+                return Err(Error::io(
+                    file,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+                ));
+            }
+            let loaded =
+                candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::Tensor {
+                    file: file.clone(),
+                    tensor: "<file>".into(),
+                    message: format!("not a readable safetensors file: {e}"),
+                })?;
+            tensors.extend(loaded.into_iter().map(|(k, t)| (k, (t, file.clone()))));
+        }
+        Ok(WeightSet {
+            origin: origin.to_path_buf(),
+            tensors,
+        })
+    }
+
+    /// Whether a tensor called `name` is present.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// The tensor `name`, checked to have `shape` and a float dtype, converted to `dtype`.
+    pub fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let (t, file) = self.tensors.get(name).ok_or_else(|| Error::Tensor {
+            file: self.origin.clone(),
+            tensor: name.into(),
+            message: "missing".into(),
+        })?;
+        let err = |message: String| Error::Tensor {
+            file: file.clone(),
+            tensor: name.into(),
+            message,
+        };
+        if !matches!(
+            t.dtype(),
+            DType::BF16 | DType::F16 | DType::F32 | DType::F64
+        ) {
+            return Err(err(format!(
+                "unsupported dtype {:?} (expected bf16, f16, f32 or f64)",
+                t.dtype()
+            )));
+        }
+        if t.dims() != shape {
+            return Err(err(format!("shape {:?}, expected {shape:?}", t.dims())));
+        }
+        Ok(t.to_dtype(dtype)?)
+    }
+}

@@ -1,0 +1,96 @@
+//! Greedy speculative decoding with a target and a drafter (spec section 4), and the plain
+//! greedy decoding it must reproduce exactly.
+
+use candle_core::{Tensor, D};
+
+use crate::drafter::{DraftInput, Drafter};
+use crate::error::{Error, Result};
+use crate::target::TargetModel;
+
+/// The result of a speculative decode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpecOutput {
+    /// The generated tokens (prompt excluded), exactly `max_new` of them.
+    pub tokens: Vec<u32>,
+    /// `A + 1` for every verify step (accepted drafts plus the bonus token), in `[1, B]`.
+    pub accept_lengths: Vec<usize>,
+}
+
+impl SpecOutput {
+    /// Acceptance length `tau`: the mean of `A + 1` over verify steps.
+    pub fn tau(&self) -> f64 {
+        self.accept_lengths.iter().sum::<usize>() as f64 / self.accept_lengths.len().max(1) as f64
+    }
+}
+
+/// The argmax token of every row of `logits` `[R, V]`.
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}
+
+fn check_prompt(prompt: &[u32]) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::invalid("prompt", "is empty"));
+    }
+    Ok(())
+}
+
+/// Plain greedy decoding: `max_new` tokens, each the target's argmax after all before it.
+pub fn greedy_decode(target: &TargetModel, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+    check_prompt(prompt)?;
+    let mut seq = prompt.to_vec();
+    for _ in 0..max_new {
+        let logits = target.forward(&seq, &[])?.logits;
+        let next = argmax_rows(&logits.narrow(0, seq.len() - 1, 1)?)?[0];
+        seq.push(next);
+    }
+    Ok(seq.split_off(prompt.len()))
+}
+
+/// Greedy speculative decoding of `max_new` tokens: draft a block `[t, MASK x (B-1)]` from the
+/// committed positions' features, verify it with one target forward, accept the longest
+/// prefix the target agrees with, and take the target's next token as the new bonus.
+pub fn speculative_decode(
+    target: &TargetModel,
+    drafter: &Drafter,
+    prompt: &[u32],
+    max_new: usize,
+) -> Result<SpecOutput> {
+    check_prompt(prompt)?;
+    drafter.config.check_target(&target.config)?;
+    let layer_ids = &drafter.config.target_layer_ids;
+    let b = drafter.config.block_size;
+    let head = target.frozen_head();
+    let prefill = target.forward(prompt, layer_ids)?;
+    let mut features = Tensor::cat(&prefill.hidden, 1)?; // [n, F*H], committed positions
+    let mut bonus = argmax_rows(&prefill.logits.narrow(0, prompt.len() - 1, 1)?)?[0];
+    let mut seq = prompt.to_vec();
+    let mut out = SpecOutput {
+        tokens: Vec::new(),
+        accept_lengths: Vec::new(),
+    };
+    while out.tokens.len() < max_new {
+        let n = seq.len();
+        let draft_logits = drafter.forward(&head, &DraftInput::inference(features, bonus, b)?)?;
+        let drafts = argmax_rows(&draft_logits.narrow(0, 1, b - 1)?)?; // d_1..d_{B-1}
+        let mut verify = seq.clone();
+        verify.push(bonus);
+        verify.extend(&drafts);
+        let checked = target.forward(&verify, layer_ids)?;
+        let greedy = argmax_rows(&checked.logits.narrow(0, n, b)?)?; // greedy[i] is the target's token for n+i+1
+        let accepted = drafts
+            .iter()
+            .zip(&greedy)
+            .take_while(|(d, g)| d == g)
+            .count();
+        seq.push(bonus);
+        seq.extend(&drafts[..accepted]);
+        out.tokens.push(bonus);
+        out.tokens.extend(&drafts[..accepted]);
+        out.accept_lengths.push(accepted + 1);
+        bonus = greedy[accepted];
+        features = Tensor::cat(&checked.hidden, 1)?.narrow(0, 0, seq.len())?;
+    }
+    out.tokens.truncate(max_new);
+    Ok(out)
+}

@@ -1,0 +1,200 @@
+//! The frozen target model: a dense Qwen3 or Llama decoder in HF format, giving logits and the
+//! hidden states at chosen layers (layer id `l` = the output of decoder layer `l`, 0-indexed).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::attention::dense_attention;
+use crate::config::{TargetArch, TargetConfig};
+use crate::drafter::{is_norm, random_normal, FrozenHead};
+use crate::error::{Error, Result};
+use crate::io::{save_safetensors, WeightSet};
+use crate::mask::causal_dense;
+use crate::ops::{head_rms_norm, linear, rms_norm, rope, rope_tables, swiglu};
+
+/// A target model's weights, keyed by their HF names.
+pub struct TargetModel {
+    pub config: TargetConfig,
+    weights: HashMap<String, Tensor>,
+}
+
+/// What one target forward returns.
+pub struct TargetOutput {
+    /// `[T, V]`.
+    pub logits: Tensor,
+    /// One `[T, H]` per requested layer id, in request order.
+    pub hidden: Vec<Tensor>,
+}
+
+/// HF key and shape of every weight of a target with `config` (no `lm_head` when tied).
+pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
+    let c = &config.dims;
+    let (h, d, i, v) = (c.hidden_size, c.head_dim, c.intermediate_size, c.vocab_size);
+    let mut shapes = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..c.num_layers() {
+        let p = |name: &str, shape: Vec<usize>| (format!("model.layers.{l}.{name}"), shape);
+        shapes.extend([
+            p("input_layernorm.weight", vec![h]),
+            p("self_attn.q_proj.weight", vec![c.num_heads * d, h]),
+            p("self_attn.k_proj.weight", vec![c.num_kv_heads * d, h]),
+            p("self_attn.v_proj.weight", vec![c.num_kv_heads * d, h]),
+            p("self_attn.o_proj.weight", vec![h, c.num_heads * d]),
+            p("post_attention_layernorm.weight", vec![h]),
+            p("mlp.gate_proj.weight", vec![i, h]),
+            p("mlp.up_proj.weight", vec![i, h]),
+            p("mlp.down_proj.weight", vec![h, i]),
+        ]);
+        if config.arch == TargetArch::Qwen3 {
+            shapes.extend([
+                p("self_attn.q_norm.weight", vec![d]),
+                p("self_attn.k_norm.weight", vec![d]),
+            ]);
+        }
+    }
+    shapes.push(("model.norm.weight".to_string(), vec![h]));
+    if !config.tie_word_embeddings {
+        shapes.push(("lm_head.weight".to_string(), vec![v, h]));
+    }
+    shapes
+}
+
+impl TargetModel {
+    /// Builds every weight from `make(name, shape)`.
+    pub fn from_fn(
+        config: TargetConfig,
+        mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let weights = target_param_shapes(&config)
+            .into_iter()
+            .map(|(name, shape)| Ok((name.clone(), make(&name, &shape)?)))
+            .collect::<Result<_>>()?;
+        Ok(TargetModel { config, weights })
+    }
+
+    /// Loads `config.json` and the safetensors weights (one file or an index of shards) from
+    /// `dir`; bf16, f16 and f32 weights are converted to `dtype`.
+    pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
+        let config = TargetConfig::from_file(&dir.join("config.json"))?;
+        let weights = WeightSet::load_dir(dir)?;
+        Self::from_fn(config, |name, shape| weights.get(name, shape, dtype))
+    }
+
+    /// A random model: linears normal(0, `std`), norms 1 + normal(0, 0.1); seeded.
+    pub fn random(config: TargetConfig, seed: u64, std: f64, dtype: DType) -> Result<Self> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        Self::from_fn(config, |name, shape| {
+            if is_norm(name) {
+                return Ok(random_normal(shape, 0.1, &mut rng, dtype)?.affine(1.0, 1.0)?);
+            }
+            random_normal(shape, std, &mut rng, dtype)
+        })
+    }
+
+    /// Saves `config.json` and `model.safetensors` (f32) into `dir`, each atomically.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let tensors = self
+            .weights
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.to_dtype(DType::F32)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        save_safetensors(&dir.join("model.safetensors"), &tensors)?;
+        self.config.save(&dir.join("config.json"))
+    }
+
+    fn w(&self, name: &str) -> &Tensor {
+        &self.weights[name]
+    }
+
+    /// The frozen embedding table and LM head the drafter shares (tied heads share the table).
+    pub fn frozen_head(&self) -> FrozenHead {
+        let embed = self.w("model.embed_tokens.weight").clone();
+        let lm_head = if self.config.tie_word_embeddings {
+            embed.clone()
+        } else {
+            self.w("lm_head.weight").clone()
+        };
+        FrozenHead { embed, lm_head }
+    }
+
+    /// Causal forward over `tokens` (positions `0..T`): logits and the outputs of the decoder
+    /// layers `capture` (before the final norm).
+    pub fn forward(&self, tokens: &[u32], capture: &[usize]) -> Result<TargetOutput> {
+        let c = &self.config.dims;
+        let (t, eps) = (tokens.len(), c.rms_norm_eps);
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(Error::invalid(
+                "tokens",
+                format!("token id {bad} is not below vocab_size {}", c.vocab_size),
+            ));
+        }
+        if let Some(&bad) = capture.iter().find(|&&l| l >= c.num_layers()) {
+            return Err(Error::invalid(
+                "target_layer_ids",
+                format!(
+                    "layer {bad} is out of range for {} target layers",
+                    c.num_layers()
+                ),
+            ));
+        }
+        let dtype = self.w("model.embed_tokens.weight").dtype();
+        let ids = Tensor::from_vec(tokens.to_vec(), t, &Device::Cpu)?;
+        let mut x = self.w("model.embed_tokens.weight").index_select(&ids, 0)?; // [T, H]
+        let positions: Vec<usize> = (0..t).collect();
+        let (cos, sin) = rope_tables(&positions, c.head_dim, c.rope_theta, dtype)?;
+        let mut layer_outputs = Vec::with_capacity(c.num_layers());
+        for (l, &kind) in c.layer_kinds.iter().enumerate() {
+            let w = |name: &str| self.w(&format!("model.layers.{l}.{name}"));
+            let xn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
+            let (q, k) = (
+                linear(&xn, w("self_attn.q_proj.weight"))?,
+                linear(&xn, w("self_attn.k_proj.weight"))?,
+            );
+            let (q, k) = match self.config.arch {
+                TargetArch::Qwen3 => (
+                    head_rms_norm(&q, c.num_heads, w("self_attn.q_norm.weight"), eps)?,
+                    head_rms_norm(&k, c.num_kv_heads, w("self_attn.k_norm.weight"), eps)?,
+                ),
+                TargetArch::Llama => (
+                    q.reshape((t, c.num_heads, c.head_dim))?,
+                    k.reshape((t, c.num_kv_heads, c.head_dim))?,
+                ),
+            };
+            let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
+            let v = linear(&xn, w("self_attn.v_proj.weight"))?.reshape((
+                t,
+                c.num_kv_heads,
+                c.head_dim,
+            ))?;
+            let attn = dense_attention(&q, &k, &v, &causal_dense(kind, t))?
+                .reshape((t, c.num_heads * c.head_dim))?;
+            x = (x + linear(&attn, w("self_attn.o_proj.weight"))?)?;
+            let xn = rms_norm(&x, w("post_attention_layernorm.weight"), eps)?;
+            x = (&x
+                + swiglu(
+                    &xn,
+                    w("mlp.gate_proj.weight"),
+                    w("mlp.up_proj.weight"),
+                    w("mlp.down_proj.weight"),
+                )?)?;
+            layer_outputs.push(x.clone());
+        }
+        let logits = linear(
+            &rms_norm(&x, self.w("model.norm.weight"), eps)?,
+            &self.frozen_head().lm_head,
+        )?;
+        let hidden = capture.iter().map(|&l| layer_outputs[l].clone()).collect();
+        Ok(TargetOutput { logits, hidden })
+    }
+
+    /// The drafter's context features for `tokens`: the outputs of `layer_ids` concatenated
+    /// per token, `[T, F*H]`.
+    pub fn features(&self, tokens: &[u32], layer_ids: &[usize]) -> Result<Tensor> {
+        let out = self.forward(tokens, layer_ids)?;
+        Ok(Tensor::cat(&out.hidden, 1)?)
+    }
+}
