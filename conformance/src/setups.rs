@@ -25,17 +25,10 @@ pub fn random_dims(rng: &mut ChaCha8Rng) -> ModelDims {
     let num_heads = num_kv_heads * rng.random_range(1..=2);
     let head_dim = 2 * rng.random_range(1..=3);
     let layers = rng.random_range(1..=2);
-    let layer_kinds = (0..layers)
-        .map(|_| {
-            if rng.random_bool(0.5) {
-                AttnKind::Full
-            } else {
-                AttnKind::Sliding {
-                    window: rng.random_range(1..=6),
-                }
-            }
-        })
-        .collect();
+    // One window per config: HF's config.json has a single `sliding_window`.
+    let window = rng.random_range(1..=6);
+    let layer_kinds =
+        (0..layers).map(|_| if rng.random_bool(0.5) { AttnKind::Full } else { AttnKind::Sliding { window } }).collect();
     ModelDims {
         hidden_size: 2 * rng.random_range(2..=4),
         intermediate_size: rng.random_range(3..=8),
@@ -53,11 +46,7 @@ pub fn random_dims(rng: &mut ChaCha8Rng) -> ModelDims {
 /// A random tiny target of either architecture.
 pub fn random_target_config(rng: &mut ChaCha8Rng) -> TargetConfig {
     TargetConfig {
-        arch: if rng.random_bool(0.5) {
-            TargetArch::Qwen3
-        } else {
-            TargetArch::Llama
-        },
+        arch: if rng.random_bool(0.5) { TargetArch::Qwen3 } else { TargetArch::Llama },
         dims: random_dims(rng),
         tie_word_embeddings: rng.random_bool(0.5),
     }
@@ -89,11 +78,7 @@ pub fn random_draft_case(seed: u64, dtype: DType) -> Result<DraftCase> {
     };
     let drafter = Drafter::from_fn(config.clone(), |_, shape| {
         let t = random_normal(shape, 0.3, &mut rng, dtype)?;
-        Ok(if shape.len() == 1 {
-            t.affine(1.0, 1.0)?
-        } else {
-            t
-        })
+        Ok(if shape.len() == 1 { t.affine(1.0, 1.0)? } else { t })
     })?;
     let head = FrozenHead {
         embed: random_normal(&[v, h], 1.0, &mut rng, dtype)?,
@@ -104,13 +89,7 @@ pub fn random_draft_case(seed: u64, dtype: DType) -> Result<DraftCase> {
     let n = rng.random_range(1..=4);
     let anchors = random_anchors(s, n, &mut rng);
     let gamma = rng.random_range(1.0..8.0);
-    Ok(DraftCase {
-        drafter,
-        head,
-        row,
-        anchors,
-        gamma,
-    })
+    Ok(DraftCase { drafter, head, row, anchors, gamma })
 }
 
 /// A row of `s` tokens (ids below `vocab - 1`) in 1-3 packed documents with positions
@@ -122,15 +101,9 @@ pub fn random_packed_row(
     rng: &mut ChaCha8Rng,
     dtype: DType,
 ) -> Result<TrainRow> {
-    let tokens = (0..s)
-        .map(|_| rng.random_range(0..vocab as u32 - 1))
-        .collect();
+    let tokens = (0..s).map(|_| rng.random_range(0..vocab as u32 - 1)).collect();
     let docs = rng.random_range(1..=3);
-    let pad = if rng.random_bool(0.5) {
-        rng.random_range(0..=s / 4)
-    } else {
-        0
-    };
+    let pad = if rng.random_bool(0.5) { rng.random_range(0..=s / 4) } else { 0 };
     let mut doc_ids = Vec::with_capacity(s);
     let mut positions = Vec::with_capacity(s);
     let mut doc = 0i64;
@@ -149,18 +122,9 @@ pub fn random_packed_row(
         positions.push(pos);
         pos += 1;
     }
-    let loss_mask = doc_ids
-        .iter()
-        .map(|&d| d >= 0 && rng.random_bool(0.8))
-        .collect();
+    let loss_mask = doc_ids.iter().map(|&d| d >= 0 && rng.random_bool(0.8)).collect();
     let features = random_normal(&[s, feature_dim], 1.0, rng, dtype)?;
-    let row = TrainRow {
-        tokens,
-        loss_mask,
-        doc_ids: Some(doc_ids),
-        positions,
-        features,
-    };
+    let row = TrainRow { tokens, loss_mask, doc_ids: Some(doc_ids), positions, features };
     row.validate()?;
     Ok(row)
 }

@@ -24,38 +24,19 @@ pub const ORACLE_F32: Tolerance = Tolerance {
 /// The Rust reference in f64 vs an f64 oracle computed from the same f32-exact inputs.
 pub const ORACLE_F64: Tolerance = Tolerance {
     rel: 1e-10,
-    reason:
-        "f64 rounding (~1e-16 per op) with different op order; RoPE tables computed alike in f64",
+    reason: "f64 rounding (~1e-16 per op) with different op order; RoPE tables computed alike in f64",
 };
 
 /// `||got - want|| / ||want||` in f64 (`||got||` when `want` is zero); infinity if either
 /// holds NaN or Inf, so that NaN never passes.
 pub fn rel_error(got: &Tensor, want: &Tensor) -> f64 {
-    let flat = |t: &Tensor| {
-        t.to_dtype(DType::F64)
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f64>())
-    };
-    let (g, w) = (
-        flat(got).expect("got to f64"),
-        flat(want).expect("want to f64"),
-    );
-    assert_eq!(
-        g.len(),
-        w.len(),
-        "element counts differ: {:?} vs {:?}",
-        got.dims(),
-        want.dims()
-    );
+    let flat = |t: &Tensor| t.to_dtype(DType::F64).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f64>());
+    let (g, w) = (flat(got).expect("got to f64"), flat(want).expect("want to f64"));
+    assert_eq!(g.len(), w.len(), "element counts differ: {:?} vs {:?}", got.dims(), want.dims());
     if g.iter().chain(&w).any(|x| !x.is_finite()) {
         return f64::INFINITY;
     }
-    let diff: f64 = g
-        .iter()
-        .zip(&w)
-        .map(|(a, b)| (a - b) * (a - b))
-        .sum::<f64>()
-        .sqrt();
+    let diff: f64 = g.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum::<f64>().sqrt();
     let norm: f64 = w.iter().map(|b| b * b).sum::<f64>().sqrt();
     let gnorm: f64 = g.iter().map(|a| a * a).sum::<f64>().sqrt();
     if norm == 0.0 {
@@ -69,10 +50,13 @@ pub fn rel_error(got: &Tensor, want: &Tensor) -> f64 {
 pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: Tolerance) {
     assert_eq!(got.dims(), want.dims(), "{what}: shapes differ");
     let err = rel_error(got, want);
-    assert!(
-        err <= tol.rel,
-        "{what}: relative error {err:.3e} above {:.0e} ({})",
-        tol.rel,
-        tol.reason
-    );
+    assert!(err <= tol.rel, "{what}: relative error {err:.3e} above {:.0e} ({})", tol.rel, tol.reason);
 }
+
+/// A clipped global grad norm vs `max_norm`. Clipping follows PyTorch's `clip_grad_norm_`:
+/// the scale `max_norm / (norm + 1e-6)` leaves the clipped norm `1e-6 / (norm + 1e-6)`
+/// relative below `max_norm`, under 1e-6 when `norm > max_norm >= 1` (f64 rounding ~1e-16).
+pub const CLIP_NORM: Tolerance = Tolerance {
+    rel: 1e-6,
+    reason: "PyTorch-style clipping divides by norm + 1e-6: the clipped norm is 1e-6/norm relative below max_norm (max_norm >= 1)",
+};

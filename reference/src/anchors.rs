@@ -20,9 +20,7 @@ impl Anchors {
 
 /// Candidates `a <= S-2` with `m[a] = 1` and `m[a+1] = 1`.
 pub fn anchor_candidates(loss_mask: &[bool]) -> Vec<usize> {
-    (0..loss_mask.len().saturating_sub(1))
-        .filter(|&a| loss_mask[a] && loss_mask[a + 1])
-        .collect()
+    (0..loss_mask.len().saturating_sub(1)).filter(|&a| loss_mask[a] && loss_mask[a + 1]).collect()
 }
 
 /// Draws up to `n_max` candidates uniformly without replacement, sorts them, and pads to
@@ -30,10 +28,7 @@ pub fn anchor_candidates(loss_mask: &[bool]) -> Vec<usize> {
 pub fn sample_anchors(loss_mask: &[bool], n_max: usize, rng: &mut impl Rng) -> Anchors {
     let candidates = anchor_candidates(loss_mask);
     let n = n_max.min(candidates.len());
-    let mut positions: Vec<usize> = sample(rng, candidates.len(), n)
-        .into_iter()
-        .map(|i| candidates[i])
-        .collect();
+    let mut positions: Vec<usize> = sample(rng, candidates.len(), n).into_iter().map(|i| candidates[i]).collect();
     positions.sort_unstable();
     let pad = positions.last().copied().unwrap_or(0);
     let mut keep = vec![true; n];

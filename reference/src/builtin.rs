@@ -15,6 +15,21 @@ use crate::target::TargetModel;
 /// peaked (a learnable signal), unlike a 0.02 init whose outputs are near uniform.
 pub const TINY_TARGET_STD: f64 = 0.5;
 
+/// Init std of the tiny target's attention output projections: small, so that the next token
+/// depends mostly on the current one, a structure a tiny drafter can learn from little data.
+pub const TINY_TARGET_ATTENTION_STD: f64 = 0.05;
+
+/// The tiny built-in target with random weights (seeded).
+pub fn tiny_target(seed: u64, dtype: DType) -> Result<TargetModel> {
+    TargetModel::random_with(tiny_target_config(), seed, dtype, |name| {
+        if name.ends_with("o_proj.weight") {
+            TINY_TARGET_ATTENTION_STD
+        } else {
+            TINY_TARGET_STD
+        }
+    })
+}
+
 /// The tiny target: Qwen3, hidden 64, 8 layers, 4/2 heads of 16, vocab 128 (id 127 = mask).
 pub fn tiny_target_config() -> TargetConfig {
     TargetConfig {
@@ -50,13 +65,7 @@ fn sample_token(logits: &[f64], temperature: f64, banned: u32, rng: &mut impl Rn
     let weights: Vec<f64> = logits
         .iter()
         .enumerate()
-        .map(|(i, &z)| {
-            if i as u32 == banned {
-                0.0
-            } else {
-                ((z - max) / temperature).exp()
-            }
-        })
+        .map(|(i, &z)| if i as u32 == banned { 0.0 } else { ((z - max) / temperature).exp() })
         .collect();
     let dist = WeightedIndex::new(&weights).map_err(|e| Error::invalid("logits", e.to_string()))?;
     Ok(dist.sample(rng) as u32)
@@ -74,16 +83,8 @@ pub fn sample_continuation(
     let mut seq = prompt.to_vec();
     for _ in 0..len {
         let logits = target.forward(&seq, &[])?.logits;
-        let last = logits
-            .narrow(0, seq.len() - 1, 1)?
-            .squeeze(0)?
-            .to_dtype(DType::F64)?;
-        seq.push(sample_token(
-            &last.to_vec1::<f64>()?,
-            temperature,
-            banned,
-            rng,
-        )?);
+        let last = logits.narrow(0, seq.len() - 1, 1)?.squeeze(0)?.to_dtype(DType::F64)?;
+        seq.push(sample_token(&last.to_vec1::<f64>()?, temperature, banned, rng)?);
     }
     Ok(seq)
 }
@@ -115,14 +116,7 @@ pub fn generate_rows(
     (0..n_rows)
         .map(|_| {
             let prompt = random_prompt(prompt_len, vocab, config.mask_token_id, rng);
-            let tokens = sample_continuation(
-                target,
-                &prompt,
-                gen_len,
-                temperature,
-                config.mask_token_id,
-                rng,
-            )?;
+            let tokens = sample_continuation(target, &prompt, gen_len, temperature, config.mask_token_id, rng)?;
             let features = target.features(&tokens, &config.target_layer_ids)?;
             let loss_mask = (0..tokens.len()).map(|i| i >= prompt_len).collect();
             TrainRow::single(tokens, loss_mask, features)
@@ -136,19 +130,12 @@ pub fn target_entropy(target: &TargetModel, rows: &[TrainRow], temperature: f64)
     let mut sum = 0.0;
     let mut count = 0usize;
     for row in rows {
-        let logits = (target
-            .forward(&row.tokens, &[])?
-            .logits
-            .to_dtype(DType::F64)?
-            / temperature)?;
+        let logits = (target.forward(&row.tokens, &[])?.logits.to_dtype(DType::F64)? / temperature)?;
         let max = logits.max_keepdim(D::Minus1)?;
         let shifted = logits.broadcast_sub(&max)?;
         let log_z = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
         let logp = shifted.broadcast_sub(&log_z)?;
-        let ent = (logp.exp()? * &logp)?
-            .sum(D::Minus1)?
-            .neg()?
-            .to_vec1::<f64>()?;
+        let ent = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?.to_vec1::<f64>()?;
         for (i, e) in ent.iter().enumerate().take(row.len() - 1) {
             if row.loss_mask[i + 1] {
                 sum += e;

@@ -30,7 +30,8 @@ pub struct ModelDims {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub max_position_embeddings: usize,
-    /// One entry per decoder layer; its length is the number of layers.
+    /// One entry per decoder layer; its length is the number of layers. All sliding layers
+    /// share one window (HF's `config.json` has a single `sliding_window`).
     pub layer_kinds: Vec<AttnKind>,
 }
 
@@ -60,24 +61,15 @@ impl ModelDims {
             Some(d) => d,
             None if hidden_size % num_heads == 0 => hidden_size / num_heads,
             None => {
-                return Err(f.error(
-                    "head_dim",
-                    "missing, and hidden_size is not a multiple of num_attention_heads",
-                ))
+                return Err(f.error("head_dim", "missing, and hidden_size is not a multiple of num_attention_heads"))
             }
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(f.error(
-                "head_dim",
-                format!("{head_dim} must be even and positive (RoPE rotates halves)"),
-            ));
+            return Err(f.error("head_dim", format!("{head_dim} must be even and positive (RoPE rotates halves)")));
         }
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
-                return Err(f.error(
-                    "hidden_act",
-                    format!("unsupported activation `{act}` (only `silu`)"),
-                ));
+                return Err(f.error("hidden_act", format!("unsupported activation `{act}` (only `silu`)")));
             }
         }
         let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
@@ -135,15 +127,14 @@ impl ModelDims {
 fn parse_rope_theta(f: &Fields) -> Result<f64> {
     for key in ["rope_scaling", "rope_parameters"] {
         if let Some(sub) = f.object(key)? {
-            let kind = sub
-                .opt_str("rope_type")?
-                .or(sub.opt_str("type")?)
-                .unwrap_or("default");
+            // The error names the key the file actually uses (`type` in older configs).
+            let (kind_key, kind) = match (sub.opt_str("rope_type")?, sub.opt_str("type")?) {
+                (Some(kind), _) => ("rope_type", kind),
+                (None, Some(kind)) => ("type", kind),
+                (None, None) => ("rope_type", "default"),
+            };
             if kind != "default" {
-                return Err(sub.error(
-                    "rope_type",
-                    format!("unsupported RoPE scaling `{kind}` (only `default`)"),
-                ));
+                return Err(sub.error(kind_key, format!("unsupported RoPE scaling `{kind}` (only `default`)")));
             }
             if key == "rope_parameters" {
                 if let Some(theta) = sub.opt_f64("rope_theta")? {
@@ -160,13 +151,9 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
         return Ok(vec![AttnKind::Full; num_layers]);
     };
     if types.len() != num_layers {
-        return Err(f.error(
-            "layer_types",
-            format!(
-                "has {} entries but num_hidden_layers is {num_layers}",
-                types.len()
-            ),
-        ));
+        return Err(
+            f.error("layer_types", format!("has {} entries but num_hidden_layers is {num_layers}", types.len()))
+        );
     }
     types
         .iter()
@@ -175,7 +162,10 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
             "full_attention" => Ok(AttnKind::Full),
             "sliding_attention" => match f.opt_usize("sliding_window")? {
                 Some(window) if window > 0 => Ok(AttnKind::Sliding { window }),
-                _ => Err(f.error("sliding_window", format!("layer_types[{i}] is sliding_attention but no positive sliding_window is set"))),
+                _ => Err(f.error(
+                    "sliding_window",
+                    format!("layer_types[{i}] is sliding_attention but no positive sliding_window is set"),
+                )),
             },
             other => Err(f.error(&format!("layer_types[{i}]"), format!("unknown layer type `{other}`"))),
         })
@@ -189,9 +179,7 @@ pub fn default_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize
         return vec![num_target_layers / 2];
     }
     let span = num_target_layers as f64 - 4.0;
-    (0..n)
-        .map(|i| (1.0 + i as f64 * span / (n - 1) as f64).round().max(0.0) as usize)
-        .collect()
+    (0..n).map(|i| (1.0 + i as f64 * span / (n - 1) as f64).round().max(0.0) as usize).collect()
 }
 
 /// The DFlash drafter's config (`DFlashDraftModel`, `model_type: qwen3`).
@@ -279,11 +267,7 @@ impl DraftConfig {
         if self.num_target_layers != t.num_layers() {
             return Err(Error::invalid(
                 "drafter config",
-                format!(
-                    "num_target_layers {} but the target has {} layers",
-                    self.num_target_layers,
-                    t.num_layers()
-                ),
+                format!("num_target_layers {} but the target has {} layers", self.num_target_layers, t.num_layers()),
             ));
         }
         Ok(())
@@ -305,33 +289,25 @@ impl DraftConfig {
         let f = Fields::top(file, value)?;
         if let Some(archs) = f.opt_str_list("architectures")? {
             if !archs.iter().any(|a| a == "DFlashDraftModel") {
-                return Err(f.error(
-                    "architectures",
-                    format!("{archs:?} is not a DFlash drafter (expected DFlashDraftModel)"),
-                ));
+                return Err(
+                    f.error("architectures", format!("{archs:?} is not a DFlash drafter (expected DFlashDraftModel)"))
+                );
             }
         }
         let dims = ModelDims::parse(&f)?;
         let block_size = f.opt_usize("block_size")?.unwrap_or(16);
         if block_size < 2 {
-            return Err(f.error(
-                "block_size",
-                format!("{block_size} must be at least 2 (anchor plus one drafted token)"),
-            ));
+            return Err(
+                f.error("block_size", format!("{block_size} must be at least 2 (anchor plus one drafted token)"))
+            );
         }
         let num_target_layers = f.positive("num_target_layers")?;
-        let dflash = f
-            .object("dflash_config")?
-            .ok_or_else(|| f.error("dflash_config", "missing"))?;
+        let dflash = f.object("dflash_config")?.ok_or_else(|| f.error("dflash_config", "missing"))?;
         let mask_token_id = dflash.usize("mask_token_id")?;
         if mask_token_id >= dims.vocab_size {
-            return Err(dflash.error(
-                "mask_token_id",
-                format!(
-                    "{mask_token_id} is not below vocab_size {}",
-                    dims.vocab_size
-                ),
-            ));
+            return Err(
+                dflash.error("mask_token_id", format!("{mask_token_id} is not below vocab_size {}", dims.vocab_size))
+            );
         }
         let target_layer_ids = match dflash.opt_usize_list("target_layer_ids")? {
             Some(ids) => ids,
@@ -340,23 +316,13 @@ impl DraftConfig {
         if target_layer_ids.is_empty() {
             return Err(dflash.error("target_layer_ids", "is empty"));
         }
-        if let Some((i, id)) = target_layer_ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id >= num_target_layers)
-        {
+        if let Some((i, id)) = target_layer_ids.iter().enumerate().find(|(_, &id)| id >= num_target_layers) {
             return Err(dflash.error(
                 &format!("target_layer_ids[{i}]"),
                 format!("{id} is out of range for num_target_layers {num_target_layers}"),
             ));
         }
-        Ok(DraftConfig {
-            dims,
-            block_size,
-            num_target_layers,
-            mask_token_id: mask_token_id as u32,
-            target_layer_ids,
-        })
+        Ok(DraftConfig { dims, block_size, num_target_layers, mask_token_id: mask_token_id as u32, target_layer_ids })
     }
 
     /// The HF `config.json` value.
@@ -392,24 +358,20 @@ impl TargetConfig {
     pub fn from_value(file: &Path, value: &Value) -> Result<Self> {
         let f = Fields::top(file, value)?;
         let supported = [TargetArch::Qwen3, TargetArch::Llama];
-        let archs = f
-            .opt_str_list("architectures")?
-            .ok_or_else(|| f.error("architectures", "missing"))?;
-        let arch = supported
-            .into_iter()
-            .find(|a| archs.first().map(String::as_str) == Some(a.hf_name()))
-            .ok_or_else(|| {
-                f.error("architectures", format!("unsupported architecture {archs:?} (supported: Qwen3ForCausalLM, LlamaForCausalLM)"))
-            })?;
+        let archs = f.opt_str_list("architectures")?.ok_or_else(|| f.error("architectures", "missing"))?;
+        let arch = supported.into_iter().find(|a| archs.first().map(String::as_str) == Some(a.hf_name())).ok_or_else(
+            || {
+                f.error(
+                    "architectures",
+                    format!("unsupported architecture {archs:?} (supported: Qwen3ForCausalLM, LlamaForCausalLM)"),
+                )
+            },
+        )?;
         if let Some(model_type) = f.opt_str("model_type")? {
             if model_type != arch.model_type() {
-                return Err(f.error(
-                    "model_type",
-                    format!(
-                        "`{model_type}` does not match architecture {}",
-                        arch.hf_name()
-                    ),
-                ));
+                return Err(
+                    f.error("model_type", format!("`{model_type}` does not match architecture {}", arch.hf_name()))
+                );
             }
         }
         for key in ["attention_bias", "mlp_bias"] {
@@ -430,10 +392,7 @@ impl TargetConfig {
         out.insert("architectures".into(), json!([self.arch.hf_name()]));
         out.insert("model_type".into(), json!(self.arch.model_type()));
         self.dims.write(&mut out);
-        out.insert(
-            "tie_word_embeddings".into(),
-            json!(self.tie_word_embeddings),
-        );
+        out.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
         out.insert("attention_bias".into(), json!(false));
         Value::Object(out)
     }
@@ -445,7 +404,6 @@ impl TargetConfig {
 }
 
 fn write_json(file: &Path, value: &Value) -> Result<()> {
-    let text =
-        serde_json::to_string_pretty(value).map_err(|e| Error::invalid("config", e.to_string()))?;
+    let text = serde_json::to_string_pretty(value).map_err(|e| Error::invalid("config", e.to_string()))?;
     write_atomically(file, |w| w.write_all(text.as_bytes()))
 }

@@ -23,13 +23,7 @@ impl TrainRow {
     /// A row of one document (positions `0..S`); checks that the lengths agree.
     pub fn single(tokens: Vec<u32>, loss_mask: Vec<bool>, features: Tensor) -> Result<Self> {
         let positions = (0..tokens.len()).collect();
-        let row = TrainRow {
-            tokens,
-            loss_mask,
-            doc_ids: None,
-            positions,
-            features,
-        };
+        let row = TrainRow { tokens, loss_mask, doc_ids: None, positions, features };
         row.validate()?;
         Ok(row)
     }

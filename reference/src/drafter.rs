@@ -54,11 +54,7 @@ impl DraftInput {
             features: row.features.clone(),
             context_positions: row.positions.clone(),
             anchor_tokens: anchors.positions.iter().map(|&a| row.tokens[a]).collect(),
-            anchor_positions: anchors
-                .positions
-                .iter()
-                .map(|&a| row.positions[a])
-                .collect(),
+            anchor_positions: anchors.positions.iter().map(|&a| row.positions[a]).collect(),
         })
     }
 
@@ -78,10 +74,7 @@ impl DraftInput {
     /// RoPE position of every query `[N*B]`: `anchor_positions[j] + o`.
     fn query_positions(&self) -> Vec<usize> {
         let b = self.layout.block_size;
-        self.anchor_positions
-            .iter()
-            .flat_map(|&p| (0..b).map(move |o| p + o))
-            .collect()
+        self.anchor_positions.iter().flat_map(|&p| (0..b).map(move |o| p + o)).collect()
     }
 }
 
@@ -127,25 +120,14 @@ pub fn is_norm(name: &str) -> bool {
 
 impl Drafter {
     /// Builds every parameter from `make(name, shape)`.
-    pub fn from_fn(
-        config: DraftConfig,
-        mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>,
-    ) -> Result<Self> {
+    pub fn from_fn(config: DraftConfig, mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>) -> Result<Self> {
         let mut params = Vec::new();
         for (name, shape) in param_shapes(&config) {
             let t = make(&name, &shape)?;
             params.push((name, Var::from_tensor(&t)?));
         }
-        let index = params
-            .iter()
-            .enumerate()
-            .map(|(i, (n, _))| (n.clone(), i))
-            .collect();
-        Ok(Drafter {
-            config,
-            params,
-            index,
-        })
+        let index = params.iter().enumerate().map(|(i, (n, _))| (n.clone(), i)).collect();
+        Ok(Drafter { config, params, index })
     }
 
     /// The spec's init: normal(0, 0.02) for linears, ones for norms; seeded.
@@ -162,10 +144,7 @@ impl Drafter {
     /// Loads `config.json` and `model.safetensors` from `dir` (HF format), as `dtype`.
     pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
         let config = DraftConfig::from_file(&dir.join("config.json"))?;
-        let weights = WeightSet::load_files(
-            &dir.join("model.safetensors"),
-            &[dir.join("model.safetensors")],
-        )?;
+        let weights = WeightSet::load_files(&dir.join("model.safetensors"), &[dir.join("model.safetensors")])?;
         Self::from_fn(config, |name, shape| weights.get(name, shape, dtype))
     }
 
@@ -200,18 +179,11 @@ impl Drafter {
     /// position `a_j + o`.
     pub fn forward(&self, head: &FrozenHead, input: &DraftInput) -> Result<Tensor> {
         let c = &self.config.dims;
-        let (eps, b, s) = (
-            c.rms_norm_eps,
-            input.layout.block_size,
-            input.layout.context_len,
-        );
+        let (eps, b, s) = (c.rms_norm_eps, input.layout.block_size, input.layout.context_len);
         if b != self.config.block_size {
             return Err(Error::invalid(
                 "block_size",
-                format!(
-                    "input blocks of {b}, drafter trained for {}",
-                    self.config.block_size
-                ),
+                format!("input blocks of {b}, drafter trained for {}", self.config.block_size),
             ));
         }
         let expected = [s, self.config.num_features() * c.hidden_size];
@@ -239,12 +211,8 @@ impl Drafter {
         let mut x = head.embed.to_dtype(dtype)?.index_select(&ids, 0)?;
 
         let q_positions = input.query_positions();
-        let k_positions: Vec<usize> = input
-            .context_positions
-            .iter()
-            .copied()
-            .chain(q_positions.iter().copied())
-            .collect();
+        let k_positions: Vec<usize> =
+            input.context_positions.iter().copied().chain(q_positions.iter().copied()).collect();
         let (cos_q, sin_q) = rope_tables(&q_positions, c.head_dim, c.rope_theta, dtype)?;
         let (cos_k, sin_k) = rope_tables(&k_positions, c.head_dim, c.rope_theta, dtype)?;
         let mut masks: HashMap<AttnKind, Vec<bool>> = HashMap::new();
@@ -252,9 +220,7 @@ impl Drafter {
 
         for (l, &kind) in c.layer_kinds.iter().enumerate() {
             let w = |name: &str| self.param(&format!("layers.{l}.{name}"));
-            let mask = masks
-                .entry(kind)
-                .or_insert_with(|| input.layout.dense(kind));
+            let mask = masks.entry(kind).or_insert_with(|| input.layout.dense(kind));
             let xn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
             let q = head_rms_norm(
                 &linear(&xn, w("self_attn.q_proj.weight"))?,
@@ -271,37 +237,18 @@ impl Drafter {
                 eps,
             )?;
             let k = rope(&k, &cos_k, &sin_k)?; // [S+N*B, nkv, d]
-            let v = linear(&kv_in, w("self_attn.v_proj.weight"))?.reshape((
-                s + nq,
-                c.num_kv_heads,
-                c.head_dim,
-            ))?;
-            let attn =
-                dense_attention(&q, &k, &v, mask)?.reshape((nq, c.num_heads * c.head_dim))?;
+            let v = linear(&kv_in, w("self_attn.v_proj.weight"))?.reshape((s + nq, c.num_kv_heads, c.head_dim))?;
+            let attn = dense_attention(&q, &k, &v, mask)?.reshape((nq, c.num_heads * c.head_dim))?;
             x = (x + linear(&attn, w("self_attn.o_proj.weight"))?)?;
             let xn = rms_norm(&x, w("post_attention_layernorm.weight"), eps)?;
-            x = (&x
-                + swiglu(
-                    &xn,
-                    w("mlp.gate_proj.weight"),
-                    w("mlp.up_proj.weight"),
-                    w("mlp.down_proj.weight"),
-                )?)?;
+            x = (&x + swiglu(&xn, w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), w("mlp.down_proj.weight"))?)?;
         }
-        linear(
-            &rms_norm(&x, self.param("norm.weight"), eps)?,
-            &head.lm_head.to_dtype(dtype)?,
-        )
+        linear(&rms_norm(&x, self.param("norm.weight"), eps)?, &head.lm_head.to_dtype(dtype)?)
     }
 }
 
 /// A `[shape]` tensor of normal(0, std) draws from `rng`, as `dtype`.
-pub fn random_normal(
-    shape: &[usize],
-    std: f64,
-    rng: &mut ChaCha8Rng,
-    dtype: DType,
-) -> Result<Tensor> {
+pub fn random_normal(shape: &[usize], std: f64, rng: &mut ChaCha8Rng, dtype: DType) -> Result<Tensor> {
     let normal = Normal::new(0.0, std).map_err(|e| Error::invalid("std", e.to_string()))?;
     let n: usize = shape.iter().product();
     let values: Vec<f64> = (0..n).map(|_| normal.sample(rng)).collect();

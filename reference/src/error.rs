@@ -7,32 +7,16 @@ use std::path::PathBuf;
 pub enum Error {
     /// A file could not be read or written.
     #[error("{file}: {source}")]
-    Io {
-        file: PathBuf,
-        source: std::io::Error,
-    },
+    Io { file: PathBuf, source: std::io::Error },
     /// A JSON file is not valid JSON.
     #[error("{file}: invalid JSON at line {line}, column {column}: {message}")]
-    Json {
-        file: PathBuf,
-        line: usize,
-        column: usize,
-        message: String,
-    },
+    Json { file: PathBuf, line: usize, column: usize, message: String },
     /// A config field is missing, has the wrong type, or an unsupported / inconsistent value.
     #[error("{file}: field `{field}`: {message}")]
-    Field {
-        file: PathBuf,
-        field: String,
-        message: String,
-    },
+    Field { file: PathBuf, field: String, message: String },
     /// A weight tensor is missing, has the wrong shape or an unsupported dtype.
     #[error("{file}: tensor `{tensor}`: {message}")]
-    Tensor {
-        file: PathBuf,
-        tensor: String,
-        message: String,
-    },
+    Tensor { file: PathBuf, tensor: String, message: String },
     /// An argument of a reference function is out of its domain (names the argument).
     #[error("invalid `{what}`: {message}")]
     Invalid { what: String, message: String },
@@ -47,17 +31,11 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// An out-of-domain argument `what`.
     pub fn invalid(what: impl Into<String>, message: impl Into<String>) -> Self {
-        Error::Invalid {
-            what: what.into(),
-            message: message.into(),
-        }
+        Error::Invalid { what: what.into(), message: message.into() }
     }
 
     /// An I/O error on `file`.
     pub fn io(file: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            file: file.into(),
-            source,
-        }
+        Error::Io { file: file.into(), source }
     }
 }

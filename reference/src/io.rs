@@ -10,10 +10,7 @@ use crate::error::{Error, Result};
 
 /// Writes `file` through `fill` into a temporary name in the same folder, then renames it, so
 /// a failure never leaves a half-written `file`.
-pub fn write_atomically(
-    file: &Path,
-    fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
-) -> Result<()> {
+pub fn write_atomically(file: &Path, fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>) -> Result<()> {
     let tmp = temporary_name(file);
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
@@ -27,16 +24,12 @@ pub fn write_atomically(
 /// Saves named tensors as one safetensors file, atomically.
 pub fn save_safetensors(file: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     let tmp = temporary_name(file);
-    let result = candle_core::safetensors::save(tensors, &tmp)
-        .map_err(|e| std::io::Error::other(e.to_string()));
+    let result = candle_core::safetensors::save(tensors, &tmp).map_err(|e| std::io::Error::other(e.to_string()));
     finish_atomic_write(file, &tmp, result)
 }
 
 fn temporary_name(file: &Path) -> PathBuf {
-    let name = file
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     file.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
@@ -63,20 +56,14 @@ impl WeightSet {
     pub fn load_dir(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         if !index.exists() {
-            return Self::load_files(
-                &dir.join("model.safetensors"),
-                &[dir.join("model.safetensors")],
-            );
+            return Self::load_files(&dir.join("model.safetensors"), &[dir.join("model.safetensors")]);
         }
         let value = crate::json_fields::read_json(&index)?;
-        let map = value
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| Error::Field {
-                file: index.clone(),
-                field: "weight_map".into(),
-                message: "missing or not an object".into(),
-            })?;
+        let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Field {
+            file: index.clone(),
+            field: "weight_map".into(),
+            message: "missing or not an object".into(),
+        })?;
         let mut shards: Vec<PathBuf> = Vec::new();
         for (name, shard) in map {
             let shard = shard.as_str().ok_or_else(|| Error::Field {
@@ -97,23 +84,16 @@ impl WeightSet {
         let mut tensors = HashMap::new();
         for file in files {
             if !file.exists() {
-                return Err(Error::io(
-                    file,
-                    std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
-                ));
+                return Err(Error::io(file, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
             }
-            let loaded =
-                candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::Tensor {
-                    file: file.clone(),
-                    tensor: "<file>".into(),
-                    message: format!("not a readable safetensors file: {e}"),
-                })?;
+            let loaded = candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::Tensor {
+                file: file.clone(),
+                tensor: "<file>".into(),
+                message: format!("not a readable safetensors file: {e}"),
+            })?;
             tensors.extend(loaded.into_iter().map(|(k, t)| (k, (t, file.clone()))));
         }
-        Ok(WeightSet {
-            origin: origin.to_path_buf(),
-            tensors,
-        })
+        Ok(WeightSet { origin: origin.to_path_buf(), tensors })
     }
 
     /// Whether a tensor called `name` is present.
@@ -128,19 +108,9 @@ impl WeightSet {
             tensor: name.into(),
             message: "missing".into(),
         })?;
-        let err = |message: String| Error::Tensor {
-            file: file.clone(),
-            tensor: name.into(),
-            message,
-        };
-        if !matches!(
-            t.dtype(),
-            DType::BF16 | DType::F16 | DType::F32 | DType::F64
-        ) {
-            return Err(err(format!(
-                "unsupported dtype {:?} (expected bf16, f16, f32 or f64)",
-                t.dtype()
-            )));
+        let err = |message: String| Error::Tensor { file: file.clone(), tensor: name.into(), message };
+        if !matches!(t.dtype(), DType::BF16 | DType::F16 | DType::F32 | DType::F64) {
+            return Err(err(format!("unsupported dtype {:?} (expected bf16, f16, f32 or f64)", t.dtype())));
         }
         if t.dims() != shape {
             return Err(err(format!("shape {:?}, expected {shape:?}", t.dims())));

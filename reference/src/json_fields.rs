@@ -32,20 +32,12 @@ impl<'a> Fields<'a> {
             field: "<top level>".into(),
             message: "expected a JSON object".into(),
         })?;
-        Ok(Fields {
-            file: file.to_path_buf(),
-            prefix: String::new(),
-            obj,
-        })
+        Ok(Fields { file: file.to_path_buf(), prefix: String::new(), obj })
     }
 
     /// An error about field `key` of this object.
     pub fn error(&self, key: &str, message: impl Into<String>) -> Error {
-        Error::Field {
-            file: self.file.clone(),
-            field: format!("{}{key}", self.prefix),
-            message: message.into(),
-        }
+        Error::Field { file: self.file.clone(), field: format!("{}{key}", self.prefix), message: message.into() }
     }
 
     /// The field's value; JSON `null` counts as absent.
@@ -66,11 +58,9 @@ impl<'a> Fields<'a> {
     pub fn object(&self, key: &str) -> Result<Option<Fields<'a>>> {
         match self.get(key) {
             None => Ok(None),
-            Some(Value::Object(obj)) => Ok(Some(Fields {
-                file: self.file.clone(),
-                prefix: format!("{}{key}.", self.prefix),
-                obj,
-            })),
+            Some(Value::Object(obj)) => {
+                Ok(Some(Fields { file: self.file.clone(), prefix: format!("{}{key}.", self.prefix), obj }))
+            }
             Some(_) => Err(self.error(key, "expected an object")),
         }
     }
@@ -103,10 +93,7 @@ impl<'a> Fields<'a> {
     /// An optional number.
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         self.get(key)
-            .map(|v| {
-                v.as_f64()
-                    .ok_or_else(|| self.error(key, format!("expected a number, found {v}")))
-            })
+            .map(|v| v.as_f64().ok_or_else(|| self.error(key, format!("expected a number, found {v}"))))
             .transpose()
     }
 
@@ -118,44 +105,26 @@ impl<'a> Fields<'a> {
     /// An optional boolean.
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         self.get(key)
-            .map(|v| {
-                v.as_bool()
-                    .ok_or_else(|| self.error(key, format!("expected true or false, found {v}")))
-            })
+            .map(|v| v.as_bool().ok_or_else(|| self.error(key, format!("expected true or false, found {v}"))))
             .transpose()
     }
 
     /// An optional string.
     pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
         self.get(key)
-            .map(|v| {
-                v.as_str()
-                    .ok_or_else(|| self.error(key, format!("expected a string, found {v}")))
-            })
+            .map(|v| v.as_str().ok_or_else(|| self.error(key, format!("expected a string, found {v}"))))
             .transpose()
     }
 
-    fn opt_list<T>(
-        &self,
-        key: &str,
-        item: impl Fn(&Value) -> Option<T>,
-        what: &str,
-    ) -> Result<Option<Vec<T>>> {
+    fn opt_list<T>(&self, key: &str, item: impl Fn(&Value) -> Option<T>, what: &str) -> Result<Option<Vec<T>>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
-        let arr = v
-            .as_array()
-            .ok_or_else(|| self.error(key, format!("expected a list of {what}")))?;
+        let arr = v.as_array().ok_or_else(|| self.error(key, format!("expected a list of {what}")))?;
         arr.iter()
             .enumerate()
             .map(|(i, x)| {
-                item(x).ok_or_else(|| {
-                    self.error(
-                        &format!("{key}[{i}]"),
-                        format!("expected {what}, found {x}"),
-                    )
-                })
+                item(x).ok_or_else(|| self.error(&format!("{key}[{i}]"), format!("expected {what}, found {x}")))
             })
             .collect::<Result<Vec<T>>>()
             .map(Some)
@@ -168,10 +137,6 @@ impl<'a> Fields<'a> {
 
     /// An optional list of non-negative integers.
     pub fn opt_usize_list(&self, key: &str) -> Result<Option<Vec<usize>>> {
-        self.opt_list(
-            key,
-            |x| x.as_u64().map(|n| n as usize),
-            "non-negative integers",
-        )
+        self.opt_list(key, |x| x.as_u64().map(|n| n as usize), "non-negative integers")
     }
 }

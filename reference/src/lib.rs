@@ -15,6 +15,7 @@ pub mod config;
 pub mod data;
 pub mod drafter;
 pub mod error;
+pub mod eval;
 pub mod io;
 pub mod json_fields;
 pub mod loss;

@@ -28,13 +28,7 @@ pub struct BlockTargets {
 
 impl BlockTargets {
     /// The targets of a row's blocks.
-    pub fn new(
-        tokens: &[u32],
-        loss_mask: &[bool],
-        anchors: &Anchors,
-        block_size: usize,
-        gamma: f64,
-    ) -> Self {
+    pub fn new(tokens: &[u32], loss_mask: &[bool], anchors: &Anchors, block_size: usize, gamma: f64) -> Self {
         let s = tokens.len();
         let mut labels = Vec::with_capacity(anchors.positions.len() * block_size);
         let mut weights = Vec::with_capacity(labels.capacity());
@@ -43,11 +37,7 @@ impl BlockTargets {
                 let p = a + o;
                 labels.push(if p < s { tokens[p] } else { 0 });
                 let valid = o >= 1 && keep && p < s && loss_mask[p];
-                weights.push(if valid {
-                    (-((o - 1) as f64) / gamma).exp()
-                } else {
-                    0.0
-                });
+                weights.push(if valid { (-((o - 1) as f64) / gamma).exp() } else { 0.0 });
             }
         }
         BlockTargets { labels, weights }
@@ -63,14 +53,10 @@ impl BlockTargets {
 pub fn weighted_ce_sum(logits: &Tensor, targets: &BlockTargets) -> Result<Tensor> {
     let rows = logits.dim(0)?;
     if targets.labels.len() != rows {
-        return Err(Error::invalid(
-            "targets",
-            format!("{} labels for {rows} logit rows", targets.labels.len()),
-        ));
+        return Err(Error::invalid("targets", format!("{} labels for {rows} logit rows", targets.labels.len())));
     }
     let labels = Tensor::from_vec(targets.labels.clone(), (rows, 1), &Device::Cpu)?;
-    let weights =
-        Tensor::from_vec(targets.weights.clone(), rows, &Device::Cpu)?.to_dtype(logits.dtype())?;
+    let weights = Tensor::from_vec(targets.weights.clone(), rows, &Device::Cpu)?.to_dtype(logits.dtype())?;
     let picked = logits.gather(&labels, D::Minus1)?.squeeze(D::Minus1)?;
     let ce = (logsumexp(logits)?.squeeze(D::Minus1)? - picked)?;
     Ok((ce * weights)?.sum_all()?)

@@ -34,43 +34,21 @@ impl BlockLayout {
             return Err(Error::invalid("block_size", "must be at least 1"));
         }
         if keep.len() != anchors.len() {
-            return Err(Error::invalid(
-                "keep",
-                format!("{} flags for {} anchors", keep.len(), anchors.len()),
-            ));
+            return Err(Error::invalid("keep", format!("{} flags for {} anchors", keep.len(), anchors.len())));
         }
         if let Some(j) = (1..anchors.len()).find(|&j| anchors[j] < anchors[j - 1]) {
-            return Err(Error::invalid(
-                "anchors",
-                format!("not sorted at index {j}"),
-            ));
+            return Err(Error::invalid("anchors", format!("not sorted at index {j}")));
         }
-        let limit = if doc_ids.is_some() {
-            context_len.saturating_sub(1)
-        } else {
-            context_len
-        };
+        let limit = if doc_ids.is_some() { context_len.saturating_sub(1) } else { context_len };
         if let Some(&a) = anchors.iter().find(|&&a| a > limit) {
-            return Err(Error::invalid(
-                "anchors",
-                format!("anchor {a} is outside the row of {context_len} tokens"),
-            ));
+            return Err(Error::invalid("anchors", format!("anchor {a} is outside the row of {context_len} tokens")));
         }
         if let Some(docs) = &doc_ids {
             if docs.len() != context_len {
-                return Err(Error::invalid(
-                    "doc_ids",
-                    format!("{} ids for {context_len} tokens", docs.len()),
-                ));
+                return Err(Error::invalid("doc_ids", format!("{} ids for {context_len} tokens", docs.len())));
             }
         }
-        Ok(BlockLayout {
-            context_len,
-            block_size,
-            anchors,
-            keep,
-            doc_ids,
-        })
+        Ok(BlockLayout { context_len, block_size, anchors, keep, doc_ids })
     }
 
     /// `N*B`, the number of queries.
@@ -113,9 +91,7 @@ impl BlockLayout {
     /// The dense boolean mask `[N*B, S+N*B]`, row-major.
     pub fn dense(&self, kind: AttnKind) -> Vec<bool> {
         let (nq, nk) = (self.num_queries(), self.num_keys());
-        (0..nq)
-            .flat_map(|q| (0..nk).map(move |k| self.allow(kind, q, k)))
-            .collect()
+        (0..nq).flat_map(|q| (0..nk).map(move |k| self.allow(kind, q, k))).collect()
     }
 }
 
@@ -129,7 +105,5 @@ pub fn causal_allow(kind: AttnKind, q: usize, k: usize) -> bool {
 
 /// The dense causal mask `[T, T]`, row-major.
 pub fn causal_dense(kind: AttnKind, t: usize) -> Vec<bool> {
-    (0..t)
-        .flat_map(|q| (0..t).map(move |k| causal_allow(kind, q, k)))
-        .collect()
+    (0..t).flat_map(|q| (0..t).map(move |k| causal_allow(kind, q, k))).collect()
 }

@@ -12,12 +12,7 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// RMSNorm over the last dim: `x / sqrt(mean(x^2) + eps) * w`; x `[.., n]`, w `[n]`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let inv_rms = x
-        .sqr()?
-        .mean_keepdim(D::Minus1)?
-        .affine(1.0, eps)?
-        .sqrt()?
-        .recip()?;
+    let inv_rms = x.sqr()?.mean_keepdim(D::Minus1)?.affine(1.0, eps)?.sqrt()?.recip()?;
     Ok(x.broadcast_mul(&inv_rms)?.broadcast_mul(w)?)
 }
 
@@ -30,21 +25,12 @@ pub fn silu(x: &Tensor) -> Result<Tensor> {
 /// `log(sum(exp(x)))` over the last dim, keepdim; the max is a detached shift (exact gradient).
 pub fn logsumexp(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
-    Ok(x.broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(D::Minus1)?
-        .log()?
-        .broadcast_add(&max)?)
+    Ok(x.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()?.broadcast_add(&max)?)
 }
 
 /// RoPE angle tables for `positions`: `cos`, `sin` `[T, d]`, neox layout (the `d/2` frequencies
 /// `theta^(-2i/d)` repeated twice).
-pub fn rope_tables(
-    positions: &[usize],
-    head_dim: usize,
-    theta: f64,
-    dtype: DType,
-) -> Result<(Tensor, Tensor)> {
+pub fn rope_tables(positions: &[usize], head_dim: usize, theta: f64, dtype: DType) -> Result<(Tensor, Tensor)> {
     let half = head_dim / 2;
     let mut cos = Vec::with_capacity(positions.len() * head_dim);
     let mut sin = Vec::with_capacity(positions.len() * head_dim);

@@ -18,13 +18,7 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        AdamWConfig {
-            lr: 6e-4,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        }
+        AdamWConfig { lr: 6e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
     }
 }
 
@@ -55,16 +49,9 @@ pub fn collect_grads(params: &[(String, Var)], grads: &GradStore) -> Result<Vec<
 pub fn global_grad_norm(params: &[(String, Var)], grads: &[Tensor]) -> Result<f64> {
     let mut sum = 0.0;
     for ((name, _), g) in params.iter().zip(grads) {
-        let sq = g
-            .sqr()?
-            .sum_all()?
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?;
+        let sq = g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         if !sq.is_finite() {
-            return Err(Error::invalid(
-                format!("gradient of {name}"),
-                "holds NaN or Inf",
-            ));
+            return Err(Error::invalid(format!("gradient of {name}"), "holds NaN or Inf"));
         }
         sum += sq;
     }
@@ -72,11 +59,7 @@ pub fn global_grad_norm(params: &[(String, Var)], grads: &[Tensor]) -> Result<f6
 }
 
 /// Scales `grads` so that their global norm is at most `max_norm`; returns the norm before.
-pub fn clip_grad_norm(
-    params: &[(String, Var)],
-    grads: &mut [Tensor],
-    max_norm: f64,
-) -> Result<f64> {
+pub fn clip_grad_norm(params: &[(String, Var)], grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
     let norm = global_grad_norm(params, grads)?;
     if norm > max_norm {
         let scale = max_norm / (norm + 1e-6);
@@ -98,16 +81,8 @@ pub struct AdamW {
 impl AdamW {
     /// Zero moments for `params`.
     pub fn new(params: &[(String, Var)], config: AdamWConfig) -> Result<Self> {
-        let zeros = params
-            .iter()
-            .map(|(_, v)| Ok(v.as_tensor().zeros_like()?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(AdamW {
-            config,
-            m: zeros.clone(),
-            v: zeros,
-            t: 0,
-        })
+        let zeros = params.iter().map(|(_, v)| Ok(v.as_tensor().zeros_like()?)).collect::<Result<Vec<_>>>()?;
+        Ok(AdamW { config, m: zeros.clone(), v: zeros, t: 0 })
     }
 
     /// One update with learning rate `lr`:
@@ -120,10 +95,7 @@ impl AdamW {
             self.m[i] = (self.m[i].affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
             self.v[i] = (self.v[i].affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
             let m_hat = self.m[i].affine(1.0 / bc1, 0.0)?;
-            let denom = self.v[i]
-                .affine(1.0 / bc2, 0.0)?
-                .sqrt()?
-                .affine(1.0, c.eps)?;
+            let denom = self.v[i].affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, c.eps)?;
             let update = ((m_hat / denom)? + p.as_tensor().affine(c.weight_decay, 0.0)?)?;
             p.set(&(p.as_tensor() - update.affine(lr, 0.0)?)?)?;
         }

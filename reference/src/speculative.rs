@@ -65,10 +65,7 @@ pub fn speculative_decode(
     let mut features = Tensor::cat(&prefill.hidden, 1)?; // [n, F*H], committed positions
     let mut bonus = argmax_rows(&prefill.logits.narrow(0, prompt.len() - 1, 1)?)?[0];
     let mut seq = prompt.to_vec();
-    let mut out = SpecOutput {
-        tokens: Vec::new(),
-        accept_lengths: Vec::new(),
-    };
+    let mut out = SpecOutput { tokens: Vec::new(), accept_lengths: Vec::new() };
     while out.tokens.len() < max_new {
         let n = seq.len();
         let draft_logits = drafter.forward(&head, &DraftInput::inference(features, bonus, b)?)?;
@@ -78,11 +75,7 @@ pub fn speculative_decode(
         verify.extend(&drafts);
         let checked = target.forward(&verify, layer_ids)?;
         let greedy = argmax_rows(&checked.logits.narrow(0, n, b)?)?; // greedy[i] is the target's token for n+i+1
-        let accepted = drafts
-            .iter()
-            .zip(&greedy)
-            .take_while(|(d, g)| d == g)
-            .count();
+        let accepted = drafts.iter().zip(&greedy).take_while(|(d, g)| d == g).count();
         seq.push(bonus);
         seq.extend(&drafts[..accepted]);
         out.tokens.push(bonus);

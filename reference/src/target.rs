@@ -49,10 +49,7 @@ pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
             p("mlp.down_proj.weight", vec![h, i]),
         ]);
         if config.arch == TargetArch::Qwen3 {
-            shapes.extend([
-                p("self_attn.q_norm.weight", vec![d]),
-                p("self_attn.k_norm.weight", vec![d]),
-            ]);
+            shapes.extend([p("self_attn.q_norm.weight", vec![d]), p("self_attn.k_norm.weight", vec![d])]);
         }
     }
     shapes.push(("model.norm.weight".to_string(), vec![h]));
@@ -64,10 +61,7 @@ pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
 
 impl TargetModel {
     /// Builds every weight from `make(name, shape)`.
-    pub fn from_fn(
-        config: TargetConfig,
-        mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>,
-    ) -> Result<Self> {
+    pub fn from_fn(config: TargetConfig, mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>) -> Result<Self> {
         let weights = target_param_shapes(&config)
             .into_iter()
             .map(|(name, shape)| Ok((name.clone(), make(&name, &shape)?)))
@@ -85,12 +79,17 @@ impl TargetModel {
 
     /// A random model: linears normal(0, `std`), norms 1 + normal(0, 0.1); seeded.
     pub fn random(config: TargetConfig, seed: u64, std: f64, dtype: DType) -> Result<Self> {
+        Self::random_with(config, seed, dtype, |_| std)
+    }
+
+    /// A random model: each linear `name` normal(0, `std_of(name)`), norms 1 + normal(0, 0.1).
+    pub fn random_with(config: TargetConfig, seed: u64, dtype: DType, std_of: impl Fn(&str) -> f64) -> Result<Self> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         Self::from_fn(config, |name, shape| {
             if is_norm(name) {
                 return Ok(random_normal(shape, 0.1, &mut rng, dtype)?.affine(1.0, 1.0)?);
             }
-            random_normal(shape, std, &mut rng, dtype)
+            random_normal(shape, std_of(name), &mut rng, dtype)
         })
     }
 
@@ -113,11 +112,7 @@ impl TargetModel {
     /// The frozen embedding table and LM head the drafter shares (tied heads share the table).
     pub fn frozen_head(&self) -> FrozenHead {
         let embed = self.w("model.embed_tokens.weight").clone();
-        let lm_head = if self.config.tie_word_embeddings {
-            embed.clone()
-        } else {
-            self.w("lm_head.weight").clone()
-        };
+        let lm_head = if self.config.tie_word_embeddings { embed.clone() } else { self.w("lm_head.weight").clone() };
         FrozenHead { embed, lm_head }
     }
 
@@ -127,18 +122,12 @@ impl TargetModel {
         let c = &self.config.dims;
         let (t, eps) = (tokens.len(), c.rms_norm_eps);
         if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(Error::invalid(
-                "tokens",
-                format!("token id {bad} is not below vocab_size {}", c.vocab_size),
-            ));
+            return Err(Error::invalid("tokens", format!("token id {bad} is not below vocab_size {}", c.vocab_size)));
         }
         if let Some(&bad) = capture.iter().find(|&&l| l >= c.num_layers()) {
             return Err(Error::invalid(
                 "target_layer_ids",
-                format!(
-                    "layer {bad} is out of range for {} target layers",
-                    c.num_layers()
-                ),
+                format!("layer {bad} is out of range for {} target layers", c.num_layers()),
             ));
         }
         let dtype = self.w("model.embed_tokens.weight").dtype();
@@ -150,43 +139,25 @@ impl TargetModel {
         for (l, &kind) in c.layer_kinds.iter().enumerate() {
             let w = |name: &str| self.w(&format!("model.layers.{l}.{name}"));
             let xn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
-            let (q, k) = (
-                linear(&xn, w("self_attn.q_proj.weight"))?,
-                linear(&xn, w("self_attn.k_proj.weight"))?,
-            );
+            let (q, k) = (linear(&xn, w("self_attn.q_proj.weight"))?, linear(&xn, w("self_attn.k_proj.weight"))?);
             let (q, k) = match self.config.arch {
                 TargetArch::Qwen3 => (
                     head_rms_norm(&q, c.num_heads, w("self_attn.q_norm.weight"), eps)?,
                     head_rms_norm(&k, c.num_kv_heads, w("self_attn.k_norm.weight"), eps)?,
                 ),
-                TargetArch::Llama => (
-                    q.reshape((t, c.num_heads, c.head_dim))?,
-                    k.reshape((t, c.num_kv_heads, c.head_dim))?,
-                ),
+                TargetArch::Llama => {
+                    (q.reshape((t, c.num_heads, c.head_dim))?, k.reshape((t, c.num_kv_heads, c.head_dim))?)
+                }
             };
             let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
-            let v = linear(&xn, w("self_attn.v_proj.weight"))?.reshape((
-                t,
-                c.num_kv_heads,
-                c.head_dim,
-            ))?;
-            let attn = dense_attention(&q, &k, &v, &causal_dense(kind, t))?
-                .reshape((t, c.num_heads * c.head_dim))?;
+            let v = linear(&xn, w("self_attn.v_proj.weight"))?.reshape((t, c.num_kv_heads, c.head_dim))?;
+            let attn = dense_attention(&q, &k, &v, &causal_dense(kind, t))?.reshape((t, c.num_heads * c.head_dim))?;
             x = (x + linear(&attn, w("self_attn.o_proj.weight"))?)?;
             let xn = rms_norm(&x, w("post_attention_layernorm.weight"), eps)?;
-            x = (&x
-                + swiglu(
-                    &xn,
-                    w("mlp.gate_proj.weight"),
-                    w("mlp.up_proj.weight"),
-                    w("mlp.down_proj.weight"),
-                )?)?;
+            x = (&x + swiglu(&xn, w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), w("mlp.down_proj.weight"))?)?;
             layer_outputs.push(x.clone());
         }
-        let logits = linear(
-            &rms_norm(&x, self.w("model.norm.weight"), eps)?,
-            &self.frozen_head().lm_head,
-        )?;
+        let logits = linear(&rms_norm(&x, self.w("model.norm.weight"), eps)?, &self.frozen_head().lm_head)?;
         let hidden = capture.iter().map(|&l| layer_outputs[l].clone()).collect();
         Ok(TargetOutput { logits, hidden })
     }

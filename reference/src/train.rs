@@ -111,27 +111,17 @@ pub fn train(
             rows.push(&data[order[cursor]]);
             cursor += 1;
         }
-        let (loss, weight) =
-            batch_loss(drafter, head, &rows, opts.max_anchors, opts.gamma, &mut rng)?;
+        let (loss, weight) = batch_loss(drafter, head, &rows, opts.max_anchors, opts.gamma, &mut rng)?;
         let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         if !loss_value.is_finite() {
-            return Err(Error::invalid(
-                format!("loss at step {step}"),
-                format!("{loss_value}"),
-            ));
+            return Err(Error::invalid(format!("loss at step {step}"), format!("{loss_value}")));
         }
         let mut grads = collect_grads(params, &loss.backward()?)?;
         let grad_norm = clip_grad_norm(params, &mut grads, opts.clip_norm)
             .map_err(|e| Error::invalid(format!("step {step}"), e.to_string()))?;
         let lr = lr_at(step, opts.steps, opts.optimizer.lr, opts.warmup_frac);
         adamw.step(params, &grads, lr)?;
-        let report = StepReport {
-            step,
-            loss: loss_value,
-            lr,
-            grad_norm,
-            weight,
-        };
+        let report = StepReport { step, loss: loss_value, lr, grad_norm, weight };
         on_step(&report);
         reports.push(report);
     }

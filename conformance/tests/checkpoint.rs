@@ -1,0 +1,154 @@
+//! Checkpoints and configs: save -> load round trips are exact, saves are atomic (no temporary
+//! files left behind), and the spec's default target layer ids.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use candle_core::{DType, Tensor};
+use dflash_conformance::fixtures_dir;
+use dflash_conformance::setups::{random_draft_case, random_target_config};
+use dflash_reference::config::{default_target_layer_ids, AttnKind, DraftConfig, TargetConfig};
+use dflash_reference::drafter::Drafter;
+use dflash_reference::target::TargetModel;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rstest::rstest;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// The bit patterns of an f32 tensor's values.
+fn bits(t: &Tensor) -> candle_core::Result<Vec<u32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+}
+
+/// The names in `dir`.
+fn listing(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .expect("read folder")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// A drafter to save: the fixture's, or `random_draft_case(seed)`'s.
+fn drafter_to_save(seed: Option<u64>) -> dflash_reference::Result<Drafter> {
+    let Some(seed) = seed else {
+        return Drafter::load(&fixtures_dir().join("drafter"), DType::F32);
+    };
+    Ok(random_draft_case(seed, DType::F32)?.drafter)
+}
+
+/// Drafter save -> load gives the same config and bit-identical f32 parameters, and the save
+/// leaves exactly `config.json` and `model.safetensors` (no temporary files), also when it
+/// overwrites an earlier save.
+#[rstest]
+#[case::fixture(None)]
+#[case::random_1(Some(1))]
+#[case::random_2(Some(2))]
+#[case::random_3(Some(3))]
+fn drafter_save_load_round_trip(#[case] seed: Option<u64>) -> TestResult {
+    let drafter = drafter_to_save(seed)?;
+    let tmp = tempfile::tempdir()?;
+    drafter.save(tmp.path())?;
+    drafter.save(tmp.path())?; // overwrite in place
+    let files: BTreeSet<String> = ["config.json", "model.safetensors"].map(String::from).into();
+    assert_eq!(listing(tmp.path()), files, "files left by Drafter::save");
+
+    let back = Drafter::load(tmp.path(), DType::F32)?;
+    assert_eq!(back.config, drafter.config);
+    assert_eq!(back.named_params().len(), drafter.named_params().len());
+    for ((name, var), (back_name, back_var)) in drafter.named_params().iter().zip(back.named_params()) {
+        assert_eq!(name, back_name, "parameter order");
+        assert_eq!(
+            bits(var.as_tensor())?,
+            bits(back_var.as_tensor())?,
+            "{name} is not bit-identical after save -> load"
+        );
+    }
+    Ok(())
+}
+
+/// A target saved with `TargetModel::save` and loaded back has the same config and gives
+/// bit-identical logits and layer outputs on random tokens; the save leaves no temporary files.
+#[rstest]
+#[case::qwen3("target-qwen3", 21)]
+#[case::llama_bf16_sharded_tied("target-llama", 22)]
+fn target_save_load_round_trip(#[case] fixture: &str, #[case] seed: u64) -> TestResult {
+    let model = TargetModel::load(&fixtures_dir().join(fixture), DType::F32)?;
+    let tmp = tempfile::tempdir()?;
+    model.save(tmp.path())?;
+    let files: BTreeSet<String> = ["config.json", "model.safetensors"].map(String::from).into();
+    assert_eq!(listing(tmp.path()), files, "files left by TargetModel::save");
+    let back = TargetModel::load(tmp.path(), DType::F32)?;
+    assert_eq!(back.config, model.config);
+
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let vocab = model.config.dims.vocab_size as u32;
+    let tokens: Vec<u32> = (0..17).map(|_| rng.random_range(0..vocab)).collect();
+    let layers: Vec<usize> = (0..model.config.dims.num_layers()).collect();
+    let (a, b) = (model.forward(&tokens, &layers)?, back.forward(&tokens, &layers)?);
+    assert_eq!(bits(&a.logits)?, bits(&b.logits)?, "logits after save -> load");
+    for (l, (x, y)) in a.hidden.iter().zip(&b.hidden).enumerate() {
+        assert_eq!(bits(x)?, bits(y)?, "layer {l} output after save -> load");
+    }
+    Ok(())
+}
+
+/// The fixture configs survive `to_value` -> `from_value` unchanged (including the HF
+/// transformers-5 `rope_parameters` spelling of the targets, written back as `rope_theta`).
+#[rstest]
+#[case::qwen3("target-qwen3")]
+#[case::llama("target-llama")]
+fn fixture_target_config_round_trip(#[case] fixture: &str) -> TestResult {
+    let file = fixtures_dir().join(fixture).join("config.json");
+    let config = TargetConfig::from_file(&file)?;
+    assert_eq!(TargetConfig::from_value(&file, &config.to_value())?, config);
+    Ok(())
+}
+
+/// The fixture drafter config survives `to_value` -> `from_value` unchanged.
+#[test]
+fn fixture_draft_config_round_trip() -> TestResult {
+    let file = fixtures_dir().join("drafter").join("config.json");
+    let config = DraftConfig::from_file(&file)?;
+    assert_eq!(config.dims.layer_kinds, [AttnKind::Sliding { window: 6 }, AttnKind::Full]);
+    assert_eq!(DraftConfig::from_value(&file, &config.to_value())?, config);
+    Ok(())
+}
+
+/// Random target and drafter configs of `conformance::setups` (both architectures, tied or
+/// not, full and sliding layers; windows made HF-expressible) survive `to_value` ->
+/// `from_value` unchanged.
+#[test]
+fn random_configs_round_trip() -> TestResult {
+    let file = Path::new("random/config.json");
+    let mut sliding = 0;
+    for seed in 0..64 {
+        let target = random_target_config(&mut ChaCha8Rng::seed_from_u64(seed));
+        let back = TargetConfig::from_value(file, &target.to_value())?;
+        assert_eq!(back, target, "target config of seed {seed}");
+
+        let draft = random_draft_case(seed, DType::F32)?.drafter.config;
+        let back = DraftConfig::from_value(file, &draft.to_value())?;
+        assert_eq!(back, draft, "drafter config of seed {seed}");
+        sliding +=
+            [&target.dims, &draft.dims].iter().filter(|d| d.layer_kinds.iter().any(|k| *k != AttnKind::Full)).count();
+    }
+    assert!(sliding > 0, "no random config had a sliding layer");
+    Ok(())
+}
+
+/// The spec's default `target_layer_ids`: `round(1 + i*(L-4)/(n-1))` (Qwen3-8B: 36 layers, 5
+/// features -> [1, 9, 17, 25, 33]), and `[L/2]` for one feature.
+#[rstest]
+#[case::qwen3_8b(36, 5, vec![1, 9, 17, 25, 33])]
+#[case::target_64(64, 5, vec![1, 16, 31, 46, 61])]
+#[case::target_28(28, 3, vec![1, 13, 25])]
+#[case::target_32(32, 4, vec![1, 10, 20, 29])]
+#[case::drafter_fixture(8, 2, vec![1, 5])]
+#[case::one_of_36(36, 1, vec![18])]
+#[case::one_of_64(64, 1, vec![32])]
+#[case::one_of_7(7, 1, vec![3])]
+#[case::one_of_3(3, 1, vec![1])]
+fn default_layer_ids(#[case] layers: usize, #[case] n: usize, #[case] want: Vec<usize>) {
+    assert_eq!(default_target_layer_ids(layers, n), want);
+}

@@ -1,0 +1,222 @@
+//! Greedy speculative decoding (spec section 4) against plain greedy decoding: lossless output,
+//! accept lengths that are the longest agreeing draft prefixes, tau in `[1, B]`, and errors
+//! (not panics) on a mismatched drafter or an empty prompt.
+
+use std::cell::Cell;
+
+use candle_core::DType;
+use dflash_conformance::setups::random_target_config;
+use dflash_reference::config::{AttnKind, DraftConfig, TargetConfig};
+use dflash_reference::drafter::{is_norm, random_normal, DraftInput, Drafter};
+use dflash_reference::speculative::{argmax_rows, greedy_decode, speculative_decode, SpecOutput};
+use dflash_reference::target::TargetModel;
+use proptest::prelude::*;
+use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Init std of the random targets: peaked next-token distributions, unlike a near-uniform 0.02.
+const TARGET_STD: f64 = 0.5;
+
+/// A random tiny target and a random drafter of block size `block_size` for it, in f64.
+struct Pair {
+    target: TargetModel,
+    drafter: Drafter,
+}
+
+/// A drafter config for `target` with `block_size`, 1-2 layers of a random full/sliding mix and
+/// 1-2 features whose default layer ids fall inside the target.
+fn random_draft_config(target: &TargetConfig, block_size: usize, rng: &mut ChaCha8Rng) -> DraftConfig {
+    let layers = rng.random_range(1..=2);
+    let mask = (target.dims.vocab_size - 1) as u32;
+    let num_target_layers = target.dims.num_layers();
+    let mut config = DraftConfig::for_target(target, layers, block_size, mask, 2);
+    if rng.random_bool(0.5) || config.target_layer_ids.iter().any(|&l| l >= num_target_layers) {
+        config = DraftConfig::for_target(target, layers, block_size, mask, 1);
+    }
+    // One window per config, as HF's config.json has a single `sliding_window`.
+    let window = rng.random_range(1..=6);
+    config.dims.layer_kinds =
+        (0..layers).map(|_| if rng.random_bool(0.5) { AttnKind::Full } else { AttnKind::Sliding { window } }).collect();
+    config
+}
+
+/// Random parameters: linears normal(0, 0.5), norms 1 + normal(0, 0.1).
+fn random_drafter(config: DraftConfig, rng: &mut ChaCha8Rng) -> Drafter {
+    Drafter::from_fn(config, |name, shape| {
+        if is_norm(name) {
+            Ok(random_normal(shape, 0.1, rng, DType::F64)?.affine(1.0, 1.0)?)
+        } else {
+            random_normal(shape, 0.5, rng, DType::F64)
+        }
+    })
+    .expect("random drafter")
+}
+
+fn random_pair(seed: u64, block_size: usize) -> Pair {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let target_config = random_target_config(&mut rng);
+    let target =
+        TargetModel::random(target_config.clone(), rng.random(), TARGET_STD, DType::F64).expect("random target");
+    let config = random_draft_config(&target_config, block_size, &mut rng);
+    let drafter = random_drafter(config, &mut rng);
+    Pair { target, drafter }
+}
+
+/// `len` random tokens below `vocab - 1` (the drafter's mask id is `vocab - 1`).
+fn random_prompt(len: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<u32> {
+    (0..len).map(|_| rng.random_range(0..vocab as u32 - 1)).collect()
+}
+
+/// The accept lengths a correct speculative decode must report, recomputed from the greedy
+/// continuation: at each step, the bonus is the next greedy token, the drafter proposes from
+/// the features of the committed tokens, and `A` is the longest prefix equal to greedy.
+fn expected_accept_lengths(pair: &Pair, prompt: &[u32], greedy: &[u32], max_new: usize) -> Vec<usize> {
+    let config = &pair.drafter.config;
+    let b = config.block_size;
+    let head = pair.target.frozen_head();
+    let mut done = 0;
+    let mut lengths = Vec::new();
+    while done < max_new {
+        let committed: Vec<u32> = prompt.iter().chain(&greedy[..done]).copied().collect();
+        let features = pair.target.features(&committed, &config.target_layer_ids).expect("target features");
+        let input = DraftInput::inference(features, greedy[done], b).expect("inference input");
+        let logits = pair.drafter.forward(&head, &input).expect("drafter forward");
+        let drafts = argmax_rows(&logits.narrow(0, 1, b - 1).unwrap()).unwrap();
+        let accepted = drafts.iter().zip(&greedy[done + 1..]).take_while(|(d, g)| d == g).count();
+        lengths.push(accepted + 1);
+        done += accepted + 1;
+    }
+    lengths
+}
+
+/// Checks one decode against greedy decoding; returns the number of accepted drafts.
+fn check_lossless(pair: &Pair, prompt: &[u32], max_new: usize) -> Result<usize, String> {
+    let b = pair.drafter.config.block_size;
+    let out: SpecOutput = speculative_decode(&pair.target, &pair.drafter, prompt, max_new)
+        .map_err(|e| format!("speculative_decode: {e}"))?;
+    // B - 1 extra greedy tokens: the last verify step may run past max_new.
+    let greedy = greedy_decode(&pair.target, prompt, max_new + b - 1).map_err(|e| format!("greedy_decode: {e}"))?;
+    if out.tokens.len() != max_new {
+        return Err(format!("{} tokens, asked for {max_new}", out.tokens.len()));
+    }
+    if out.tokens[..] != greedy[..max_new] {
+        return Err(format!("speculative {:?} != greedy {:?}", out.tokens, &greedy[..max_new]));
+    }
+    if let Some(&bad) = out.accept_lengths.iter().find(|&&a| !(1..=b).contains(&a)) {
+        return Err(format!("accept length {bad} outside [1, {b}]"));
+    }
+    let total: usize = out.accept_lengths.iter().sum();
+    let last = out.accept_lengths.last().copied().unwrap_or(0);
+    if total < max_new || (max_new > 0 && total - last >= max_new) {
+        return Err(format!(
+            "accept lengths {:?} (sum {total}) do not cover exactly {max_new} tokens with the last step",
+            out.accept_lengths
+        ));
+    }
+    if max_new > 0 {
+        let tau = out.tau();
+        if !(1.0..=b as f64).contains(&tau) {
+            return Err(format!("tau {tau} outside [1, {b}]"));
+        }
+    }
+    let want = expected_accept_lengths(pair, prompt, &greedy, max_new);
+    if out.accept_lengths != want {
+        return Err(format!("accept lengths {:?}, longest agreeing prefixes give {want:?}", out.accept_lengths));
+    }
+    Ok(total - out.accept_lengths.len())
+}
+
+/// Proves lossless greedy speculative decoding on random tiny f64 targets and random drafters
+/// (block 2-6, full/sliding layers, prompts of 1-8 tokens, 0-20 new tokens): the output equals
+/// greedy decoding token for token, every accept length is the longest prefix of drafts the
+/// target agrees with and lies in `[1, B]`, the lengths cover the output, tau is in `[1, B]`;
+/// and over the run some drafts were accepted, so the multi-token path was exercised.
+#[test]
+fn speculative_equals_greedy() {
+    let accepted = Cell::new(0usize);
+    let mut runner = TestRunner::new(ProptestConfig { cases: 40, ..ProptestConfig::default() });
+    let strategy = (any::<u64>(), 2usize..=6, 1usize..=8, 0usize..=20);
+    let result = runner.run(&strategy, |(seed, b, prompt_len, max_new)| {
+        let pair = random_pair(seed, b);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
+        let prompt = random_prompt(prompt_len, pair.target.config.dims.vocab_size, &mut rng);
+        let n = check_lossless(&pair, &prompt, max_new).map_err(TestCaseError::fail)?;
+        accepted.set(accepted.get() + n);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    assert!(accepted.get() > 0, "no verify step accepted a draft in the whole run: only the A = 0 path was tested");
+}
+
+/// Proves, on 40 fixed seeds (random targets, drafters and prompts, 24 new tokens, block
+/// 2-6), that decoding stays lossless while drafts are really accepted: some step accepts 2 or
+/// more drafts, some step accepts a whole block (A = B - 1), and the mean tau is above 1.
+#[test]
+fn multi_token_steps_are_lossless() {
+    let (mut steps, mut accepted, mut longest, mut full_blocks) = (0, 0, 0, 0);
+    for seed in 0..40u64 {
+        let b = 2 + (seed as usize % 5);
+        let pair = random_pair(seed, b);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let prompt = random_prompt(rng.random_range(1..=6), pair.target.config.dims.vocab_size, &mut rng);
+        let max_new = 24;
+        let n = check_lossless(&pair, &prompt, max_new).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let out = speculative_decode(&pair.target, &pair.drafter, &prompt, max_new).unwrap();
+        steps += out.accept_lengths.len();
+        accepted += n;
+        longest = longest.max(out.accept_lengths.iter().copied().max().unwrap_or(0));
+        full_blocks += out.accept_lengths.iter().filter(|&&a| a == b && b > 2).count();
+    }
+    assert!(longest >= 3, "no step accepted 2 or more drafts (longest A+1 = {longest})");
+    assert!(full_blocks > 0, "no step with B > 2 accepted its whole block");
+    let tau = (steps + accepted) as f64 / steps as f64;
+    assert!(tau > 1.0, "mean tau {tau} over all seeds");
+}
+
+/// Proves that a drafter built for another target (different hidden size, vocabulary or number
+/// of target layers) is refused with an error naming the mismatch, not a panic.
+#[test]
+fn mismatched_drafter_is_an_error() {
+    for seed in 0..6u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let target_config = random_target_config(&mut rng);
+        let target = TargetModel::random(target_config.clone(), seed, TARGET_STD, DType::F64).unwrap();
+        let vocab = target_config.dims.vocab_size;
+        let prompt = random_prompt(3, vocab, &mut rng);
+
+        let mut wider = target_config.clone();
+        wider.dims.hidden_size += 2;
+        let mut bigger_vocab = target_config.clone();
+        bigger_vocab.dims.vocab_size += 3;
+        let mut deeper = target_config.clone();
+        deeper.dims.layer_kinds.push(AttnKind::Full);
+        let cases = [(wider, "hidden_size"), (bigger_vocab, "vocab_size"), (deeper, "num_target_layers")];
+        for (other, field) in cases {
+            let config = random_draft_config(&other, 3, &mut rng);
+            let drafter = random_drafter(config, &mut rng);
+            let result = speculative_decode(&target, &drafter, &prompt, 4);
+            match result {
+                Ok(out) => panic!("seed {seed}: {field} mismatch accepted, gave {out:?}"),
+                Err(e) => assert!(e.to_string().contains(field), "seed {seed}: error does not name {field}: {e}"),
+            }
+        }
+        // The matching drafter for the same target works (the error above is the mismatch).
+        let config = random_draft_config(&target_config, 3, &mut rng);
+        let drafter = random_drafter(config, &mut rng);
+        speculative_decode(&target, &drafter, &prompt, 4).expect("matching drafter");
+    }
+}
+
+/// Proves that an empty prompt is an error (naming the prompt) for both decoders, not a panic.
+#[test]
+fn empty_prompt_is_an_error() {
+    let pair = random_pair(7, 4);
+    let spec = speculative_decode(&pair.target, &pair.drafter, &[], 5)
+        .expect_err("speculative_decode accepted an empty prompt");
+    assert!(spec.to_string().contains("prompt"), "{spec}");
+    let greedy = greedy_decode(&pair.target, &[], 5).expect_err("greedy accepted an empty prompt");
+    assert!(greedy.to_string().contains("prompt"), "{greedy}");
+}
