@@ -5,7 +5,7 @@
 use candle_core::DType;
 use dflash_conformance::setups::random_draft_case;
 use dflash_reference::anchors::sample_anchors;
-use dflash_reference::builtin::{random_prompt, tiny_draft_config, tiny_target_config, TINY_TARGET_STD};
+use dflash_reference::builtin::{random_prompt, tiny_draft_config, tiny_target};
 use dflash_reference::config::AttnKind;
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{DraftInput, Drafter};
@@ -105,8 +105,8 @@ fn decayed_ce_losses() {
 
     // Drafter::init for the built-in tiny target, on target features of a random sequence.
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let target_config = tiny_target_config();
-    let target = TargetModel::random(target_config.clone(), 3, TINY_TARGET_STD, DType::F64).unwrap();
+    let target = tiny_target(3, DType::F64).unwrap();
+    let target_config = target.config.clone();
     let config = tiny_draft_config(&target_config);
     let b = config.block_size;
     let tokens = random_prompt(24, target_config.dims.vocab_size, config.mask_token_id, &mut rng);

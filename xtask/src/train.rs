@@ -24,12 +24,12 @@ from that target, with the reference (CPU, f32, autograd) path. Prints the loss 
 then the acceptance length tau of greedy speculative decoding before and after training.
 
 options:
-  --steps N          training steps                        (default 400)
+  --steps N          training steps                        (default 600)
   --rows-per-step N  rows per step                         (default 4)
   --anchors N        anchors drawn per row (N_max)         (default 16)
   --lr X             peak learning rate                    (default 3e-3)
-  --rows N           training rows generated               (default 48)
-  --temperature X    sampling temperature of the data      (default 0.7)
+  --rows N           training rows generated               (default 64)
+  --temperature X    sampling temperature of the data      (default 0.5)
   --seed N           seed of everything                    (default 0)
   --out DIR          where the trained drafter is saved    (default runs/tiny-drafter)";
 
@@ -49,12 +49,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         println!("{HELP}");
         return Ok(());
     };
-    let steps: usize = opts.get("steps", 400)?;
+    let steps: usize = opts.get("steps", 600)?;
     let rows_per_step: usize = opts.get("rows-per-step", 4)?;
     let max_anchors: usize = opts.get("anchors", 16)?;
     let lr: f64 = opts.get("lr", 3e-3)?;
-    let n_rows: usize = opts.get("rows", 48)?;
-    let temperature: f64 = opts.get("temperature", 0.7)?;
+    let n_rows: usize = opts.get("rows", 64)?;
+    let temperature: f64 = opts.get("temperature", 0.5)?;
     let seed: u64 = opts.get("seed", 0)?;
     let out: PathBuf = opts.get("out", PathBuf::from("runs/tiny-drafter"))?;
     if steps == 0 || rows_per_step == 0 || max_anchors == 0 || n_rows == 0 {
