@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Tensor, Var};
-use dflash_conformance::setups::{randn, random_draft_case, DraftCase};
+use dflash_conformance::setups::{random_draft_case, randn, DraftCase};
 use dflash_conformance::tolerance::{assert_close, rel_error, FD_F64, ORACLE_F64};
 use dflash_reference::attention::dense_attention;
 use dflash_reference::drafter::DraftInput;
@@ -14,26 +14,66 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// The finite-difference step. Losses here are O(1..10) and gradients O(1e-3..1) in f64.
-/// Central differences err by truncation `h^2/6 * |f'''|` ~ 2e-11 (for O(1) third derivatives)
-/// plus rounding `~|L| * 1e-15 / h` ~ 1e-10 (a forward pass of a few hundred f64 ops rounds its
-/// loss by about 1e-15 relative); both are 4+ orders of magnitude below the 1e-6 bound of
-/// `FD_F64`. A step of 1e-6 would trade truncation (2e-13) for rounding (1e-9); 1e-5 balances
-/// the two near the optimum `(eps_f64)^(1/3)` ~ 6e-6 while keeping rounding well clear of 1e-6.
-/// The difference quotient divides by the step actually taken, `(x+h) - (x-h)` after rounding.
-static FD_STEP: std::sync::LazyLock<f64> =
-    std::sync::LazyLock::new(|| std::env::var("FDH").map(|v| v.parse().unwrap()).unwrap_or(1e-5));
+/// Initial step of the finite differences. Plain central differences `(L(x+h)-L(x-h))/2h` with
+/// one fixed step are not accurate enough for a 1e-6 bound on every tensor of these models:
+/// measured over 300 random cases, h = 1e-5 errs by up to 5e-7 (truncation, `h^2 L'''/6`: a
+/// per-head RMSNorm over head_dim 2 is sharply curved when its input is small) while h = 3e-6
+/// already errs by up to 9e-7 through rounding (`~1e-15 |L| / h` per element, large next to
+/// gradient tensors of norm 1e-4..1e-5, e.g. the q/k norms of a layer that barely matters).
+/// So each element is differentiated by Ridders' method (Numerical Recipes `dfridr`): central
+/// differences at `h0, h0/1.6, h0/1.6^2, ...` (down to ~4e-5) extrapolated to h -> 0 in powers
+/// of h^2 (Neville tableau), keeping the entry with the smallest error estimate. Smooth elements
+/// then use the large steps (rounding ~1e-15/1e-3 = 1e-12) and sharp ones the small steps plus
+/// extrapolation. h0 = 1e-3 measured a worst error of 5e-9 over 300 cases (h0 = 3e-3: 7e-8, its
+/// first steps are too curved for sharp cases); it costs ~8 loss evaluations per element.
+const FD_STEP: f64 = 1e-3;
+/// Step ratio and table size of Ridders' method (smallest step `FD_STEP / RIDDERS_CON^7`).
+const RIDDERS_CON: f64 = 1.6;
+const RIDDERS_NTAB: usize = 8;
 
-static EVALS: AtomicUsize = AtomicUsize::new(0);
 fn cpu() -> Device {
     Device::Cpu
 }
 
 fn to_vec(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f64>()).expect("tensor to f64 vec")
+    t.to_dtype(DType::F64)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("tensor to f64 vec")
 }
 
-/// Central differences of `loss()` w.r.t. every element of `var`; `var` is restored afterwards.
+/// `f'(0)` by Ridders' extrapolation of central differences of `f(step)` (see `FD_STEP`).
+fn ridders_derivative(mut f: impl FnMut(f64) -> f64) -> f64 {
+    let mut central = |h: f64| (f(h) - f(-h)) / (2.0 * h);
+    let mut a = [[0.0f64; RIDDERS_NTAB]; RIDDERS_NTAB];
+    let mut h = FD_STEP;
+    a[0][0] = central(h);
+    let (mut best, mut err) = (a[0][0], f64::INFINITY);
+    for k in 1..RIDDERS_NTAB {
+        h /= RIDDERS_CON;
+        a[0][k] = central(h);
+        let mut fac = RIDDERS_CON * RIDDERS_CON;
+        for j in 1..=k {
+            // Richardson: eliminate the h^(2j) error term of column j-1.
+            a[j][k] = (a[j - 1][k] * fac - a[j - 1][k - 1]) / (fac - 1.0);
+            fac *= RIDDERS_CON * RIDDERS_CON;
+            let e = (a[j][k] - a[j - 1][k])
+                .abs()
+                .max((a[j][k] - a[j - 1][k - 1]).abs());
+            if e <= err {
+                (best, err) = (a[j][k], e);
+            }
+        }
+        // The highest order got worse by a wide margin: rounding now dominates, stop.
+        if (a[k][k] - a[k - 1][k - 1]).abs() >= 2.0 * err {
+            break;
+        }
+    }
+    best
+}
+
+/// Finite-difference gradient of `loss()` w.r.t. every element of `var` (Ridders' method);
+/// `var` is restored afterwards.
 fn fd_gradient(var: &Var, mut loss: impl FnMut() -> f64) -> Tensor {
     let shape = var.as_tensor().dims().to_vec();
     let dtype = var.as_tensor().dtype();
@@ -46,40 +86,13 @@ fn fd_gradient(var: &Var, mut loss: impl FnMut() -> f64) -> Tensor {
     };
     let mut vals = orig.clone();
     let mut fd = Vec::with_capacity(orig.len());
-    let h0 = *FD_STEP;
     for i in 0..orig.len() {
-        let mut at = |step: f64| {
+        fd.push(ridders_derivative(|step| {
             vals[i] = orig[i] + step;
             set(&vals);
             loss()
-        };
-        const NTAB: usize = 8;
-        const CON: f64 = 1.6;
-        let mut a = [[0.0f64; NTAB]; NTAB];
-        let mut hh = h0;
-        a[0][0] = (at(hh) - at(-hh)) / (2.0 * hh);
-        let mut err = f64::INFINITY;
-        let mut ans = a[0][0];
-        for k in 1..NTAB {
-            hh /= CON;
-            a[0][k] = (at(hh) - at(-hh)) / (2.0 * hh);
-            let mut fac = CON * CON;
-            for j in 1..=k {
-                a[j][k] = (a[j - 1][k] * fac - a[j - 1][k - 1]) / (fac - 1.0);
-                fac *= CON * CON;
-                let errt = (a[j][k] - a[j - 1][k]).abs().max((a[j][k] - a[j - 1][k - 1]).abs());
-                if errt <= err {
-                    err = errt;
-                    ans = a[j][k];
-                }
-            }
-            if (a[k][k] - a[k - 1][k - 1]).abs() >= 2.0 * err {
-                break;
-            }
-        }
-        EVALS.fetch_add(1, Ordering::Relaxed);
+        }));
         vals[i] = orig[i];
-        fd.push(ans);
     }
     set(&orig);
     Tensor::from_vec(fd, shape.as_slice(), &cpu()).expect("fd tensor")
@@ -89,7 +102,13 @@ fn fd_gradient(var: &Var, mut loss: impl FnMut() -> f64) -> Tensor {
 fn input_and_targets(case: &DraftCase) -> (DraftInput, BlockTargets) {
     let b = case.drafter.config.block_size;
     let input = DraftInput::training(&case.row, &case.anchors, b).expect("training input");
-    let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
+    let targets = BlockTargets::new(
+        &case.row.tokens,
+        &case.row.loss_mask,
+        &case.anchors,
+        b,
+        case.gamma,
+    );
     (input, targets)
 }
 
@@ -99,7 +118,9 @@ fn loss_tensor(case: &DraftCase, input: &DraftInput, targets: &BlockTargets) -> 
 }
 
 fn scalar(t: &Tensor) -> f64 {
-    t.to_dtype(DType::F64).and_then(|t| t.to_scalar::<f64>()).expect("scalar")
+    t.to_dtype(DType::F64)
+        .and_then(|t| t.to_scalar::<f64>())
+        .expect("scalar")
 }
 
 /// Largest relative error seen by a test, as f64 bits (for the run's summary line).
@@ -113,52 +134,124 @@ fn record_max(cell: &AtomicU64, err: f64) {
     }
 }
 
+/// Runs candle's matmuls on one thread: the tensors here are tiny, and with parallel builds
+/// competing for 2 cores gemm's thread pool made every loss evaluation 2.5x slower. Both the
+/// autograd and the finite differences run under the same setting.
+fn single_threaded_candle() {
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+}
+
+/// What checking one drafter case found.
+struct CaseReport {
+    /// Largest relative error over the parameter tensors.
+    worst: f64,
+    /// Parameter tensors checked, and how many of them had an exactly zero gradient.
+    tensors: usize,
+    zero_tensors: usize,
+}
+
+/// Checks every parameter gradient of the case of `seed` against finite differences (panics
+/// naming the parameter when one is off); `None` when its loss carries no weight.
+fn check_drafter_case(seed: u64) -> Option<CaseReport> {
+    let case = random_draft_case(seed, DType::F64).expect("random case");
+    let (input, targets) = input_and_targets(&case);
+    if targets.total_weight() == 0.0 {
+        return None;
+    }
+    let loss = loss_tensor(&case, &input, &targets);
+    let l0 = scalar(&loss);
+    assert!(l0.is_finite() && l0 > 0.0, "seed {seed}: loss {l0}");
+    let grads = loss.backward().expect("backward");
+    let mut report = CaseReport {
+        worst: 0.0,
+        tensors: 0,
+        zero_tensors: 0,
+    };
+    for (name, var) in case.drafter.named_params() {
+        let analytic = match grads.get(var.as_tensor()) {
+            Some(g) => g.clone(),
+            None => var.as_tensor().zeros_like().expect("zeros"),
+        };
+        let fd = fd_gradient(var, || scalar(&loss_tensor(&case, &input, &targets)));
+        report.worst = report.worst.max(rel_error(&analytic, &fd));
+        report.tensors += 1;
+        if to_vec(&analytic).iter().all(|&g| g == 0.0) {
+            report.zero_tensors += 1;
+        }
+        assert_close(
+            &format!("seed {seed}: d loss / d {name}"),
+            &analytic,
+            &fd,
+            FD_F64,
+        );
+    }
+    // Every perturbation was undone: the loss is bit-for-bit the original one.
+    let again = scalar(&loss_tensor(&case, &input, &targets));
+    assert_eq!(again.to_bits(), l0.to_bits(), "seed {seed}: parameters not restored");
+    Some(report)
+}
+
 /// Proves that the reference autograd gradient of the decayed CE loss w.r.t. EVERY trainable
 /// parameter tensor (fc, hidden_norm, every layer's projections and norms, final norm) equals
-/// central finite differences over all of its elements, in f64, within `FD_F64`, on random
-/// tiny drafters (GQA, full and sliding layers, packed documents with padding, keep flags).
-/// Cases whose loss carries no weight are skipped, and the run asserts they stay a minority.
+/// finite differences over all of its elements, in f64, within `FD_F64`, on random tiny
+/// drafters (GQA, full and sliding layers, packed documents with padding, keep flags). Cases
+/// whose loss carries no weight are skipped; the run asserts that they stay a small minority
+/// and that most compared gradient tensors are not identically zero (the check is not vacuous).
 #[test]
 fn every_parameter_gradient_matches_finite_differences() {
+    single_threaded_candle();
     let checked = AtomicUsize::new(0);
     let weightless = AtomicUsize::new(0);
+    let tensors = AtomicUsize::new(0);
+    let zero_tensors = AtomicUsize::new(0);
     let worst = AtomicU64::new(0f64.to_bits());
-    proptest!(ProptestConfig::with_cases(300), |(seed in any::<u64>())| {
-        let case = random_draft_case(seed, DType::F64).expect("random case");
-        let (input, targets) = input_and_targets(&case);
-        if targets.total_weight() == 0.0 {
+    proptest!(ProptestConfig::with_cases(24), |(seed in any::<u64>())| {
+        let report = check_drafter_case(seed);
+        if report.is_none() {
             weightless.fetch_add(1, Ordering::Relaxed);
         }
-        prop_assume!(targets.total_weight() > 0.0);
-        let loss = loss_tensor(&case, &input, &targets);
-        let l0 = scalar(&loss);
-        prop_assert!(l0.is_finite() && l0 > 0.0, "loss {l0} of seed {seed}");
-        let grads = loss.backward().expect("backward");
-        for (name, var) in case.drafter.named_params() {
-            let analytic = match grads.get(var.as_tensor()) {
-                Some(g) => g.clone(),
-                None => var.as_tensor().zeros_like().expect("zeros"),
-            };
-            let fd = fd_gradient(var, || scalar(&loss_tensor(&case, &input, &targets)));
-            let e = rel_error(&analytic, &fd);
-            if e > 1e-12 { let n = to_vec(&fd).iter().map(|x| x*x).sum::<f64>().sqrt(); eprintln!("DBG seed {seed} {name} err {e:.3e} fdnorm {n:.3e} loss {l0:.3e} dims {:?}", case.drafter.config.dims); }
-            record_max(&worst, e);
-            assert_close(&format!("seed {seed}: d loss / d {name}"), &analytic, &fd, FD_F64);
-        }
-        // Every perturbation was undone: the loss is bit-for-bit the original one.
-        prop_assert_eq!(scalar(&loss_tensor(&case, &input, &targets)).to_bits(), l0.to_bits());
+        prop_assume!(report.is_some());
+        let report = report.unwrap();
+        record_max(&worst, report.worst);
+        tensors.fetch_add(report.tensors, Ordering::Relaxed);
+        zero_tensors.fetch_add(report.zero_tensors, Ordering::Relaxed);
         checked.fetch_add(1, Ordering::Relaxed);
     });
     let (checked, weightless) = (checked.into_inner(), weightless.into_inner());
+    let (tensors, zero_tensors) = (tensors.into_inner(), zero_tensors.into_inner());
     eprintln!(
         "drafter gradcheck: {checked} cases checked, {weightless} weightless skipped, \
-         worst relative error {:.3e}",
+         {zero_tensors} of {tensors} gradient tensors exactly zero, worst relative error {:.3e}",
         f64::from_bits(worst.into_inner())
     );
+    // About 1 case in 15 is weightless; more than 1 in 3 would mean the setups changed.
     assert!(
-        weightless * 4 <= checked,
+        weightless * 2 <= checked,
         "{weightless} weightless cases for {checked} checked: the gradient check is mostly vacuous"
     );
+    assert!(
+        zero_tensors * 4 <= tensors,
+        "{zero_tensors} of {tensors} gradient tensors are exactly zero: the check is mostly vacuous"
+    );
+}
+
+/// Proves the same on seeds found hardest in sweeps of thousands of cases: sharply curved
+/// losses (per-head RMSNorm of small head_dim-2 inputs, where fixed-step differences err by
+/// truncation) and gradient tensors of norm ~1e-5 (where they err by rounding).
+#[test]
+fn hardest_known_cases_match_finite_differences() {
+    single_threaded_candle();
+    for seed in [
+        8833946723873061147u64,
+        7958597929424676332,
+        9752914707495693392,
+        16790790510605846050,
+        16917702418110105160,
+        5440187362036170035,
+    ] {
+        let report = check_drafter_case(seed).expect("the hard cases carry loss weight");
+        eprintln!("seed {seed}: worst relative error {:.3e}", report.worst);
+    }
 }
 
 /// A random attention problem: shapes with GQA, a mask with at least one row that sees nothing
@@ -196,18 +289,34 @@ fn random_attn_case(seed: u64) -> AttnCase {
     let k = var(&[nk, nkv, d], &mut rng);
     let v = var(&[nk, nkv, d], &mut rng);
     let cotangent = randn(&[nq, nh, d], &mut rng, DType::F64).expect("randn");
-    AttnCase { q, k, v, mask, cotangent, nq, nk, group }
+    AttnCase {
+        q,
+        k,
+        v,
+        mask,
+        cotangent,
+        nq,
+        nk,
+        group,
+    }
 }
 
 /// `sum(out * cotangent)`: a random linear functional of the attention output.
 fn attn_functional(c: &AttnCase) -> Tensor {
-    let out = dense_attention(c.q.as_tensor(), c.k.as_tensor(), c.v.as_tensor(), &c.mask).expect("dense_attention");
-    (out * &c.cotangent).and_then(|t| t.sum_all()).expect("functional")
+    let out = dense_attention(c.q.as_tensor(), c.k.as_tensor(), c.v.as_tensor(), &c.mask)
+        .expect("dense_attention");
+    (out * &c.cotangent)
+        .and_then(|t| t.sum_all())
+        .expect("functional")
 }
 
 /// Softmax attention computed by plain loops, head `h` reading K/V head `h / group`.
 fn naive_attention(c: &AttnCase) -> Vec<f64> {
-    let (q, k, v) = (to_vec(c.q.as_tensor()), to_vec(c.k.as_tensor()), to_vec(c.v.as_tensor()));
+    let (q, k, v) = (
+        to_vec(c.q.as_tensor()),
+        to_vec(c.k.as_tensor()),
+        to_vec(c.v.as_tensor()),
+    );
     let (_, nh, d) = c.q.as_tensor().dims3().expect("q dims");
     let nkv = nh / c.group;
     let mut out = vec![0.0; c.nq * nh * d];
@@ -247,6 +356,7 @@ fn naive_attention(c: &AttnCase) -> Vec<f64> {
 /// and that keys no query sees get exactly zero k and v gradients.
 #[test]
 fn dense_attention_gradients_match_finite_differences() {
+    single_threaded_candle();
     let worst = AtomicU64::new(0f64.to_bits());
     proptest!(ProptestConfig::with_cases(96), |(seed in any::<u64>())| {
         let c = random_attn_case(seed);
@@ -295,7 +405,10 @@ fn dense_attention_gradients_match_finite_differences() {
             assert_close(&format!("seed {seed}: d f / d {name}"), analytic, &fd, FD_F64);
         }
     });
-    eprintln!("dense attention gradcheck: worst relative error {:.3e}", f64::from_bits(worst.into_inner()));
+    eprintln!(
+        "dense attention gradcheck: worst relative error {:.3e}",
+        f64::from_bits(worst.into_inner())
+    );
 }
 
 /// Proves that a row whose blocks all have `keep = false` is harmless: the decayed CE loss is
@@ -306,6 +419,7 @@ fn dense_attention_gradients_match_finite_differences() {
 /// any key, so no information can leak through them.
 #[test]
 fn row_without_kept_blocks_is_finite_and_nan_free() {
+    single_threaded_candle();
     proptest!(ProptestConfig::with_cases(32), |(seed in any::<u64>())| {
         let mut case = random_draft_case(seed, DType::F64).expect("random case");
         case.anchors.keep.fill(false);

@@ -6,3 +6,5 @@
 //! issues, each proven equal to `dflash-reference` by the conformance suite before it is used.
 
 pub mod attention;
+pub mod gpu;
+pub mod kernels;

@@ -1,0 +1,47 @@
+//! The GPU attestation gate (DESIGN.md, "Conformance strategy"): CI cannot run CUDA, so a GPU
+//! conformance run on the H200 attests the kernel sources it tested; this test fails when the
+//! current sources (`optimized/kernels/*.cu`) no longer match `fixtures/gpu/attestation.json`, or
+//! when that run did not pass. No kernel change lands without a passing GPU run.
+//!
+//! With no kernel sources at all there is nothing to attest, and the test passes.
+
+use std::path::Path;
+
+use dflash_optimized::kernels::{kernel_hash, KERNEL_SOURCES};
+use serde_json::Value;
+
+const HOW: &str = "run `cargo xtask gpu-bundle`, then on the H200 the gpu-conformance command it prints, and \
+                   commit the attestation it writes as fixtures/gpu/attestation.json";
+
+#[test]
+fn kernel_sources_match_a_passing_gpu_attestation() {
+    if KERNEL_SOURCES.is_empty() {
+        // No CUDA kernels yet: no attestation is needed.
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the conformance crate is in the workspace");
+    let file = root.join("fixtures/gpu/attestation.json");
+    let text = std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("{}: {e}\nthe CUDA kernels have no GPU attestation: {HOW}", file.display()));
+    let attestation: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: invalid JSON: {e}", file.display()));
+    let attested = attestation["kernel_hash"].as_str().unwrap_or("<missing>");
+    let current = kernel_hash();
+    assert_eq!(
+        attested,
+        current,
+        "{}: the kernel sources changed since the GPU conformance run (attested {attested}, now {current}): {HOW}",
+        file.display()
+    );
+    assert_eq!(
+        attestation["verdict"].as_str(),
+        Some("pass"),
+        "{}: the GPU conformance run did not pass; fix the kernels, then {HOW}",
+        file.display()
+    );
+    let cases = attestation["cases"].as_array().map_or(&[][..], Vec::as_slice);
+    assert!(!cases.is_empty(), "{}: the attestation lists no cases: {HOW}", file.display());
+    for case in cases {
+        assert_eq!(case["pass"], Value::Bool(true), "{}: case {} did not pass: {HOW}", file.display(), case["name"]);
+    }
+}

@@ -1,0 +1,507 @@
+// Fused attention over an AttentionPlan (optimized/src/attention/plan.rs): bf16 inputs, fp32
+// accumulation, tensor cores through mma.sync m16n8k16. The CPU twin is
+// optimized/src/attention/cpu.rs: the same tiling (KV tiles of TILE_K keys), the same online
+// softmax, the same key-major dK/dV and query-major dQ passes.
+//
+// Layouts: q, out, dout, dq [Q, nh, HEAD_DIM]; k, v, dk, dv [K, nkv, HEAD_DIM]; lse, dsum [nh, Q].
+// A CTA of the query-major kernels owns one row group and one KV head: its rows are the group's
+// rows times the nh/nkv query heads of that KV head (row rho -> head rho / R, row rho % R), so
+// every K/V tile it loads serves all query heads of the GQA group. Warp w owns rows 16w..16w+15.
+// HEAD_DIM is defined by the host before compilation (a multiple of 16).
+
+#include <cuda_bf16.h>
+
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined"
+#endif
+
+#define INFINITY __int_as_float(0x7f800000)
+#define TILE_K 64
+#define SROW (HEAD_DIM + 8)  // shared-memory row stride in bf16: +16 bytes against bank conflicts
+#define LOG2E 1.4426950408889634f
+#define DK (HEAD_DIM / 16)   // k-steps over the head dim
+#define DN (HEAD_DIM / 8)    // n-tiles over the head dim
+
+typedef unsigned int u32;
+typedef __nv_bfloat16 bf16;
+
+struct RowGroup {
+    u32 ctx_lo, ctx_hi, hi_step, win_base, blk_lo, blk_len;
+};
+
+// The two key intervals [lo, hi) and [blo, bhi) that row r of group g sees (plan.rs row_intervals).
+struct RowBounds {
+    int lo, hi, blo, bhi;
+};
+
+__device__ __forceinline__ RowBounds row_bounds(const RowGroup& g, int r, int window, int causal_in_block) {
+    RowBounds b;
+    b.hi = (int)g.ctx_hi + r * (int)g.hi_step;
+    b.lo = (int)g.ctx_lo;
+    if (window > 0) b.lo = max(b.lo, (int)g.win_base + r + 1 - window);
+    if (b.hi < b.lo) b.hi = b.lo;
+    b.blo = (int)g.blk_lo;
+    int len = g.blk_len == 0 ? 0 : (causal_in_block ? min(r + 1, (int)g.blk_len) : (int)g.blk_len);
+    b.bhi = b.blo + len;
+    return b;
+}
+
+__device__ __forceinline__ bool sees(const RowBounds& b, int key) {
+    return (key >= b.lo && key < b.hi) || (key >= b.blo && key < b.bhi);
+}
+
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+__device__ __forceinline__ u32 lds32(const bf16* p) { return *reinterpret_cast<const u32*>(p); }
+
+// B fragment of a [16 keys x 8 cols] slice of a row-major [key][col] tile, read transposed:
+// rows row0..row0+15, columns col0..col0+7 (lanes 0-15 give the row addresses).
+__device__ __forceinline__ void ldsm_x2_trans(u32& b0, u32& b1, const bf16* tile, int row0, int col0, int lane) {
+    const bf16* p = tile + (row0 + (lane & 15)) * SROW + col0;
+    u32 addr = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool valid) {
+    u32 addr = (u32)__cvta_generic_to_shared(smem);
+    int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// Loads TILE_K rows of a [K, nkv, HEAD_DIM] tensor (KV head kh) into a [TILE_K][SROW] tile;
+// rows past num_keys are zero.
+__device__ __forceinline__ void load_kv_tile_async(bf16* tile, const bf16* src, int key0, int num_keys, int nkv, int kh) {
+    const int chunks = TILE_K * (HEAD_DIM / 8);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        int row = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
+        int key = key0 + row;
+        bool valid = key < num_keys;
+        const bf16* g = src + ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col;
+        cp_async16(tile + row * SROW + col, g, valid);
+    }
+}
+
+// The KV tiles a query-major CTA visits: context tiles [ct0, ct1) then block tiles [bt0, bt1),
+// a tile straddling both visited once; and the context keys every valid row sees ([full_lo, full_hi)).
+struct TileWalk {
+    int ct0, ct1, bt0, bt1, full_lo, full_hi;
+    __device__ int count() const { return (ct1 - ct0) + (bt1 - bt0); }
+    __device__ int tile(int i) const { return i < ct1 - ct0 ? ct0 + i : bt0 + (i - (ct1 - ct0)); }
+    __device__ bool full(int t) const { return t < ct1 && t * TILE_K >= full_lo && (t + 1) * TILE_K <= full_hi; }
+};
+
+__device__ TileWalk tile_walk(const RowGroup& g, int rows_valid, int window) {
+    TileWalk w;
+    int lo_min = (int)g.ctx_lo, lo_max = (int)g.ctx_lo;
+    if (window > 0) {
+        lo_min = max(lo_min, (int)g.win_base + 1 - window);
+        lo_max = max(lo_max, (int)g.win_base + rows_valid - window);
+    }
+    int hi_min = (int)g.ctx_hi, hi_max = (int)g.ctx_hi + (rows_valid - 1) * (int)g.hi_step;
+    if (hi_max > lo_min && rows_valid > 0) {
+        w.ct0 = lo_min / TILE_K;
+        w.ct1 = (hi_max + TILE_K - 1) / TILE_K;
+    } else {
+        w.ct0 = w.ct1 = 0;
+    }
+    if (g.blk_len > 0 && rows_valid > 0) {
+        w.bt0 = max((int)g.blk_lo / TILE_K, w.ct1);
+        w.bt1 = max(((int)g.blk_lo + (int)g.blk_len + TILE_K - 1) / TILE_K, w.bt0);
+    } else {
+        w.bt0 = w.bt1 = 0;
+    }
+    w.full_lo = lo_max;
+    w.full_hi = hi_min;
+    return w;
+}
+
+// This lane's two rows (fragment rows gq and gq+8 of its warp) in a query-major CTA.
+struct LaneRows {
+    int q[2], h[2];
+    bool ok[2];
+    RowBounds b[2];
+};
+
+__device__ LaneRows lane_rows(const RowGroup& g, int group, int R, int G, int kh, int num_queries, int window,
+                              int causal_in_block) {
+    LaneRows lr;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int rows_valid = min(R, num_queries - group * R);
+    for (int i = 0; i < 2; i++) {
+        int rho = warp * 16 + lane / 4 + 8 * i;
+        int hh = rho / R, r = rho % R;
+        lr.ok[i] = hh < G && r < rows_valid;
+        lr.q[i] = group * R + r;
+        lr.h[i] = kh * G + hh;
+        lr.b[i] = row_bounds(g, r, window, causal_in_block);
+        if (!lr.ok[i]) lr.b[i].lo = lr.b[i].hi = lr.b[i].blo = lr.b[i].bhi = 0;
+    }
+    return lr;
+}
+
+// A-fragments of this warp's 16 rows of x ([Q, nh, HEAD_DIM]); zero for padding rows.
+__device__ __forceinline__ void load_row_frags(u32 frag[DK][4], const bf16* x, const LaneRows& lr, int nh) {
+    const int tq = (threadIdx.x % 32) % 4;
+#pragma unroll
+    for (int kk = 0; kk < DK; kk++) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const bf16* row = x + ((size_t)lr.q[i] * nh + lr.h[i]) * HEAD_DIM + kk * 16 + 2 * tq;
+            frag[kk][i] = lr.ok[i] ? lds32(row) : 0u;
+            frag[kk][2 + i] = lr.ok[i] ? lds32(row + 8) : 0u;
+        }
+    }
+}
+
+// s[nt] (16 rows x 8 keys of the tile) = A(rows) . tile^T, tile row-major [key][d].
+__device__ __forceinline__ void rows_times_tile(float s[TILE_K / 8][4], const u32 a[DK][4], const bf16* tile) {
+    const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < TILE_K / 8; nt++) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        const bf16* krow = tile + (nt * 8 + gq) * SROW + 2 * tq;
+#pragma unroll
+        for (int kk = 0; kk < DK; kk++) mma16816(s[nt], a[kk], lds32(krow + kk * 16), lds32(krow + kk * 16 + 8));
+    }
+}
+
+// Masks s (scaled scores of this lane's two rows) to -inf where the row does not see the key.
+__device__ __forceinline__ void mask_scores(float s[TILE_K / 8][4], const LaneRows& lr, int key0) {
+    const int tq = (threadIdx.x % 32) % 4;
+#pragma unroll
+    for (int nt = 0; nt < TILE_K / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int key = key0 + nt * 8 + 2 * tq + (e & 1);
+            if (!sees(lr.b[e >> 1], key)) s[nt][e] = -INFINITY;
+        }
+}
+
+// acc (16 rows x HEAD_DIM) += P (16 rows x TILE_K, fp32 accumulator layout) . tile (TILE_K x HEAD_DIM).
+__device__ __forceinline__ void probs_times_tile(float acc[DN][4], const float p[TILE_K / 8][4], const bf16* tile) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int kk = 0; kk < TILE_K / 16; kk++) {
+        u32 a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                    pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++) {
+            u32 b0, b1;
+            ldsm_x2_trans(b0, b1, tile, kk * 16, nd * 8, lane);
+            mma16816(acc[nd], a, b0, b1);
+        }
+    }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Forward: out and lse (natural log) of every row. Grid (groups, nkv), block 32 * ceil(R*G/16).
+extern "C" __global__ void __launch_bounds__(256) attention_forward(
+    const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
+    float* __restrict__ lse, int nh, int nkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* sK = reinterpret_cast<bf16*>(smem);  // [2][TILE_K][SROW]
+    bf16* sV = sK + 2 * TILE_K * SROW;         // [2][TILE_K][SROW]
+    const int group = blockIdx.x, kh = blockIdx.y, G = nh / nkv, R = group_rows;
+    const int lane = threadIdx.x % 32, tq = lane % 4;
+    const RowGroup g = groups[group];
+    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block);
+    const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
+    const float scale_log2 = scale * LOG2E;
+
+    u32 qa[DK][4];
+    load_row_frags(qa, q, lr, nh);
+    float acc[DN][4];
+#pragma unroll
+    for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    const int n = walk.count();
+    if (n > 0) {
+        load_kv_tile_async(sK, k, walk.tile(0) * TILE_K, num_keys, nkv, kh);
+        load_kv_tile_async(sV, v, walk.tile(0) * TILE_K, num_keys, nkv, kh);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; i++) {
+        const int stage = i & 1, t = walk.tile(i);
+        if (i + 1 < n) {
+            const int next = walk.tile(i + 1) * TILE_K;
+            load_kv_tile_async(sK + (stage ^ 1) * TILE_K * SROW, k, next, num_keys, nkv, kh);
+            load_kv_tile_async(sV + (stage ^ 1) * TILE_K * SROW, v, next, num_keys, nkv, kh);
+            cp_async_commit();
+            cp_async_wait_all_but_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        const bf16* tK = sK + stage * TILE_K * SROW;
+        const bf16* tV = sV + stage * TILE_K * SROW;
+        float s[TILE_K / 8][4];
+        rows_times_tile(s, qa, tK);
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[nt][e] *= scale_log2;
+        if (!walk.full(t)) mask_scores(s, lr, t * TILE_K);
+#pragma unroll
+        for (int i2 = 0; i2 < 2; i2++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < TILE_K / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i2], s[nt][2 * i2 + 1]));
+            mx = quad_max(mx);
+            const float m_new = fmaxf(m[i2], mx);
+            const float base = m_new == -INFINITY ? 0.f : m_new;
+            const float alpha = exp2f(m[i2] - base);
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < TILE_K / 8; nt++) {
+                s[nt][2 * i2] = exp2f(s[nt][2 * i2] - base);
+                s[nt][2 * i2 + 1] = exp2f(s[nt][2 * i2 + 1] - base);
+                sum += s[nt][2 * i2] + s[nt][2 * i2 + 1];
+            }
+            l[i2] = l[i2] * alpha + sum;
+#pragma unroll
+            for (int nd = 0; nd < DN; nd++) {
+                acc[nd][2 * i2] *= alpha;
+                acc[nd][2 * i2 + 1] *= alpha;
+            }
+            m[i2] = m_new;
+        }
+        probs_times_tile(acc, s, tV);
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int i2 = 0; i2 < 2; i2++) {
+        const float total = quad_sum(l[i2]);
+        if (!lr.ok[i2]) continue;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        bf16* orow = out + ((size_t)lr.q[i2] * nh + lr.h[i2]) * HEAD_DIM + 2 * tq;
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++)
+            *reinterpret_cast<u32*>(orow + nd * 8) = pack_bf16(acc[nd][2 * i2] * inv, acc[nd][2 * i2 + 1] * inv);
+        if (tq == 0) lse[(size_t)lr.h[i2] * num_queries + lr.q[i2]] = total > 0.f ? (m[i2] + log2f(total)) / LOG2E : -INFINITY;
+    }
+}
+
+// dsum[h, q] = sum_d dout[q, h, d] * out[q, h, d]. One warp per (q, h).
+extern "C" __global__ void attention_backward_dsum(const bf16* __restrict__ out, const bf16* __restrict__ dout,
+                                                   float* __restrict__ dsum, int num_queries, int nh) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= num_queries * nh) return;
+    const int qi = row / nh, h = row % nh;
+    const bf16* o = out + (size_t)row * HEAD_DIM;
+    const bf16* d = dout + (size_t)row * HEAD_DIM;
+    float sum = 0.f;
+    for (int c = lane; c < HEAD_DIM; c += 32) sum += __bfloat162float(o[c]) * __bfloat162float(d[c]);
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    if (lane == 0) dsum[(size_t)h * num_queries + qi] = sum;
+}
+
+// dQ, query-major like the forward: dq = scale * sum_k ds k, ds = p (dp - dsum), dp = dout . v.
+extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
+    const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ dsum, bf16* __restrict__ dq, int nh, int nkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* sK = reinterpret_cast<bf16*>(smem);
+    bf16* sV = sK + 2 * TILE_K * SROW;
+    const int group = blockIdx.x, kh = blockIdx.y, G = nh / nkv, R = group_rows;
+    const int lane = threadIdx.x % 32, tq = lane % 4;
+    const RowGroup g = groups[group];
+    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block);
+    const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
+    const float scale_log2 = scale * LOG2E;
+
+    u32 qa[DK][4], da[DK][4];
+    load_row_frags(qa, q, lr, nh);
+    load_row_frags(da, dout, lr, nh);
+    float lse2[2], ds_row[2];
+    for (int i = 0; i < 2; i++) {
+        const size_t at = (size_t)lr.h[i] * num_queries + lr.q[i];
+        lse2[i] = lr.ok[i] ? lse[at] * LOG2E : INFINITY;
+        ds_row[i] = lr.ok[i] ? dsum[at] : 0.f;
+    }
+    float acc[DN][4];
+#pragma unroll
+    for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
+
+    const int n = walk.count();
+    if (n > 0) {
+        load_kv_tile_async(sK, k, walk.tile(0) * TILE_K, num_keys, nkv, kh);
+        load_kv_tile_async(sV, v, walk.tile(0) * TILE_K, num_keys, nkv, kh);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; i++) {
+        const int stage = i & 1, t = walk.tile(i);
+        if (i + 1 < n) {
+            const int next = walk.tile(i + 1) * TILE_K;
+            load_kv_tile_async(sK + (stage ^ 1) * TILE_K * SROW, k, next, num_keys, nkv, kh);
+            load_kv_tile_async(sV + (stage ^ 1) * TILE_K * SROW, v, next, num_keys, nkv, kh);
+            cp_async_commit();
+            cp_async_wait_all_but_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        const bf16* tK = sK + stage * TILE_K * SROW;
+        const bf16* tV = sV + stage * TILE_K * SROW;
+        float s[TILE_K / 8][4], dp[TILE_K / 8][4];
+        rows_times_tile(s, qa, tK);
+        rows_times_tile(dp, da, tV);
+        const bool full = walk.full(t);
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = t * TILE_K + nt * 8 + 2 * tq + (e & 1);
+                float p = exp2f(s[nt][e] * scale_log2 - lse2[e >> 1]);
+                if (!full && !sees(lr.b[e >> 1], key)) p = 0.f;
+                s[nt][e] = p * (dp[nt][e] - ds_row[e >> 1]);
+            }
+        probs_times_tile(acc, s, tK);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i2 = 0; i2 < 2; i2++) {
+        if (!lr.ok[i2]) continue;
+        bf16* row = dq + ((size_t)lr.q[i2] * nh + lr.h[i2]) * HEAD_DIM + 2 * tq;
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++)
+            *reinterpret_cast<u32*>(row + nd * 8) = pack_bf16(acc[nd][2 * i2] * scale, acc[nd][2 * i2 + 1] * scale);
+    }
+}
+
+// dK, dV, key-major: a CTA owns one KV tile (TILE_K keys; warp w keys 16w..16w+15) of one KV
+// head and walks the row groups that may see it (kv_ranges[tile]), CHUNK rows at a time:
+// dv += p^T dout, dk += scale * ds^T q. Grid (kv tiles, nkv), block 128.
+#define CHUNK 64
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
+    const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
+    int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
+    const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, int nh, int nkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* sK = reinterpret_cast<bf16*>(smem);  // [TILE_K][SROW]
+    bf16* sV = sK + TILE_K * SROW;             // [TILE_K][SROW]
+    bf16* sQ = sV + TILE_K * SROW;             // [CHUNK][SROW]
+    bf16* sD = sQ + CHUNK * SROW;              // [CHUNK][SROW] (dout rows)
+    float* sLse = reinterpret_cast<float*>(sD + CHUNK * SROW);  // [CHUNK], log2 domain
+    float* sDsum = sLse + CHUNK;                                 // [CHUNK]
+    int* sBounds = reinterpret_cast<int*>(sDsum + CHUNK);        // [CHUNK][4]
+    const int tile = blockIdx.x, kh = blockIdx.y, G = nh / nkv, R = group_rows;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    const int key0 = tile * TILE_K;
+    const float scale_log2 = scale * LOG2E;
+
+    load_kv_tile_async(sK, k, key0, num_keys, nkv, kh);
+    load_kv_tile_async(sV, v, key0, num_keys, nkv, kh);
+    cp_async_commit();
+
+    float dK[DN][4], dV[DN][4];
+#pragma unroll
+    for (int nd = 0; nd < DN; nd++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dK[nd][e] = dV[nd][e] = 0.f;
+
+    const u32 g_first = kv_ranges[2 * tile], g_end = kv_ranges[2 * tile + 1];
+    const int rows_per_group = R * G;
+    const int my_key[2] = {key0 + warp * 16 + gq, key0 + warp * 16 + gq + 8};
+    for (u32 group = g_first; group < g_end; group++) {
+        const RowGroup g = groups[group];
+        const int rows_valid = min(R, num_queries - (int)group * R);
+        for (int c0 = 0; c0 < rows_per_group; c0 += CHUNK) {
+            __syncthreads();  // the previous chunk's shared rows are no longer read
+            // Stage this chunk's q and dout rows, lse, dsum and row bounds.
+            for (int c = threadIdx.x; c < CHUNK * (HEAD_DIM / 8); c += blockDim.x) {
+                const int rr = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, rho = c0 + rr;
+                const int hh = rho / R, r = rho % R;
+                const bool ok = rho < rows_per_group && r < rows_valid;
+                const size_t at = ((size_t)((int)group * R + r) * nh + kh * G + hh) * HEAD_DIM + col;
+                cp_async16(sQ + rr * SROW + col, q + (ok ? at : 0), ok);
+                cp_async16(sD + rr * SROW + col, dout + (ok ? at : 0), ok);
+            }
+            cp_async_commit();
+            for (int rr = threadIdx.x; rr < CHUNK; rr += blockDim.x) {
+                const int rho = c0 + rr, hh = rho / R, r = rho % R;
+                const bool ok = rho < rows_per_group && r < rows_valid;
+                const size_t at = (size_t)(kh * G + hh) * num_queries + (int)group * R + r;
+                sLse[rr] = ok ? lse[at] * LOG2E : INFINITY;
+                sDsum[rr] = ok ? dsum[at] : 0.f;
+                RowBounds b = row_bounds(g, r, window, causal_in_block);
+                if (!ok) b.lo = b.hi = b.blo = b.bhi = 0;
+                sBounds[4 * rr] = b.lo;
+                sBounds[4 * rr + 1] = b.hi;
+                sBounds[4 * rr + 2] = b.blo;
+                sBounds[4 * rr + 3] = b.bhi;
+            }
+            cp_async_wait_all();
+            __syncthreads();
+
+            // K and V rows of this warp's 16 keys as A fragments.
+            u32 ka[DK][4], va[DK][4];
+#pragma unroll
+            for (int kk = 0; kk < DK; kk++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int kr = warp * 16 + gq + 8 * i;
+                    ka[kk][i] = lds32(sK + kr * SROW + kk * 16 + 2 * tq);
+                    ka[kk][2 + i] = lds32(sK + kr * SROW + kk * 16 + 8 + 2 * tq);
+                    va[kk][i] = lds32(sV + kr * SROW + kk * 16 + 2 * tq);
+                    va[kk][2 + i] = lds32(sV + kr * SROW + kk * 16 + 8 + 2 * tq);
+                }
+            // s^T (16 keys x CHUNK rows) = K q^T; dp^T = V dout^T.
+            float st[CHUNK / 8][4], dpt[CHUNK / 8][4];
+            rows_times_tile(st, ka, sQ);
+            rows_times_tile(dpt, va, sD);
+#pragma unroll
+            for (int nt = 0; nt < CHUNK / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int rr = nt * 8 + 2 * tq + (e & 1);
+                    const int key = my_key[e >> 1];
+                    const int* b = sBounds + 4 * rr;
+                    const bool seen = (key >= b[0] && key < b[1]) || (key >= b[2] && key < b[3]);
+                    const float p = seen ? exp2f(st[nt][e] * scale_log2 - sLse[rr]) : 0.f;
+                    st[nt][e] = p;
+                    dpt[nt][e] = p * (dpt[nt][e] - sDsum[rr]);
+                }
+            probs_times_tile(dV, st, sD);
+            probs_times_tile(dK, dpt, sQ);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int key = my_key[i];
+        if (key >= num_keys) continue;
+        bf16* krow = dk + ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
+        bf16* vrow = dv + ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++) {
+            *reinterpret_cast<u32*>(krow + nd * 8) = pack_bf16(dK[nd][2 * i] * scale, dK[nd][2 * i + 1] * scale);
+            *reinterpret_cast<u32*>(vrow + nd * 8) = pack_bf16(dV[nd][2 * i], dV[nd][2 * i + 1]);
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! The CUDA attention kernels (`kernels/attention.cu`): launch code, the plan on the device, and
+//! the conformance and benchmark entry points that `cargo xtask gpu-conformance` and
+//! `cargo xtask bench attention` call on the H200.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use dflash_reference::{Error, Result};
+use half::bf16;
+
+use super::cases::{rel_error, AttnCase, BenchTimes, CaseErrors};
+use super::cpu::{attention_backward, attention_forward, AttnShape, TILE_K};
+use super::plan::AttentionPlan;
+use crate::gpu::Gpu;
+
+const SOURCE: &str = include_str!("../../kernels/attention.cu");
+/// Query rows staged per step of the key-major backward (`CHUNK` in the kernel).
+const DKDV_CHUNK: usize = 64;
+/// Largest CTA of the query-major kernels: 16 rows per warp, at most 8 warps.
+const MAX_CTA_ROWS: usize = 128;
+
+fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Gpu(format!("{what}: {e:?}"))
+}
+
+/// An attention plan uploaded to the device: the row groups (6 u32 each) and the KV-tile
+/// group ranges (2 u32 each) of the key-major backward.
+pub struct DevicePlan {
+    pub plan: AttentionPlan,
+    groups: CudaSlice<u32>,
+    kv_ranges: CudaSlice<u32>,
+}
+
+impl DevicePlan {
+    /// Uploads `plan`.
+    pub fn upload(stream: &Arc<CudaStream>, plan: &AttentionPlan) -> Result<Self> {
+        let groups: Vec<u32> = plan
+            .groups
+            .iter()
+            .flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len])
+            .collect();
+        let kv_ranges: Vec<u32> = plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]).collect();
+        let upload = |v: &[u32]| stream.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
+        Ok(DevicePlan {
+            plan: plan.clone(),
+            groups: upload(&groups).map_err(gpu_err("upload plan groups"))?,
+            kv_ranges: upload(&kv_ranges).map_err(gpu_err("upload plan KV-tile ranges"))?,
+        })
+    }
+
+    fn window(&self) -> i32 {
+        self.plan.window.map_or(0, |w| w as i32)
+    }
+}
+
+/// The attention kernels compiled for one head dim.
+pub struct AttentionKernels {
+    head_dim: usize,
+    forward: CudaFunction,
+    dsum: CudaFunction,
+    dq: CudaFunction,
+    dkdv: CudaFunction,
+}
+
+/// Dynamic shared memory of the query-major kernels: two stages of K and V tiles.
+fn query_major_smem(head_dim: usize) -> usize {
+    2 * 2 * TILE_K * (head_dim + 8) * 2
+}
+
+/// Dynamic shared memory of the key-major backward: K, V, q and dout tiles, lse, dsum, bounds.
+fn dkdv_smem(head_dim: usize) -> usize {
+    (2 * TILE_K + 2 * DKDV_CHUNK) * (head_dim + 8) * 2 + DKDV_CHUNK * (4 + 4 + 16)
+}
+
+impl AttentionKernels {
+    /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
+    /// multiple of 16 up to 256.
+    pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
+        if head_dim == 0 || head_dim % 16 != 0 || head_dim > 256 {
+            return Err(Error::invalid("head_dim", format!("{head_dim}: the CUDA kernels need a multiple of 16 up to 256")));
+        }
+        let module: &'static str = Box::leak(format!("attention_d{head_dim}").into_boxed_str());
+        let source: &'static str = Box::leak(format!("#define HEAD_DIM {head_dim}\n{SOURCE}").into_boxed_str());
+        let function = |name: &str, smem: usize| -> Result<CudaFunction> {
+            let f = gpu.function(module, source, name)?;
+            if smem > 48 * 1024 {
+                f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                    .map_err(gpu_err("raise the dynamic shared memory limit"))?;
+            }
+            Ok(f)
+        };
+        Ok(AttentionKernels {
+            head_dim,
+            forward: function("attention_forward", query_major_smem(head_dim))?,
+            dsum: function("attention_backward_dsum", 0)?,
+            dq: function("attention_backward_dq", query_major_smem(head_dim))?,
+            dkdv: function("attention_backward_dkdv", dkdv_smem(head_dim))?,
+        })
+    }
+
+    fn check(&self, plan: &AttentionPlan, shape: AttnShape) -> Result<(u32, u32)> {
+        if shape.head_dim != self.head_dim {
+            return Err(Error::invalid("head_dim", format!("{} but the kernels were built for {}", shape.head_dim, self.head_dim)));
+        }
+        if shape.num_kv_heads == 0 || shape.num_heads % shape.num_kv_heads != 0 {
+            return Err(Error::invalid("num_kv_heads", format!("{} does not divide {} query heads", shape.num_kv_heads, shape.num_heads)));
+        }
+        let rows = plan.group_rows * (shape.num_heads / shape.num_kv_heads);
+        if rows > MAX_CTA_ROWS {
+            return Err(Error::invalid(
+                "group_rows",
+                format!("{} rows x {} heads per KV head exceed the kernels' {MAX_CTA_ROWS} rows per CTA", plan.group_rows, shape.num_heads / shape.num_kv_heads),
+            ));
+        }
+        Ok((plan.groups.len() as u32, rows.div_ceil(16) as u32 * 32))
+    }
+
+    /// `out [Q, nh, d]` and `lse [nh, Q]` (natural log; -inf for rows that see nothing).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dp: &DevicePlan,
+        shape: AttnShape,
+        q: &CudaSlice<bf16>,
+        k: &CudaSlice<bf16>,
+        v: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (groups, threads) = self.check(&dp.plan, shape)?;
+        if groups == 0 {
+            return Ok(());
+        }
+        let p = &dp.plan;
+        let (rows, nq, nk, win, cib) = (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
+        let (nh, nkv, scale) = (shape.num_heads as i32, shape.num_kv_heads as i32, (shape.head_dim as f32).powf(-0.5));
+        let cfg = LaunchConfig { grid_dim: (groups, shape.num_kv_heads as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: query_major_smem(self.head_dim) as u32 };
+        let mut b = stream.launch_builder(&self.forward);
+        b.arg(&dp.groups).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
+        b.arg(q).arg(k).arg(v).arg(out).arg(lse).arg(&nh).arg(&nkv).arg(&scale);
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_forward"))?;
+        Ok(())
+    }
+
+    /// `dq`, `dk`, `dv` (shaped like q, k, v) from the forward's `out` and `lse` and `dout`;
+    /// `dsum [nh, Q]` is scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dp: &DevicePlan,
+        shape: AttnShape,
+        (q, k, v): (&CudaSlice<bf16>, &CudaSlice<bf16>, &CudaSlice<bf16>),
+        (out, lse, dout): (&CudaSlice<bf16>, &CudaSlice<f32>, &CudaSlice<bf16>),
+        dsum: &mut CudaSlice<f32>,
+        (dq, dk, dv): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    ) -> Result<()> {
+        let (groups, threads) = self.check(&dp.plan, shape)?;
+        let p = &dp.plan;
+        let (rows, nq, nk, win, cib) = (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
+        let (nh, nkv, scale) = (shape.num_heads as i32, shape.num_kv_heads as i32, (shape.head_dim as f32).powf(-0.5));
+        let pairs = (p.num_queries * shape.num_heads) as u32;
+        if pairs > 0 {
+            let cfg = LaunchConfig { grid_dim: (pairs.div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let mut b = stream.launch_builder(&self.dsum);
+            b.arg(out).arg(dout).arg(&mut *dsum).arg(&nq).arg(&nh);
+            unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum"))?;
+        }
+        if groups > 0 {
+            let cfg = LaunchConfig { grid_dim: (groups, shape.num_kv_heads as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: query_major_smem(self.head_dim) as u32 };
+            let mut b = stream.launch_builder(&self.dq);
+            b.arg(&dp.groups).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
+            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dq).arg(&nh).arg(&nkv).arg(&scale);
+            unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq"))?;
+        }
+        let tiles = p.num_keys.div_ceil(TILE_K) as u32;
+        if tiles > 0 {
+            let cfg = LaunchConfig { grid_dim: (tiles, shape.num_kv_heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: dkdv_smem(self.head_dim) as u32 };
+            let mut b = stream.launch_builder(&self.dkdv);
+            b.arg(&dp.groups).arg(&dp.kv_ranges).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
+            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dk).arg(&mut *dv).arg(&nh).arg(&nkv).arg(&scale);
+            unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Draws `n` standard-normal values from `rng`, rounded to bf16 (the GPU gets exactly these).
+fn random_bf16(n: usize, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<bf16> {
+    use rand_distr::{Distribution, StandardNormal};
+    (0..n).map(|_| bf16::from_f32(StandardNormal.sample(rng))).collect()
+}
+
+fn widen(x: &[bf16]) -> Vec<f64> {
+    x.iter().map(|v| v.to_f64()).collect()
+}
+
+/// The inputs of a case on the host: q, k, v, dout (bf16), from the case's seed.
+struct HostInputs {
+    q: Vec<bf16>,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
+    dout: Vec<bf16>,
+}
+
+impl HostInputs {
+    fn draw(case: &AttnCase, plan: &AttentionPlan) -> Self {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(case.seed);
+        let (nq, nk, d) = (plan.num_queries, plan.num_keys, case.head_dim);
+        HostInputs {
+            q: random_bf16(nq * case.num_heads * d, &mut rng),
+            k: random_bf16(nk * case.num_kv_heads * d, &mut rng),
+            v: random_bf16(nk * case.num_kv_heads * d, &mut rng),
+            dout: random_bf16(nq * case.num_heads * d, &mut rng),
+        }
+    }
+}
+
+/// The device buffers of one forward + backward.
+struct DeviceRun {
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    dout: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+    lse: CudaSlice<f32>,
+    dsum: CudaSlice<f32>,
+    dq: CudaSlice<bf16>,
+    dk: CudaSlice<bf16>,
+    dv: CudaSlice<bf16>,
+}
+
+impl DeviceRun {
+    fn upload_inputs(stream: &Arc<CudaStream>, host: &HostInputs) -> Result<[CudaSlice<bf16>; 4]> {
+        let up = |x: &[bf16]| stream.clone_htod(x).map_err(gpu_err("upload attention inputs"));
+        Ok([up(&host.q)?, up(&host.k)?, up(&host.v)?, up(&host.dout)?])
+    }
+
+    fn new(stream: &Arc<CudaStream>, inputs: [CudaSlice<bf16>; 4], plan: &AttentionPlan, shape: AttnShape) -> Result<Self> {
+        let [q, k, v, dout] = inputs;
+        let (nq, nk) = (plan.num_queries.max(1), plan.num_keys.max(1));
+        let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).map_err(gpu_err("allocate attention outputs"));
+        let zeros_f32 = |n: usize| stream.alloc_zeros::<f32>(n).map_err(gpu_err("allocate attention scratch"));
+        Ok(DeviceRun {
+            out: zeros_bf16(nq * shape.num_heads * shape.head_dim)?,
+            lse: zeros_f32(shape.num_heads * nq)?,
+            dsum: zeros_f32(shape.num_heads * nq)?,
+            dq: zeros_bf16(nq * shape.num_heads * shape.head_dim)?,
+            dk: zeros_bf16(nk * shape.num_kv_heads * shape.head_dim)?,
+            dv: zeros_bf16(nk * shape.num_kv_heads * shape.head_dim)?,
+            q,
+            k,
+            v,
+            dout,
+        })
+    }
+
+    fn forward(&mut self, kernels: &AttentionKernels, stream: &Arc<CudaStream>, dp: &DevicePlan, shape: AttnShape) -> Result<()> {
+        kernels.forward(stream, dp, shape, &self.q, &self.k, &self.v, &mut self.out, &mut self.lse)
+    }
+
+    fn backward(&mut self, kernels: &AttentionKernels, stream: &Arc<CudaStream>, dp: &DevicePlan, shape: AttnShape) -> Result<()> {
+        kernels.backward(
+            stream,
+            dp,
+            shape,
+            (&self.q, &self.k, &self.v),
+            (&self.out, &self.lse, &self.dout),
+            &mut self.dsum,
+            (&mut self.dq, &mut self.dk, &mut self.dv),
+        )
+    }
+}
+
+fn case_shape(case: &AttnCase) -> AttnShape {
+    AttnShape { num_heads: case.num_heads, num_kv_heads: case.num_kv_heads, head_dim: case.head_dim }
+}
+
+/// Largest `Q * K * heads` for which the conformance run also checks against the reference's
+/// dense attention (above it, the dense score matrix makes the CPU check too slow; the CPU twin,
+/// itself proven equal to the reference in CI, is the oracle for every case).
+const DENSE_REFERENCE_LIMIT: usize = 20_000_000;
+
+/// Runs `case` on the GPU and returns the worst relative error of out, dq, dk, dv against the
+/// CPU twin in f64 and, for cases small enough, the reference's dense attention in f64.
+pub fn conformance_case(gpu: &Gpu, case: &AttnCase) -> Result<CaseErrors> {
+    let plan = case.plan()?;
+    let shape = case_shape(case);
+    let host = HostInputs::draw(case, &plan);
+    let stream = gpu.stream();
+    let kernels = AttentionKernels::load(gpu, case.head_dim)?;
+    let dp = DevicePlan::upload(stream, &plan)?;
+    let mut run = DeviceRun::new(stream, DeviceRun::upload_inputs(stream, &host)?, &plan, shape)?;
+    run.forward(&kernels, stream, &dp, shape)?;
+    run.backward(&kernels, stream, &dp, shape)?;
+    let down = |x: &CudaSlice<bf16>| -> Result<Vec<f64>> { Ok(widen(&stream.clone_dtoh(x).map_err(gpu_err("download results"))?)) };
+    let got = [down(&run.out)?, down(&run.dq)?, down(&run.dk)?, down(&run.dv)?];
+
+    let scale = (case.head_dim as f64).powf(-0.5);
+    let (q, k, v, dout) = (widen(&host.q), widen(&host.k), widen(&host.v), widen(&host.dout));
+    let (out, lse) = attention_forward(&plan, shape, &q, &k, &v, scale)?;
+    let (dq, dk, dv) = attention_backward(&plan, shape, &q, &k, &v, &out, &lse, &dout, scale)?;
+    let mut worst = [out, dq, dk, dv].iter().zip(&got).map(|(want, got)| rel_error(got, want)).collect::<Vec<_>>();
+    if plan.num_queries * plan.num_keys * case.num_heads <= DENSE_REFERENCE_LIMIT {
+        let dense = dense_reference(case, &plan, shape, [&q, &k, &v, &dout])?;
+        for (w, (want, got)) in worst.iter_mut().zip(dense.iter().zip(&got)) {
+            *w = w.max(rel_error(got, want));
+        }
+    }
+    Ok(CaseErrors { out: worst[0], dq: worst[1], dk: worst[2], dv: worst[3] })
+}
+
+/// out, dq, dk, dv of the reference's dense attention (f64, candle autograd of `sum(out*dout)`)
+/// with the dense mask of the case's layout (spec section 2) or the causal mask.
+fn dense_reference(case: &AttnCase, plan: &AttentionPlan, shape: AttnShape, [q, k, v, dout]: [&Vec<f64>; 4]) -> Result<[Vec<f64>; 4]> {
+    use candle_core::{Device, Tensor, Var};
+    let mask = match case.block_layout()? {
+        Some(layout) => layout.dense(case.kind),
+        None => dflash_reference::mask::causal_dense(case.kind, plan.num_queries),
+    };
+    let (nq, nk, d) = (plan.num_queries, plan.num_keys, shape.head_dim);
+    let var = |x: &Vec<f64>, rows: usize, heads: usize| Var::from_tensor(&Tensor::from_vec(x.clone(), (rows, heads, d), &Device::Cpu)?);
+    let (tq, tk, tv) = (var(q, nq, shape.num_heads)?, var(k, nk, shape.num_kv_heads)?, var(v, nk, shape.num_kv_heads)?);
+    let out = dflash_reference::attention::dense_attention(tq.as_tensor(), tk.as_tensor(), tv.as_tensor(), &mask)?;
+    let td = Tensor::from_vec(dout.clone(), (nq, shape.num_heads, d), &Device::Cpu)?;
+    let grads = (&out * &td)?.sum_all()?.backward()?;
+    let flat = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.flatten_all()?.to_vec1::<f64>()?) };
+    let grad = |x: &Var| -> Result<Vec<f64>> {
+        match grads.get(x.as_tensor()) {
+            Some(g) => flat(g),
+            None => Ok(vec![0.0; x.elem_count()]),
+        }
+    };
+    Ok([flat(&out)?, grad(&tq)?, grad(&tk)?, grad(&tv)?])
+}
+
+/// Times the forward and forward+backward of `case` (CUDA events, median after `warmup`), and
+/// measures the memory-pool growth of one forward+backward against the planned bytes.
+pub fn bench_case(gpu: &Gpu, case: &AttnCase, warmup: usize, iters: usize) -> Result<BenchTimes> {
+    let plan = case.plan()?;
+    let shape = case_shape(case);
+    let host = HostInputs::draw(case, &plan);
+    let stream = gpu.stream();
+    let kernels = AttentionKernels::load(gpu, case.head_dim)?;
+    let dp = DevicePlan::upload(stream, &plan)?;
+    let inputs = DeviceRun::upload_inputs(stream, &host)?;
+    let before = gpu.pool_used()?;
+    gpu.reset_pool_high()?;
+    let mut run = DeviceRun::new(stream, inputs, &plan, shape)?;
+    run.forward(&kernels, stream, &dp, shape)?;
+    run.backward(&kernels, stream, &dp, shape)?;
+    let extra_bytes = gpu.pool_used_high()?.saturating_sub(before);
+    let fwd_ms = gpu.time_ms(warmup, iters, || run.forward(&kernels, stream, &dp, shape))?;
+    let fwdbwd_ms = gpu.time_ms(warmup, iters, || {
+        run.forward(&kernels, stream, &dp, shape)?;
+        run.backward(&kernels, stream, &dp, shape)
+    })?;
+    Ok(BenchTimes { fwd_ms, fwdbwd_ms, extra_bytes, planned_extra_bytes: planned_extra_bytes(&plan, shape) as u64 })
+}
+
+/// The planner's bound on what one forward+backward allocates beyond its inputs: out and dq
+/// (`[Q, nh, d]` bf16), dk and dv (`[K, nkv, d]` bf16), lse and dsum (`[nh, Q]` f32). The
+/// kernels allocate nothing else: no score matrix, no mask, no expanded K/V.
+pub fn planned_extra_bytes(plan: &AttentionPlan, shape: AttnShape) -> usize {
+    let (nq, nk, d) = (plan.num_queries, plan.num_keys, shape.head_dim);
+    2 * (2 * nq * shape.num_heads * d) + 2 * (2 * nk * shape.num_kv_heads * d) + 2 * (4 * shape.num_heads * nq)
+}

@@ -1,0 +1,159 @@
+//! `xtask gpu-conformance` (on the H200): the CUDA attention kernels against the reference on the
+//! conformance cases, written as the attestation `fixtures/gpu/attestation.json` that the CI test
+//! `conformance/tests/attestation.rs` checks against the current kernel sources.
+
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use dflash_optimized::attention::cases::{conformance_cases, BF16_TOLERANCE};
+use dflash_optimized::attention::cuda::conformance_case;
+use dflash_optimized::gpu::Gpu;
+use dflash_optimized::kernels::{kernel_hash, KERNEL_SOURCES};
+use serde_json::{json, Value};
+
+use crate::args::Options;
+use crate::gpu_bundle;
+
+const HELP: &str = "usage: xtask gpu-conformance [options]     (on the GPU machine)
+
+Runs the CUDA attention kernels on the conformance cases (odd sizes, N=1, a padding block, S not a
+multiple of 64, a window larger than S, several documents, GQA 32/8 d=128, causal full and
+sliding) against the reference, and writes the attestation: the SHA-256 of the kernel sources, the
+GPU, the date, the commit, each case's relative errors (out, dQ, dK, dV) and the verdict (every
+error below 1e-2). Exits with an error when a case fails, after writing the file.
+
+options:
+  --out FILE      where the attestation goes       (default fixtures/gpu/attestation.json)
+  --commit SHA    the commit under test            (default: commit.txt next to the binary)";
+
+const OPTIONS: &[&str] = &["out", "commit"];
+
+/// Opens GPU 0, or says why there is none and how to run on the GPU machine.
+pub fn open_gpu() -> Result<Gpu, String> {
+    match Gpu::open(0).map_err(|e| e.to_string())? {
+        Some(gpu) => Ok(gpu),
+        None => Err("no CUDA GPU here (no driver library libcuda.so, or no device); run on the GPU machine: \
+                     `cargo xtask gpu-bundle` prints the command"
+            .to_string()),
+    }
+}
+
+/// Now in UTC, ISO 8601 to the second: `2026-11-29T14:03:59Z`.
+pub fn utc_now() -> String {
+    iso_utc(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()))
+}
+
+/// `secs` since the Unix epoch as ISO 8601 UTC.
+fn iso_utc(secs: u64) -> String {
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// Writes `value` as pretty JSON to `file` atomically, creating its folder.
+pub fn write_json(file: &Path, value: &Value) -> Result<(), String> {
+    if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    dflash_reference::io::write_atomically(file, |f| {
+        serde_json::to_writer_pretty(&mut *f, value).map_err(std::io::Error::other)?;
+        std::io::Write::write_all(f, b"\n")
+    })
+    .map_err(|e| e.to_string())
+}
+
+pub fn run(args: Vec<String>) -> Result<(), String> {
+    let Some(opts) = Options::parse(args, OPTIONS)? else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    let out: PathBuf = opts.get("out", PathBuf::from("fixtures/gpu/attestation.json"))?;
+    let commit: String = opts.get("commit", String::new())?;
+    let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
+    let gpu = open_gpu()?;
+    if KERNEL_SOURCES.is_empty() {
+        return Err("no kernel sources are embedded (optimized/kernels/*.cu): nothing to attest".to_string());
+    }
+    let hash = kernel_hash();
+    let files: Vec<&str> = KERNEL_SOURCES.iter().map(|&(name, _)| name).collect();
+    println!("GPU conformance on {} (commit {commit}); kernels {} sha256 {hash}", gpu.name(), files.join(", "));
+    println!("{:<24} {:>10} {:>10} {:>10} {:>10}  {:<6} {:>7}", "case", "out", "dq", "dk", "dv", "result", "time");
+
+    let mut cases = Vec::new();
+    for case in conformance_cases() {
+        let started = Instant::now();
+        let outcome = conformance_case(&gpu, &case);
+        let secs = started.elapsed().as_secs_f64();
+        let entry = match outcome {
+            Ok(errors) => {
+                let pass = errors.pass();
+                println!(
+                    "{:<24} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e}  {:<6} {secs:>6.1}s",
+                    case.name,
+                    errors.out,
+                    errors.dq,
+                    errors.dk,
+                    errors.dv,
+                    if pass { "pass" } else { "FAIL" }
+                );
+                json!({
+                    "name": case.name,
+                    "errors": { "out": errors.out, "dq": errors.dq, "dk": errors.dk, "dv": errors.dv },
+                    "pass": pass,
+                })
+            }
+            Err(e) => {
+                println!("{:<24} error after {secs:.1}s: {e}", case.name);
+                json!({ "name": case.name, "errors": Value::Null, "pass": false, "error": e.to_string() })
+            }
+        };
+        cases.push(entry);
+    }
+    let failed: Vec<&str> =
+        cases.iter().filter(|c| c["pass"] != Value::Bool(true)).filter_map(|c| c["name"].as_str()).collect();
+    let verdict = if failed.is_empty() { "pass" } else { "fail" };
+    let attestation = json!({
+        "kernel_hash": hash,
+        "kernel_files": files,
+        "gpu": gpu.name(),
+        "date": utc_now(),
+        "commit": commit,
+        "tolerance": BF16_TOLERANCE,
+        "cases": cases,
+        "verdict": verdict,
+    });
+    write_json(&out, &attestation)?;
+    println!(
+        "verdict: {verdict} ({} of {} cases pass); wrote {}",
+        cases.len() - failed.len(),
+        cases.len(),
+        out.display()
+    );
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("GPU conformance failed on: {}", failed.join(", ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{iso_utc, utc_now};
+
+    #[test]
+    fn iso_utc_dates() {
+        assert_eq!(iso_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(iso_utc(951_827_696), "2000-02-29T12:34:56Z");
+        assert_eq!(iso_utc(1_798_761_599), "2026-12-31T23:59:59Z");
+        assert_eq!(utc_now().len(), 20);
+    }
+}
