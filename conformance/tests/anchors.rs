@@ -118,12 +118,14 @@ proptest! {
 /// Chi-square: within one draw, two candidates are both picked with probability
 /// N(N-1)/(c(c-1)), so Cov(count_i, count_k) = -T p(1-p)/(c-1) and the counts' covariance is
 /// T p(1-p) c/(c-1) (I - 11^T/c). Hence X = (c-1)/c * sum_i (count_i - Tp)^2 / (T p(1-p)) is
-/// asymptotically chi-square with c-1 degrees of freedom, and by Laurent-Massart
+/// asymptotically chi-square with k = c-1 degrees of freedom, and by Laurent-Massart
 /// `P(X >= k + 2 sqrt(k x) + 2x) <= e^-x`; x = 14 bounds a false alarm by 1e-6.
-/// A sampler that never draws one candidate adds T p/(1-p) >= 100 to X here, far above the bound.
+/// Power: a sampler that never draws one candidate adds (c-1)/c * T p/(1-p) >= T/c > 100
+/// (c < 39 here) to X, more than the bound's slack above the mean, 2 sqrt(14 k) + 28 < 75.
 #[test]
 fn draws_are_uniform_over_candidates() {
     const T: usize = 4000;
+    let mut tested = 0;
     for case_seed in 0..8u64 {
         let mut rng = ChaCha8Rng::seed_from_u64(1000 + case_seed);
         let len = rng.random_range(12..40);
@@ -167,7 +169,9 @@ fn draws_are_uniform_over_candidates() {
             stat < bound,
             "chi-square {stat:.1} above {bound:.1} (c = {c}, N = {n}, counts {counts:?})"
         );
+        tested += 1;
     }
+    assert!(tested >= 6, "only {tested} of 8 masks had 3+ candidates");
 }
 
 proptest! {

@@ -65,12 +65,25 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 __device__ __forceinline__ u32 lds32(const bf16* p) { return *reinterpret_cast<const u32*>(p); }
 
-// B fragment of a [16 keys x 8 cols] slice of a row-major [key][col] tile, read transposed:
-// rows row0..row0+15, columns col0..col0+7 (lanes 0-15 give the row addresses).
-__device__ __forceinline__ void ldsm_x2_trans(u32& b0, u32& b1, const bf16* tile, int row0, int col0, int lane) {
-    const bf16* p = tile + (row0 + (lane & 15)) * SROW + col0;
+// B fragments of two k-steps of one n-tile of a row-major [n][k] tile (keys as n, head dim as
+// k): rows n0..n0+7, columns k0..k0+31 -> (b0, b1) of k-step k0 and of k-step k0+16.
+__device__ __forceinline__ void ldsm_x4(u32 b[4], const bf16* tile, int n0, int k0, int lane) {
+    const bf16* p = tile + (n0 + (lane & 7)) * SROW + k0 + 8 * (lane >> 3);
     u32 addr = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(addr));
+}
+
+// B fragments of two n-tiles of a row-major [k][n] tile read transposed (keys as k, head dim as
+// n): rows k0..k0+15, columns n0..n0+15 -> (b0, b1) of n-tile n0 and of n-tile n0+8.
+__device__ __forceinline__ void ldsm_x4_trans(u32 b[4], const bf16* tile, int k0, int n0, int lane) {
+    const int m = lane >> 3;
+    const bf16* p = tile + (k0 + (m & 1) * 8 + (lane & 7)) * SROW + n0 + (m >> 1) * 8;
+    u32 addr = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(addr));
 }
 
 __device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool valid) {
@@ -169,13 +182,50 @@ __device__ __forceinline__ void load_row_frags(u32 frag[DK][4], const bf16* x, c
 
 // s[nt] (16 rows x 8 keys of the tile) = A(rows) . tile^T, tile row-major [key][d].
 __device__ __forceinline__ void rows_times_tile(float s[TILE_K / 8][4], const u32 a[DK][4], const bf16* tile) {
-    const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int nt = 0; nt < TILE_K / 8; nt++) {
         s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-        const bf16* krow = tile + (nt * 8 + gq) * SROW + 2 * tq;
 #pragma unroll
-        for (int kk = 0; kk < DK; kk++) mma16816(s[nt], a[kk], lds32(krow + kk * 16), lds32(krow + kk * 16 + 8));
+        for (int kk = 0; kk < DK; kk += 2) {
+            u32 b[4];
+            ldsm_x4(b, tile, nt * 8, kk * 16, lane);
+            mma16816(s[nt], a[kk], b[0], b[1]);
+            mma16816(s[nt], a[kk + 1], b[2], b[3]);
+        }
+    }
+}
+
+// A fragments (16 rows x 16 of the head dim, k-step kk) of rows row0..row0+15 of a row-major
+// [row][d] shared tile.
+__device__ __forceinline__ void ldsm_a(u32 a[4], const bf16* tile, int row0, int kk, int lane) {
+    const int m = lane >> 3;
+    const bf16* p = tile + (row0 + (m & 1) * 8 + (lane & 7)) * SROW + kk * 16 + (m >> 1) * 8;
+    u32 addr = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+}
+
+// s[nt] (16 rows x 8 keys) = A . tile^T with the A rows row0..row0+15 read from the shared tile
+// a_tile k-step by k-step (keeps the A operand out of registers).
+__device__ __forceinline__ void shared_rows_times_tile(float s[TILE_K / 8][4], const bf16* a_tile, int row0,
+                                                       const bf16* tile) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nt = 0; nt < TILE_K / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DK; kk += 2) {
+        u32 a0[4], a1[4];
+        ldsm_a(a0, a_tile, row0, kk, lane);
+        ldsm_a(a1, a_tile, row0, kk + 1, lane);
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++) {
+            u32 b[4];
+            ldsm_x4(b, tile, nt * 8, kk * 16, lane);
+            mma16816(s[nt], a0, b[0], b[1]);
+            mma16816(s[nt], a1, b[2], b[3]);
+        }
     }
 }
 
@@ -199,10 +249,11 @@ __device__ __forceinline__ void probs_times_tile(float acc[DN][4], const float p
         u32 a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
                     pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
-        for (int nd = 0; nd < DN; nd++) {
-            u32 b0, b1;
-            ldsm_x2_trans(b0, b1, tile, kk * 16, nd * 8, lane);
-            mma16816(acc[nd], a, b0, b1);
+        for (int nd = 0; nd < DN; nd += 2) {
+            u32 b[4];
+            ldsm_x4_trans(b, tile, kk * 16, nd * 8, lane);
+            mma16816(acc[nd], a, b[0], b[1]);
+            mma16816(acc[nd + 1], a, b[2], b[3]);
         }
     }
 }
@@ -216,7 +267,7 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// Forward: out and lse (natural log) of every row. Grid (groups, nkv), block 32 * ceil(R*G/16).
+// Forward: out and lse (natural log) of every row. Grid (nkv, groups), block 32 * ceil(R*G/16).
 extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
@@ -224,7 +275,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sK = reinterpret_cast<bf16*>(smem);  // [2][TILE_K][SROW]
     bf16* sV = sK + 2 * TILE_K * SROW;         // [2][TILE_K][SROW]
-    const int group = blockIdx.x, kh = blockIdx.y, G = nh / nkv, R = group_rows;
+    // Grid (nkv, groups), groups launched last-first: later anchors see more keys, so the longest
+    // CTAs start first and the short ones fill the tail.
+    const int group = gridDim.y - 1 - blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
     const int lane = threadIdx.x % 32, tq = lane % 4;
     const RowGroup g = groups[group];
     const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block);
@@ -328,16 +381,29 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sK = reinterpret_cast<bf16*>(smem);
     bf16* sV = sK + 2 * TILE_K * SROW;
-    const int group = blockIdx.x, kh = blockIdx.y, G = nh / nkv, R = group_rows;
+    // Grid (nkv, groups), groups launched last-first: later anchors see more keys, so the longest
+    // CTAs start first and the short ones fill the tail.
+    const int group = gridDim.y - 1 - blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
     const int lane = threadIdx.x % 32, tq = lane % 4;
     const RowGroup g = groups[group];
     const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block);
     const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
     const float scale_log2 = scale * LOG2E;
 
-    u32 qa[DK][4], da[DK][4];
+    // This CTA's dout rows, staged once in shared memory (row rho of the CTA at row rho).
+    bf16* sDo = sV + 2 * TILE_K * SROW;  // [32 * warps / 2][SROW]
+    const int cta_rows = blockDim.x / 2;
+    for (int c = threadIdx.x; c < cta_rows * (HEAD_DIM / 8); c += blockDim.x) {
+        const int rho = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
+        const int hh = rho / R, r = rho % R;
+        const bool ok = hh < G && r < min(R, num_queries - group * R);
+        const size_t at = ok ? ((size_t)(group * R + r) * nh + kh * G + hh) * HEAD_DIM + col : 0;
+        cp_async16(sDo + rho * SROW + col, dout + at, ok);
+    }
+    cp_async_commit();
+    u32 qa[DK][4];
     load_row_frags(qa, q, lr, nh);
-    load_row_frags(da, dout, lr, nh);
+    const int warp_row0 = (threadIdx.x / 32) * 16;
     float lse2[2], ds_row[2];
     for (int i = 0; i < 2; i++) {
         const size_t at = (size_t)lr.h[i] * num_queries + lr.q[i];
@@ -370,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
         const bf16* tV = sV + stage * TILE_K * SROW;
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         rows_times_tile(s, qa, tK);
-        rows_times_tile(dp, da, tV);
+        shared_rows_times_tile(dp, sDo, warp_row0, tV);
         const bool full = walk.full(t);
 #pragma unroll
         for (int nt = 0; nt < TILE_K / 8; nt++)
@@ -395,9 +461,59 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
 }
 
 // dK, dV, key-major: a CTA owns one KV tile (TILE_K keys; warp w keys 16w..16w+15) of one KV
-// head and walks the row groups that may see it (kv_ranges[tile]), CHUNK rows at a time:
-// dv += p^T dout, dk += scale * ds^T q. Grid (kv tiles, nkv), block 128.
+// head and walks the row groups that may see it (kv_ranges[tile]), CHUNK rows at a time, the
+// next chunk's rows loading while this one computes: dv += p^T dout, dk += scale * ds^T q.
+// Grid (nkv, kv tiles): the early context tiles, seen by the most groups, start first. Block 128.
 #define CHUNK 64
+
+// One staged chunk of query rows: q and dout rows, lse (log2 domain), dsum and row bounds.
+struct ChunkStage {
+    bf16* q;       // [CHUNK][SROW]
+    bf16* dout;    // [CHUNK][SROW]
+    float* lse2;   // [CHUNK]
+    float* dsum;   // [CHUNK]
+    int* bounds;   // [CHUNK][4]
+};
+
+__device__ __forceinline__ ChunkStage chunk_stage(unsigned char* base) {
+    ChunkStage c;
+    c.q = reinterpret_cast<bf16*>(base);
+    c.dout = c.q + CHUNK * SROW;
+    c.lse2 = reinterpret_cast<float*>(c.dout + CHUNK * SROW);
+    c.dsum = c.lse2 + CHUNK;
+    c.bounds = reinterpret_cast<int*>(c.dsum + CHUNK);
+    return c;
+}
+#define CHUNK_STAGE_BYTES (2 * CHUNK * SROW * 2 + CHUNK * (4 + 4 + 16))
+
+__device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
+                                                 int G, int kh, int num_queries, int window, int causal_in_block,
+                                                 const bf16* q, const bf16* dout, const float* lse, const float* dsum,
+                                                 int nh) {
+    const int rows_per_group = R * G, rows_valid = min(R, num_queries - group * R);
+    for (int c = threadIdx.x; c < CHUNK * (HEAD_DIM / 8); c += blockDim.x) {
+        const int rr = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, rho = c0 + rr;
+        const int hh = rho / R, r = rho % R;
+        const bool ok = rho < rows_per_group && r < rows_valid;
+        const size_t at = ok ? ((size_t)(group * R + r) * nh + kh * G + hh) * HEAD_DIM + col : 0;
+        cp_async16(st.q + rr * SROW + col, q + at, ok);
+        cp_async16(st.dout + rr * SROW + col, dout + at, ok);
+    }
+    for (int rr = threadIdx.x; rr < CHUNK; rr += blockDim.x) {
+        const int rho = c0 + rr, hh = rho / R, r = rho % R;
+        const bool ok = rho < rows_per_group && r < rows_valid;
+        const size_t at = (size_t)(kh * G + hh) * num_queries + group * R + r;
+        st.lse2[rr] = ok ? lse[at] * LOG2E : INFINITY;
+        st.dsum[rr] = ok ? dsum[at] : 0.f;
+        RowBounds b = row_bounds(g, r, window, causal_in_block);
+        if (!ok) b.lo = b.hi = b.blo = b.bhi = 0;
+        st.bounds[4 * rr] = b.lo;
+        st.bounds[4 * rr + 1] = b.hi;
+        st.bounds[4 * rr + 2] = b.blo;
+        st.bounds[4 * rr + 3] = b.bhi;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
     const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
     int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -406,19 +522,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sK = reinterpret_cast<bf16*>(smem);  // [TILE_K][SROW]
     bf16* sV = sK + TILE_K * SROW;             // [TILE_K][SROW]
-    bf16* sQ = sV + TILE_K * SROW;             // [CHUNK][SROW]
-    bf16* sD = sQ + CHUNK * SROW;              // [CHUNK][SROW] (dout rows)
-    float* sLse = reinterpret_cast<float*>(sD + CHUNK * SROW);  // [CHUNK], log2 domain
-    float* sDsum = sLse + CHUNK;                                 // [CHUNK]
-    int* sBounds = reinterpret_cast<int*>(sDsum + CHUNK);        // [CHUNK][4]
-    const int tile = blockIdx.x, kh = blockIdx.y, G = nh / nkv, R = group_rows;
+    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * SROW);
+    const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
     const int key0 = tile * TILE_K;
     const float scale_log2 = scale * LOG2E;
 
     load_kv_tile_async(sK, k, key0, num_keys, nkv, kh);
     load_kv_tile_async(sV, v, key0, num_keys, nkv, kh);
-    cp_async_commit();
 
     float dK[DN][4], dV[DN][4];
 #pragma unroll
@@ -426,82 +537,68 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
 #pragma unroll
         for (int e = 0; e < 4; e++) dK[nd][e] = dV[nd][e] = 0.f;
 
-    const u32 g_first = kv_ranges[2 * tile], g_end = kv_ranges[2 * tile + 1];
-    const int rows_per_group = R * G;
+    const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
+    const int chunks = (R * G + CHUNK - 1) / CHUNK;
+    const int items = (g_end - g_first) * chunks;
     const int my_key[2] = {key0 + warp * 16 + gq, key0 + warp * 16 + gq + 8};
-    for (u32 group = g_first; group < g_end; group++) {
-        const RowGroup g = groups[group];
-        const int rows_valid = min(R, num_queries - (int)group * R);
-        for (int c0 = 0; c0 < rows_per_group; c0 += CHUNK) {
-            __syncthreads();  // the previous chunk's shared rows are no longer read
-            // Stage this chunk's q and dout rows, lse, dsum and row bounds.
-            for (int c = threadIdx.x; c < CHUNK * (HEAD_DIM / 8); c += blockDim.x) {
-                const int rr = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, rho = c0 + rr;
-                const int hh = rho / R, r = rho % R;
-                const bool ok = rho < rows_per_group && r < rows_valid;
-                const size_t at = ((size_t)((int)group * R + r) * nh + kh * G + hh) * HEAD_DIM + col;
-                cp_async16(sQ + rr * SROW + col, q + (ok ? at : 0), ok);
-                cp_async16(sD + rr * SROW + col, dout + (ok ? at : 0), ok);
-            }
-            cp_async_commit();
-            for (int rr = threadIdx.x; rr < CHUNK; rr += blockDim.x) {
-                const int rho = c0 + rr, hh = rho / R, r = rho % R;
-                const bool ok = rho < rows_per_group && r < rows_valid;
-                const size_t at = (size_t)(kh * G + hh) * num_queries + (int)group * R + r;
-                sLse[rr] = ok ? lse[at] * LOG2E : INFINITY;
-                sDsum[rr] = ok ? dsum[at] : 0.f;
-                RowBounds b = row_bounds(g, r, window, causal_in_block);
-                if (!ok) b.lo = b.hi = b.blo = b.bhi = 0;
-                sBounds[4 * rr] = b.lo;
-                sBounds[4 * rr + 1] = b.hi;
-                sBounds[4 * rr + 2] = b.blo;
-                sBounds[4 * rr + 3] = b.bhi;
-            }
-            cp_async_wait_all();
-            __syncthreads();
-
-            // K and V rows of this warp's 16 keys as A fragments.
-            u32 ka[DK][4], va[DK][4];
-#pragma unroll
-            for (int kk = 0; kk < DK; kk++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int kr = warp * 16 + gq + 8 * i;
-                    ka[kk][i] = lds32(sK + kr * SROW + kk * 16 + 2 * tq);
-                    ka[kk][2 + i] = lds32(sK + kr * SROW + kk * 16 + 8 + 2 * tq);
-                    va[kk][i] = lds32(sV + kr * SROW + kk * 16 + 2 * tq);
-                    va[kk][2 + i] = lds32(sV + kr * SROW + kk * 16 + 8 + 2 * tq);
-                }
-            // s^T (16 keys x CHUNK rows) = K q^T; dp^T = V dout^T.
-            float st[CHUNK / 8][4], dpt[CHUNK / 8][4];
-            rows_times_tile(st, ka, sQ);
-            rows_times_tile(dpt, va, sD);
-#pragma unroll
-            for (int nt = 0; nt < CHUNK / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int rr = nt * 8 + 2 * tq + (e & 1);
-                    const int key = my_key[e >> 1];
-                    const int* b = sBounds + 4 * rr;
-                    const bool seen = (key >= b[0] && key < b[1]) || (key >= b[2] && key < b[3]);
-                    const float p = seen ? exp2f(st[nt][e] * scale_log2 - sLse[rr]) : 0.f;
-                    st[nt][e] = p;
-                    dpt[nt][e] = p * (dpt[nt][e] - sDsum[rr]);
-                }
-            probs_times_tile(dV, st, sD);
-            probs_times_tile(dK, dpt, sQ);
-        }
+    if (items > 0) {
+        const int group = g_first;
+        load_chunk_async(chunk_stage(stages), groups[group], group, 0, R, G, kh, num_queries, window, causal_in_block, q,
+                         dout, lse, dsum, nh);
     }
+    cp_async_commit();
+    for (int i = 0; i < items; i++) {
+        const int group = g_first + i / chunks;
+        if (i + 1 < items) {
+            const int next = g_first + (i + 1) / chunks;
+            load_chunk_async(chunk_stage(stages + ((i + 1) & 1) * CHUNK_STAGE_BYTES), groups[next], next, ((i + 1) % chunks) * CHUNK, R, G, kh,
+                             num_queries, window, causal_in_block, q, dout, lse, dsum, nh);
+            cp_async_commit();
+            cp_async_wait_all_but_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        const ChunkStage st = chunk_stage(stages + (i & 1) * CHUNK_STAGE_BYTES);
+        const RowGroup g = groups[group];
+        const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
+        // The tile lies inside every valid row's context interval: no per-element test (padding
+        // rows have lse2 = +inf, so their p is 0 anyway).
+        const bool full = walk.full(tile);
+
+        // s^T (16 keys x CHUNK rows) = K q^T; dp^T = V dout^T (this warp's 16 keys of K and V).
+        float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
+        shared_rows_times_tile(sT, sK, warp * 16, st.q);
+        shared_rows_times_tile(dpT, sV, warp * 16, st.dout);
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int key = my_key[i];
+        for (int nt = 0; nt < CHUNK / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int rr = nt * 8 + 2 * tq + (e & 1);
+                float p = exp2f(fmaf(sT[nt][e], scale_log2, -st.lse2[rr]));
+                if (!full) {
+                    const int key = my_key[e >> 1];
+                    const int* b = st.bounds + 4 * rr;
+                    if (!((key >= b[0] && key < b[1]) || (key >= b[2] && key < b[3]))) p = 0.f;
+                }
+                sT[nt][e] = p;
+                dpT[nt][e] = p * (dpT[nt][e] - st.dsum[rr]);
+            }
+        probs_times_tile(dV, sT, st.dout);
+        probs_times_tile(dK, dpT, st.q);
+        __syncthreads();
+    }
+    cp_async_wait_all();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int key = my_key[h];
         if (key >= num_keys) continue;
         bf16* krow = dk + ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
         bf16* vrow = dv + ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
 #pragma unroll
         for (int nd = 0; nd < DN; nd++) {
-            *reinterpret_cast<u32*>(krow + nd * 8) = pack_bf16(dK[nd][2 * i] * scale, dK[nd][2 * i + 1] * scale);
-            *reinterpret_cast<u32*>(vrow + nd * 8) = pack_bf16(dV[nd][2 * i], dV[nd][2 * i + 1]);
+            *reinterpret_cast<u32*>(krow + nd * 8) = pack_bf16(dK[nd][2 * h] * scale, dK[nd][2 * h + 1] * scale);
+            *reinterpret_cast<u32*>(vrow + nd * 8) = pack_bf16(dV[nd][2 * h], dV[nd][2 * h + 1]);
         }
     }
 }

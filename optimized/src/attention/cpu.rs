@@ -98,9 +98,9 @@ pub fn group_tiles(plan: &AttentionPlan, g: usize) -> impl Iterator<Item = (usiz
     first.chain(second).filter_map(move |t| tile_kind(plan, g, t).map(|kind| (t, kind)))
 }
 
-/// The keys of `[k0, k1)` that a row with intervals `rows` sees, in a tile of `kind`.
-fn row_keys(kind: TileKind, rows: [(usize, usize); 2], k0: usize, k1: usize) -> impl Iterator<Item = usize> {
-    (k0..k1).filter(move |&k| kind == TileKind::Full || rows.iter().any(|&(lo, hi)| lo <= k && k < hi))
+/// The keys of `[k0, k1)` that a row with `intervals` (`row_intervals`) sees, in a tile of `kind`.
+fn row_keys(kind: TileKind, intervals: [(usize, usize); 2], k0: usize, k1: usize) -> impl Iterator<Item = usize> {
+    (k0..k1).filter(move |&k| kind == TileKind::Full || intervals.iter().any(|&(lo, hi)| lo <= k && k < hi))
 }
 
 /// The rows `(query, head)` of group `g` under KV head `kh`: the group's queries times the

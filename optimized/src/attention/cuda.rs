@@ -35,11 +35,8 @@ pub struct DevicePlan {
 impl DevicePlan {
     /// Uploads `plan`.
     pub fn upload(stream: &Arc<CudaStream>, plan: &AttentionPlan) -> Result<Self> {
-        let groups: Vec<u32> = plan
-            .groups
-            .iter()
-            .flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len])
-            .collect();
+        let groups: Vec<u32> =
+            plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
         let kv_ranges: Vec<u32> = plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]).collect();
         let upload = |v: &[u32]| stream.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
         Ok(DevicePlan {
@@ -63,22 +60,31 @@ pub struct AttentionKernels {
     dkdv: CudaFunction,
 }
 
-/// Dynamic shared memory of the query-major kernels: two stages of K and V tiles.
-fn query_major_smem(head_dim: usize) -> usize {
+/// Dynamic shared memory of the forward: two stages of K and V tiles.
+fn forward_smem(head_dim: usize) -> usize {
     2 * 2 * TILE_K * (head_dim + 8) * 2
 }
 
-/// Dynamic shared memory of the key-major backward: K, V, q and dout tiles, lse, dsum, bounds.
+/// Dynamic shared memory of the dQ pass: the forward's, plus the CTA's dout rows.
+fn dq_smem(head_dim: usize) -> usize {
+    forward_smem(head_dim) + MAX_CTA_ROWS * (head_dim + 8) * 2
+}
+
+/// Dynamic shared memory of the key-major backward: K and V tiles, and two stages of q and
+/// dout rows with their lse, dsum and row bounds.
 fn dkdv_smem(head_dim: usize) -> usize {
-    (2 * TILE_K + 2 * DKDV_CHUNK) * (head_dim + 8) * 2 + DKDV_CHUNK * (4 + 4 + 16)
+    2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + DKDV_CHUNK * (4 + 4 + 16))
 }
 
 impl AttentionKernels {
     /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
-    /// multiple of 16 up to 256.
+    /// multiple of 32 up to 256 (fragments are loaded two k-steps at a time).
     pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
-        if head_dim == 0 || head_dim % 16 != 0 || head_dim > 256 {
-            return Err(Error::invalid("head_dim", format!("{head_dim}: the CUDA kernels need a multiple of 16 up to 256")));
+        if head_dim == 0 || head_dim % 32 != 0 || head_dim > 256 {
+            return Err(Error::invalid(
+                "head_dim",
+                format!("{head_dim}: the CUDA kernels need a multiple of 32 up to 256"),
+            ));
         }
         let module: &'static str = Box::leak(format!("attention_d{head_dim}").into_boxed_str());
         let source: &'static str = Box::leak(format!("#define HEAD_DIM {head_dim}\n{SOURCE}").into_boxed_str());
@@ -92,25 +98,35 @@ impl AttentionKernels {
         };
         Ok(AttentionKernels {
             head_dim,
-            forward: function("attention_forward", query_major_smem(head_dim))?,
+            forward: function("attention_forward", forward_smem(head_dim))?,
             dsum: function("attention_backward_dsum", 0)?,
-            dq: function("attention_backward_dq", query_major_smem(head_dim))?,
+            dq: function("attention_backward_dq", dq_smem(head_dim))?,
             dkdv: function("attention_backward_dkdv", dkdv_smem(head_dim))?,
         })
     }
 
     fn check(&self, plan: &AttentionPlan, shape: AttnShape) -> Result<(u32, u32)> {
         if shape.head_dim != self.head_dim {
-            return Err(Error::invalid("head_dim", format!("{} but the kernels were built for {}", shape.head_dim, self.head_dim)));
+            return Err(Error::invalid(
+                "head_dim",
+                format!("{} but the kernels were built for {}", shape.head_dim, self.head_dim),
+            ));
         }
         if shape.num_kv_heads == 0 || shape.num_heads % shape.num_kv_heads != 0 {
-            return Err(Error::invalid("num_kv_heads", format!("{} does not divide {} query heads", shape.num_kv_heads, shape.num_heads)));
+            return Err(Error::invalid(
+                "num_kv_heads",
+                format!("{} does not divide {} query heads", shape.num_kv_heads, shape.num_heads),
+            ));
         }
         let rows = plan.group_rows * (shape.num_heads / shape.num_kv_heads);
         if rows > MAX_CTA_ROWS {
             return Err(Error::invalid(
                 "group_rows",
-                format!("{} rows x {} heads per KV head exceed the kernels' {MAX_CTA_ROWS} rows per CTA", plan.group_rows, shape.num_heads / shape.num_kv_heads),
+                format!(
+                    "{} rows x {} heads per KV head exceed the kernels' {MAX_CTA_ROWS} rows per CTA",
+                    plan.group_rows,
+                    shape.num_heads / shape.num_kv_heads
+                ),
             ));
         }
         Ok((plan.groups.len() as u32, rows.div_ceil(16) as u32 * 32))
@@ -134,9 +150,14 @@ impl AttentionKernels {
             return Ok(());
         }
         let p = &dp.plan;
-        let (rows, nq, nk, win, cib) = (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
+        let (rows, nq, nk, win, cib) =
+            (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
         let (nh, nkv, scale) = (shape.num_heads as i32, shape.num_kv_heads as i32, (shape.head_dim as f32).powf(-0.5));
-        let cfg = LaunchConfig { grid_dim: (groups, shape.num_kv_heads as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: query_major_smem(self.head_dim) as u32 };
+        let cfg = LaunchConfig {
+            grid_dim: (shape.num_kv_heads as u32, groups, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: forward_smem(self.head_dim) as u32,
+        };
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
         b.arg(q).arg(k).arg(v).arg(out).arg(lse).arg(&nh).arg(&nkv).arg(&scale);
@@ -159,7 +180,8 @@ impl AttentionKernels {
     ) -> Result<()> {
         let (groups, threads) = self.check(&dp.plan, shape)?;
         let p = &dp.plan;
-        let (rows, nq, nk, win, cib) = (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
+        let (rows, nq, nk, win, cib) =
+            (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
         let (nh, nkv, scale) = (shape.num_heads as i32, shape.num_kv_heads as i32, (shape.head_dim as f32).powf(-0.5));
         let pairs = (p.num_queries * shape.num_heads) as u32;
         if pairs > 0 {
@@ -169,7 +191,11 @@ impl AttentionKernels {
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum"))?;
         }
         if groups > 0 {
-            let cfg = LaunchConfig { grid_dim: (groups, shape.num_kv_heads as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: query_major_smem(self.head_dim) as u32 };
+            let cfg = LaunchConfig {
+                grid_dim: (shape.num_kv_heads as u32, groups, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: dq_smem(self.head_dim) as u32,
+            };
             let mut b = stream.launch_builder(&self.dq);
             b.arg(&dp.groups).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
             b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dq).arg(&nh).arg(&nkv).arg(&scale);
@@ -177,10 +203,24 @@ impl AttentionKernels {
         }
         let tiles = p.num_keys.div_ceil(TILE_K) as u32;
         if tiles > 0 {
-            let cfg = LaunchConfig { grid_dim: (tiles, shape.num_kv_heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: dkdv_smem(self.head_dim) as u32 };
+            let cfg = LaunchConfig {
+                grid_dim: (shape.num_kv_heads as u32, tiles, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: dkdv_smem(self.head_dim) as u32,
+            };
             let mut b = stream.launch_builder(&self.dkdv);
             b.arg(&dp.groups).arg(&dp.kv_ranges).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
-            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dk).arg(&mut *dv).arg(&nh).arg(&nkv).arg(&scale);
+            b.arg(q)
+                .arg(k)
+                .arg(v)
+                .arg(dout)
+                .arg(lse)
+                .arg(&*dsum)
+                .arg(&mut *dk)
+                .arg(&mut *dv)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&scale);
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv"))?;
         }
         Ok(())
@@ -239,7 +279,12 @@ impl DeviceRun {
         Ok([up(&host.q)?, up(&host.k)?, up(&host.v)?, up(&host.dout)?])
     }
 
-    fn new(stream: &Arc<CudaStream>, inputs: [CudaSlice<bf16>; 4], plan: &AttentionPlan, shape: AttnShape) -> Result<Self> {
+    fn new(
+        stream: &Arc<CudaStream>,
+        inputs: [CudaSlice<bf16>; 4],
+        plan: &AttentionPlan,
+        shape: AttnShape,
+    ) -> Result<Self> {
         let [q, k, v, dout] = inputs;
         let (nq, nk) = (plan.num_queries.max(1), plan.num_keys.max(1));
         let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).map_err(gpu_err("allocate attention outputs"));
@@ -258,11 +303,23 @@ impl DeviceRun {
         })
     }
 
-    fn forward(&mut self, kernels: &AttentionKernels, stream: &Arc<CudaStream>, dp: &DevicePlan, shape: AttnShape) -> Result<()> {
+    fn forward(
+        &mut self,
+        kernels: &AttentionKernels,
+        stream: &Arc<CudaStream>,
+        dp: &DevicePlan,
+        shape: AttnShape,
+    ) -> Result<()> {
         kernels.forward(stream, dp, shape, &self.q, &self.k, &self.v, &mut self.out, &mut self.lse)
     }
 
-    fn backward(&mut self, kernels: &AttentionKernels, stream: &Arc<CudaStream>, dp: &DevicePlan, shape: AttnShape) -> Result<()> {
+    fn backward(
+        &mut self,
+        kernels: &AttentionKernels,
+        stream: &Arc<CudaStream>,
+        dp: &DevicePlan,
+        shape: AttnShape,
+    ) -> Result<()> {
         kernels.backward(
             stream,
             dp,
@@ -296,7 +353,9 @@ pub fn conformance_case(gpu: &Gpu, case: &AttnCase) -> Result<CaseErrors> {
     let mut run = DeviceRun::new(stream, DeviceRun::upload_inputs(stream, &host)?, &plan, shape)?;
     run.forward(&kernels, stream, &dp, shape)?;
     run.backward(&kernels, stream, &dp, shape)?;
-    let down = |x: &CudaSlice<bf16>| -> Result<Vec<f64>> { Ok(widen(&stream.clone_dtoh(x).map_err(gpu_err("download results"))?)) };
+    let down = |x: &CudaSlice<bf16>| -> Result<Vec<f64>> {
+        Ok(widen(&stream.clone_dtoh(x).map_err(gpu_err("download results"))?))
+    };
     let got = [down(&run.out)?, down(&run.dq)?, down(&run.dk)?, down(&run.dv)?];
 
     let scale = (case.head_dim as f64).powf(-0.5);
@@ -315,14 +374,21 @@ pub fn conformance_case(gpu: &Gpu, case: &AttnCase) -> Result<CaseErrors> {
 
 /// out, dq, dk, dv of the reference's dense attention (f64, candle autograd of `sum(out*dout)`)
 /// with the dense mask of the case's layout (spec section 2) or the causal mask.
-fn dense_reference(case: &AttnCase, plan: &AttentionPlan, shape: AttnShape, [q, k, v, dout]: [&Vec<f64>; 4]) -> Result<[Vec<f64>; 4]> {
+fn dense_reference(
+    case: &AttnCase,
+    plan: &AttentionPlan,
+    shape: AttnShape,
+    [q, k, v, dout]: [&Vec<f64>; 4],
+) -> Result<[Vec<f64>; 4]> {
     use candle_core::{Device, Tensor, Var};
     let mask = match case.block_layout()? {
         Some(layout) => layout.dense(case.kind),
         None => dflash_reference::mask::causal_dense(case.kind, plan.num_queries),
     };
     let (nq, nk, d) = (plan.num_queries, plan.num_keys, shape.head_dim);
-    let var = |x: &Vec<f64>, rows: usize, heads: usize| Var::from_tensor(&Tensor::from_vec(x.clone(), (rows, heads, d), &Device::Cpu)?);
+    let var = |x: &Vec<f64>, rows: usize, heads: usize| {
+        Var::from_tensor(&Tensor::from_vec(x.clone(), (rows, heads, d), &Device::Cpu)?)
+    };
     let (tq, tk, tv) = (var(q, nq, shape.num_heads)?, var(k, nk, shape.num_kv_heads)?, var(v, nk, shape.num_kv_heads)?);
     let out = dflash_reference::attention::dense_attention(tq.as_tensor(), tk.as_tensor(), tv.as_tensor(), &mask)?;
     let td = Tensor::from_vec(dout.clone(), (nq, shape.num_heads, d), &Device::Cpu)?;

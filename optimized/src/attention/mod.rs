@@ -2,6 +2,6 @@
 //! kernels. Never a dense mask, a score matrix or K/V expanded to the query heads.
 
 pub mod cases;
-pub mod plan;
 pub mod cpu;
 pub mod cuda;
+pub mod plan;
