@@ -50,12 +50,21 @@ __device__ __forceinline__ bool sees(const RowBounds& b, int key) {
     return (key >= b.lo && key < b.hi) || (key >= b.blo && key < b.bhi);
 }
 
+// Not volatile: the tensor-core ops carry no side effects, so the compiler may interleave
+// independent ones to hide their latency.
 __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x with the hardware approximation (2 ulp; exact 0 for -inf), ample for bf16 probabilities.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
@@ -184,15 +193,18 @@ __device__ __forceinline__ void load_row_frags(u32 frag[DK][4], const bf16* x, c
 __device__ __forceinline__ void rows_times_tile(float s[TILE_K / 8][4], const u32 a[DK][4], const bf16* tile) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int nt = 0; nt < TILE_K / 8; nt++) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int nt = 0; nt < TILE_K / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    // k-steps outer, key tiles inner: consecutive tensor-core ops write different accumulators.
 #pragma unroll
-        for (int kk = 0; kk < DK; kk += 2) {
-            u32 b[4];
-            ldsm_x4(b, tile, nt * 8, kk * 16, lane);
-            mma16816(s[nt], a[kk], b[0], b[1]);
-            mma16816(s[nt], a[kk + 1], b[2], b[3]);
+    for (int kk = 0; kk < DK; kk += 2) {
+        u32 b[TILE_K / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++) {
+            ldsm_x4(b[nt], tile, nt * 8, kk * 16, lane);
+            mma16816(s[nt], a[kk], b[nt][0], b[nt][1]);
         }
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++) mma16816(s[nt], a[kk + 1], b[nt][2], b[nt][3]);
     }
 }
 
@@ -216,16 +228,16 @@ __device__ __forceinline__ void shared_rows_times_tile(float s[TILE_K / 8][4], c
     for (int nt = 0; nt < TILE_K / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < DK; kk += 2) {
-        u32 a0[4], a1[4];
+        u32 a0[4], a1[4], b[TILE_K / 8][4];
         ldsm_a(a0, a_tile, row0, kk, lane);
         ldsm_a(a1, a_tile, row0, kk + 1, lane);
 #pragma unroll
         for (int nt = 0; nt < TILE_K / 8; nt++) {
-            u32 b[4];
-            ldsm_x4(b, tile, nt * 8, kk * 16, lane);
-            mma16816(s[nt], a0, b[0], b[1]);
-            mma16816(s[nt], a1, b[2], b[3]);
+            ldsm_x4(b[nt], tile, nt * 8, kk * 16, lane);
+            mma16816(s[nt], a0, b[nt][0], b[nt][1]);
         }
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++) mma16816(s[nt], a1, b[nt][2], b[nt][3]);
     }
 }
 
@@ -326,12 +338,12 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
             mx = quad_max(mx);
             const float m_new = fmaxf(m[i2], mx);
             const float base = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = exp2f(m[i2] - base);
+            const float alpha = fast_exp2(m[i2] - base);
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < TILE_K / 8; nt++) {
-                s[nt][2 * i2] = exp2f(s[nt][2 * i2] - base);
-                s[nt][2 * i2 + 1] = exp2f(s[nt][2 * i2 + 1] - base);
+                s[nt][2 * i2] = fast_exp2(s[nt][2 * i2] - base);
+                s[nt][2 * i2 + 1] = fast_exp2(s[nt][2 * i2 + 1] - base);
                 sum += s[nt][2 * i2] + s[nt][2 * i2 + 1];
             }
             l[i2] = l[i2] * alpha + sum;
@@ -443,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = t * TILE_K + nt * 8 + 2 * tq + (e & 1);
-                float p = exp2f(s[nt][e] * scale_log2 - lse2[e >> 1]);
+                float p = fast_exp2(s[nt][e] * scale_log2 - lse2[e >> 1]);
                 if (!full && !sees(lr.b[e >> 1], key)) p = 0.f;
                 s[nt][e] = p * (dp[nt][e] - ds_row[e >> 1]);
             }
@@ -575,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int rr = nt * 8 + 2 * tq + (e & 1);
-                float p = exp2f(fmaf(sT[nt][e], scale_log2, -st.lse2[rr]));
+                float p = fast_exp2(fmaf(sT[nt][e], scale_log2, -st.lse2[rr]));
                 if (!full) {
                     const int key = my_key[e >> 1];
                     const int* b = st.bounds + 4 * rr;
