@@ -18,11 +18,7 @@ fn random_mask(len: usize, density: f64, rng: &mut ChaCha8Rng) -> Vec<bool> {
 /// The candidates by the spec's words: positions whose token and next token are both learned
 /// (which also keeps `a + 1` inside the row).
 fn candidates(mask: &[bool]) -> Vec<usize> {
-    mask.windows(2)
-        .enumerate()
-        .filter(|(_, w)| w[0] && w[1])
-        .map(|(a, _)| a)
-        .collect()
+    mask.windows(2).enumerate().filter(|(_, w)| w[0] && w[1]).map(|(a, _)| a).collect()
 }
 
 fn draw(mask: &[bool], n_max: usize, seed: u64) -> Anchors {
@@ -165,10 +161,7 @@ fn draws_are_uniform_over_candidates() {
         let k = (c - 1) as f64;
         let stat = chi2 * k / c as f64;
         let bound = k + 2.0 * (k * x).sqrt() + 2.0 * x;
-        assert!(
-            stat < bound,
-            "chi-square {stat:.1} above {bound:.1} (c = {c}, N = {n}, counts {counts:?})"
-        );
+        assert!(stat < bound, "chi-square {stat:.1} above {bound:.1} (c = {c}, N = {n}, counts {counts:?})");
         tested += 1;
     }
     assert!(tested >= 6, "only {tested} of 8 masks had 3+ candidates");
@@ -244,10 +237,7 @@ proptest! {
 #[test]
 fn hand_worked_targets() {
     let tokens = [10, 11, 12, 13, 14];
-    let anchors = Anchors {
-        positions: vec![1, 3, 3],
-        keep: vec![true, true, false],
-    };
+    let anchors = Anchors { positions: vec![1, 3, 3], keep: vec![true, true, false] };
     let mask = [false, true, true, true, true];
     let t = BlockTargets::new(&tokens, &mask, &anchors, 3, 2.0);
     let e = (-0.5f64).exp();

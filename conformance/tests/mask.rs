@@ -27,11 +27,7 @@ fn random_case(seed: u64) -> Case {
     let n = rng.random_range(1..=5);
     let packed = rng.random_bool(0.6);
     let doc_ids = packed.then(|| {
-        let pad = if rng.random_bool(0.5) {
-            rng.random_range(0..=s / 3)
-        } else {
-            0
-        };
+        let pad = if rng.random_bool(0.5) { rng.random_range(0..=s / 3) } else { 0 };
         let mut doc = 0;
         (0..s)
             .map(|i| {
@@ -57,12 +53,7 @@ fn random_case(seed: u64) -> Case {
 
 /// The attention kinds to check a layout with: full and the case's sliding window.
 fn kinds(case: &Case) -> [AttnKind; 2] {
-    [
-        AttnKind::Full,
-        AttnKind::Sliding {
-            window: case.window,
-        },
-    ]
+    [AttnKind::Full, AttnKind::Sliding { window: case.window }]
 }
 
 /// Context keys (`k < S`) that query `q` sees.
@@ -73,10 +64,7 @@ fn seen_context(l: &BlockLayout, kind: AttnKind, q: usize) -> Vec<usize> {
 /// Block keys (`k >= S`) that query `q` sees, as (block, offset).
 fn seen_block_keys(l: &BlockLayout, kind: AttnKind, q: usize) -> Vec<(usize, usize)> {
     let (s, b) = (l.context_len, l.block_size);
-    (s..l.num_keys())
-        .filter(|&k| l.allow(kind, q, k))
-        .map(|k| ((k - s) / b, (k - s) % b))
-        .collect()
+    (s..l.num_keys()).filter(|&k| l.allow(kind, q, k)).map(|k| ((k - s) / b, (k - s) % b)).collect()
 }
 
 /// The context keys of the anchor's own document that precede it: walking left from `a - 1`
@@ -302,19 +290,10 @@ proptest! {
 ///   q3 sees no context and keys {8, 9}; q4, q5 see nothing.
 #[test]
 fn hand_worked_layout() {
-    let layout = BlockLayout::new(
-        6,
-        2,
-        vec![2, 4, 4],
-        vec![true, true, false],
-        Some(vec![0, 0, 0, 1, 1, -1]),
-    )
-    .expect("layout");
+    let layout =
+        BlockLayout::new(6, 2, vec![2, 4, 4], vec![true, true, false], Some(vec![0, 0, 0, 1, 1, -1])).expect("layout");
     let rows = |pairs: &[&[usize]]| -> Vec<bool> {
-        pairs
-            .iter()
-            .flat_map(|keys| (0..12).map(move |k| keys.contains(&k)))
-            .collect()
+        pairs.iter().flat_map(|keys| (0..12).map(move |k| keys.contains(&k))).collect()
     };
     let full = rows(&[&[0, 1, 6, 7], &[0, 1, 6, 7], &[3, 8, 9], &[3, 8, 9], &[], &[]]);
     let sliding = rows(&[&[1, 6], &[6, 7], &[3, 8], &[8, 9], &[], &[]]);

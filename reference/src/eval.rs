@@ -22,7 +22,14 @@ pub struct EvalReport {
 }
 
 /// Evaluates `drafter` on `rows` with anchors drawn from `seed` (the same every call).
-pub fn evaluate(drafter: &Drafter, head: &FrozenHead, rows: &[TrainRow], max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
+pub fn evaluate(
+    drafter: &Drafter,
+    head: &FrozenHead,
+    rows: &[TrainRow],
+    max_anchors: usize,
+    gamma: f64,
+    seed: u64,
+) -> Result<EvalReport> {
     let b = drafter.config.block_size;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (mut sum, mut total) = (0.0, 0.0);

@@ -82,7 +82,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     print!("data: sampling {n_rows} rows of {PROMPT_LEN}+{CONTINUATION_LEN} tokens from the target ... ");
     let data =
         generate_rows(&target, &config, n_rows, PROMPT_LEN, CONTINUATION_LEN, temperature, &mut rng).map_err(err)?;
-    let held_out = generate_rows(&target, &config, EVAL_ROWS, PROMPT_LEN, CONTINUATION_LEN, temperature, &mut rng).map_err(err)?;
+    let held_out =
+        generate_rows(&target, &config, EVAL_ROWS, PROMPT_LEN, CONTINUATION_LEN, temperature, &mut rng).map_err(err)?;
     let floor = target_entropy(&target, &data, temperature).map_err(err)?;
     println!("done in {:.1}s (target's next-token entropy: {floor:.3} nats)", started.elapsed().as_secs_f64());
 
@@ -106,7 +107,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let train_started = Instant::now();
     let every = (steps / 20).max(1);
     let reports = train(&drafter, &target.frozen_head(), &data, &train_opts, |r: &StepReport| {
-        if r.step % every == 0 || r.step + 1 == steps {
+        if r.step.is_multiple_of(every) || r.step + 1 == steps {
             println!(
                 "{:>6} {:>9.4} {:>10.3e} {:>10.3} {:>8.1}s",
                 r.step,

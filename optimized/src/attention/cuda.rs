@@ -80,7 +80,7 @@ impl AttentionKernels {
     /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
     /// multiple of 32 up to 256 (fragments are loaded two k-steps at a time).
     pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
-        if head_dim == 0 || head_dim % 32 != 0 || head_dim > 256 {
+        if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
             return Err(Error::invalid(
                 "head_dim",
                 format!("{head_dim}: the CUDA kernels need a multiple of 32 up to 256"),
@@ -112,7 +112,7 @@ impl AttentionKernels {
                 format!("{} but the kernels were built for {}", shape.head_dim, self.head_dim),
             ));
         }
-        if shape.num_kv_heads == 0 || shape.num_heads % shape.num_kv_heads != 0 {
+        if shape.num_kv_heads == 0 || !shape.num_heads.is_multiple_of(shape.num_kv_heads) {
             return Err(Error::invalid(
                 "num_kv_heads",
                 format!("{} does not divide {} query heads", shape.num_kv_heads, shape.num_heads),
