@@ -151,6 +151,28 @@ __device__ TileWalk tile_walk(const RowGroup& g, int rows_valid, int window) {
     return w;
 }
 
+// Starts loading the K and V tiles of walk tile i into stage i & 1 of sK and sV.
+__device__ __forceinline__ void load_walk_tile(bf16* sK, bf16* sV, const TileWalk& walk, int i, const bf16* k,
+                                               const bf16* v, int num_keys, int nkv, int kh) {
+    const int stage = i & 1, key0 = walk.tile(i) * TILE_K;
+    load_kv_tile_async(sK + stage * TILE_K * SROW, k, key0, num_keys, nkv, kh);
+    load_kv_tile_async(sV + stage * TILE_K * SROW, v, key0, num_keys, nkv, kh);
+    cp_async_commit();
+}
+
+// Before computing walk tile i of n: starts tile i+1's load into the other stage, then waits
+// until tile i has landed for every thread.
+__device__ __forceinline__ void advance_walk(bf16* sK, bf16* sV, const TileWalk& walk, int i, int n, const bf16* k,
+                                             const bf16* v, int num_keys, int nkv, int kh) {
+    if (i + 1 < n) {
+        load_walk_tile(sK, sV, walk, i + 1, k, v, num_keys, nkv, kh);
+        cp_async_wait_all_but_one();
+    } else {
+        cp_async_wait_all();
+    }
+    __syncthreads();
+}
+
 // This lane's two rows (fragment rows gq and gq+8 of its warp) in a query-major CTA.
 struct LaneRows {
     int q[2], h[2];
@@ -304,23 +326,10 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     const int n = walk.count();
-    if (n > 0) {
-        load_kv_tile_async(sK, k, walk.tile(0) * TILE_K, num_keys, nkv, kh);
-        load_kv_tile_async(sV, v, walk.tile(0) * TILE_K, num_keys, nkv, kh);
-        cp_async_commit();
-    }
+    if (n > 0) load_walk_tile(sK, sV, walk, 0, k, v, num_keys, nkv, kh);
     for (int i = 0; i < n; i++) {
         const int stage = i & 1, t = walk.tile(i);
-        if (i + 1 < n) {
-            const int next = walk.tile(i + 1) * TILE_K;
-            load_kv_tile_async(sK + (stage ^ 1) * TILE_K * SROW, k, next, num_keys, nkv, kh);
-            load_kv_tile_async(sV + (stage ^ 1) * TILE_K * SROW, v, next, num_keys, nkv, kh);
-            cp_async_commit();
-            cp_async_wait_all_but_one();
-        } else {
-            cp_async_wait_all();
-        }
-        __syncthreads();
+        advance_walk(sK, sV, walk, i, n, k, v, num_keys, nkv, kh);
         const bf16* tK = sK + stage * TILE_K * SROW;
         const bf16* tV = sV + stage * TILE_K * SROW;
         float s[TILE_K / 8][4];
@@ -427,23 +436,10 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
     const int n = walk.count();
-    if (n > 0) {
-        load_kv_tile_async(sK, k, walk.tile(0) * TILE_K, num_keys, nkv, kh);
-        load_kv_tile_async(sV, v, walk.tile(0) * TILE_K, num_keys, nkv, kh);
-        cp_async_commit();
-    }
+    if (n > 0) load_walk_tile(sK, sV, walk, 0, k, v, num_keys, nkv, kh);
     for (int i = 0; i < n; i++) {
         const int stage = i & 1, t = walk.tile(i);
-        if (i + 1 < n) {
-            const int next = walk.tile(i + 1) * TILE_K;
-            load_kv_tile_async(sK + (stage ^ 1) * TILE_K * SROW, k, next, num_keys, nkv, kh);
-            load_kv_tile_async(sV + (stage ^ 1) * TILE_K * SROW, v, next, num_keys, nkv, kh);
-            cp_async_commit();
-            cp_async_wait_all_but_one();
-        } else {
-            cp_async_wait_all();
-        }
-        __syncthreads();
+        advance_walk(sK, sV, walk, i, n, k, v, num_keys, nkv, kh);
         const bf16* tK = sK + stage * TILE_K * SROW;
         const bf16* tV = sV + stage * TILE_K * SROW;
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];

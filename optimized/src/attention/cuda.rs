@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use dflash_reference::{Error, Result};
 use half::bf16;
 
@@ -46,8 +46,52 @@ impl DevicePlan {
         })
     }
 
-    fn window(&self) -> i32 {
-        self.plan.window.map_or(0, |w| w as i32)
+    /// The plan's scalar kernel arguments.
+    fn args(&self) -> PlanArgs {
+        let p = &self.plan;
+        PlanArgs {
+            group_rows: p.group_rows as i32,
+            num_queries: p.num_queries as i32,
+            num_keys: p.num_keys as i32,
+            window: p.window.map_or(0, |w| w as i32),
+            causal_in_block: i32::from(p.causal_in_block),
+        }
+    }
+}
+
+/// The scalar plan arguments every attention kernel takes after its plan arrays, in order.
+struct PlanArgs {
+    group_rows: i32,
+    num_queries: i32,
+    num_keys: i32,
+    window: i32,
+    causal_in_block: i32,
+}
+
+impl PlanArgs {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.group_rows).arg(&self.num_queries).arg(&self.num_keys).arg(&self.window).arg(&self.causal_in_block);
+    }
+}
+
+/// Head arguments every attention kernel ends with: `nh`, `nkv` and the score scale `d^-0.5`.
+struct HeadArgs {
+    num_heads: i32,
+    num_kv_heads: i32,
+    scale: f32,
+}
+
+impl HeadArgs {
+    fn new(shape: AttnShape) -> Self {
+        HeadArgs {
+            num_heads: shape.num_heads as i32,
+            num_kv_heads: shape.num_kv_heads as i32,
+            scale: (shape.head_dim as f32).powf(-0.5),
+        }
+    }
+
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.num_heads).arg(&self.num_kv_heads).arg(&self.scale);
     }
 }
 
@@ -132,6 +176,15 @@ impl AttentionKernels {
         Ok((plan.groups.len() as u32, rows.div_ceil(16) as u32 * 32))
     }
 
+    /// Grid (KV heads, row groups), one warp per 16 CTA rows.
+    fn query_major_config(&self, shape: AttnShape, groups: u32, threads: u32, smem: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (shape.num_kv_heads as u32, groups, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        }
+    }
+
     /// `out [Q, nh, d]` and `lse [nh, Q]` (natural log; -inf for rows that see nothing).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
@@ -149,18 +202,13 @@ impl AttentionKernels {
         if groups == 0 {
             return Ok(());
         }
-        let p = &dp.plan;
-        let (rows, nq, nk, win, cib) =
-            (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
-        let (nh, nkv, scale) = (shape.num_heads as i32, shape.num_kv_heads as i32, (shape.head_dim as f32).powf(-0.5));
-        let cfg = LaunchConfig {
-            grid_dim: (shape.num_kv_heads as u32, groups, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: forward_smem(self.head_dim) as u32,
-        };
+        let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
+        let cfg = self.query_major_config(shape, groups, threads, forward_smem(self.head_dim));
         let mut b = stream.launch_builder(&self.forward);
-        b.arg(&dp.groups).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
-        b.arg(q).arg(k).arg(v).arg(out).arg(lse).arg(&nh).arg(&nkv).arg(&scale);
+        b.arg(&dp.groups);
+        plan_args.push(&mut b);
+        b.arg(q).arg(k).arg(v).arg(out).arg(lse);
+        head_args.push(&mut b);
         unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_forward"))?;
         Ok(())
     }
@@ -180,25 +228,21 @@ impl AttentionKernels {
     ) -> Result<()> {
         let (groups, threads) = self.check(&dp.plan, shape)?;
         let p = &dp.plan;
-        let (rows, nq, nk, win, cib) =
-            (p.group_rows as i32, p.num_queries as i32, p.num_keys as i32, dp.window(), p.causal_in_block as i32);
-        let (nh, nkv, scale) = (shape.num_heads as i32, shape.num_kv_heads as i32, (shape.head_dim as f32).powf(-0.5));
+        let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
         let pairs = (p.num_queries * shape.num_heads) as u32;
         if pairs > 0 {
             let cfg = LaunchConfig { grid_dim: (pairs.div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             let mut b = stream.launch_builder(&self.dsum);
-            b.arg(out).arg(dout).arg(&mut *dsum).arg(&nq).arg(&nh);
+            b.arg(out).arg(dout).arg(&mut *dsum).arg(&plan_args.num_queries).arg(&head_args.num_heads);
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum"))?;
         }
         if groups > 0 {
-            let cfg = LaunchConfig {
-                grid_dim: (shape.num_kv_heads as u32, groups, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: dq_smem(self.head_dim) as u32,
-            };
+            let cfg = self.query_major_config(shape, groups, threads, dq_smem(self.head_dim));
             let mut b = stream.launch_builder(&self.dq);
-            b.arg(&dp.groups).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
-            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dq).arg(&nh).arg(&nkv).arg(&scale);
+            b.arg(&dp.groups);
+            plan_args.push(&mut b);
+            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dq);
+            head_args.push(&mut b);
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq"))?;
         }
         let tiles = p.num_keys.div_ceil(TILE_K) as u32;
@@ -209,18 +253,10 @@ impl AttentionKernels {
                 shared_mem_bytes: dkdv_smem(self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
-            b.arg(&dp.groups).arg(&dp.kv_ranges).arg(&rows).arg(&nq).arg(&nk).arg(&win).arg(&cib);
-            b.arg(q)
-                .arg(k)
-                .arg(v)
-                .arg(dout)
-                .arg(lse)
-                .arg(&*dsum)
-                .arg(&mut *dk)
-                .arg(&mut *dv)
-                .arg(&nh)
-                .arg(&nkv)
-                .arg(&scale);
+            b.arg(&dp.groups).arg(&dp.kv_ranges);
+            plan_args.push(&mut b);
+            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dk).arg(&mut *dv);
+            head_args.push(&mut b);
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv"))?;
         }
         Ok(())
