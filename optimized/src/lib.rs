@@ -8,3 +8,4 @@
 pub mod attention;
 pub mod gpu;
 pub mod kernels;
+pub mod step;

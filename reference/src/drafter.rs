@@ -72,9 +72,27 @@ impl DraftInput {
     }
 
     /// RoPE position of every query `[N*B]`: `anchor_positions[j] + o`.
-    fn query_positions(&self) -> Vec<usize> {
+    pub fn query_positions(&self) -> Vec<usize> {
         let b = self.layout.block_size;
         self.anchor_positions.iter().flat_map(|&p| (0..b).map(move |o| p + o)).collect()
+    }
+
+    /// RoPE position of every key `[S + N*B]`: the context positions, then the queries'.
+    pub fn key_positions(&self) -> Vec<usize> {
+        self.context_positions.iter().copied().chain(self.query_positions()).collect()
+    }
+
+    /// The block inputs `[N*B, H]`: per block the anchor token's embedding, then `B-1` copies
+    /// of the mask token's (frozen table, as `dtype`).
+    pub fn block_embeddings(&self, head: &FrozenHead, mask_token_id: u32, dtype: DType) -> Result<Tensor> {
+        let b = self.layout.block_size;
+        let tokens: Vec<u32> = self
+            .anchor_tokens
+            .iter()
+            .flat_map(|&t| std::iter::once(t).chain(std::iter::repeat_n(mask_token_id, b - 1)))
+            .collect();
+        let ids = Tensor::from_vec(tokens, self.layout.num_queries(), &Device::Cpu)?;
+        Ok(head.embed.to_dtype(dtype)?.index_select(&ids, 0)?)
     }
 }
 
@@ -201,20 +219,9 @@ impl Drafter {
             eps,
         )?;
         // X [N*B, H]: anchor embedding then B-1 mask embeddings per block.
-        let mask = self.config.mask_token_id;
-        let block_tokens: Vec<u32> = input
-            .anchor_tokens
-            .iter()
-            .flat_map(|&t| std::iter::once(t).chain(std::iter::repeat_n(mask, b - 1)))
-            .collect();
-        let ids = Tensor::from_vec(block_tokens, input.layout.num_queries(), &Device::Cpu)?;
-        let mut x = head.embed.to_dtype(dtype)?.index_select(&ids, 0)?;
-
-        let q_positions = input.query_positions();
-        let k_positions: Vec<usize> =
-            input.context_positions.iter().copied().chain(q_positions.iter().copied()).collect();
-        let (cos_q, sin_q) = rope_tables(&q_positions, c.head_dim, c.rope_theta, dtype)?;
-        let (cos_k, sin_k) = rope_tables(&k_positions, c.head_dim, c.rope_theta, dtype)?;
+        let mut x = input.block_embeddings(head, self.config.mask_token_id, dtype)?;
+        let (cos_q, sin_q) = rope_tables(&input.query_positions(), c.head_dim, c.rope_theta, dtype)?;
+        let (cos_k, sin_k) = rope_tables(&input.key_positions(), c.head_dim, c.rope_theta, dtype)?;
         let mut masks: HashMap<AttnKind, Vec<bool>> = HashMap::new();
         let nq = input.layout.num_queries();
 
