@@ -8,4 +8,5 @@
 pub mod attention;
 pub mod gpu;
 pub mod kernels;
+pub mod planner;
 pub mod step;

@@ -2,6 +2,7 @@
 //!
 //! - `train`: train a drafter; with no arguments, a tiny drafter against the tiny built-in
 //!   target on the CPU (a few minutes), printing the falling loss and tau before and after.
+//! - `plan`: the memory planner's itemised peak for the named configs, per policy.
 //! - `gpu-bundle`: the release binary and baseline scripts in `gpu-bundle/`, for the GPU machine.
 //! - `gpu-conformance` (GPU machine): the CUDA kernels against the reference; the attestation.
 //! - `bench attention` (GPU machine): our attention against PyTorch flex_attention and SDPA.
@@ -10,6 +11,7 @@ mod args;
 mod bench_attention;
 mod gpu_bundle;
 mod gpu_conformance;
+mod plan;
 mod train;
 
 use std::process::ExitCode;
@@ -18,6 +20,7 @@ const USAGE: &str = "usage: cargo xtask <command> [options]
 
 commands:
   train              train a drafter (no options: the tiny built-in default on the CPU)
+  plan               the memory planner: itemised peak per checkpointing policy
   gpu-bundle         build the release binary into gpu-bundle/ for the GPU machine
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
@@ -28,6 +31,7 @@ fn main() -> ExitCode {
     let mut argv = std::env::args().skip(1);
     let result = match argv.next().as_deref() {
         Some("train") => train::run(argv.collect()),
+        Some("plan") => plan::run(argv.collect()),
         Some("gpu-bundle") => gpu_bundle::run(argv.collect()),
         Some("gpu-conformance") => gpu_conformance::run(argv.collect()),
         Some("bench") => bench_attention::run(argv.collect()),

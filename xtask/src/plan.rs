@@ -1,0 +1,74 @@
+//! `cargo xtask plan`: the memory planner's itemised peak for the named configs (or a drafter
+//! `config.json`), per checkpointing policy, and the peaks of the known failure modes.
+
+use std::path::PathBuf;
+
+use dflash_optimized::planner::{failure_modes, gb, named_plans, plan_step, Policy, StepShape, DEFAULT_LM_CHUNK_ROWS};
+use dflash_reference::config::DraftConfig;
+
+use crate::args::Options;
+
+const HELP: &str = "usage: cargo xtask plan [options]
+
+Prints the itemised predicted memory of one bf16 training step (fp32 master weights, gradients and
+AdamW state) for each checkpointing policy, whether it fits the device, and the peaks of the
+known failure modes (unfused attention backward; chunked attention without checkpointing).
+
+options:
+  --config FILE     a drafter config.json (default: the named configs of issue 4)
+  --seq N           context length S with --config            (default 3072)
+  --anchors N       anchors per row N with --config           (default 512)
+  --lm-chunk N      LM-head rows per chunk                    (default 1024)
+  --device-gib X    device memory to fit, GiB                 (default 139.8, one H200)
+  --chunk-rows N    query rows per chunk of the chunked-attention failure mode (default 256)";
+
+const OPTIONS: &[&str] = &["config", "seq", "anchors", "lm-chunk", "device-gib", "chunk-rows"];
+
+pub fn run(args: Vec<String>) -> Result<(), String> {
+    let Some(opts) = Options::parse(args, OPTIONS)? else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    let lm_chunk_rows: usize = opts.get("lm-chunk", DEFAULT_LM_CHUNK_ROWS)?;
+    let device_gib: f64 = opts.get("device-gib", 139.8)?;
+    let chunk_rows: usize = opts.get("chunk-rows", 256)?;
+    if lm_chunk_rows == 0 || chunk_rows == 0 || device_gib <= 0.0 {
+        return Err("--lm-chunk and --chunk-rows must be at least 1, --device-gib positive".into());
+    }
+    let device_bytes = (device_gib * (1u64 << 30) as f64) as u64;
+    let configs: Vec<(String, DraftConfig, StepShape)> = match opts.get::<PathBuf>("config", PathBuf::new())? {
+        path if path.as_os_str().is_empty() => named_plans()
+            .into_iter()
+            .map(|p| (p.name.to_string(), p.config, StepShape { lm_chunk_rows, ..p.shape }))
+            .collect(),
+        path => {
+            let config = DraftConfig::from_file(&path).map_err(|e| e.to_string())?;
+            let shape = StepShape {
+                context_len: opts.get("seq", 3072)?,
+                num_anchors: opts.get("anchors", 512)?,
+                lm_chunk_rows,
+            };
+            vec![(path.display().to_string(), config, shape)]
+        }
+    };
+    for (name, config, shape) in configs {
+        println!("== {name}: S={} N={} B={} ==", shape.context_len, shape.num_anchors, config.block_size);
+        for policy in Policy::ALL {
+            println!("-- checkpointing: {}", policy.name());
+            print!("{}", plan_step(&config, shape, policy).render(device_bytes));
+        }
+        let fm = failure_modes(&config, shape, chunk_rows);
+        println!("-- known failure modes (why they run out of memory):");
+        println!(
+            "  unfused attention backward, scores materialised, one layer: at least {}",
+            gb(fm.unfused_attention_one_layer)
+        );
+        println!(
+            "  chunked attention ({} rows per chunk) without checkpointing, all layers: {}",
+            fm.chunk_rows,
+            gb(fm.chunked_attention_all_layers)
+        );
+        println!();
+    }
+    Ok(())
+}
