@@ -83,13 +83,67 @@ pub fn batch_loss(
     Ok((sum.affine(1.0 / total.max(f64::MIN_POSITIVE), 0.0)?, total))
 }
 
-/// Trains `drafter` on `data` for `opts.steps` steps, calling `on_step` after each.
-/// Fails on a non-finite loss or gradient, naming the step (and the tensor).
+/// The loss of one batch and the gradient of every trainable parameter (in `named_params` order).
+pub struct BatchGradients {
+    pub loss: f64,
+    /// Sum of the loss weights of the batch.
+    pub weight: f64,
+    pub grads: Vec<Tensor>,
+}
+
+/// Where a training step gets its loss and gradients from: the reference's autograd
+/// ([`Autograd`]) or an optimized step. Anchors are drawn from `rng`, row by row, in order, so
+/// that every source trains on the same anchors for the same seed.
+pub trait GradientSource {
+    fn batch_gradients(
+        &mut self,
+        drafter: &Drafter,
+        head: &FrozenHead,
+        rows: &[&TrainRow],
+        max_anchors: usize,
+        gamma: f64,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<BatchGradients>;
+}
+
+/// The reference's gradients: candle autograd of [`batch_loss`].
+pub struct Autograd;
+
+impl GradientSource for Autograd {
+    fn batch_gradients(
+        &mut self,
+        drafter: &Drafter,
+        head: &FrozenHead,
+        rows: &[&TrainRow],
+        max_anchors: usize,
+        gamma: f64,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<BatchGradients> {
+        let (loss, weight) = batch_loss(drafter, head, rows, max_anchors, gamma, rng)?;
+        let grads = collect_grads(drafter.named_params(), &loss.backward()?)?;
+        Ok(BatchGradients { loss: loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?, weight, grads })
+    }
+}
+
+/// Trains `drafter` on `data` for `opts.steps` steps with the reference's autograd, calling
+/// `on_step` after each. Fails on a non-finite loss or gradient, naming the step (and the tensor).
 pub fn train(
     drafter: &Drafter,
     head: &FrozenHead,
     data: &[TrainRow],
     opts: &TrainOptions,
+    on_step: impl FnMut(&StepReport),
+) -> Result<Vec<StepReport>> {
+    train_with(drafter, head, data, opts, &mut Autograd, on_step)
+}
+
+/// [`train`] with the gradients of `source`.
+pub fn train_with(
+    drafter: &Drafter,
+    head: &FrozenHead,
+    data: &[TrainRow],
+    opts: &TrainOptions,
+    source: &mut impl GradientSource,
     mut on_step: impl FnMut(&StepReport),
 ) -> Result<Vec<StepReport>> {
     if data.is_empty() {
@@ -111,12 +165,13 @@ pub fn train(
             rows.push(&data[order[cursor]]);
             cursor += 1;
         }
-        let (loss, weight) = batch_loss(drafter, head, &rows, opts.max_anchors, opts.gamma, &mut rng)?;
-        let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        let batch = source
+            .batch_gradients(drafter, head, &rows, opts.max_anchors, opts.gamma, &mut rng)
+            .map_err(|e| Error::invalid(format!("step {step}"), e.to_string()))?;
+        let (loss_value, weight, mut grads) = (batch.loss, batch.weight, batch.grads);
         if !loss_value.is_finite() {
             return Err(Error::invalid(format!("loss at step {step}"), format!("{loss_value}")));
         }
-        let mut grads = collect_grads(params, &loss.backward()?)?;
         let grad_norm = clip_grad_norm(params, &mut grads, opts.clip_norm)
             .map_err(|e| Error::invalid(format!("step {step}"), e.to_string()))?;
         let lr = lr_at(step, opts.steps, opts.optimizer.lr, opts.warmup_frac);

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::DType;
+use dflash_optimized::step::drafter_step::Checkpointing;
+use dflash_optimized::step::trainer::ManualStep;
 use dflash_reference::builtin::{generate_rows, random_prompt, target_entropy, tiny_draft_config, tiny_target};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::eval::evaluate;
@@ -11,7 +13,7 @@ use dflash_reference::loss::default_gamma;
 use dflash_reference::optim::AdamWConfig;
 use dflash_reference::speculative::{greedy_decode, speculative_decode};
 use dflash_reference::target::TargetModel;
-use dflash_reference::train::{train, StepReport, TrainOptions};
+use dflash_reference::train::{train_with, Autograd, StepReport, TrainOptions};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -30,10 +32,12 @@ options:
   --lr X             peak learning rate                    (default 3e-3)
   --rows N           training rows generated               (default 64)
   --temperature X    sampling temperature of the data      (default 0.5)
+  --step NAME        gradients: `reference` (candle autograd) or `optimized`
+                     (manual backward, fused attention, chunked LM head) (default reference)
   --seed N           seed of everything                    (default 0)
   --out DIR          where the trained drafter is saved    (default runs/tiny-drafter)";
 
-const OPTIONS: &[&str] = &["steps", "rows-per-step", "anchors", "lr", "rows", "temperature", "seed", "out"];
+const OPTIONS: &[&str] = &["steps", "rows-per-step", "anchors", "lr", "rows", "temperature", "step", "seed", "out"];
 
 /// Tokens of each generated row: a prompt (loss mask 0) and the target's continuation.
 const PROMPT_LEN: usize = 16;
@@ -55,6 +59,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let lr: f64 = opts.get("lr", 3e-3)?;
     let n_rows: usize = opts.get("rows", 64)?;
     let temperature: f64 = opts.get("temperature", 0.5)?;
+    let step_kind: String = opts.get("step", "reference".to_string())?;
+    if step_kind != "reference" && step_kind != "optimized" {
+        return Err(format!("option `--step`: unknown step `{step_kind}` (reference or optimized)"));
+    }
     let seed: u64 = opts.get("seed", 0)?;
     let out: PathBuf = opts.get("out", PathBuf::from("runs/tiny-drafter"))?;
     if steps == 0 || rows_per_step == 0 || max_anchors == 0 || n_rows == 0 {
@@ -102,11 +110,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         seed,
         ..TrainOptions::default()
     };
-    println!("training {steps} steps of {rows_per_step} rows x {max_anchors} anchors, AdamW peak lr {lr:e}, warmup {:.0}% + cosine, clip {}", train_opts.warmup_frac * 100.0, train_opts.clip_norm);
+    println!("training ({step_kind} step) {steps} steps of {rows_per_step} rows x {max_anchors} anchors, AdamW peak lr {lr:e}, warmup {:.0}% + cosine, clip {}", train_opts.warmup_frac * 100.0, train_opts.clip_norm);
     println!("{:>6} {:>9} {:>10} {:>10} {:>9}", "step", "loss", "lr", "grad norm", "elapsed");
     let train_started = Instant::now();
     let every = (steps / 20).max(1);
-    let reports = train(&drafter, &target.frozen_head(), &data, &train_opts, |r: &StepReport| {
+    let on_step = |r: &StepReport| {
         if r.step.is_multiple_of(every) || r.step + 1 == steps {
             println!(
                 "{:>6} {:>9.4} {:>10.3e} {:>10.3} {:>8.1}s",
@@ -117,7 +125,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                 train_started.elapsed().as_secs_f64()
             );
         }
-    })
+    };
+    let head = target.frozen_head();
+    let reports = match step_kind.as_str() {
+        "reference" => train_with(&drafter, &head, &data, &train_opts, &mut Autograd, on_step),
+        _ => {
+            let mut manual = ManualStep { policy: Checkpointing::PerLayer, lm_chunk_rows: 256 };
+            train_with(&drafter, &head, &data, &train_opts, &mut manual, on_step)
+        }
+    }
     .map_err(err)?;
 
     let window = (steps / 10).max(1);

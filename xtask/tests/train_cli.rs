@@ -16,9 +16,13 @@ fn short_training_run_saves_a_loadable_drafter() {
     let result = xtask(&["train", "--steps", "6", "--rows", "2", "--anchors", "4", "--out", dir.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&result.stdout);
     assert!(result.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&result.stderr));
-    for expected in
-        ["training 6 steps", "loss:", "held-out loss", "tau (greedy speculative decoding", "saved the drafter"]
-    {
+    for expected in [
+        "training (reference step) 6 steps",
+        "loss:",
+        "held-out loss",
+        "tau (greedy speculative decoding",
+        "saved the drafter",
+    ] {
         assert!(stdout.contains(expected), "`{expected}` missing from:\n{stdout}");
     }
     let drafter = dflash_reference::drafter::Drafter::load(&dir, candle_core::DType::F32).expect("load saved drafter");
@@ -34,6 +38,7 @@ fn bad_options_are_named() {
         (vec!["train", "--lr", "fast"], "option `--lr`: cannot parse `fast`"),
         (vec!["train", "--steps", "0"], "must be at least 1"),
         (vec!["frobnicate"], "unknown command `frobnicate`"),
+        (vec!["train", "--step", "fast"], "unknown step `fast`"),
     ] {
         let result = xtask(&args);
         let stderr = String::from_utf8_lossy(&result.stderr);

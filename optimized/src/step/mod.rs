@@ -4,3 +4,4 @@ pub mod attention;
 pub mod drafter_step;
 pub mod lm_head_ce;
 pub mod ops;
+pub mod trainer;
