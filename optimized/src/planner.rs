@@ -15,8 +15,8 @@ const F32: u64 = 4;
 pub enum Policy {
     /// Every layer's activations.
     None,
-    /// Each layer's attention inputs and outputs (q, k, v, out, lse) and its input; the norms,
-    /// projections' inputs and the MLP are recomputed.
+    /// Each layer's input and its attention output and logsumexp; the norms, projections and
+    /// the MLP are recomputed (as the CPU step's `Checkpointing::Selective`).
     Selective,
     /// Each layer's input only; the whole layer is recomputed in the backward.
     PerLayer,
@@ -102,9 +102,10 @@ impl Dims {
     /// One layer's saved activations under `policy`.
     fn layer_saved(&self, policy: Policy) -> u64 {
         let input = self.q * self.hidden * BF16;
-        let attention = (self.q * self.q_dim * 2 + self.k * self.kv_dim * 2) * BF16 + self.heads * self.q * F32;
+        let attention = self.q * self.q_dim * BF16 + self.heads * self.q * F32; // out, lse
         let rest = self.q * self.hidden * 3 * BF16 // xn, x_mid, xn2
-            + (self.q * self.q_dim + self.k * self.kv_dim) * BF16 // q and k before their norms
+            + (self.q * self.q_dim + self.k * self.kv_dim) * 2 * BF16 // q, k before and after norm + RoPE
+            + self.k * self.kv_dim * BF16 // v
             + self.q * self.inter * 3 * BF16 // gate, up, h
             + (self.q * 2 + self.q * self.heads + self.k * self.heads) * F32; // inverse RMS values
         match policy {

@@ -25,8 +25,22 @@ use crate::attention::plan::AttentionPlan;
 pub enum Checkpointing {
     /// Keep every layer's activations.
     None,
+    /// Keep each layer's input and its attention output and logsumexp (the expensive part);
+    /// recompute the norms, projections and MLP in the backward.
+    Selective,
     /// Keep each layer's input only; recompute the layer in the backward.
     PerLayer,
+}
+
+impl Checkpointing {
+    pub const ALL: [Checkpointing; 3] = [Checkpointing::None, Checkpointing::Selective, Checkpointing::PerLayer];
+}
+
+/// What the forward keeps of one layer until its backward.
+enum Kept {
+    All(Box<LayerSaved>),
+    Attention(AttentionSaved),
+    Input,
 }
 
 /// The loss of one step and the gradient of every trainable parameter (checkpoint-key order).
@@ -76,8 +90,14 @@ struct LayerSaved {
     h: Tensor,
 }
 
-/// One layer's forward from its input `x` `[Q, H]`: the output and what the backward needs.
-fn layer_forward(cx: &StepContext, l: usize, x: &Tensor) -> Result<(Tensor, LayerSaved)> {
+/// One layer's forward from its input `x` `[Q, H]`: the output and what the backward needs;
+/// `attention` (from an earlier forward of the same layer) skips recomputing the attention.
+fn layer_forward(
+    cx: &StepContext,
+    l: usize,
+    x: &Tensor,
+    attention: Option<AttentionSaved>,
+) -> Result<(Tensor, LayerSaved)> {
     let c = &cx.config.dims;
     let (nq, s) = (x.dim(0)?, cx.ctx.dim(0)?);
     let eps = c.rms_norm_eps;
@@ -92,7 +112,10 @@ fn layer_forward(cx: &StepContext, l: usize, x: &Tensor) -> Result<(Tensor, Laye
     let k = rope_forward(&k_normed, &cx.rope_k.0, &cx.rope_k.1)?;
     let v =
         linear_forward(&kv_in, cx.w(l, "self_attn.v_proj.weight"))?.reshape((s + nq, c.num_kv_heads, c.head_dim))?;
-    let attn = fused_attention_forward(&cx.plans[&c.layer_kinds[l]], &q, &k, &v)?;
+    let attn = match attention {
+        Some(saved) => saved,
+        None => fused_attention_forward(&cx.plans[&c.layer_kinds[l]], &q, &k, &v)?,
+    };
     let attn_flat = attn.out.reshape((nq, c.num_heads * c.head_dim))?;
     let x_mid = (x + linear_forward(&attn_flat, cx.w(l, "self_attn.o_proj.weight"))?)?;
     let (xn2, inv_post) = rms_norm_forward(&x_mid, cx.w(l, "post_attention_layernorm.weight"), eps)?;
@@ -221,14 +244,15 @@ pub fn drafter_step(
 
     // Forward: keep each layer's activations, or only its input.
     let mut x = input.block_embeddings(head, config.mask_token_id, dtype)?;
-    let mut kept: Vec<Option<LayerSaved>> = Vec::with_capacity(c.num_layers());
+    let mut kept: Vec<Kept> = Vec::with_capacity(c.num_layers());
     let mut inputs: Vec<Tensor> = Vec::with_capacity(c.num_layers());
     for l in 0..c.num_layers() {
-        let (out, saved) = layer_forward(&cx, l, &x)?;
+        let (out, saved) = layer_forward(&cx, l, &x, None)?;
         inputs.push(x);
         kept.push(match policy {
-            Checkpointing::None => Some(saved),
-            Checkpointing::PerLayer => None,
+            Checkpointing::None => Kept::All(Box::new(saved)),
+            Checkpointing::Selective => Kept::Attention(saved.attn),
+            Checkpointing::PerLayer => Kept::Input,
         });
         x = out;
     }
@@ -250,9 +274,10 @@ pub fn drafter_step(
     grads.insert("norm.weight".into(), d_norm);
     let mut dctx = cx.ctx.zeros_like()?;
     for l in (0..c.num_layers()).rev() {
-        let saved = match kept[l].take() {
-            Some(saved) => saved,
-            None => layer_forward(&cx, l, &inputs[l])?.1,
+        let saved = match kept.pop().expect("one kept entry per layer") {
+            Kept::All(saved) => *saved,
+            Kept::Attention(attention) => layer_forward(&cx, l, &inputs[l], Some(attention))?.1,
+            Kept::Input => layer_forward(&cx, l, &inputs[l], None)?.1,
         };
         let (dx_in, dctx_l) = layer_backward(&cx, l, &saved, &dx, &mut grads)?;
         dx = dx_in;
