@@ -2,8 +2,9 @@
 //! kernels (CUDA through cudarc and NVRTC, each with a CPU twin), activation checkpointing, the
 //! memory planner, mixed precision and the trainer (DESIGN.md, "optimized/").
 //!
-//! Filled issue by issue: the fused attention first; the optimized training step arrives with its own
-//! issues, each proven equal to `dflash-reference` by the conformance suite before it is used.
+//! Each piece is proven equal to `dflash-reference` by the conformance suite before it is used:
+//! the fused attention ([`attention`]: plan, CPU twin, CUDA kernels), the training step with its
+//! manual backward ([`step`], CPU for now), and the memory planner ([`planner`]).
 
 pub mod attention;
 pub mod gpu;

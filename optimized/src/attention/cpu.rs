@@ -134,6 +134,23 @@ fn check(shape: AttnShape, tensors: &[(&str, usize, &[usize])]) -> Result<()> {
     Ok(())
 }
 
+/// The planned ceiling of the heap bytes [`attention_forward`] allocates for `T` of `elem_bytes`:
+/// out `[Q, nh, d]` and lse `[nh, Q]`, plus one row group's running max, sum and accumulator
+/// (`group_rows * nh/nkv` rows). No `[Q, K]` buffer, no expanded K/V.
+pub fn attention_forward_bytes(plan: &AttentionPlan, shape: AttnShape, elem_bytes: usize) -> usize {
+    let AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: d } = shape;
+    let rows = plan.group_rows * (nh / nkv);
+    elem_bytes * (plan.num_queries * nh * d + nh * plan.num_queries + rows * (2 + d))
+}
+
+/// The planned ceiling of the heap bytes [`attention_backward`] allocates: dsum `[nh, Q]`, dq
+/// `[Q, nh, d]`, dk and dv `[K, nkv, d]`, and the inverse plan (two u32 per KV tile).
+pub fn attention_backward_bytes(plan: &AttentionPlan, shape: AttnShape, elem_bytes: usize) -> usize {
+    let AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: d } = shape;
+    let (nq, nk) = (plan.num_queries, plan.num_keys);
+    elem_bytes * (nh * nq + nq * nh * d + 2 * nk * nkv * d) + 8 * nk.div_ceil(TILE_K)
+}
+
 /// Attention under `plan`: q `[Q, nh, d]`, k and v `[K, nkv, d]` -> (out `[Q, nh, d]`, lse
 /// `[nh, Q]`, the log-sum-exp of the scaled scores). Rows that see nothing: out 0, lse -inf.
 pub fn attention_forward<T: Real>(

@@ -1,0 +1,98 @@
+//! Measured heap peaks of the CPU twin of the fused attention against its planned ceilings,
+//! with a counting allocator: never above the plan, and the plan within 10% of the measurement
+//! (a dense `[Q, K]` buffer or expanded K/V would blow through both).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use dflash_conformance::setups::randn;
+use dflash_optimized::attention::cases::AttnCase;
+use dflash_optimized::attention::cpu::{
+    attention_backward, attention_backward_bytes, attention_forward, attention_forward_bytes, AttnShape,
+};
+use dflash_reference::config::AttnKind;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+/// Counts live heap bytes and their high-water mark.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
+            PEAK.fetch_max(live, Ordering::SeqCst);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Runs `f` and returns its result and the heap bytes it added at its peak.
+fn measure<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let before = LIVE.load(Ordering::SeqCst);
+    PEAK.store(before, Ordering::SeqCst);
+    let result = f();
+    (result, PEAK.load(Ordering::SeqCst) - before)
+}
+
+/// The planned ceilings relative to the measured peak: at least 1, at most 1.10.
+const PLAN_SLACK: f64 = 1.10;
+
+fn check(case: &AttnCase) {
+    let plan = case.plan().expect("plan");
+    let shape = AttnShape { num_heads: case.num_heads, num_kv_heads: case.num_kv_heads, head_dim: case.head_dim };
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed);
+    let flat = |rows: usize, heads: usize, rng: &mut ChaCha8Rng| -> Vec<f32> {
+        randn(&[rows, heads, case.head_dim], rng, candle_core::DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (q, k, v) = (
+        flat(plan.num_queries, case.num_heads, &mut rng),
+        flat(plan.num_keys, case.num_kv_heads, &mut rng),
+        flat(plan.num_keys, case.num_kv_heads, &mut rng),
+    );
+    let dout = flat(plan.num_queries, case.num_heads, &mut rng);
+    let scale = (case.head_dim as f64).powf(-0.5);
+
+    let ((out, lse), fwd_peak) = measure(|| attention_forward(&plan, shape, &q, &k, &v, scale).unwrap());
+    let fwd_plan = attention_forward_bytes(&plan, shape, 4);
+    let (_, bwd_peak) = measure(|| attention_backward(&plan, shape, &q, &k, &v, &out, &lse, &dout, scale).unwrap());
+    let bwd_plan = attention_backward_bytes(&plan, shape, 4);
+    for (what, peak, planned) in [("forward", fwd_peak, fwd_plan), ("backward", bwd_peak, bwd_plan)] {
+        println!("{} {what}: measured {peak} bytes, planned {planned}", case.name);
+        assert!(peak <= planned, "{} {what}: measured {peak} bytes above the plan {planned}", case.name);
+        assert!(
+            planned as f64 <= PLAN_SLACK * peak as f64,
+            "{} {what}: plan {planned} more than {PLAN_SLACK}x the measured {peak}",
+            case.name
+        );
+    }
+}
+
+/// DFlash full and sliding layers, and causal attention: peaks within the plans.
+#[test]
+fn cpu_twin_peaks_stay_under_the_plan() {
+    for case in [
+        AttnCase::dflash("dflash-full", AttnKind::Full, 1500, 24, (8, 2), 64),
+        AttnCase::dflash("dflash-sliding", AttnKind::Sliding { window: 300 }, 1500, 24, (8, 2), 64),
+        AttnCase::causal("causal", AttnKind::Full, 700, (4, 2), 32),
+    ] {
+        check(&case);
+    }
+}
