@@ -7,6 +7,7 @@
 //! manual backward ([`step`], CPU for now), and the memory planner ([`planner`]).
 
 pub mod attention;
+pub mod blas;
 pub mod gpu;
 pub mod kernels;
 pub mod planner;

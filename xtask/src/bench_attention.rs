@@ -51,11 +51,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let mut args = args.into_iter();
     match args.next().as_deref() {
         Some("attention") => attention(args.collect()),
+        Some("gemm") => crate::bench_gemm::run(args.collect()),
         Some("-h" | "--help") | None => {
             println!("{HELP}");
             Ok(())
         }
-        Some(other) => Err(format!("unknown benchmark `{other}` (known: attention)\n\n{HELP}")),
+        Some(other) => Err(format!("unknown benchmark `{other}` (known: attention, gemm)\n\n{HELP}")),
     }
 }
 

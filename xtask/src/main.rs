@@ -9,6 +9,7 @@
 
 mod args;
 mod bench_attention;
+mod bench_gemm;
 mod gpu_bundle;
 mod gpu_conformance;
 mod plan;
@@ -24,6 +25,7 @@ commands:
   gpu-bundle         build the release binary into gpu-bundle/ for the GPU machine
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
+  bench gemm         (GPU machine) the cuBLAS bf16 linear: checked against the CPU, timed
 
 run `cargo xtask <command> --help` for a command's options";
 

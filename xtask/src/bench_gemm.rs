@@ -1,0 +1,103 @@
+//! `xtask bench gemm` (GPU machine): the cuBLAS bf16 `linear` of the training step checked
+//! against the CPU (candle f32 on the same bf16 values) and timed with CUDA events on the
+//! matmul shapes of the Qwen3-8B drafter step; writes `results/gemm-h200.json`.
+
+use std::path::PathBuf;
+
+use candle_core::{Device, Tensor};
+use dflash_optimized::blas::Blas;
+use half::bf16;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use serde_json::{json, Value};
+
+use crate::args::Options;
+use crate::gpu_bundle;
+use crate::gpu_conformance::{open_gpu, utc_now, write_json};
+
+const HELP: &str = "usage: xtask bench gemm [options]     (on the GPU machine)
+
+options:
+  --out FILE      results file                          (default results/gemm-h200.json)
+  --warmup N      warm-up iterations                    (default 10)
+  --iters N       timed iterations (median)             (default 50)
+  --commit SHA    the commit measured                   (default: commit.txt next to the binary)";
+
+const OPTIONS: &[&str] = &["out", "warmup", "iters", "commit"];
+
+/// bf16 output rounding (2^-8 relative per element) over random-sign sums: the GPU result
+/// against an f32 CPU product of the same bf16 inputs stays well below this.
+const GEMM_BF16_TOLERANCE: f64 = 1e-2;
+
+/// (name, m, n, k): `y [m, n] = x [m, k] @ w [n, k]^T`; m = 8192 block rows (N=512, B=16).
+const SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("square 8192^3", 8192, 8192, 8192),
+    ("qwen3-8b q_proj", 8192, 4096, 4096),
+    ("qwen3-8b gate/up_proj", 8192, 12288, 4096),
+    ("qwen3-8b down_proj", 8192, 4096, 12288),
+    ("qwen3-8b lm_head chunk", 1024, 151936, 4096),
+];
+
+fn random_bf16(n: usize, rng: &mut ChaCha8Rng) -> Vec<bf16> {
+    (0..n).map(|_| bf16::from_f32(StandardNormal.sample(rng))).collect()
+}
+
+pub fn run(args: Vec<String>) -> Result<(), String> {
+    let Some(opts) = Options::parse(args, OPTIONS)? else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    let out: PathBuf = opts.get("out", gpu_bundle::repo_root().join("results/gemm-h200.json"))?;
+    let (warmup, iters): (usize, usize) = (opts.get("warmup", 10)?, opts.get("iters", 50)?);
+    let commit: String = opts.get("commit", String::new())?;
+    let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
+    let gpu = open_gpu()?;
+    let blas = Blas::new(&gpu).map_err(|e| e.to_string())?;
+    let stream = gpu.stream();
+    let err = |e: dflash_reference::Error| e.to_string();
+    let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+
+    // Correctness on an odd shape: GPU bf16 against the CPU in f32 on the same bf16 values.
+    let (m, n, k) = (300, 700, 500);
+    let (x, w) = (random_bf16(m * k, &mut rng), random_bf16(n * k, &mut rng));
+    let (dx, dw) = (stream.clone_htod(&x).map_err(gpu_err)?, stream.clone_htod(&w).map_err(gpu_err)?);
+    let mut dy = stream.alloc_zeros::<bf16>(m * n).map_err(gpu_err)?;
+    blas.linear(&dx, &dw, &mut dy, (m, n, k)).map_err(err)?;
+    let got: Vec<f64> = stream.clone_dtoh(&dy).map_err(gpu_err)?.iter().map(|v| v.to_f64()).collect();
+    let widen = |v: &[bf16], rows, cols| {
+        Tensor::from_vec(v.iter().map(|e| e.to_f32()).collect::<Vec<_>>(), (rows, cols), &Device::Cpu)
+    };
+    let want = dflash_reference::ops::linear(
+        &widen(&x, m, k).map_err(|e| e.to_string())?,
+        &widen(&w, n, k).map_err(|e| e.to_string())?,
+    )
+    .map_err(err)?
+    .flatten_all()
+    .and_then(|t| t.to_dtype(candle_core::DType::F64))
+    .and_then(|t| t.to_vec1::<f64>())
+    .map_err(|e| e.to_string())?;
+    let rel = dflash_optimized::attention::cases::rel_error(&got, &want);
+    println!("cuBLAS linear {m}x{n}x{k} vs CPU f32: relative error {rel:.2e} (bound {GEMM_BF16_TOLERANCE:.0e})");
+
+    let (gpu_name, date) = (gpu.name().to_string(), utc_now());
+    let mut rows: Vec<Value> = Vec::new();
+    println!("{:<26} {:>10} {:>10}", "shape", "ms", "TFLOP/s");
+    for &(name, m, n, k) in SHAPES {
+        let (x, w) = (random_bf16(m * k, &mut rng), random_bf16(n * k, &mut rng));
+        let (dx, dw) = (stream.clone_htod(&x).map_err(gpu_err)?, stream.clone_htod(&w).map_err(gpu_err)?);
+        let mut dy = stream.alloc_zeros::<bf16>(m * n).map_err(gpu_err)?;
+        let ms = gpu.time_ms(warmup, iters, || blas.linear(&dx, &dw, &mut dy, (m, n, k))).map_err(err)?;
+        let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+        println!("{name:<26} {ms:>10.3} {tflops:>10.1}");
+        rows.push(json!({"shape": name, "m": m, "n": n, "k": k, "ms": ms, "tflops": tflops,
+            "check_rel_error": rel, "date": date, "gpu": gpu_name, "commit": commit}));
+    }
+    write_json(&out, &Value::Array(rows))?;
+    println!("wrote {}", out.display());
+    if !(rel < GEMM_BF16_TOLERANCE) {
+        return Err(format!("cuBLAS linear relative error {rel:.2e} above {GEMM_BF16_TOLERANCE:.0e}"));
+    }
+    Ok(())
+}
