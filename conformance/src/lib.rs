@@ -1,6 +1,7 @@
 //! Shared helpers of the conformance suite: named tolerances, relative errors, fixture paths
 //! and random tiny setups. The tests themselves live in `tests/`.
 
+pub mod gpu_step;
 pub mod setups;
 pub mod tolerance;
 

@@ -92,6 +92,52 @@ pub fn random_draft_case(seed: u64, dtype: DType) -> Result<DraftCase> {
     Ok(DraftCase { drafter, head, row, anchors, gamma })
 }
 
+/// A random drafter case the GPU step can run: head_dim 64 (its kernels' granule), 1-2 KV heads
+/// with 1-4 query heads each, a sliding and a full layer, hidden 64-192, a vocab of a few
+/// hundred, blocks of 4-16, packed documents and `keep = false` blocks; in `dtype`.
+pub fn gpu_draft_case(seed: u64, dtype: DType) -> Result<DraftCase> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let num_kv_heads = rng.random_range(1..=2);
+    let window = rng.random_range(3..=40);
+    let dims = ModelDims {
+        hidden_size: 64 * rng.random_range(1..=3),
+        intermediate_size: rng.random_range(50..=300),
+        num_heads: num_kv_heads * rng.random_range(1..=4),
+        num_kv_heads,
+        head_dim: 64,
+        vocab_size: rng.random_range(200..=700),
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        max_position_embeddings: 4096,
+        layer_kinds: vec![AttnKind::Sliding { window }, AttnKind::Full],
+    };
+    let (h, v) = (dims.hidden_size, dims.vocab_size);
+    let num_features = 2;
+    let config = DraftConfig {
+        dims,
+        block_size: rng.random_range(4..=16),
+        num_target_layers: 4,
+        mask_token_id: (v - 1) as u32,
+        target_layer_ids: vec![1, 3],
+    };
+    let drafter = Drafter::from_fn(config.clone(), |_, shape| {
+        // Linears at about 1/sqrt(fan_in) keep activations O(1) through the layers.
+        let std = if shape.len() == 1 { 0.3 } else { 1.0 / (shape[1] as f64).sqrt() };
+        let t = random_normal(shape, std, &mut rng, dtype)?;
+        Ok(if shape.len() == 1 { t.affine(1.0, 1.0)? } else { t })
+    })?;
+    let head = FrozenHead {
+        embed: random_normal(&[v, h], 1.0, &mut rng, dtype)?,
+        lm_head: random_normal(&[v, h], 1.0 / (h as f64).sqrt(), &mut rng, dtype)?,
+    };
+    let s = rng.random_range(20..=300);
+    let row = random_packed_row(s, v, num_features * h, &mut rng, dtype)?;
+    let n = rng.random_range(1..=24);
+    let anchors = random_anchors(s, n, &mut rng);
+    let gamma = rng.random_range(1.0..8.0);
+    Ok(DraftCase { drafter, head, row, anchors, gamma })
+}
+
 /// A row of `s` tokens (ids below `vocab - 1`) in 1-3 packed documents with positions
 /// restarting per document, maybe a padded tail, a random loss mask and random features.
 pub fn random_packed_row(

@@ -119,3 +119,18 @@ pub const STEP_F32: Tolerance = Tolerance {
     rel: 1e-4,
     reason: "two f32 computations of ~100 ops in different orders (fused attention with online softmax vs dense, chunked CE vs full), rounding ~6e-8 per op amplified by the attention backward's cancellation in p*(dp - D)",
 };
+
+/// The GPU step (bf16 activations and weights, fp32 accumulation and gradients) against the
+/// reference in f64 on the same weights (issue 4's bound).
+pub const GPU_STEP_BF16: Tolerance = Tolerance {
+    rel: 2e-2,
+    reason: "bf16 storage of weights, activations and logits rounds each to 2^-9 (~2e-3) relative; a few \
+             roundings per op compound over the layers and the attention backward, measured ~5e-3",
+};
+
+/// One `step.cu` kernel on bf16 inputs against its CPU twin in f64 on the same (bf16-exact) inputs.
+pub const GPU_KERNEL_BF16: Tolerance = Tolerance {
+    rel: 1e-2,
+    reason: "the kernel rounds its fp32 result to bf16 once (2^-9 ~ 2e-3 relative) after fp32 arithmetic \
+             (~6e-8 per op); fp32-output kernels (partials, AdamW) are far tighter",
+};

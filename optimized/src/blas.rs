@@ -1,10 +1,14 @@
-//! Dense matmuls on the GPU through cuBLAS (bf16 in and out, fp32 accumulation) in the
-//! row-major `linear` layout of the training step: `y [m, n] = x [m, k] @ w [n, k]^T`. The CPU
-//! twin is `dflash_reference::ops::linear`.
+//! Dense matmuls on the GPU through cuBLAS (bf16 operands, fp32 accumulation) in row-major
+//! terms: `c [m, n] = alpha * op(a) [m, k] @ op(b) [k, n] + beta * c`, `c` in bf16 or fp32 (fp32
+//! for parameter gradients, accumulated across layers and micro-batches with `beta = 1`). The CPU
+//! twin of the step's `linear` is `dflash_reference::ops::linear`.
 
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::CudaSlice;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublas::{result, CudaBlas};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use dflash_reference::{Error, Result};
 use half::bf16;
 
@@ -13,17 +17,101 @@ use crate::gpu::Gpu;
 /// A cuBLAS handle on the GPU's stream.
 pub struct Blas {
     blas: CudaBlas,
+    stream: Arc<CudaStream>,
+}
+
+/// A bf16 row-major matrix operand at a device address: stored `[rows, cols]`, used as is or
+/// transposed (`t`).
+#[derive(Clone, Copy, Debug)]
+pub struct Mat {
+    pub ptr: u64,
+    pub rows: usize,
+    pub cols: usize,
+    pub t: bool,
+}
+
+impl Mat {
+    /// `[rows, cols]` used as is.
+    pub fn n(ptr: u64, rows: usize, cols: usize) -> Self {
+        Mat { ptr, rows, cols, t: false }
+    }
+
+    /// `[rows, cols]` used transposed, as `[cols, rows]`.
+    pub fn t(ptr: u64, rows: usize, cols: usize) -> Self {
+        Mat { ptr, rows, cols, t: true }
+    }
+
+    /// The shape of the operand as used.
+    fn used(&self) -> (usize, usize) {
+        if self.t {
+            (self.cols, self.rows)
+        } else {
+            (self.rows, self.cols)
+        }
+    }
+}
+
+/// The element type of a matmul output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Out {
+    Bf16,
+    F32,
+}
+
+fn dim(v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid("matmul size", format!("{v} exceeds i32")))
 }
 
 impl Blas {
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let blas =
             CudaBlas::new(gpu.stream().clone()).map_err(|e| Error::Gpu(format!("create cuBLAS handle: {e:?}")))?;
-        Ok(Blas { blas })
+        Ok(Blas { blas, stream: gpu.stream().clone() })
     }
 
-    /// `y [m, n] = x [m, k] @ w [n, k]^T`, all row-major bf16, fp32 accumulation. Row-major `y`
-    /// is column-major `y^T = w x^T`: cuBLAS computes it with `w` transposed and `x` as is.
+    /// `c [m, n] = alpha * a @ b + beta * c` with `a`, `b` as used (`[m, k]`, `[k, n]`), `c`
+    /// row-major at `c` in `out`. Row-major `c` is column-major `c^T = b^T a^T`, so cuBLAS gets
+    /// `b` first; a row-major operand stored `[r, cc]` is column-major `[cc, r]` with ld `cc`,
+    /// which is the transpose needed unless the operand is used transposed.
+    pub fn matmul(&self, a: Mat, b: Mat, c: u64, out: Out, alpha: f32, beta: f32) -> Result<()> {
+        let ((m, k), (kb, n)) = (a.used(), b.used());
+        if k != kb {
+            return Err(Error::invalid("matmul", format!("inner dims differ: a is {m}x{k}, b is {kb}x{n}")));
+        }
+        let op = |x: &Mat| if x.t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+        let c_type = match out {
+            Out::Bf16 => cudaDataType::CUDA_R_16BF,
+            Out::F32 => cudaDataType::CUDA_R_32F,
+        };
+        // SAFETY: the addresses are live device buffers of the stated shapes (callers' contract);
+        // alpha and beta are f32 as CUBLAS_COMPUTE_32F requires.
+        unsafe {
+            result::gemm_ex(
+                *self.blas.handle(),
+                op(&b),
+                op(&a),
+                dim(n)?,
+                dim(m)?,
+                dim(k)?,
+                &alpha as *const f32 as *const c_void,
+                b.ptr as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                dim(b.cols)?,
+                a.ptr as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                dim(a.cols)?,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                c_type,
+                dim(n)?,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::Gpu(format!("cuBLAS gemm {m}x{n}x{k}: {e:?}")))
+    }
+
+    /// `y [m, n] = x [m, k] @ w [n, k]^T`, all row-major bf16, fp32 accumulation.
     pub fn linear(
         &self,
         x: &CudaSlice<bf16>,
@@ -36,19 +124,10 @@ impl Blas {
                 return Err(Error::invalid(name, format!("{len} elements, need {want} for m={m} n={n} k={k}")));
             }
         }
-        let dim = |v: usize| i32::try_from(v).map_err(|_| Error::invalid("matmul size", format!("{v} exceeds i32")));
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: dim(n)?,
-            n: dim(m)?,
-            k: dim(k)?,
-            alpha: bf16::ONE,
-            lda: dim(k)?,
-            ldb: dim(k)?,
-            beta: bf16::ZERO,
-            ldc: dim(n)?,
-        };
-        unsafe { self.blas.gemm(cfg, w, x, y) }.map_err(|e| Error::Gpu(format!("cuBLAS gemm {m}x{n}x{k}: {e:?}")))
+        let stream = &self.stream;
+        let (x, _x) = x.device_ptr(stream);
+        let (w, _w) = w.device_ptr(stream);
+        let (y, _y) = y.device_ptr_mut(stream);
+        self.matmul(Mat::n(x, m, k), Mat::t(w, n, k), y, Out::Bf16, 1.0, 0.0)
     }
 }

@@ -81,6 +81,9 @@ impl Gpu {
         let ctx =
             CudaContext::new(ordinal).map_err(|e| driver_error(&format!("creating a context on GPU {ordinal}"), e))?;
         let name = ctx.name().map_err(|e| driver_error("cuDeviceGetName", e))?;
+        // SAFETY: all work of this context goes to its one stream (see the module doc), which
+        // orders every access; cudarc's per-buffer events would only add overhead to launches.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let gpu = Gpu { ctx, stream, name, modules: Mutex::new(HashMap::new()) };
         if gpu.ctx.has_async_alloc() {
@@ -143,6 +146,20 @@ impl Gpu {
         self.synchronize()?;
         let mut zero = 0u64;
         self.set_pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut zero)
+    }
+
+    /// `(free, total)` device memory in bytes, as the driver reports it (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info().map_err(|e| driver_error("cuMemGetInfo", e))?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// Bytes a new allocation can get: the driver's free memory plus what the memory pool holds
+    /// but does not use (freed buffers it keeps for reuse).
+    pub fn available_bytes(&self) -> Result<u64> {
+        let (free, _) = self.memory_info()?;
+        let reserved = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        Ok(free + reserved.saturating_sub(self.pool_used()?))
     }
 
     /// Memory in use in the device's default memory pool, in bytes, after synchronising the stream.

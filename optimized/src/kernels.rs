@@ -6,7 +6,8 @@ use sha2::{Digest, Sha256};
 
 /// `(file name, source)` of every `optimized/kernels/*.cu`, sorted by file name. A unit test
 /// checks that this list matches the folder, so a new kernel file cannot be left out.
-pub const KERNEL_SOURCES: &[(&str, &str)] = &[("attention.cu", include_str!("../kernels/attention.cu"))];
+pub const KERNEL_SOURCES: &[(&str, &str)] =
+    &[("attention.cu", include_str!("../kernels/attention.cu")), ("step.cu", include_str!("../kernels/step.cu"))];
 
 /// SHA-256 (lower-case hex) of the kernel sources concatenated in file-name order: the same as
 /// `cat optimized/kernels/*.cu | sha256sum` in the C locale.

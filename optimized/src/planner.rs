@@ -6,33 +6,14 @@
 use dflash_reference::config::DraftConfig;
 use dflash_reference::drafter::param_shapes;
 
-/// Bytes of one bf16 value, and of one f32 value.
+pub use crate::step::drafter_step::Checkpointing;
+
+/// Bytes of one bf16 value, and of one f32 (or u32) value.
 const BF16: u64 = 2;
 const F32: u64 = 4;
 
-/// Which activations the forward keeps for the backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
-    /// Every layer's activations.
-    None,
-    /// Each layer's input and its attention output and logsumexp; the norms, projections and
-    /// the MLP are recomputed (as the CPU step's `Checkpointing::Selective`).
-    Selective,
-    /// Each layer's input only; the whole layer is recomputed in the backward.
-    PerLayer,
-}
-
-impl Policy {
-    pub const ALL: [Policy; 3] = [Policy::None, Policy::Selective, Policy::PerLayer];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::None => "none",
-            Policy::Selective => "selective",
-            Policy::PerLayer => "per-layer",
-        }
-    }
-}
+/// Which activations the forward keeps for the backward (the CPU step's and the GPU step's).
+pub type Policy = Checkpointing;
 
 /// The shapes of one training step: one row of `context_len` tokens with `num_anchors` blocks,
 /// and the LM head computed `lm_chunk_rows` block rows at a time.
@@ -50,14 +31,37 @@ pub struct PlanItem {
     pub bytes: u64,
 }
 
+/// When a buffer of the step is needed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lifetime {
+    /// For the whole run: bf16 weights, fp32 gradients, the frozen LM head.
+    Model,
+    /// For the whole run, only when training: fp32 master weights and AdamW moments.
+    Optimizer,
+    /// From the forward to the backward: inputs, context, saved activations.
+    Saved,
+    /// Scratch of one layer's forward or backward, or one LM-head chunk, reused by all.
+    Transient,
+}
+
+/// One device buffer of the GPU step: `key` (what the step looks it up by), the plan item it
+/// counts under, and its size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepBuffer {
+    pub key: String,
+    pub item: &'static str,
+    pub lifetime: Lifetime,
+    pub bytes: u64,
+}
+
 /// The itemised plan of one step and its predicted peak.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryPlan {
-    /// Held for the whole run (weights, master copy, gradients, optimizer state, frozen tables).
+    /// Held for the whole run (weights, gradients, frozen LM head, master copy, optimizer state).
     pub persistent: Vec<PlanItem>,
     /// Held from the forward until the backward (inputs, context features, saved activations).
     pub saved: Vec<PlanItem>,
-    /// The largest transient of the step (one layer's backward, or one LM-head chunk).
+    /// Scratch shared by all layers (recompute, activation gradients, one LM-head chunk).
     pub transient: Vec<PlanItem>,
     pub peak: u64,
     /// The peak without optimizer state and fp32 master weights (what a PyTorch step measured
@@ -65,19 +69,22 @@ pub struct MemoryPlan {
     pub peak_without_optimizer: u64,
 }
 
-/// Sizes the plan is made of.
+/// Sizes the buffers are made of.
 struct Dims {
     hidden: u64,
     inter: u64,
     q_dim: u64,
     kv_dim: u64,
     heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
     layers: u64,
     vocab: u64,
     features: u64,
     s: u64,
     q: u64,
     k: u64,
+    lm_rows: u64,
 }
 
 impl Dims {
@@ -90,64 +97,147 @@ impl Dims {
             q_dim: (c.num_heads * c.head_dim) as u64,
             kv_dim: (c.num_kv_heads * c.head_dim) as u64,
             heads: c.num_heads as u64,
+            kv_heads: c.num_kv_heads as u64,
+            head_dim: c.head_dim as u64,
             layers: c.num_layers() as u64,
             vocab: c.vocab_size as u64,
-            features: config.num_features() as u64,
+            features: (config.num_features() * c.hidden_size) as u64,
             s: shape.context_len as u64,
             q,
             k: shape.context_len as u64 + q,
-        }
-    }
-
-    /// One layer's saved activations under `policy`.
-    fn layer_saved(&self, policy: Policy) -> u64 {
-        let input = self.q * self.hidden * BF16;
-        let attention = self.q * self.q_dim * BF16 + self.heads * self.q * F32; // out, lse
-        let rest = self.q * self.hidden * 3 * BF16 // xn, x_mid, xn2
-            + (self.q * self.q_dim + self.k * self.kv_dim) * 2 * BF16 // q, k before and after norm + RoPE
-            + self.k * self.kv_dim * BF16 // v
-            + self.q * self.inter * 3 * BF16 // gate, up, h
-            + (self.q * 2 + self.q * self.heads + self.k * self.heads) * F32; // inverse RMS values
-        match policy {
-            Policy::None => input + attention + rest,
-            Policy::Selective => input + attention,
-            Policy::PerLayer => input,
+            lm_rows: (shape.lm_chunk_rows as u64).min(q).max(1),
         }
     }
 }
 
-/// The plan of one step of `config` at `shape` under `policy`.
-pub fn plan_step(config: &DraftConfig, shape: StepShape, policy: Policy) -> MemoryPlan {
+/// Plan items of the saved activations and of their recompute workspace.
+const SAVED_LAYERS: &str = "saved layer activations, all layers";
+const SAVED_ATTENTION: &str = "saved attention out + logsumexp, all layers";
+const WORKSPACE: &str = "one layer's activations (recomputed in the backward)";
+const WORKSPACE_ATTENTION: &str = "one layer's attention out + logsumexp (recomputed)";
+
+/// Fp32 partial rows of a parameter-gradient reduction (`GRAD_PARTS` of the step kernels).
+const GRAD_PARTS: u64 = 264;
+/// Fp32 partials per parameter of the gradient-norm reduction.
+pub const NORM_PARTS: usize = 64;
+
+/// Every device buffer of one GPU training step of `config` at `shape` under `policy`, with
+/// `optimizer` buffers when training (not when only the step is measured). The GPU step
+/// allocates exactly these (`step::gpu`), so the plan is what the step holds.
+pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, optimizer: bool) -> Vec<StepBuffer> {
     let d = Dims::new(config, shape);
+    let layers = config.dims.num_layers();
     let params: u64 = param_shapes(config).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
-    let persistent = vec![
-        PlanItem { name: "weights (bf16 compute copy)", bytes: params * BF16 },
-        PlanItem { name: "gradients (fp32)", bytes: params * F32 },
-        PlanItem { name: "master weights (fp32)", bytes: params * F32 },
-        PlanItem { name: "AdamW moments (fp32, 2x)", bytes: params * F32 * 2 },
-        PlanItem { name: "frozen embedding + LM head (bf16)", bytes: 2 * d.vocab * d.hidden * BF16 },
-    ];
-    let recompute_one = if policy == Policy::None { 0 } else { d.layer_saved(Policy::None) - d.layer_saved(policy) };
-    let saved = vec![
-        PlanItem { name: "target features [S, F*H] (bf16)", bytes: d.s * d.features * d.hidden * BF16 },
-        PlanItem { name: "context ctx and its pre-norm [S, H] (bf16)", bytes: 2 * d.s * d.hidden * BF16 },
-        PlanItem { name: "saved activations, all layers", bytes: d.layers * d.layer_saved(policy) },
-        PlanItem { name: "final hidden [Q, H] (bf16)", bytes: d.q * d.hidden * BF16 },
-    ];
-    let layer_backward = recompute_one
-        + (d.q * d.q_dim * 2 + d.k * d.kv_dim * 2) * BF16 // dq, dout; dk, dv
-        + d.heads * d.q * F32 // dsum
-        + (d.q * d.inter * 2 + d.q * d.hidden * 3 + d.k * d.hidden) * BF16; // MLP and residual gradients
-    let lm_chunk = shape.lm_chunk_rows as u64 * d.vocab * F32 + d.q * d.hidden * BF16;
-    let transient = if layer_backward >= lm_chunk {
-        vec![PlanItem { name: "one layer's backward (recompute, activation gradients)", bytes: layer_backward }]
-    } else {
-        vec![PlanItem { name: "LM head + CE chunk (fp32 logits) and dh", bytes: lm_chunk }]
+    let mut out = Vec::new();
+    let mut add = |key: String, item: &'static str, lifetime: Lifetime, bytes: u64| {
+        out.push(StepBuffer { key, item, lifetime, bytes })
     };
-    let sum = |items: &[PlanItem]| items.iter().map(|i| i.bytes).sum::<u64>();
-    let peak = sum(&persistent) + sum(&saved) + sum(&transient);
-    let optimizer_only = params * F32 * 3;
-    MemoryPlan { persistent, saved, transient, peak, peak_without_optimizer: peak - optimizer_only }
+    use Lifetime::{Model, Optimizer, Saved, Transient};
+    add("weights".into(), "weights (bf16 compute copy)", Model, params * BF16);
+    add("grads".into(), "gradients (fp32)", Model, params * F32);
+    add("lm_head".into(), "frozen LM head (bf16)", Model, d.vocab * d.hidden * BF16);
+    if optimizer {
+        add("master".into(), "master weights (fp32)", Optimizer, params * F32);
+        add("adam_m".into(), "AdamW moments (fp32, 2x)", Optimizer, params * F32);
+        add("adam_v".into(), "AdamW moments (fp32, 2x)", Optimizer, params * F32);
+    }
+    let inputs = "inputs: features, RoPE tables, labels, weights";
+    add("features".into(), inputs, Saved, d.s * d.features * BF16);
+    for key in ["cos_q", "sin_q"] {
+        add(key.into(), inputs, Saved, d.q * d.head_dim * F32);
+    }
+    for key in ["cos_k", "sin_k"] {
+        add(key.into(), inputs, Saved, d.k * d.head_dim * F32);
+    }
+    for key in ["labels", "weights_ce", "rows_ce", "loss_rows"] {
+        add(key.into(), inputs, Saved, d.q * F32);
+    }
+    let context = "context: fc output, ctx, inverse RMS";
+    add("ctx_pre".into(), context, Saved, d.s * d.hidden * BF16);
+    add("ctx".into(), context, Saved, d.s * d.hidden * BF16);
+    add("inv_hidden".into(), context, Saved, d.s * F32);
+    let residual = "residual stream: every layer's input, the output";
+    for l in 0..=layers {
+        add(format!("residual.{l}"), residual, Saved, d.q * d.hidden * BF16);
+    }
+    add("hf".into(), "final norm output and inverse RMS", Saved, d.q * d.hidden * BF16);
+    add("inv_final".into(), "final norm output and inverse RMS", Saved, d.q * F32);
+
+    let layer_sets: Vec<(String, &'static str, Lifetime)> = match policy {
+        Policy::None => (0..layers).map(|l| (format!("layers.{l}."), SAVED_LAYERS, Saved)).collect(),
+        _ => vec![("recompute.".to_string(), WORKSPACE, Transient)],
+    };
+    for (prefix, item, lifetime) in layer_sets {
+        for (name, bytes) in [
+            ("kv_in", d.k * d.hidden * BF16),
+            ("inv_in", d.q * F32),
+            ("q_pre", d.q * d.q_dim * BF16),
+            ("inv_q", d.q * d.heads * F32),
+            ("q", d.q * d.q_dim * BF16),
+            ("k_pre", d.k * d.kv_dim * BF16),
+            ("inv_k", d.k * d.kv_heads * F32),
+            ("k", d.k * d.kv_dim * BF16),
+            ("v", d.k * d.kv_dim * BF16),
+            ("x_mid", d.q * d.hidden * BF16),
+            ("xn2", d.q * d.hidden * BF16),
+            ("inv_post", d.q * F32),
+            ("gate", d.q * d.inter * BF16),
+            ("up", d.q * d.inter * BF16),
+        ] {
+            add(format!("{prefix}{name}"), item, lifetime, bytes);
+        }
+    }
+    let attention_sets: Vec<(String, &'static str, Lifetime)> = match policy {
+        Policy::PerLayer => vec![("recompute.".to_string(), WORKSPACE_ATTENTION, Transient)],
+        _ => (0..layers).map(|l| (format!("layers.{l}."), SAVED_ATTENTION, Saved)).collect(),
+    };
+    for (prefix, item, lifetime) in attention_sets {
+        add(format!("{prefix}out"), item, lifetime, d.q * d.q_dim * BF16);
+        add(format!("{prefix}lse"), item, lifetime, d.heads * d.q * F32);
+    }
+
+    let grads = "activation gradients of one layer";
+    add("h".into(), "SwiGLU output / its gradient", Transient, d.q * d.inter * BF16);
+    for key in ["grad.a", "grad.b", "grad.c"] {
+        add(key.into(), grads, Transient, d.q * d.hidden * BF16);
+    }
+    add("dattn".into(), grads, Transient, d.q * d.q_dim * BF16);
+    add("dq".into(), grads, Transient, d.q * d.q_dim * BF16);
+    add("dk".into(), grads, Transient, d.k * d.kv_dim * BF16);
+    add("dv".into(), grads, Transient, d.k * d.kv_dim * BF16);
+    add("dsum".into(), grads, Transient, d.heads * d.q * F32);
+    add("dctx".into(), grads, Transient, d.s * d.hidden * BF16);
+    let reductions = "reduction partials (norm weights, gradient norm)";
+    add("dw_partial".into(), reductions, Transient, GRAD_PARTS * d.hidden.max(d.head_dim) * F32);
+    let param_count = param_shapes(config).len() as u64;
+    add("norm_partial".into(), reductions, Transient, param_count * NORM_PARTS as u64 * F32);
+    let lm = "one LM-head chunk: rows, bf16 logits / their gradient";
+    add("lm.rows".into(), lm, Transient, d.lm_rows * d.hidden * BF16);
+    add("lm.logits".into(), lm, Transient, d.lm_rows * d.vocab * BF16);
+    add("lm.drows".into(), lm, Transient, d.lm_rows * d.hidden * BF16);
+    out
+}
+
+/// The plan of one training step (with optimizer state) of `config` at `shape` under `policy`:
+/// the buffers of [`step_buffers`] summed per item.
+pub fn plan_step(config: &DraftConfig, shape: StepShape, policy: Policy) -> MemoryPlan {
+    let buffers = step_buffers(config, shape, policy, true);
+    let items = |keep: &dyn Fn(Lifetime) -> bool| {
+        let mut items: Vec<PlanItem> = Vec::new();
+        for b in buffers.iter().filter(|b| keep(b.lifetime)) {
+            match items.iter_mut().find(|i| i.name == b.item) {
+                Some(i) => i.bytes += b.bytes,
+                None => items.push(PlanItem { name: b.item, bytes: b.bytes }),
+            }
+        }
+        items
+    };
+    let persistent = items(&|l| matches!(l, Lifetime::Model | Lifetime::Optimizer));
+    let saved = items(&|l| l == Lifetime::Saved);
+    let transient = items(&|l| l == Lifetime::Transient);
+    let peak: u64 = buffers.iter().map(|b| b.bytes).sum();
+    let optimizer: u64 = buffers.iter().filter(|b| b.lifetime == Lifetime::Optimizer).map(|b| b.bytes).sum();
+    MemoryPlan { persistent, saved, transient, peak, peak_without_optimizer: peak - optimizer }
 }
 
 /// Peak bytes of the known failure modes at `shape`, for comparison with a plan.

@@ -1,10 +1,12 @@
 //! `xtask gpu-conformance` (on the H200): the CUDA attention kernels against the reference on the
-//! conformance cases, written as the attestation `fixtures/gpu/attestation.json` that the CI test
+//! conformance cases, the step kernels against their CPU twins and the GPU step against the
+//! reference, written as the attestation `fixtures/gpu/attestation.json` that the CI test
 //! `conformance/tests/attestation.rs` checks against the current kernel sources.
 
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck};
 use dflash_optimized::attention::cases::{conformance_cases, BF16_TOLERANCE};
 use dflash_optimized::attention::cuda::conformance_case;
 use dflash_optimized::gpu::Gpu;
@@ -18,9 +20,13 @@ const HELP: &str = "usage: xtask gpu-conformance [options]     (on the GPU machi
 
 Runs the CUDA attention kernels on the conformance cases (odd sizes, N=1, a padding block, S not a
 multiple of 64, a window larger than S, several documents, GQA 32/8 d=128, causal full and
-sliding) against the reference, and writes the attestation: the SHA-256 of the kernel sources, the
-GPU, the date, the commit, each case's relative errors (out, dQ, dK, dV) and the verdict (every
-error below 1e-2). Exits with an error when a case fails, after writing the file.
+sliding) against the reference (relative errors below 1e-2); every step.cu kernel against its CPU
+twin (below 1e-2); and the GPU training step of random drafters (sliding + full layer, packed
+documents, keep=false blocks) under every checkpointing policy against the reference in f64 (loss
+and every parameter gradient below 2e-2, policies equal, measured memory-pool peak at most the plan
+and within 15% of it). Writes the attestation: the SHA-256 of the kernel sources, the GPU, the
+date, the commit, each case's errors and the verdict. Exits with an error when a case fails, after
+writing the file.
 
 options:
   --out FILE      where the attestation goes       (default fixtures/gpu/attestation.json)
@@ -118,6 +124,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         };
         cases.push(entry);
     }
+    for entry in step_checks(&gpu)? {
+        cases.push(entry);
+    }
     let failed: Vec<&str> =
         cases.iter().filter(|c| c["pass"] != Value::Bool(true)).filter_map(|c| c["name"].as_str()).collect();
     let verdict = if failed.is_empty() { "pass" } else { "fail" };
@@ -143,6 +152,58 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     } else {
         Err(format!("GPU conformance failed on: {}", failed.join(", ")))
     }
+}
+
+/// Seeds of the random GPU-step cases (each run under every checkpointing policy).
+const STEP_SEEDS: [u64; 3] = [1, 2, 3];
+/// Seed of the kernel-twin checks' inputs.
+const KERNEL_SEED: u64 = 7;
+
+/// The `step.cu` kernels against their CPU twins and the GPU step against the reference, as
+/// attestation cases (printed as they finish).
+fn step_checks(gpu: &Gpu) -> Result<Vec<Value>, String> {
+    println!("{:<72} {:>10} {:>9}  {:<6}", "step check", "worst", "bound", "result");
+    let mut entries = Vec::new();
+    let mut record = |name: String, outcome: dflash_reference::Result<Vec<GpuCheck>>, secs: f64| match outcome {
+        Ok(checks) => {
+            for c in checks {
+                let pass = c.pass();
+                let memory = c.memory.map(|(measured, planned)| {
+                    format!("  peak {:.4} GB, planned {:.4} GB", measured as f64 / 1e9, planned as f64 / 1e9)
+                });
+                println!(
+                    "{:<72} {:>10.2e} {:>9.0e}  {:<6}{}",
+                    c.name,
+                    c.worst(),
+                    c.tolerance,
+                    if pass { "pass" } else { "FAIL" },
+                    memory.unwrap_or_default()
+                );
+                let errors: serde_json::Map<String, Value> =
+                    c.errors.iter().map(|(n, e)| (n.clone(), json!(e))).collect();
+                entries.push(json!({
+                    "name": c.name,
+                    "errors": errors,
+                    "tolerance": c.tolerance,
+                    "peak_bytes": c.memory.map(|m| m.0),
+                    "planned_bytes": c.memory.map(|m| m.1),
+                    "pass": pass,
+                }));
+            }
+            println!("  ({name}: {secs:.1}s)");
+        }
+        Err(e) => {
+            println!("{name}: error after {secs:.1}s: {e}");
+            entries.push(json!({ "name": name, "errors": Value::Null, "pass": false, "error": e.to_string() }));
+        }
+    };
+    let started = Instant::now();
+    record("kernel twins".to_string(), kernel_checks(gpu, KERNEL_SEED), started.elapsed().as_secs_f64());
+    for seed in STEP_SEEDS {
+        let started = Instant::now();
+        record(format!("step seed {seed}"), gpu_step::step_checks(gpu, seed), started.elapsed().as_secs_f64());
+    }
+    Ok(entries)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use dflash_reference::{Error, Result};
 use half::bf16;
 
@@ -185,18 +185,15 @@ impl AttentionKernels {
         }
     }
 
-    /// `out [Q, nh, d]` and `lse [nh, Q]` (natural log; -inf for rows that see nothing).
-    #[allow(clippy::too_many_arguments)]
+    /// `out [Q, nh, d]` and `lse [nh, Q]` (natural log; -inf for rows that see nothing), all
+    /// arguments device addresses: q `[Q, nh, d]`, k and v `[K, nkv, d]` bf16.
     pub fn forward(
         &self,
         stream: &Arc<CudaStream>,
         dp: &DevicePlan,
         shape: AttnShape,
-        q: &CudaSlice<bf16>,
-        k: &CudaSlice<bf16>,
-        v: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
-        lse: &mut CudaSlice<f32>,
+        (q, k, v): (u64, u64, u64),
+        (out, lse): (u64, u64),
     ) -> Result<()> {
         let (groups, threads) = self.check(&dp.plan, shape)?;
         if groups == 0 {
@@ -207,24 +204,24 @@ impl AttentionKernels {
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups);
         plan_args.push(&mut b);
-        b.arg(q).arg(k).arg(v).arg(out).arg(lse);
+        b.arg(&q).arg(&k).arg(&v).arg(&out).arg(&lse);
         head_args.push(&mut b);
         unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_forward"))?;
         Ok(())
     }
 
     /// `dq`, `dk`, `dv` (shaped like q, k, v) from the forward's `out` and `lse` and `dout`;
-    /// `dsum [nh, Q]` is scratch.
+    /// `dsum [nh, Q]` (fp32) is scratch. All arguments are device addresses.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
         stream: &Arc<CudaStream>,
         dp: &DevicePlan,
         shape: AttnShape,
-        (q, k, v): (&CudaSlice<bf16>, &CudaSlice<bf16>, &CudaSlice<bf16>),
-        (out, lse, dout): (&CudaSlice<bf16>, &CudaSlice<f32>, &CudaSlice<bf16>),
-        dsum: &mut CudaSlice<f32>,
-        (dq, dk, dv): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+        (q, k, v): (u64, u64, u64),
+        (out, lse, dout): (u64, u64, u64),
+        dsum: u64,
+        (dq, dk, dv): (u64, u64, u64),
     ) -> Result<()> {
         let (groups, threads) = self.check(&dp.plan, shape)?;
         let p = &dp.plan;
@@ -233,7 +230,7 @@ impl AttentionKernels {
         if pairs > 0 {
             let cfg = LaunchConfig { grid_dim: (pairs.div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             let mut b = stream.launch_builder(&self.dsum);
-            b.arg(out).arg(dout).arg(&mut *dsum).arg(&plan_args.num_queries).arg(&head_args.num_heads);
+            b.arg(&out).arg(&dout).arg(&dsum).arg(&plan_args.num_queries).arg(&head_args.num_heads);
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum"))?;
         }
         if groups > 0 {
@@ -241,7 +238,7 @@ impl AttentionKernels {
             let mut b = stream.launch_builder(&self.dq);
             b.arg(&dp.groups);
             plan_args.push(&mut b);
-            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dq);
+            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dq);
             head_args.push(&mut b);
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq"))?;
         }
@@ -255,7 +252,7 @@ impl AttentionKernels {
             let mut b = stream.launch_builder(&self.dkdv);
             b.arg(&dp.groups).arg(&dp.kv_ranges);
             plan_args.push(&mut b);
-            b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(&*dsum).arg(&mut *dk).arg(&mut *dv);
+            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv);
             head_args.push(&mut b);
             unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv"))?;
         }
@@ -346,7 +343,14 @@ impl DeviceRun {
         dp: &DevicePlan,
         shape: AttnShape,
     ) -> Result<()> {
-        kernels.forward(stream, dp, shape, &self.q, &self.k, &self.v, &mut self.out, &mut self.lse)
+        let p = |x: &CudaSlice<bf16>| x.device_ptr(stream).0;
+        kernels.forward(
+            stream,
+            dp,
+            shape,
+            (p(&self.q), p(&self.k), p(&self.v)),
+            (p(&self.out), self.lse.device_ptr(stream).0),
+        )
     }
 
     fn backward(
@@ -356,14 +360,15 @@ impl DeviceRun {
         dp: &DevicePlan,
         shape: AttnShape,
     ) -> Result<()> {
+        let p = |x: &CudaSlice<bf16>| x.device_ptr(stream).0;
         kernels.backward(
             stream,
             dp,
             shape,
-            (&self.q, &self.k, &self.v),
-            (&self.out, &self.lse, &self.dout),
-            &mut self.dsum,
-            (&mut self.dq, &mut self.dk, &mut self.dv),
+            (p(&self.q), p(&self.k), p(&self.v)),
+            (p(&self.out), self.lse.device_ptr(stream).0, p(&self.dout)),
+            self.dsum.device_ptr(stream).0,
+            (p(&self.dq), p(&self.dk), p(&self.dv)),
         )
     }
 }

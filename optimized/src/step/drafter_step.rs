@@ -34,6 +34,15 @@ pub enum Checkpointing {
 
 impl Checkpointing {
     pub const ALL: [Checkpointing; 3] = [Checkpointing::None, Checkpointing::Selective, Checkpointing::PerLayer];
+
+    /// The policy's name on the command line and in results.
+    pub fn name(self) -> &'static str {
+        match self {
+            Checkpointing::None => "none",
+            Checkpointing::Selective => "selective",
+            Checkpointing::PerLayer => "per-layer",
+        }
+    }
 }
 
 /// What the forward keeps of one layer until its backward.

@@ -136,7 +136,7 @@ impl InplaceOp1 for CeGradInPlace<'_> {
 
 /// `z` `[rows.len(), V]` := `w_r (softmax(z_r) - onehot(y_r))`, all in f64 before rounding to `T`;
 /// returns `sum_r w_r (logsumexp(z_r) - z_r[y_r])` in f64.
-fn ce_grad_rows<T: WithDType>(z: &mut [T], rows: &[u32], targets: &BlockTargets) -> f64 {
+pub fn ce_grad_rows<T: WithDType>(z: &mut [T], rows: &[u32], targets: &BlockTargets) -> f64 {
     let vocab = z.len() / rows.len();
     let mut sum = 0.0;
     for (z, &r) in z.chunks_exact_mut(vocab).zip(rows) {

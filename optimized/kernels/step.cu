@@ -1,0 +1,352 @@
+// Elementwise and reduction kernels of the GPU training step (optimized/src/step/gpu/): bf16
+// activations, fp32 arithmetic, fp32 parameter gradients. Each kernel's CPU twin is named above
+// it; `xtask gpu-conformance` checks every kernel against its twin on the H200.
+//
+// Conventions: row-major tensors, shapes in comments; `rows` is the leading dim. Parameter
+// gradients are reduced deterministically: a kernel writes one fp32 partial per CTA
+// (`dw_partial [gridDim.x, n]`) and `column_sum_accumulate` adds the partials to the gradient in
+// a fixed order (no atomics, bit-identical from run to run).
+
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define WARP 32
+#define NEG_INF __int_as_float(0xff800000)
+// Columns one thread of a row kernel keeps in registers: n <= MAX_COLS_PER_THREAD * blockDim.x.
+#define MAX_COLS_PER_THREAD 32
+// Elements one lane of a head kernel keeps: head_dim <= MAX_HEAD_LANE_ELEMS * 32.
+#define MAX_HEAD_LANE_ELEMS 8
+
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ bf16 to_bf(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum of `v` over the CTA (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+// `scratch` holds 32 floats; the call synchronises the CTA twice.
+__device__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}
+
+// Twin: step::ops::rms_norm_forward. One CTA per row.
+// x [rows, n], w [n] -> y [rows, n] (bf16), inv [rows] = 1/sqrt(mean(x^2) + eps).
+extern "C" __global__ void rms_norm_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                            bf16* __restrict__ y, float* __restrict__ inv, int rows, int n,
+                                            float eps) {
+    __shared__ float scratch[WARP];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const bf16* xr = x + (size_t)row * n;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+    }
+    const float r = 1.f / sqrtf(block_sum(ss, scratch) / n + eps);
+    bf16* yr = y + (size_t)row * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = to_bf(to_f(xr[i]) * r * to_f(w[i]));
+    if (threadIdx.x == 0) inv[row] = r;
+}
+
+// Twin: step::ops::rms_norm_backward (+ the residual gradient `dres`, may be null). Each CTA
+// takes a contiguous range of rows; dx may alias dy or dres.
+// dy, x [rows, n], w [n], inv [rows] -> dx [rows, n] = r*(g - x*r^2*mean(g*x)) + dres with g = dy*w,
+// dw_partial [gridDim.x, n] = this CTA's sum over its rows of dy*x*r.
+extern "C" __global__ void rms_norm_backward(const bf16* dy, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                             const float* __restrict__ inv, const bf16* dres, bf16* dx,
+                                             float* __restrict__ dw_partial, int rows, int n) {
+    __shared__ float scratch[WARP];
+    float acc[MAX_COLS_PER_THREAD];
+#pragma unroll
+    for (int c = 0; c < MAX_COLS_PER_THREAD; ++c) acc[c] = 0.f;
+    const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * per_cta, hi = min(rows, lo + per_cta);
+    for (int row = lo; row < hi; ++row) {
+        const size_t base = (size_t)row * n;
+        const float r = inv[row];
+        float dot = 0.f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) dot += to_f(dy[base + i]) * to_f(w[i]) * to_f(x[base + i]);
+        const float coeff = r * r * r * block_sum(dot, scratch) / n;
+#pragma unroll
+        for (int c = 0; c < MAX_COLS_PER_THREAD; ++c) {
+            const int i = threadIdx.x + c * blockDim.x;
+            if (i < n) {
+                const float g = to_f(dy[base + i]), xv = to_f(x[base + i]);
+                acc[c] += g * xv * r;
+                float d = r * g * to_f(w[i]) - xv * coeff;
+                if (dres != nullptr) d += to_f(dres[base + i]);
+                dx[base + i] = to_bf(d);
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < MAX_COLS_PER_THREAD; ++c) {
+        const int i = threadIdx.x + c * blockDim.x;
+        if (i < n) dw_partial[(size_t)blockIdx.x * n + i] = acc[c];
+    }
+}
+
+// out [n] += sum over p of partial [parts, n], in order p = 0, 1, ... (deterministic).
+extern "C" __global__ void column_sum_accumulate(const float* __restrict__ partial, float* __restrict__ out, int parts,
+                                                 int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float s = 0.f;
+    for (int p = 0; p < parts; ++p) s += partial[(size_t)p * n + i];
+    out[i] += s;
+}
+
+// Twin: step::ops::rms_norm_forward over the head dim, then step::ops::rope_forward. One warp
+// per (token, head) row; lane l holds elements l, l+32, ... so that the RoPE partner of element
+// i (i +- d/2) sits in the same lane (d a multiple of 64).
+// x [T, heads, d], w [d], cos/sin [T, d] (fp32) -> y [T, heads, d], inv [T*heads].
+extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                  const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                  bf16* __restrict__ y, float* __restrict__ inv, int tokens, int heads,
+                                                  int d, float eps) {
+    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (row >= tokens * heads) return;
+    const int t = row / heads, per_lane = d / WARP, half_lanes = per_lane / 2;
+    const bf16* xr = x + (size_t)row * d;
+    float v[MAX_HEAD_LANE_ELEMS];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+        if (k < per_lane) {
+            v[k] = to_f(xr[lane + k * WARP]);
+            ss += v[k] * v[k];
+        }
+    const float r = 1.f / sqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+        if (k < per_lane) v[k] *= r * to_f(w[lane + k * WARP]);
+    bf16* yr = y + (size_t)row * d;
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+        if (k < per_lane) {
+            const int i = lane + k * WARP;
+            const float rot = k < half_lanes ? -v[k + half_lanes] : v[k - half_lanes];
+            yr[i] = to_bf(v[k] * cos_t[(size_t)t * d + i] + rot * sin_t[(size_t)t * d + i]);
+        }
+    if (lane == 0) inv[row] = r;
+}
+
+// Twin: step::ops::rope_backward, then step::ops::rms_norm_backward over the head dim. Warps
+// take rows in a grid-stride loop; dx may alias dy.
+// dy, x [T, heads, d] (x before the norm), w [d], inv [T*heads], cos/sin [T, d]
+// -> dx [T, heads, d], dw_partial [gridDim.x, d].
+extern "C" __global__ void head_norm_rope_backward(const bf16* dy, const bf16* __restrict__ x,
+                                                   const bf16* __restrict__ w, const float* __restrict__ inv,
+                                                   const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                   bf16* dx, float* __restrict__ dw_partial, int tokens, int heads,
+                                                   int d) {
+    __shared__ float cta_dw[MAX_HEAD_LANE_ELEMS * WARP];
+    const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+    const int per_lane = d / WARP, half_lanes = per_lane / 2;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) cta_dw[i] = 0.f;
+    __syncthreads();
+    float acc[MAX_HEAD_LANE_ELEMS];
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) acc[k] = 0.f;
+    for (int row = blockIdx.x * warps + threadIdx.x / WARP; row < tokens * heads; row += gridDim.x * warps) {
+        const int t = row / heads;
+        const size_t base = (size_t)row * d;
+        float g[MAX_HEAD_LANE_ELEMS], u[MAX_HEAD_LANE_ELEMS], xv[MAX_HEAD_LANE_ELEMS];
+#pragma unroll
+        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+            if (k < per_lane) {
+                const int i = lane + k * WARP;
+                g[k] = to_f(dy[base + i]);
+                u[k] = g[k] * sin_t[(size_t)t * d + i];
+                g[k] *= cos_t[(size_t)t * d + i];
+                xv[k] = to_f(x[base + i]);
+            }
+        // dxn = dy*cos + [u2, -u1]: the gradient of the normed, pre-RoPE values.
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+            if (k < per_lane) {
+                g[k] += k < half_lanes ? u[k + half_lanes] : -u[k - half_lanes];
+                dot += g[k] * to_f(w[lane + k * WARP]) * xv[k];
+            }
+        const float r = inv[row];
+        const float coeff = r * r * r * warp_sum(dot) / d;
+#pragma unroll
+        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+            if (k < per_lane) {
+                const int i = lane + k * WARP;
+                acc[k] += g[k] * xv[k] * r;
+                dx[base + i] = to_bf(r * g[k] * to_f(w[i]) - xv[k] * coeff);
+            }
+    }
+    // Lanes of different warps hold the same columns: add them in shared memory in warp order.
+    for (int wi = 0; wi < warps; ++wi) {
+        if (threadIdx.x / WARP == wi) {
+#pragma unroll
+            for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+                if (k < per_lane) cta_dw[lane + k * WARP] += acc[k];
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dw_partial[(size_t)blockIdx.x * d + i] = cta_dw[i];
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+
+// Twin: step::ops::swiglu_forward. gate, up [n] -> h [n] = silu(gate) * up.
+extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                          bf16* __restrict__ h, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float g = to_f(gate[i]);
+        h[i] = to_bf(g * sigmoid(g) * to_f(up[i]));
+    }
+}
+
+// Twin: step::ops::swiglu_backward. dh, gate, up [n] -> dgate = dh*up*silu'(gate), dup = dh*silu(gate);
+// dgate may alias gate and dup may alias up.
+extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, const bf16* gate, const bf16* up, bf16* dgate,
+                                           bf16* dup, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float g = to_f(gate[i]), u = to_f(up[i]), d = to_f(dh[i]), s = sigmoid(g);
+        dgate[i] = to_bf(d * u * s * (1.f + g * (1.f - s)));
+        dup[i] = to_bf(d * g * s);
+    }
+}
+
+// Twin: step::lm_head_ce's per-row CE gradient. One CTA per row; z is overwritten in place.
+// z [rows, vocab] logits, labels [rows], weights [rows] -> z := scale*w*(softmax(z) - onehot(y)),
+// loss [rows] = w*(logsumexp(z) - z[y]) (unscaled).
+extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __restrict__ labels,
+                                        const float* __restrict__ weights, float* __restrict__ loss, int rows,
+                                        int vocab, float scale) {
+    __shared__ float scratch_m[WARP], scratch_s[WARP];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    bf16* zr = z + (size_t)row * vocab;
+    // Online max and sum of exp per thread, then merged over the CTA.
+    float m = NEG_INF, s = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = to_f(zr[i]);
+        if (v > m) {
+            s = s * expf(m - v) + 1.f;
+            m = v;
+        } else {
+            s += expf(v - m);
+        }
+    }
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        const float mm = fmaxf(m, m2);
+        s = (m == NEG_INF ? 0.f : s * expf(m - mm)) + (m2 == NEG_INF ? 0.f : s2 * expf(m2 - mm));
+        m = mm;
+    }
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    if (lane == 0) {
+        scratch_m[warp] = m;
+        scratch_s[warp] = s;
+    }
+    __syncthreads();
+    float gm = NEG_INF;
+    for (int wi = 0; wi < warps; ++wi) gm = fmaxf(gm, scratch_m[wi]);
+    float gs = 0.f;
+    for (int wi = 0; wi < warps; ++wi)
+        if (scratch_m[wi] != NEG_INF) gs += scratch_s[wi] * expf(scratch_m[wi] - gm);
+    const float lse = gm + logf(gs);
+    const unsigned y = labels[row];
+    const float w = weights[row], zy = to_f(zr[y]);
+    __syncthreads();
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float g = expf(to_f(zr[i]) - lse);
+        if (i == (int)y) g -= 1.f;
+        zr[i] = to_bf(scale * w * g);
+    }
+    if (threadIdx.x == 0) loss[row] = w * (lse - zy);
+}
+
+// dst [count, cols] = src [idx[r], cols] for r < count.
+extern "C" __global__ void gather_rows(const bf16* __restrict__ src, const unsigned* __restrict__ idx,
+                                       bf16* __restrict__ dst, int count, int cols) {
+    const int r = blockIdx.x;
+    if (r >= count) return;
+    const bf16* s = src + (size_t)idx[r] * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[(size_t)r * cols + i] = s[i];
+}
+
+// dst [idx[r], cols] = src [r, cols] for r < count.
+extern "C" __global__ void scatter_rows(const bf16* __restrict__ src, const unsigned* __restrict__ idx,
+                                        bf16* __restrict__ dst, int count, int cols) {
+    const int r = blockIdx.x;
+    if (r >= count) return;
+    bf16* d = dst + (size_t)idx[r] * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) d[i] = src[(size_t)r * cols + i];
+}
+
+// dst [n] = bf16(src [n]).
+extern "C" __global__ void cast_f32_bf16(const float* __restrict__ src, bf16* __restrict__ dst, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = to_bf(src[i]);
+}
+
+// partial [gridDim.x] = this CTA's share of sum(x^2) over x [n] (NaN and Inf propagate).
+extern "C" __global__ void sum_squares(const float* __restrict__ x, float* __restrict__ partial, long long n) {
+    __shared__ float scratch[WARP];
+    float s = 0.f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        s += x[i] * x[i];
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// Twin: dflash_reference::optim::AdamW::step on one parameter, its gradient first scaled by
+// `grad_scale` (global-norm clipping). p, g, m, v [n] fp32 -> updated p, m, v and p_bf16 = bf16(p).
+// m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2; p -= lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*p).
+extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                        float* __restrict__ v, bf16* __restrict__ p_bf16, long long n, float lr,
+                                        float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
+                                        float grad_scale) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float gi = g[i] * grad_scale;
+        const float mi = beta1 * m[i] + (1.f - beta1) * gi;
+        const float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
+        const float pi = p[i] - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        p_bf16[i] = to_bf(pi);
+    }
+}
+
+// splitmix64: a well-mixed 64-bit hash of `z`.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Twin: step::gpu::kernels::normal_at. dst [n] = bf16(mean + std * z_i), z_i a standard normal
+// (Box-Muller) from the hash of (seed, i): random weights and inputs made on the device.
+extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ dst, long long n, unsigned long long seed, float mean,
+                                            float std) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const unsigned long long h = mix64(seed ^ mix64((unsigned long long)i));
+        const float u1 = (float)((h >> 40) + 1) * 5.9604645e-8f;  // (0, 1]
+        const float u2 = (float)(h & 0xffffffull) * 5.9604645e-8f;  // [0, 1)
+        dst[i] = to_bf(mean + std * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+    }
+}

@@ -1,0 +1,6 @@
+//! The training step on the GPU (bf16 compute, fp32 gradients): device buffers, the `step.cu`
+//! kernels, the step itself, AdamW on the device, and the checks `xtask gpu-conformance` runs.
+
+pub mod device;
+pub mod kernels;
+pub mod step;

@@ -1,0 +1,734 @@
+//! The drafter's training step on the GPU: the CPU step (`step::drafter_step`) op for op, in bf16
+//! with fp32 accumulation, fp32 parameter gradients, cuBLAS matmuls, the fused attention kernels
+//! and the `step.cu` kernels. Every buffer is one of the planner's `step_buffers`, allocated
+//! once when the step is made (after checking that they fit), so the step's memory is its plan.
+//!
+//! Shapes (one row): S context tokens, Q = N*B block rows, K = S + Q keys, H hidden, I SwiGLU,
+//! nh/nkv heads of d. Parameter gradients accumulate into `grads` across steps until
+//! [`GpuStep::zero_grads`] (gradient accumulation).
+
+use std::collections::HashMap;
+
+use dflash_reference::config::{AttnKind, DraftConfig};
+use dflash_reference::drafter::{param_shapes, DraftInput, Drafter, FrozenHead};
+use dflash_reference::loss::BlockTargets;
+use dflash_reference::ops::rope_tables;
+use dflash_reference::{Error, Result};
+use half::bf16;
+
+use super::device::{copy_device, Buf};
+use super::kernels::StepKernels;
+use crate::attention::cpu::AttnShape;
+use crate::attention::cuda::{AttentionKernels, DevicePlan};
+use crate::attention::plan::AttentionPlan;
+use crate::blas::{Blas, Mat, Out};
+use crate::gpu::Gpu;
+use crate::planner::{gb, step_buffers, Policy, StepShape, NORM_PARTS};
+
+/// One parameter's place in the flat weight and gradient buffers.
+#[derive(Clone, Debug)]
+pub struct ParamSlot {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Offset of element 0, in elements.
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// The flat layout of the trainable parameters, in checkpoint-key order.
+pub fn param_slots(config: &DraftConfig) -> Vec<ParamSlot> {
+    let mut offset = 0;
+    param_shapes(config)
+        .into_iter()
+        .map(|(name, shape)| {
+            let len = shape.iter().product();
+            let slot = ParamSlot { name, shape, offset, len };
+            offset += len;
+            slot
+        })
+        .collect()
+}
+
+/// The sizes of one step.
+#[derive(Clone, Copy)]
+struct Sizes {
+    s: usize,
+    q: usize,
+    k: usize,
+    h: usize,
+    i: usize,
+    nh: usize,
+    nkv: usize,
+    d: usize,
+    qd: usize,
+    kd: usize,
+    fw: usize,
+    v: usize,
+    eps: f32,
+}
+
+/// The step's device buffers by planner key.
+struct Buffers {
+    map: HashMap<String, Buf<u8>>,
+}
+
+impl Buffers {
+    fn ptr(&self, key: &str) -> u64 {
+        self.map.get(key).unwrap_or_else(|| panic!("step buffer `{key}` is not in the plan")).ptr()
+    }
+}
+
+/// What a forward of one layer is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Recompute {
+    /// The step's forward: everything, through the layer output.
+    No,
+    /// The backward's recompute of a layer whose attention out/lse were kept.
+    KeptAttention,
+    /// The backward's recompute of the whole layer.
+    All,
+}
+
+/// What one step computed: the loss of its row (`sum w CE / sum w`, accumulated in f64) and the
+/// row's total weight.
+#[derive(Clone, Copy, Debug)]
+pub struct StepLoss {
+    pub loss: f64,
+    pub total_weight: f64,
+}
+
+/// The GPU training step of one drafter config at fixed shapes under one checkpointing policy.
+pub struct GpuStep {
+    gpu_name: String,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    pub config: DraftConfig,
+    pub shape: StepShape,
+    pub policy: Policy,
+    slots: Vec<ParamSlot>,
+    slot_index: HashMap<String, usize>,
+    sizes: Sizes,
+    bufs: Buffers,
+    kernels: StepKernels,
+    attention: AttentionKernels,
+    blas: Blas,
+    plans: HashMap<AttnKind, DevicePlan>,
+    /// Rows with a nonzero CE weight, in the order their labels and weights were uploaded.
+    weighted_rows: usize,
+    total_weight: f64,
+    /// Planned bytes of all buffers (what [`GpuStep::new`] allocated from the pool).
+    pub planned_bytes: u64,
+}
+
+impl GpuStep {
+    /// Allocates every buffer of the plan of `config` at `shape` under `policy` (with the
+    /// optimizer's when `optimizer`), after checking that they fit in the device's free memory;
+    /// a step that cannot fit is refused before anything is allocated, naming its largest items.
+    pub fn new(gpu: &Gpu, config: &DraftConfig, shape: StepShape, policy: Policy, optimizer: bool) -> Result<Self> {
+        let c = &config.dims;
+        StepKernels::check_head_dim(c.head_dim)?;
+        if shape.num_anchors == 0 || shape.context_len == 0 || shape.lm_chunk_rows == 0 {
+            return Err(Error::invalid("step shape", format!("{shape:?}: context, anchors and LM chunk must be >= 1")));
+        }
+        let specs = step_buffers(config, shape, policy, optimizer);
+        let planned_bytes: u64 = specs.iter().map(|b| b.bytes).sum();
+        let available = gpu.available_bytes()?;
+        if planned_bytes > available {
+            let mut items: Vec<_> = specs.iter().collect();
+            items.sort_by_key(|b| std::cmp::Reverse(b.bytes));
+            let largest: Vec<String> = items.iter().take(4).map(|b| format!("{} {}", b.key, gb(b.bytes))).collect();
+            return Err(Error::Gpu(format!(
+                "the step ({} policy, S={} N={}) needs {} but {} has {} available; largest buffers: {}; \
+                 try a checkpointing policy that keeps less, or fewer anchors",
+                policy.name(),
+                shape.context_len,
+                shape.num_anchors,
+                gb(planned_bytes),
+                gpu.name(),
+                gb(available),
+                largest.join(", ")
+            )));
+        }
+        let stream = gpu.stream().clone();
+        let mut map = HashMap::new();
+        for spec in &specs {
+            let name: &'static str = Box::leak(spec.key.clone().into_boxed_str());
+            map.insert(spec.key.clone(), Buf::<u8>::zeros(&stream, name, spec.bytes as usize)?);
+        }
+        let slots = param_slots(config);
+        let q = shape.num_anchors * config.block_size;
+        let sizes = Sizes {
+            s: shape.context_len,
+            q,
+            k: shape.context_len + q,
+            h: c.hidden_size,
+            i: c.intermediate_size,
+            nh: c.num_heads,
+            nkv: c.num_kv_heads,
+            d: c.head_dim,
+            qd: c.num_heads * c.head_dim,
+            kd: c.num_kv_heads * c.head_dim,
+            fw: config.num_features() * c.hidden_size,
+            v: c.vocab_size,
+            eps: c.rms_norm_eps as f32,
+        };
+        Ok(GpuStep {
+            gpu_name: gpu.name().to_string(),
+            stream,
+            config: config.clone(),
+            shape,
+            policy,
+            slot_index: slots.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect(),
+            slots,
+            sizes,
+            bufs: Buffers { map },
+            kernels: StepKernels::load(gpu)?,
+            attention: AttentionKernels::load(gpu, c.head_dim)?,
+            blas: Blas::new(gpu)?,
+            plans: HashMap::new(),
+            weighted_rows: 0,
+            total_weight: 0.0,
+            planned_bytes,
+        })
+    }
+
+    pub fn slots(&self) -> &[ParamSlot] {
+        &self.slots
+    }
+
+    /// Device address of a buffer of the plan (`weights`, `grads`, `master`, ...).
+    pub fn buffer(&self, key: &str) -> u64 {
+        self.bufs.ptr(key)
+    }
+
+    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        &self.stream
+    }
+
+    pub fn kernels(&self) -> &StepKernels {
+        &self.kernels
+    }
+
+    fn buf_mut(&mut self, key: &str) -> &mut Buf<u8> {
+        self.bufs.map.get_mut(key).unwrap_or_else(|| panic!("step buffer `{key}` is not in the plan"))
+    }
+
+    fn upload<T: Copy>(&mut self, key: &str, host: &[T]) -> Result<()> {
+        let stream = self.stream.clone();
+        // SAFETY: plain-old-data values viewed as their bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, std::mem::size_of_val(host)) };
+        self.buf_mut(key).upload(&stream, bytes)
+    }
+
+    fn w(&self, name: &str) -> u64 {
+        let slot = &self.slots[self.slot_index[name]];
+        self.bufs.ptr("weights") + (slot.offset * 2) as u64
+    }
+
+    fn g(&self, name: &str) -> u64 {
+        let slot = &self.slots[self.slot_index[name]];
+        self.bufs.ptr("grads") + (slot.offset * 4) as u64
+    }
+
+    fn lw(&self, l: usize, name: &str) -> u64 {
+        self.w(&format!("layers.{l}.{name}"))
+    }
+
+    fn lg(&self, l: usize, name: &str) -> u64 {
+        self.g(&format!("layers.{l}.{name}"))
+    }
+
+    /// The drafter's parameters as bf16 compute weights (and, with an optimizer, fp32 masters).
+    pub fn load_weights(&mut self, drafter: &Drafter) -> Result<()> {
+        let mut flat = Vec::with_capacity(self.slots.last().map_or(0, |s| s.offset + s.len));
+        for slot in &self.slots {
+            let t = drafter.param(&slot.name);
+            if t.dims() != slot.shape.as_slice() {
+                return Err(Error::invalid(
+                    &slot.name,
+                    format!("shape {:?}, the step expects {:?}", t.dims(), slot.shape),
+                ));
+            }
+            flat.extend(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
+        }
+        let as_bf16: Vec<bf16> = flat.iter().map(|&x| bf16::from_f32(x)).collect();
+        self.upload("weights", &as_bf16)?;
+        if self.bufs.map.contains_key("master") {
+            self.upload("master", &flat)?;
+        }
+        Ok(())
+    }
+
+    /// The frozen LM head `[V, H]` as bf16.
+    pub fn load_lm_head(&mut self, head: &FrozenHead) -> Result<()> {
+        let (v, h) = head.lm_head.dims2()?;
+        if (v, h) != (self.sizes.v, self.sizes.h) {
+            return Err(Error::invalid(
+                "lm_head",
+                format!("shape [{v}, {h}], the step expects [{}, {}]", self.sizes.v, self.sizes.h),
+            ));
+        }
+        let host: Vec<bf16> = head
+            .lm_head
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        self.upload("lm_head", &host)
+    }
+
+    /// Random weights made on the device (the spec's init: normal(0, 0.02) for linears, ones
+    /// for norms) and a random LM head (normal(0, 0.02)); for benchmarks.
+    pub fn randomize_weights(&mut self, seed: u64) -> Result<()> {
+        for (n, slot) in self.slots.iter().enumerate() {
+            let (mean, std) = if dflash_reference::drafter::is_norm(&slot.name) { (1.0, 0.0) } else { (0.0, 0.02) };
+            let ptr = self.bufs.ptr("weights") + (slot.offset * 2) as u64;
+            self.kernels.fill_normal_bf16(ptr, slot.len, seed.wrapping_add(n as u64), mean, std)?;
+        }
+        let (lm, n) = (self.bufs.ptr("lm_head"), self.sizes.v * self.sizes.h);
+        self.kernels.fill_normal_bf16(lm, n, seed ^ 0x5eed_1e4d, 0.0, 0.02)
+    }
+
+    /// Uploads one row's input: features, block embeddings (`x0`, from the frozen table on the
+    /// host), RoPE tables, attention plans, and the CE labels and weights of the rows that have
+    /// weight. Shapes must match the step's.
+    pub fn set_input(&mut self, input: &DraftInput, head: &FrozenHead, targets: &BlockTargets) -> Result<()> {
+        let z = self.sizes;
+        let (s, q) = (input.layout.context_len, input.layout.num_queries());
+        if (s, q) != (z.s, z.q) || input.layout.block_size != self.config.block_size {
+            return Err(Error::invalid(
+                "input",
+                format!("S={s}, {q} block rows; this step was planned for S={}, {} rows", z.s, z.q),
+            ));
+        }
+        if input.features.dims() != [z.s, z.fw] {
+            return Err(Error::invalid(
+                "features",
+                format!("shape {:?}, expected [{}, {}]", input.features.dims(), z.s, z.fw),
+            ));
+        }
+        let to_bf16 = |t: &candle_core::Tensor| -> Result<Vec<bf16>> {
+            Ok(t.flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect())
+        };
+        self.upload("features", &to_bf16(&input.features)?)?;
+        let x0 = input.block_embeddings(head, self.config.mask_token_id, candle_core::DType::F32)?;
+        self.upload("residual.0", &to_bf16(&x0)?)?;
+        self.set_positions(&input.query_positions(), &input.key_positions())?;
+        self.set_plans(|kind| AttentionPlan::dflash(&input.layout, kind))?;
+        self.set_targets(targets)
+    }
+
+    /// RoPE tables of the queries `[Q, d]` and keys `[K, d]` (fp32).
+    fn set_positions(&mut self, query_positions: &[usize], key_positions: &[usize]) -> Result<()> {
+        let c = &self.config.dims;
+        let table = |pos: &[usize]| -> Result<(Vec<f32>, Vec<f32>)> {
+            let (cos, sin) = rope_tables(pos, c.head_dim, c.rope_theta, candle_core::DType::F32)?;
+            Ok((cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?))
+        };
+        let (cq, sq) = table(query_positions)?;
+        let (ck, sk) = table(key_positions)?;
+        self.upload("cos_q", &cq)?;
+        self.upload("sin_q", &sq)?;
+        self.upload("cos_k", &ck)?;
+        self.upload("sin_k", &sk)
+    }
+
+    fn set_plans(&mut self, make: impl Fn(AttnKind) -> Result<AttentionPlan>) -> Result<()> {
+        self.plans.clear();
+        for &kind in &self.config.dims.layer_kinds {
+            if !self.plans.contains_key(&kind) {
+                let plan = make(kind)?;
+                self.plans.insert(kind, DevicePlan::upload(&self.stream, &plan)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn set_targets(&mut self, targets: &BlockTargets) -> Result<()> {
+        let z = self.sizes;
+        if targets.labels.len() != z.q || targets.weights.len() != z.q {
+            return Err(Error::invalid("targets", format!("{} labels for {} block rows", targets.labels.len(), z.q)));
+        }
+        if let Some((r, y)) = targets.labels.iter().enumerate().find(|&(_, &y)| y as usize >= z.v) {
+            return Err(Error::invalid("targets", format!("label {y} of row {r} is not below the vocab size {}", z.v)));
+        }
+        let rows: Vec<u32> = (0..z.q as u32).filter(|&r| targets.weights[r as usize] != 0.0).collect();
+        let labels: Vec<u32> = rows.iter().map(|&r| targets.labels[r as usize]).collect();
+        let weights: Vec<f32> = rows.iter().map(|&r| targets.weights[r as usize] as f32).collect();
+        self.upload("rows_ce", &rows)?;
+        self.upload("labels", &labels)?;
+        self.upload("weights_ce", &weights)?;
+        self.weighted_rows = rows.len();
+        self.total_weight = targets.total_weight();
+        Ok(())
+    }
+
+    /// A random input made on the device (features and block embeddings normal(0, 1)) for the
+    /// given anchors of one document of `S` tokens, with random labels; for benchmarks.
+    pub fn set_random_input(&mut self, anchors: &[usize], gamma: f64, seed: u64) -> Result<()> {
+        use rand::{Rng, SeedableRng};
+        let z = self.sizes;
+        let b = self.config.block_size;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let tokens: Vec<u32> = (0..z.s).map(|_| rng.random_range(0..z.v as u32)).collect();
+        let keep = vec![true; anchors.len()];
+        let layout = dflash_reference::mask::BlockLayout::new(z.s, b, anchors.to_vec(), keep.clone(), None)?;
+        let anchor_set = dflash_reference::anchors::Anchors { positions: anchors.to_vec(), keep };
+        let targets = BlockTargets::new(&tokens, &vec![true; z.s], &anchor_set, b, gamma);
+        let (features, x0) = (self.bufs.ptr("features"), self.bufs.ptr("residual.0"));
+        self.kernels.fill_normal_bf16(features, z.s * z.fw, seed ^ 1, 0.0, 1.0)?;
+        self.kernels.fill_normal_bf16(x0, z.q * z.h, seed ^ 2, 0.0, 1.0)?;
+        let queries: Vec<usize> = anchors.iter().flat_map(|&a| (0..b).map(move |o| a + o)).collect();
+        let keys: Vec<usize> = (0..z.s).chain(queries.iter().copied()).collect();
+        self.set_positions(&queries, &keys)?;
+        self.set_plans(|kind| AttentionPlan::dflash(&layout, kind))?;
+        self.set_targets(&targets)
+    }
+
+    /// Zeroes the parameter gradients (the start of an accumulation).
+    pub fn zero_grads(&mut self) -> Result<()> {
+        let stream = self.stream.clone();
+        self.buf_mut("grads").zero(&stream)
+    }
+
+    /// One forward and backward of the uploaded row: adds `grad_scale * d(sum w CE)/dθ` to the
+    /// parameter gradients (`grad_scale = 1 / total weight` gives the row's mean-loss gradient)
+    /// and returns the row's loss. Fails naming the loss when it is not finite.
+    pub fn step(&mut self, grad_scale: f64) -> Result<StepLoss> {
+        let z = self.sizes;
+        let layers = self.config.dims.num_layers();
+        // Context: ctx = hidden_norm(features @ fc^T).
+        self.blas.matmul(
+            Mat::n(self.bufs.ptr("features"), z.s, z.fw),
+            Mat::t(self.w("fc.weight"), z.h, z.fw),
+            self.bufs.ptr("ctx_pre"),
+            Out::Bf16,
+            1.0,
+            0.0,
+        )?;
+        self.kernels.rms_norm_forward(
+            self.bufs.ptr("ctx_pre"),
+            self.w("hidden_norm.weight"),
+            self.bufs.ptr("ctx"),
+            self.bufs.ptr("inv_hidden"),
+            z.s,
+            z.h,
+            z.eps,
+        )?;
+        for l in 0..layers {
+            let (acts, attn) = self.layer_sets(l);
+            self.layer_forward(l, &acts, &attn, Recompute::No)?;
+        }
+        self.kernels.rms_norm_forward(
+            self.bufs.ptr(&format!("residual.{layers}")),
+            self.w("norm.weight"),
+            self.bufs.ptr("hf"),
+            self.bufs.ptr("inv_final"),
+            z.q,
+            z.h,
+            z.eps,
+        )?;
+        let loss = self.lm_head_ce(grad_scale)?;
+
+        // Backward: grad.b = dhf (from the LM head), grad.a = the gradient of the last layer's output.
+        self.kernels.rms_norm_backward(
+            (
+                self.bufs.ptr("grad.b"),
+                self.bufs.ptr(&format!("residual.{layers}")),
+                self.w("norm.weight"),
+                self.bufs.ptr("inv_final"),
+                0,
+            ),
+            self.bufs.ptr("grad.a"),
+            self.g("norm.weight"),
+            self.bufs.ptr("dw_partial"),
+            z.q,
+            z.h,
+        )?;
+        let stream = self.stream.clone();
+        self.buf_mut("dctx").zero(&stream)?;
+        for l in (0..layers).rev() {
+            let (acts, attn) = self.layer_sets(l);
+            match self.policy {
+                Policy::None => {}
+                Policy::Selective => self.layer_forward(l, &acts, &attn, Recompute::KeptAttention)?,
+                Policy::PerLayer => self.layer_forward(l, &acts, &attn, Recompute::All)?,
+            }
+            self.layer_backward(l, &acts, &attn)?;
+        }
+        // dctx -> through hidden_norm (in place) -> fc.
+        let dctx = self.bufs.ptr("dctx");
+        self.kernels.rms_norm_backward(
+            (dctx, self.bufs.ptr("ctx_pre"), self.w("hidden_norm.weight"), self.bufs.ptr("inv_hidden"), 0),
+            dctx,
+            self.g("hidden_norm.weight"),
+            self.bufs.ptr("dw_partial"),
+            z.s,
+            z.h,
+        )?;
+        self.blas.matmul(
+            Mat::t(dctx, z.s, z.h),
+            Mat::n(self.bufs.ptr("features"), z.s, z.fw),
+            self.g("fc.weight"),
+            Out::F32,
+            1.0,
+            1.0,
+        )?;
+        Ok(loss)
+    }
+
+    /// Key prefixes of layer `l`'s activations and of its attention out/lse: its own saved ones
+    /// or the shared recompute workspace, as the policy allocated them.
+    fn layer_sets(&self, l: usize) -> (String, String) {
+        let own = format!("layers.{l}.");
+        let shared = "recompute.".to_string();
+        match self.policy {
+            Policy::None => (own.clone(), own),
+            Policy::Selective => (shared, own),
+            Policy::PerLayer => (shared.clone(), shared),
+        }
+    }
+
+    /// Layer `l`'s forward from `residual.l` into `residual.{l+1}`, keeping its activations in
+    /// the set `a` and its attention out/lse in `t`; a recompute stops at what the backward
+    /// reads (gate and up), and reuses kept attention.
+    fn layer_forward(&self, l: usize, a: &str, t: &str, recompute: Recompute) -> Result<()> {
+        let z = self.sizes;
+        let p = |name: &str| self.bufs.ptr(&format!("{a}{name}"));
+        let x_in = self.bufs.ptr(&format!("residual.{l}"));
+        let kv_in = p("kv_in");
+        let xn = kv_in + (z.s * z.h * 2) as u64;
+        copy_device::<bf16>(&self.stream, kv_in, self.bufs.ptr("ctx"), z.s * z.h)?;
+        self.kernels.rms_norm_forward(x_in, self.lw(l, "input_layernorm.weight"), xn, p("inv_in"), z.q, z.h, z.eps)?;
+        // q = rope(q_norm(xn @ Wq^T)); k = rope(k_norm(kv_in @ Wk^T)); v = kv_in @ Wv^T.
+        self.linear(xn, z.q, z.h, self.lw(l, "self_attn.q_proj.weight"), z.qd, p("q_pre"), 0.0)?;
+        self.kernels.head_norm_rope_forward(
+            (p("q_pre"), self.lw(l, "self_attn.q_norm.weight"), self.bufs.ptr("cos_q"), self.bufs.ptr("sin_q")),
+            p("q"),
+            p("inv_q"),
+            (z.q, z.nh, z.d),
+            z.eps,
+        )?;
+        self.linear(kv_in, z.k, z.h, self.lw(l, "self_attn.k_proj.weight"), z.kd, p("k_pre"), 0.0)?;
+        self.kernels.head_norm_rope_forward(
+            (p("k_pre"), self.lw(l, "self_attn.k_norm.weight"), self.bufs.ptr("cos_k"), self.bufs.ptr("sin_k")),
+            p("k"),
+            p("inv_k"),
+            (z.k, z.nkv, z.d),
+            z.eps,
+        )?;
+        self.linear(kv_in, z.k, z.h, self.lw(l, "self_attn.v_proj.weight"), z.kd, p("v"), 0.0)?;
+        let (out, lse) = (self.bufs.ptr(&format!("{t}out")), self.bufs.ptr(&format!("{t}lse")));
+        if recompute != Recompute::KeptAttention {
+            let plan = &self.plans[&self.config.dims.layer_kinds[l]];
+            self.attention.forward(&self.stream, plan, self.attn_shape(), (p("q"), p("k"), p("v")), (out, lse))?;
+        }
+        // x_mid = x + out @ Wo^T; xn2 = post_norm(x_mid); out = x_mid + down(silu(gate) * up).
+        let x_mid = p("x_mid");
+        copy_device::<bf16>(&self.stream, x_mid, x_in, z.q * z.h)?;
+        self.linear(out, z.q, z.qd, self.lw(l, "self_attn.o_proj.weight"), z.h, x_mid, 1.0)?;
+        let xn2 = p("xn2");
+        self.kernels.rms_norm_forward(
+            x_mid,
+            self.lw(l, "post_attention_layernorm.weight"),
+            xn2,
+            p("inv_post"),
+            z.q,
+            z.h,
+            z.eps,
+        )?;
+        self.linear(xn2, z.q, z.h, self.lw(l, "mlp.gate_proj.weight"), z.i, p("gate"), 0.0)?;
+        self.linear(xn2, z.q, z.h, self.lw(l, "mlp.up_proj.weight"), z.i, p("up"), 0.0)?;
+        if recompute != Recompute::No {
+            return Ok(());
+        }
+        let h = self.bufs.ptr("h");
+        self.kernels.swiglu_forward(p("gate"), p("up"), h, z.q * z.i)?;
+        let x_out = self.bufs.ptr(&format!("residual.{}", l + 1));
+        copy_device::<bf16>(&self.stream, x_out, x_mid, z.q * z.h)?;
+        self.linear(h, z.q, z.i, self.lw(l, "mlp.down_proj.weight"), z.h, x_out, 1.0)
+    }
+
+    /// Layer `l`'s backward: `grad.a` holds the gradient of its output on entry and of its input
+    /// on return; its parameter gradients are added, and its context gradient added to `dctx`.
+    fn layer_backward(&self, l: usize, a: &str, t: &str) -> Result<()> {
+        let z = self.sizes;
+        let p = |name: &str| self.bufs.ptr(&format!("{a}{name}"));
+        let b = |key: &str| self.bufs.ptr(key);
+        let (dout, dx_mid, dscratch) = (b("grad.a"), b("grad.b"), b("grad.c"));
+        let x_in = b(&format!("residual.{l}"));
+        let (kv_in, h) = (p("kv_in"), b("h"));
+        let xn = kv_in + (z.s * z.h * 2) as u64;
+        // MLP: h = silu(gate) * up (recomputed); dWdown += dout^T h; dh = dout @ Wdown (into h).
+        self.kernels.swiglu_forward(p("gate"), p("up"), h, z.q * z.i)?;
+        self.weight_grad(dout, z.q, z.h, h, z.i, self.lg(l, "mlp.down_proj.weight"))?;
+        self.input_grad(dout, z.q, z.h, self.lw(l, "mlp.down_proj.weight"), z.i, h, 0.0)?;
+        self.kernels.swiglu_backward(h, p("gate"), p("up"), p("gate"), p("up"), z.q * z.i)?;
+        let (dgate, dup) = (p("gate"), p("up"));
+        self.input_grad(dgate, z.q, z.i, self.lw(l, "mlp.gate_proj.weight"), z.h, dscratch, 0.0)?;
+        self.input_grad(dup, z.q, z.i, self.lw(l, "mlp.up_proj.weight"), z.h, dscratch, 1.0)?;
+        self.weight_grad(dgate, z.q, z.i, p("xn2"), z.h, self.lg(l, "mlp.gate_proj.weight"))?;
+        self.weight_grad(dup, z.q, z.i, p("xn2"), z.h, self.lg(l, "mlp.up_proj.weight"))?;
+        // dx_mid = dout + post_norm backward.
+        self.kernels.rms_norm_backward(
+            (dscratch, p("x_mid"), self.lw(l, "post_attention_layernorm.weight"), p("inv_post"), dout),
+            dx_mid,
+            self.lg(l, "post_attention_layernorm.weight"),
+            b("dw_partial"),
+            z.q,
+            z.h,
+        )?;
+        // Attention: dattn = dx_mid @ Wo, dWo += dx_mid^T out; then the fused backward.
+        let (out, lse) = (b(&format!("{t}out")), b(&format!("{t}lse")));
+        let dattn = b("dattn");
+        self.input_grad(dx_mid, z.q, z.h, self.lw(l, "self_attn.o_proj.weight"), z.qd, dattn, 0.0)?;
+        self.weight_grad(dx_mid, z.q, z.h, out, z.qd, self.lg(l, "self_attn.o_proj.weight"))?;
+        let (dq, dk, dv) = (b("dq"), b("dk"), b("dv"));
+        let plan = &self.plans[&self.config.dims.layer_kinds[l]];
+        self.attention.backward(
+            &self.stream,
+            plan,
+            self.attn_shape(),
+            (p("q"), p("k"), p("v")),
+            (out, lse, dattn),
+            b("dsum"),
+            (dq, dk, dv),
+        )?;
+        // Through RoPE and the head norms, in place.
+        self.kernels.head_norm_rope_backward(
+            (dq, p("q_pre"), self.lw(l, "self_attn.q_norm.weight"), p("inv_q"), b("cos_q"), b("sin_q")),
+            dq,
+            self.lg(l, "self_attn.q_norm.weight"),
+            b("dw_partial"),
+            (z.q, z.nh, z.d),
+        )?;
+        self.kernels.head_norm_rope_backward(
+            (dk, p("k_pre"), self.lw(l, "self_attn.k_norm.weight"), p("inv_k"), b("cos_k"), b("sin_k")),
+            dk,
+            self.lg(l, "self_attn.k_norm.weight"),
+            b("dw_partial"),
+            (z.k, z.nkv, z.d),
+        )?;
+        // Projections: dxn = dq @ Wq + (dk @ Wk + dv @ Wv)[S..]; dctx += (dk @ Wk + dv @ Wv)[..S].
+        let (wq, wk, wv) = (
+            self.lw(l, "self_attn.q_proj.weight"),
+            self.lw(l, "self_attn.k_proj.weight"),
+            self.lw(l, "self_attn.v_proj.weight"),
+        );
+        self.input_grad(dq, z.q, z.qd, wq, z.h, dscratch, 0.0)?;
+        let (dk_blocks, dv_blocks) = (dk + (z.s * z.kd * 2) as u64, dv + (z.s * z.kd * 2) as u64);
+        self.input_grad(dk_blocks, z.q, z.kd, wk, z.h, dscratch, 1.0)?;
+        self.input_grad(dv_blocks, z.q, z.kd, wv, z.h, dscratch, 1.0)?;
+        self.input_grad(dk, z.s, z.kd, wk, z.h, b("dctx"), 1.0)?;
+        self.input_grad(dv, z.s, z.kd, wv, z.h, b("dctx"), 1.0)?;
+        self.weight_grad(dq, z.q, z.qd, xn, z.h, self.lg(l, "self_attn.q_proj.weight"))?;
+        self.weight_grad(dk, z.k, z.kd, kv_in, z.h, self.lg(l, "self_attn.k_proj.weight"))?;
+        self.weight_grad(dv, z.k, z.kd, kv_in, z.h, self.lg(l, "self_attn.v_proj.weight"))?;
+        // dx = dx_mid + input_norm backward (into grad.a).
+        self.kernels.rms_norm_backward(
+            (dscratch, x_in, self.lw(l, "input_layernorm.weight"), p("inv_in"), dx_mid),
+            dout,
+            self.lg(l, "input_layernorm.weight"),
+            b("dw_partial"),
+            z.q,
+            z.h,
+        )
+    }
+
+    /// The frozen LM head and decayed CE over the weighted rows, `lm_chunk_rows` at a time:
+    /// `grad.b [Q, H]` gets `grad_scale * d(sum w CE)/dhf` (zero on unweighted rows).
+    fn lm_head_ce(&mut self, grad_scale: f64) -> Result<StepLoss> {
+        let z = self.sizes;
+        let stream = self.stream.clone();
+        self.buf_mut("grad.b").zero(&stream)?;
+        let b = |key: &str| self.bufs.ptr(key);
+        let chunk = self.shape.lm_chunk_rows.min(z.q).max(1);
+        let mut start = 0;
+        while start < self.weighted_rows {
+            let n = chunk.min(self.weighted_rows - start);
+            let rows = b("rows_ce") + (start * 4) as u64;
+            self.kernels.copy_rows(false, b("hf"), rows, b("lm.rows"), n, z.h)?;
+            self.linear(b("lm.rows"), n, z.h, b("lm_head"), z.v, b("lm.logits"), 0.0)?;
+            self.kernels.ce_grad_rows(
+                b("lm.logits"),
+                b("labels") + (start * 4) as u64,
+                b("weights_ce") + (start * 4) as u64,
+                b("loss_rows") + (start * 4) as u64,
+                n,
+                z.v,
+                grad_scale as f32,
+            )?;
+            self.input_grad(b("lm.logits"), n, z.v, b("lm_head"), z.h, b("lm.drows"), 0.0)?;
+            self.kernels.copy_rows(true, b("lm.drows"), rows, b("grad.b"), n, z.h)?;
+            start += n;
+        }
+        let losses = self.bufs.map["loss_rows"].download(&self.stream)?;
+        let sum: f64 = losses
+            .chunks_exact(4)
+            .take(self.weighted_rows)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .sum();
+        let loss = if self.total_weight > 0.0 { sum / self.total_weight } else { 0.0 };
+        if !loss.is_finite() {
+            return Err(Error::invalid("loss", format!("{loss} (not finite) on {}", self.gpu_name)));
+        }
+        Ok(StepLoss { loss, total_weight: self.total_weight })
+    }
+
+    /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y` (bf16).
+    #[allow(clippy::too_many_arguments)]
+    fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
+        self.blas.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, Out::Bf16, 1.0, beta)
+    }
+
+    /// `dx [rows, k] = dy [rows, n] @ w [n, k] + beta * dx` (bf16).
+    #[allow(clippy::too_many_arguments)]
+    fn input_grad(&self, dy: u64, rows: usize, n: usize, w: u64, k: usize, dx: u64, beta: f32) -> Result<()> {
+        self.blas.matmul(Mat::n(dy, rows, n), Mat::n(w, n, k), dx, Out::Bf16, 1.0, beta)
+    }
+
+    /// `dw [n, k] += dy [rows, n]^T @ x [rows, k]` (fp32 gradient).
+    fn weight_grad(&self, dy: u64, rows: usize, n: usize, x: u64, k: usize, dw: u64) -> Result<()> {
+        self.blas.matmul(Mat::t(dy, rows, n), Mat::n(x, rows, k), dw, Out::F32, 1.0, 1.0)
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        AttnShape { num_heads: self.sizes.nh, num_kv_heads: self.sizes.nkv, head_dim: self.sizes.d }
+    }
+
+    /// Every parameter gradient on the host (fp32), in checkpoint-key order.
+    pub fn grads_to_host(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        let bytes = self.bufs.map["grads"].download(&self.stream)?;
+        let all: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok(self.slots.iter().map(|s| (s.name.clone(), all[s.offset..s.offset + s.len].to_vec())).collect())
+    }
+
+    /// The sum of squares of every parameter's gradient (fp32 partials summed in f64 on the
+    /// host); fails naming the first gradient that holds NaN or Inf.
+    pub fn grad_sum_squares(&self) -> Result<Vec<f64>> {
+        let partial = self.bufs.ptr("norm_partial");
+        for (n, slot) in self.slots.iter().enumerate() {
+            let g = self.bufs.ptr("grads") + (slot.offset * 4) as u64;
+            self.kernels.sum_squares(g, partial + (n * NORM_PARTS * 4) as u64, slot.len, NORM_PARTS)?;
+        }
+        let bytes = self.bufs.map["norm_partial"].download(&self.stream)?;
+        let partials: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(n, slot)| {
+                let sq: f64 = partials[n * NORM_PARTS..(n + 1) * NORM_PARTS].iter().map(|&x| x as f64).sum();
+                if !sq.is_finite() {
+                    return Err(Error::invalid(format!("gradient of {}", slot.name), "holds NaN or Inf"));
+                }
+                Ok(sq)
+            })
+            .collect()
+    }
+}
