@@ -52,11 +52,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     match args.next().as_deref() {
         Some("attention") => attention(args.collect()),
         Some("gemm") => crate::bench_gemm::run(args.collect()),
+        Some("step") => crate::bench_step::run(args.collect()),
         Some("-h" | "--help") | None => {
             println!("{HELP}");
             Ok(())
         }
-        Some(other) => Err(format!("unknown benchmark `{other}` (known: attention, gemm)\n\n{HELP}")),
+        Some(other) => Err(format!("unknown benchmark `{other}` (known: attention, gemm, step)\n\n{HELP}")),
     }
 }
 
@@ -243,13 +244,19 @@ fn run_torch(python: &str, script: &Path, rows: &[Measured], warmup: usize, iter
             })
         })
         .collect();
-    let input = std::env::temp_dir().join(format!("dflash-attention-cases-{}.json", std::process::id()));
-    write_json(&input, &json!({ "warmup": warmup, "iters": iters, "cases": cases }))?;
-    let shown = format!("{python} {} {}", script.display(), input.display());
+    run_python_json(python, script, &json!({ "warmup": warmup, "iters": iters, "cases": cases }))
+}
+
+/// Runs `python script INPUT.json` with `input` written to a temporary file, its stderr shown as
+/// it comes; its stdout parsed as one JSON value.
+pub fn run_python_json(python: &str, script: &Path, input: &Value) -> Result<Value, String> {
+    let file = std::env::temp_dir().join(format!("dflash-bench-input-{}.json", std::process::id()));
+    write_json(&file, input)?;
+    let shown = format!("{python} {} {}", script.display(), file.display());
     println!("running {shown} (torch.compile takes a while; its log goes to stderr)");
-    let output = Command::new(python).arg(script).arg(&input).stdout(Stdio::piped()).stderr(Stdio::inherit()).output();
+    let output = Command::new(python).arg(script).arg(&file).stdout(Stdio::piped()).stderr(Stdio::inherit()).output();
     // Best effort: a leftover file in the temporary folder is harmless.
-    let _ = std::fs::remove_file(&input);
+    let _ = std::fs::remove_file(&file);
     let output = output.map_err(|e| format!("`{shown}`: {e}"))?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     if !output.status.success() {

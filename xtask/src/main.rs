@@ -6,10 +6,12 @@
 //! - `gpu-bundle`: the release binary and baseline scripts in `gpu-bundle/`, for the GPU machine.
 //! - `gpu-conformance` (GPU machine): the CUDA kernels against the reference; the attestation.
 //! - `bench attention` (GPU machine): our attention against PyTorch flex_attention and SDPA.
+//! - `bench step` (GPU machine): the GPU training step against PyTorch; MFU and memory peaks.
 
 mod args;
 mod bench_attention;
 mod bench_gemm;
+mod bench_step;
 mod gpu_bundle;
 mod gpu_conformance;
 mod plan;
@@ -26,6 +28,7 @@ commands:
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
   bench gemm         (GPU machine) the cuBLAS bf16 linear: checked against the CPU, timed
+  bench step         (GPU machine) the GPU training step per policy vs PyTorch, MFU, peaks
 
 run `cargo xtask <command> --help` for a command's options";
 

@@ -1,0 +1,368 @@
+//! `xtask bench step` (on the H200): the GPU training step of the Qwen3-8B drafter (S=3072,
+//! N=512, one row, random weights and features) under each checkpointing policy, next to a
+//! PyTorch implementation of the same step measured in the same run in two forms (compiled
+//! flex_attention with the rest eager; every layer compiled); writes `results/step-h200.json`.
+
+use std::path::PathBuf;
+
+use dflash_optimized::attention::plan::AttentionPlan;
+use dflash_optimized::planner::{named_plans, Policy, StepShape};
+use dflash_optimized::step::gpu::step::GpuStep;
+use dflash_reference::config::{AttnKind, DraftConfig};
+use dflash_reference::loss::default_gamma;
+use dflash_reference::mask::BlockLayout;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+
+use crate::args::Options;
+use crate::bench_attention::run_python_json;
+use crate::gpu_bundle;
+use crate::gpu_conformance::{open_gpu, utc_now, write_json};
+
+const HELP: &str = "usage: xtask bench step [options]     (on the GPU machine)
+
+Times one training step (forward + backward, no optimizer) of the Qwen3-8B drafter (hidden 4096,
+5 layers, 32/8 heads of 128, SwiGLU 12288, vocab 151936) on one row of S tokens with N random
+sorted anchors of 16, random weights and features, under each checkpointing policy: step time
+(CUDA events, median after warm-up), tokens/s, MFU and the memory-pool peak next to the plan.
+Then runs the same step in PyTorch (xtask/bench/step_torch.py) in two forms, compiled
+flex_attention with the rest eager and every layer compiled, under the same policies. Writes one
+JSON object per policy and prints a table last.
+
+options:
+  --out FILE      results file                          (default results/step-h200.json)
+  --seq S         context tokens                        (default 3072)
+  --anchors N     blocks                                (default 512)
+  --lm-chunk R    LM-head rows per chunk                (default 1024)
+  --warmup N      untimed steps per measurement         (default 3)
+  --iters N       timed steps, median reported          (default 10)
+  --torch yes|no  run the PyTorch baselines             (default yes)
+  --python EXE    Python with PyTorch                   (default python3)
+  --script FILE   the baseline script      (default step_torch.py next to the binary, else
+                                            xtask/bench/step_torch.py)
+  --seed N        seed of the anchors, weights, inputs  (default 0)
+  --commit SHA    the commit measured                   (default: commit.txt next to the binary)";
+
+const OPTIONS: &[&str] =
+    &["out", "seq", "anchors", "lm-chunk", "warmup", "iters", "torch", "python", "script", "seed", "commit"];
+
+/// Dense bf16 peak of the H200 (and H100 SXM) that MFU divides by, in FLOP/s.
+const PEAK_FLOPS: f64 = 989e12;
+const FLOP_CONVENTION: &str = "model FLOPs of one step, no recompute: each trainable linear 3 x 2*rows*in*out \
+    (forward, input and weight gradients); fc 2 x (features need no gradient); the frozen LM head 2 x over the \
+    rows with CE weight; attention 3.5 x 4*head_dim*heads*allowed pairs per layer. MFU = FLOPs / (time x 989 TFLOP/s)";
+const MEMORY_CONVENTION: &str = "peak: memory-pool high-water of one step (bf16 weights, fp32 gradients, frozen LM \
+    head, inputs, activations, scratch; no optimizer state or fp32 master weights); PyTorch: \
+    max_memory_allocated of one step (bf16 weights and gradients, frozen tables, inputs, activations); GB = 1e9 bytes";
+
+/// Sorted distinct anchors in `[1, S - B]` (every block fits in the row), `n` of them.
+fn random_anchors(s: usize, block: usize, n: usize, seed: u64) -> Result<Vec<usize>, String> {
+    let span = s.saturating_sub(block);
+    if n > span {
+        return Err(format!("{n} anchors do not fit in S={s} with blocks of {block}"));
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut picked = std::collections::BTreeSet::new();
+    while picked.len() < n {
+        picked.insert(rng.random_range(1..=span));
+    }
+    Ok(picked.into_iter().collect())
+}
+
+/// Model FLOPs of one step (see [`FLOP_CONVENTION`]): `weighted_rows` rows reach the LM head,
+/// `pairs[l]` is layer `l`'s allowed (query, key) pairs.
+fn step_model_flops(config: &DraftConfig, shape: StepShape, weighted_rows: usize, pairs: &[u64]) -> f64 {
+    let c = &config.dims;
+    let (h, i, v) = (c.hidden_size as f64, c.intermediate_size as f64, c.vocab_size as f64);
+    let (qd, kd) = ((c.num_heads * c.head_dim) as f64, (c.num_kv_heads * c.head_dim) as f64);
+    let q = (shape.num_anchors * config.block_size) as f64;
+    let k = shape.context_len as f64 + q;
+    let linear = |rows: f64, fan_in: f64, fan_out: f64| 2.0 * rows * fan_in * fan_out;
+    let layer = linear(q, h, qd) + 2.0 * linear(k, h, kd) + linear(q, qd, h) + 3.0 * linear(q, h, i);
+    let fc = linear(shape.context_len as f64, (config.num_features() * c.hidden_size) as f64, h);
+    let lm_head = linear(weighted_rows as f64, h, v);
+    let attention: f64 = pairs.iter().map(|&p| 3.5 * 4.0 * (c.head_dim * c.num_heads) as f64 * p as f64).sum();
+    3.0 * layer * c.num_layers() as f64 + 2.0 * fc + 2.0 * lm_head + attention
+}
+
+/// Our measurement of one policy.
+struct Ours {
+    step_ms: f64,
+    loss: f64,
+    peak_bytes: u64,
+    planned_bytes: u64,
+}
+
+fn measure_ours(
+    gpu: &dflash_optimized::gpu::Gpu,
+    config: &DraftConfig,
+    shape: StepShape,
+    policy: Policy,
+    anchors: &[usize],
+    (warmup, iters, seed): (usize, usize, u64),
+) -> Result<Ours, String> {
+    let err = |e: dflash_reference::Error| e.to_string();
+    let before = gpu.pool_used().map_err(err)?;
+    gpu.reset_pool_high().map_err(err)?;
+    let mut step = GpuStep::new(gpu, config, shape, policy, false).map_err(err)?;
+    step.randomize_weights(seed).map_err(err)?;
+    step.set_random_input(anchors, default_gamma(config.block_size), seed).map_err(err)?;
+    step.zero_grads().map_err(err)?;
+    let first = step.step(1.0).map_err(err)?;
+    let scale = 1.0 / first.total_weight;
+    step.zero_grads().map_err(err)?;
+    let loss = step.step(scale).map_err(err)?.loss;
+    step.grad_sum_squares().map_err(err)?;
+    let peak_bytes = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
+    let step_ms = gpu
+        .time_ms(warmup, iters, || {
+            step.zero_grads()?;
+            step.step(scale).map(|_| ())
+        })
+        .map_err(err)?;
+    Ok(Ours { step_ms, loss, peak_bytes, planned_bytes: step.planned_bytes })
+}
+
+pub fn run(args: Vec<String>) -> Result<(), String> {
+    let Some(opts) = Options::parse(args, OPTIONS)? else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    let out: PathBuf = opts.get("out", PathBuf::from("results/step-h200.json"))?;
+    let named = named_plans().into_iter().next().ok_or("no named plan")?;
+    let shape = StepShape {
+        context_len: opts.get("seq", named.shape.context_len)?,
+        num_anchors: opts.get("anchors", named.shape.num_anchors)?,
+        lm_chunk_rows: opts.get("lm-chunk", named.shape.lm_chunk_rows)?,
+    };
+    let (warmup, iters, seed): (usize, usize, u64) =
+        (opts.get("warmup", 3)?, opts.get("iters", 10)?, opts.get("seed", 0)?);
+    let with_torch = match opts.get("torch", "yes".to_string())?.as_str() {
+        "yes" => true,
+        "no" => false,
+        other => return Err(format!("option `--torch`: `{other}`; yes or no expected")),
+    };
+    let python: String = opts.get("python", "python3".to_string())?;
+    let script: PathBuf = opts.get("script", gpu_bundle::bundled_file("step_torch.py", "xtask/bench/step_torch.py"))?;
+    if iters == 0 {
+        return Err("--iters must be at least 1".to_string());
+    }
+    if with_torch && !script.is_file() {
+        return Err(format!("{}: the PyTorch baseline script is missing (--script, or --torch no)", script.display()));
+    }
+    let commit: String = opts.get("commit", String::new())?;
+    let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
+    let config = named.config;
+    let block = config.block_size;
+    let anchors = random_anchors(shape.context_len, block, shape.num_anchors, seed)?;
+    let layout = BlockLayout::new(shape.context_len, block, anchors.clone(), vec![true; anchors.len()], None)
+        .map_err(|e| e.to_string())?;
+    let pairs: Vec<u64> = config
+        .dims
+        .layer_kinds
+        .iter()
+        .map(|&kind| AttentionPlan::dflash(&layout, kind).map(|p| p.allowed_pairs()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    // Rows with CE weight: offsets 1..B of each block whose position is inside the row.
+    let weighted_rows: usize = anchors.iter().map(|&a| (1..block).filter(|o| a + o < shape.context_len).count()).sum();
+    let flops = step_model_flops(&config, shape, weighted_rows, &pairs);
+
+    let gpu = open_gpu()?;
+    let gpu_name = gpu.name().to_string();
+    let date = utc_now();
+    println!(
+        "step benchmark on {gpu_name} (commit {commit}): {} S={} N={} ({:.1} model TFLOP), warm-up {warmup}, median of {iters}",
+        named.name,
+        shape.context_len,
+        shape.num_anchors,
+        flops / 1e12
+    );
+    let mut ours = Vec::new();
+    for policy in Policy::ALL {
+        let measured = measure_ours(&gpu, &config, shape, policy, &anchors, (warmup, iters, seed));
+        match &measured {
+            Ok(m) => println!(
+                "ours  {:<10} {:.2} ms, loss {:.4}, peak {:.3} GB (planned {:.3} GB)",
+                policy.name(),
+                m.step_ms,
+                m.loss,
+                m.peak_bytes as f64 / 1e9,
+                m.planned_bytes as f64 / 1e9
+            ),
+            Err(e) => println!("ours  {:<10} error: {e}", policy.name()),
+        }
+        ours.push(measured);
+    }
+    // The baselines get the GPU to themselves.
+    drop(gpu);
+    let torch = if with_torch {
+        let windows: Vec<Option<usize>> = config
+            .dims
+            .layer_kinds
+            .iter()
+            .map(|k| match k {
+                AttnKind::Full => None,
+                AttnKind::Sliding { window } => Some(*window),
+            })
+            .collect();
+        let c = &config.dims;
+        let input = json!({
+            "warmup": warmup, "iters": iters, "seed": seed, "device": "cuda",
+            "config": {
+                "hidden": c.hidden_size, "intermediate": c.intermediate_size, "num_heads": c.num_heads,
+                "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
+                "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "windows": windows,
+                "num_features": config.num_features(), "block_size": block, "mask_token_id": config.mask_token_id,
+            },
+            "context_len": shape.context_len, "anchors": anchors, "gamma": default_gamma(block),
+            "lm_chunk_rows": shape.lm_chunk_rows,
+            "forms": ["flex", "compiled"], "policies": Policy::ALL.iter().map(|p| p.name()).collect::<Vec<_>>(),
+        });
+        Some(run_python_json(&python, &script, &input))
+    } else {
+        None
+    };
+
+    let mut errors = Vec::new();
+    if let Some(Err(e)) = &torch {
+        errors.push(format!("PyTorch baselines: {e}"));
+    }
+    let torch_results: Vec<Value> =
+        torch.as_ref().and_then(|t| t.as_ref().ok()).and_then(|t| t["results"].as_array().cloned()).unwrap_or_default();
+    let torch_version = torch
+        .as_ref()
+        .and_then(|t| t.as_ref().ok())
+        .and_then(|t| t["torch"].as_str())
+        .unwrap_or(if with_torch { "unknown" } else { "not run" })
+        .to_string();
+    let mut objects = Vec::new();
+    for (policy, measured) in Policy::ALL.iter().zip(&ours) {
+        let form = |name: &str| torch_results.iter().find(|r| r["form"] == name && r["policy"] == policy.name());
+        for name in ["flex", "compiled"] {
+            if let Some(r) = form(name) {
+                for e in r["errors"].as_array().into_iter().flatten() {
+                    errors.push(format!("PyTorch {name} {}: {}", policy.name(), e.as_str().unwrap_or("?")));
+                }
+            }
+        }
+        let ms = |name: &str| form(name).and_then(|r| r["step_ms"].as_f64());
+        let peak = |name: &str| form(name).and_then(|r| r["peak_bytes"].as_f64()).map(|b| b / 1e9);
+        let (flex_ms, compiled_ms) = (ms("flex"), ms("compiled"));
+        let torch_ms = match (flex_ms, compiled_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let mfu = |ms: Option<f64>| ms.map(|ms| flops / (ms * 1e-3 * PEAK_FLOPS));
+        let (ours_ms, ours_peak, planned, loss) = match measured {
+            Ok(m) => {
+                (Some(m.step_ms), Some(m.peak_bytes as f64 / 1e9), Some(m.planned_bytes as f64 / 1e9), Some(m.loss))
+            }
+            Err(e) => {
+                errors.push(format!("ours {}: {e}", policy.name()));
+                (None, None, None, None)
+            }
+        };
+        objects.push(json!({
+            "policy": policy.name(),
+            "ours_step_ms": ours_ms,
+            "torch_step_ms": torch_ms,
+            "torch_flex_step_ms": flex_ms,
+            "torch_compiled_step_ms": compiled_ms,
+            "speedup": ours_ms.zip(torch_ms).map(|(o, t)| t / o),
+            "mfu": mfu(ours_ms),
+            "torch_flex_mfu": mfu(flex_ms),
+            "torch_compiled_mfu": mfu(compiled_ms),
+            "tokens_per_s": ours_ms.map(|ms| shape.context_len as f64 / (ms * 1e-3)),
+            "peak_gb": ours_peak,
+            "planned_peak_gb": planned,
+            "torch_flex_peak_gb": peak("flex"),
+            "torch_compiled_peak_gb": peak("compiled"),
+            "loss": loss,
+            "torch_flex_loss": form("flex").and_then(|r| r["loss"].as_f64()),
+            "model_tflop": flops / 1e12,
+            "config": named.name,
+            "context_len": shape.context_len,
+            "num_anchors": shape.num_anchors,
+            "lm_chunk_rows": shape.lm_chunk_rows,
+            "warmup": warmup,
+            "iters": iters,
+            "torch": torch_version,
+            "flop_convention": FLOP_CONVENTION,
+            "memory_convention": MEMORY_CONVENTION,
+            "date": date,
+            "gpu": gpu_name,
+            "commit": commit,
+        }));
+    }
+    write_json(&out, &Value::Array(objects.clone()))?;
+    print_table(&objects);
+    println!("wrote {}", out.display());
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} measurement(s) failed:\n  {}", errors.len(), errors.join("\n  ")))
+    }
+}
+
+/// The summary table, printed last.
+fn print_table(objects: &[Value]) {
+    let f = |v: &Value, digits: usize| v.as_f64().map_or("-".to_string(), |x| format!("{x:.digits$}"));
+    println!(
+        "{:<10} {:>9} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8}",
+        "policy",
+        "ours ms",
+        "flex ms",
+        "comp ms",
+        "speedup",
+        "MFU",
+        "fMFU",
+        "cMFU",
+        "peak GB",
+        "plan GB",
+        "flex GB",
+        "comp GB"
+    );
+    for o in objects {
+        println!(
+            "{:<10} {:>9} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8}",
+            o["policy"].as_str().unwrap_or("?"),
+            f(&o["ours_step_ms"], 2),
+            f(&o["torch_flex_step_ms"], 2),
+            f(&o["torch_compiled_step_ms"], 2),
+            f(&o["speedup"], 2),
+            f(&o["mfu"], 3),
+            f(&o["torch_flex_mfu"], 3),
+            f(&o["torch_compiled_mfu"], 3),
+            f(&o["peak_gb"], 3),
+            f(&o["planned_peak_gb"], 3),
+            f(&o["torch_flex_peak_gb"], 3),
+            f(&o["torch_compiled_peak_gb"], 3),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The FLOP count reproduces shared/GPU.md's 73.4 model TFLOP of the Qwen3-8B drafter step
+    /// (S=3072, N=512, LM head over all 8192 rows, attention at its anchor table's density).
+    #[test]
+    fn model_flops_of_the_named_step_match_gpu_md() {
+        let named = named_plans().into_iter().next().unwrap();
+        let q = named.shape.num_anchors * named.config.block_size;
+        // Allowed pairs of the S=3072 N=512 anchor case: density 0.138 of 8192 x 11264 (GPU.md).
+        let pairs = (0.138 * (q * (named.shape.context_len + q)) as f64) as u64;
+        let tflop = step_model_flops(&named.config, named.shape, q, &[pairs; 5]) / 1e12;
+        assert!((tflop - 73.4).abs() < 0.2, "{tflop:.2} TFLOP, GPU.md says 73.4");
+    }
+
+    #[test]
+    fn anchors_are_sorted_distinct_and_fit() {
+        let a = random_anchors(3072, 16, 512, 0).unwrap();
+        assert_eq!(a.len(), 512);
+        assert!(a.windows(2).all(|w| w[0] < w[1]) && a[0] >= 1 && *a.last().unwrap() <= 3072 - 16);
+        assert!(random_anchors(20, 16, 5, 0).is_err());
+    }
+}
