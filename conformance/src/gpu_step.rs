@@ -11,7 +11,8 @@ use dflash_optimized::step::gpu::kernels::{normal_at, AdamWArgs, StepKernels, GR
 use dflash_optimized::step::gpu::step::GpuStep;
 use dflash_optimized::step::lm_head_ce::ce_grad_rows;
 use dflash_optimized::step::ops;
-use dflash_reference::drafter::DraftInput;
+use dflash_reference::data::TrainRow;
+use dflash_reference::drafter::{DraftInput, Drafter, FrozenHead};
 use dflash_reference::loss::{decayed_ce, BlockTargets};
 use dflash_reference::optim::{AdamW, AdamWConfig};
 use dflash_reference::Result;
@@ -19,7 +20,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::setups::gpu_draft_case;
+use crate::setups::{gpu_draft_case, DraftCase};
 use crate::tolerance::{Tolerance, GPU_KERNEL_BF16, GPU_STEP_BF16};
 
 /// Gradients of the same step under two checkpointing policies.
@@ -82,7 +83,7 @@ fn flat(t: &Tensor) -> Result<Vec<f64>> {
 /// the loss, every parameter gradient (the worst named), the policies against each other, and
 /// each policy's measured pool peak against its plan.
 pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
-    let case = gpu_draft_case(seed, DType::F64)?;
+    let case = bf16_exact(gpu_draft_case(seed, DType::F64)?)?;
     let config = &case.drafter.config;
     let b = config.block_size;
     let input = DraftInput::training(&case.row, &case.anchors, b)?;
@@ -164,6 +165,17 @@ pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         memory: None,
     });
     Ok(checks)
+}
+
+/// `case` with every weight, frozen table and feature rounded to bf16 (kept in f64): the GPU
+/// step computes on exactly these values, so the reference sees the same inputs and only the
+/// step's own arithmetic is measured.
+fn bf16_exact(case: DraftCase) -> Result<DraftCase> {
+    let round = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::BF16)?.to_dtype(DType::F64)?) };
+    let drafter = Drafter::from_fn(case.drafter.config.clone(), |name, _| round(case.drafter.param(name)))?;
+    let head = FrozenHead { embed: round(&case.head.embed)?, lm_head: round(&case.head.lm_head)? };
+    let row = TrainRow { features: round(&case.row.features)?, ..case.row };
+    Ok(DraftCase { drafter, head, row, ..case })
 }
 
 /// Random bf16 values (normal, scaled by `std`, shifted by `mean`) and their exact f64 values.

@@ -6,6 +6,7 @@
 use dflash_reference::config::DraftConfig;
 use dflash_reference::drafter::param_shapes;
 
+use crate::attention::cpu::TILE_K;
 pub use crate::step::drafter_step::Checkpointing;
 
 /// Bytes of one bf16 value, and of one f32 (or u32) value.
@@ -116,6 +117,10 @@ const SAVED_ATTENTION: &str = "saved attention out + logsumexp, all layers";
 const WORKSPACE: &str = "one layer's activations (recomputed in the backward)";
 const WORKSPACE_ATTENTION: &str = "one layer's attention out + logsumexp (recomputed)";
 
+/// The key of the attention plans' bytes: uploaded by `DevicePlan` with each input, not
+/// allocated with the other buffers.
+pub const ATTENTION_PLANS: &str = "attention plans";
+
 /// Fp32 partial rows of a parameter-gradient reduction (`GRAD_PARTS` of the step kernels).
 const GRAD_PARTS: u64 = 264;
 /// Fp32 partials per parameter of the gradient-norm reduction.
@@ -211,6 +216,11 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
     add("dw_partial".into(), reductions, Transient, GRAD_PARTS * d.hidden.max(d.head_dim) * F32);
     let param_count = param_shapes(config).len() as u64;
     add("norm_partial".into(), reductions, Transient, param_count * NORM_PARTS as u64 * F32);
+    // One DFlash attention plan per distinct layer kind: a 6-u32 row group per block and a
+    // 2-u32 range per 64-key tile (`attention::cuda::DevicePlan`).
+    let kinds: std::collections::HashSet<_> = config.dims.layer_kinds.iter().collect();
+    let plan_bytes = shape.num_anchors as u64 * 6 * F32 + d.k.div_ceil(TILE_K as u64) * 2 * F32;
+    add(ATTENTION_PLANS.into(), inputs, Saved, kinds.len() as u64 * plan_bytes);
     let lm = "one LM-head chunk: rows, bf16 logits / their gradient";
     add("lm.rows".into(), lm, Transient, d.lm_rows * d.hidden * BF16);
     add("lm.logits".into(), lm, Transient, d.lm_rows * d.vocab * BF16);

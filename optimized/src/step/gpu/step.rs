@@ -23,7 +23,7 @@ use crate::attention::cuda::{AttentionKernels, DevicePlan};
 use crate::attention::plan::AttentionPlan;
 use crate::blas::{Blas, Mat, Out};
 use crate::gpu::Gpu;
-use crate::planner::{gb, step_buffers, Policy, StepShape, NORM_PARTS};
+use crate::planner::{gb, step_buffers, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS};
 
 /// One parameter's place in the flat weight and gradient buffers.
 #[derive(Clone, Debug)]
@@ -150,7 +150,7 @@ impl GpuStep {
         }
         let stream = gpu.stream().clone();
         let mut map = HashMap::new();
-        for spec in &specs {
+        for spec in specs.iter().filter(|b| b.key != ATTENTION_PLANS) {
             let name: &'static str = Box::leak(spec.key.clone().into_boxed_str());
             map.insert(spec.key.clone(), Buf::<u8>::zeros(&stream, name, spec.bytes as usize)?);
         }
@@ -434,7 +434,7 @@ impl GpuStep {
             z.h,
             z.eps,
         )?;
-        let loss = self.lm_head_ce(grad_scale)?;
+        self.lm_head_ce(grad_scale)?;
 
         // Backward: grad.b = dhf (from the LM head), grad.a = the gradient of the last layer's output.
         self.kernels.rms_norm_backward(
@@ -480,7 +480,7 @@ impl GpuStep {
             1.0,
             1.0,
         )?;
-        Ok(loss)
+        self.loss()
     }
 
     /// Key prefixes of layer `l`'s activations and of its attention out/lse: its own saved ones
@@ -643,7 +643,7 @@ impl GpuStep {
 
     /// The frozen LM head and decayed CE over the weighted rows, `lm_chunk_rows` at a time:
     /// `grad.b [Q, H]` gets `grad_scale * d(sum w CE)/dhf` (zero on unweighted rows).
-    fn lm_head_ce(&mut self, grad_scale: f64) -> Result<StepLoss> {
+    fn lm_head_ce(&mut self, grad_scale: f64) -> Result<()> {
         let z = self.sizes;
         let stream = self.stream.clone();
         self.buf_mut("grad.b").zero(&stream)?;
@@ -668,6 +668,11 @@ impl GpuStep {
             self.kernels.copy_rows(true, b("lm.drows"), rows, b("grad.b"), n, z.h)?;
             start += n;
         }
+        Ok(())
+    }
+
+    /// The loss of the last step from its per-row CE (downloaded: waits for the step).
+    fn loss(&self) -> Result<StepLoss> {
         let losses = self.bufs.map["loss_rows"].download(&self.stream)?;
         let sum: f64 = losses
             .chunks_exact(4)
