@@ -13,6 +13,7 @@ use dflash_reference::{Error, Result};
 use half::bf16;
 
 use crate::gpu::Gpu;
+use crate::profile;
 
 /// A cuBLAS handle on the GPU's stream.
 pub struct Blas {
@@ -83,32 +84,36 @@ impl Blas {
             Out::Bf16 => cudaDataType::CUDA_R_16BF,
             Out::F32 => cudaDataType::CUDA_R_32F,
         };
+        let name =
+            || format!("gemm {m}x{n}x{k} {}{} -> {out:?}", if a.t { "T" } else { "N" }, if b.t { "T" } else { "N" });
         // SAFETY: the addresses are live device buffers of the stated shapes (callers' contract);
         // alpha and beta are f32 as CUBLAS_COMPUTE_32F requires.
-        unsafe {
-            result::gemm_ex(
-                *self.blas.handle(),
-                op(&b),
-                op(&a),
-                dim(n)?,
-                dim(m)?,
-                dim(k)?,
-                &alpha as *const f32 as *const c_void,
-                b.ptr as *const c_void,
-                cudaDataType::CUDA_R_16BF,
-                dim(b.cols)?,
-                a.ptr as *const c_void,
-                cudaDataType::CUDA_R_16BF,
-                dim(a.cols)?,
-                &beta as *const f32 as *const c_void,
-                c as *mut c_void,
-                c_type,
-                dim(n)?,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| Error::Gpu(format!("cuBLAS gemm {m}x{n}x{k}: {e:?}")))
+        profile::scope(&self.stream, name, || {
+            unsafe {
+                result::gemm_ex(
+                    *self.blas.handle(),
+                    op(&b),
+                    op(&a),
+                    dim(n)?,
+                    dim(m)?,
+                    dim(k)?,
+                    &alpha as *const f32 as *const c_void,
+                    b.ptr as *const c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    dim(b.cols)?,
+                    a.ptr as *const c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    dim(a.cols)?,
+                    &beta as *const f32 as *const c_void,
+                    c as *mut c_void,
+                    c_type,
+                    dim(n)?,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| Error::Gpu(format!("cuBLAS gemm {m}x{n}x{k}: {e:?}")))
+        })
     }
 
     /// `y [m, n] = x [m, k] @ w [n, k]^T`, all row-major bf16, fp32 accumulation.

@@ -11,4 +11,5 @@ pub mod blas;
 pub mod gpu;
 pub mod kernels;
 pub mod planner;
+pub mod profile;
 pub mod step;

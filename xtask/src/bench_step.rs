@@ -41,10 +41,11 @@ options:
   --script FILE   the baseline script      (default step_torch.py next to the binary, else
                                             xtask/bench/step_torch.py)
   --seed N        seed of the anchors, weights, inputs  (default 0)
+  --profile yes|no  print each operation's GPU time in one step per policy (default no)
   --commit SHA    the commit measured                   (default: commit.txt next to the binary)";
 
 const OPTIONS: &[&str] =
-    &["out", "seq", "anchors", "lm-chunk", "warmup", "iters", "torch", "python", "script", "seed", "commit"];
+    &["out", "seq", "anchors", "lm-chunk", "warmup", "iters", "torch", "python", "script", "seed", "commit", "profile"];
 
 /// Dense bf16 peak of the H200 (and H100 SXM) that MFU divides by, in FLOP/s.
 const PEAK_FLOPS: f64 = 989e12;
@@ -100,6 +101,7 @@ fn measure_ours(
     policy: Policy,
     anchors: &[usize],
     (warmup, iters, seed): (usize, usize, u64),
+    profile: bool,
 ) -> Result<Ours, String> {
     let err = |e: dflash_reference::Error| e.to_string();
     let before = gpu.pool_used().map_err(err)?;
@@ -120,7 +122,41 @@ fn measure_ours(
             step.step(scale).map(|_| ())
         })
         .map_err(err)?;
+    if profile {
+        dflash_optimized::profile::enable(true);
+        let result = step.zero_grads().and_then(|()| step.step(scale));
+        dflash_optimized::profile::enable(false);
+        result.map_err(err)?;
+        print_profile(policy, &dflash_optimized::profile::report().map_err(err)?);
+    }
     Ok(Ours { step_ms, loss, peak_bytes, planned_bytes: step.planned_bytes })
+}
+
+/// One step's operations by total GPU time, the longest first, and totals per kind.
+fn print_profile(policy: Policy, ops: &[(String, f64, usize)]) {
+    let total: f64 = ops.iter().map(|o| o.1).sum();
+    println!(
+        "profile of one {} step: {total:.2} ms in {} operations",
+        policy.name(),
+        ops.iter().map(|o| o.2).sum::<usize>()
+    );
+    for kind in ["gemm", "attention", ""] {
+        let ms: f64 = ops
+            .iter()
+            .filter(|o| {
+                if kind.is_empty() {
+                    !o.0.starts_with("gemm") && !o.0.starts_with("attention")
+                } else {
+                    o.0.starts_with(kind)
+                }
+            })
+            .map(|o| o.1)
+            .sum();
+        println!("  {:<12} {ms:>8.2} ms", if kind.is_empty() { "other" } else { kind });
+    }
+    for (name, ms, count) in ops.iter().take(40) {
+        println!("  {ms:>8.3} ms {count:>4}x  {name}");
+    }
 }
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
@@ -137,11 +173,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
     let (warmup, iters, seed): (usize, usize, u64) =
         (opts.get("warmup", 3)?, opts.get("iters", 10)?, opts.get("seed", 0)?);
-    let with_torch = match opts.get("torch", "yes".to_string())?.as_str() {
-        "yes" => true,
-        "no" => false,
-        other => return Err(format!("option `--torch`: `{other}`; yes or no expected")),
-    };
+    let profile = yes_no(&opts, "profile", false)?;
+    let with_torch = yes_no(&opts, "torch", true)?;
     let python: String = opts.get("python", "python3".to_string())?;
     let script: PathBuf = opts.get("script", gpu_bundle::bundled_file("step_torch.py", "xtask/bench/step_torch.py"))?;
     if iters == 0 {
@@ -180,7 +213,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     );
     let mut ours = Vec::new();
     for policy in Policy::ALL {
-        let measured = measure_ours(&gpu, &config, shape, policy, &anchors, (warmup, iters, seed));
+        let measured = measure_ours(&gpu, &config, shape, policy, &anchors, (warmup, iters, seed), profile);
         match &measured {
             Ok(m) => println!(
                 "ours  {:<10} {:.2} ms, loss {:.4}, peak {:.3} GB (planned {:.3} GB)",
@@ -302,6 +335,16 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("{} measurement(s) failed:\n  {}", errors.len(), errors.join("\n  ")))
+    }
+}
+
+/// A `--name yes|no` option.
+fn yes_no(opts: &Options, name: &str, default: bool) -> Result<bool, String> {
+    match opts.get(name, String::new())?.as_str() {
+        "" => Ok(default),
+        "yes" => Ok(true),
+        "no" => Ok(false),
+        other => Err(format!("option `--{name}`: `{other}`; yes or no expected")),
     }
 }
 

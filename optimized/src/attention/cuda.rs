@@ -13,6 +13,7 @@ use super::cases::{rel_error, AttnCase, BenchTimes, CaseErrors};
 use super::cpu::{attention_backward, attention_forward, AttnShape, TILE_K};
 use super::plan::AttentionPlan;
 use crate::gpu::Gpu;
+use crate::profile;
 
 const SOURCE: &str = include_str!("../../kernels/attention.cu");
 /// Query rows staged per step of the key-major backward (`CHUNK` in the kernel).
@@ -206,7 +207,11 @@ impl AttentionKernels {
         plan_args.push(&mut b);
         b.arg(&q).arg(&k).arg(&v).arg(&out).arg(&lse);
         head_args.push(&mut b);
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_forward"))?;
+        profile::scope(
+            stream,
+            || "attention_forward".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_forward")),
+        )?;
         Ok(())
     }
 
@@ -231,7 +236,11 @@ impl AttentionKernels {
             let cfg = LaunchConfig { grid_dim: (pairs.div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             let mut b = stream.launch_builder(&self.dsum);
             b.arg(&out).arg(&dout).arg(&dsum).arg(&plan_args.num_queries).arg(&head_args.num_heads);
-            unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum"))?;
+            profile::scope(
+                stream,
+                || "attention_backward_dsum".to_string(),
+                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum")),
+            )?;
         }
         if groups > 0 {
             let cfg = self.query_major_config(shape, groups, threads, dq_smem(self.head_dim));
@@ -240,7 +249,11 @@ impl AttentionKernels {
             plan_args.push(&mut b);
             b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dq);
             head_args.push(&mut b);
-            unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq"))?;
+            profile::scope(
+                stream,
+                || "attention_backward_dq".to_string(),
+                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq")),
+            )?;
         }
         let tiles = p.num_keys.div_ceil(TILE_K) as u32;
         if tiles > 0 {
@@ -254,7 +267,11 @@ impl AttentionKernels {
             plan_args.push(&mut b);
             b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv);
             head_args.push(&mut b);
-            unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv"))?;
+            profile::scope(
+                stream,
+                || "attention_backward_dkdv".to_string(),
+                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv")),
+            )?;
         }
         Ok(())
     }

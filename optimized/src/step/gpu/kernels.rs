@@ -9,6 +9,7 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use dflash_reference::{Error, Result};
 
 use crate::gpu::Gpu;
+use crate::profile;
 
 const SOURCE: &str = include_str!("../../../kernels/step.cu");
 /// Threads per CTA of the row kernels (`rms_norm_*`, `ce_grad_rows`, copies).
@@ -23,7 +24,7 @@ pub const GRAD_PARTS: usize = 264;
 /// CTAs of the grid-stride elementwise kernels (2 waves of 132 SMs x 8).
 const ELEMENTWISE_CTAS: u32 = 2112;
 
-fn launch_err(kernel: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+fn launch_err(kernel: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Gpu(format!("launch {kernel}: {e}"))
 }
 
@@ -136,7 +137,11 @@ impl StepKernels {
         let (r, c) = (i32_of("rows", rows)?, i32_of("n", n)?);
         let mut b = self.stream.launch_builder(&self.rms_norm_forward);
         b.arg(&x).arg(&w).arg(&y).arg(&inv).arg(&r).arg(&c).arg(&eps);
-        unsafe { b.launch(Self::rows_cfg(rows, ROW_THREADS)) }.map_err(launch_err("rms_norm_forward"))?;
+        profile::scope(
+            &self.stream,
+            || "rms_norm_forward".to_string(),
+            || unsafe { b.launch(Self::rows_cfg(rows, ROW_THREADS)) }.map_err(launch_err("rms_norm_forward")),
+        )?;
         Ok(())
     }
 
@@ -161,7 +166,11 @@ impl StepKernels {
         b.arg(&dy).arg(&x).arg(&w).arg(&inv).arg(&dres).arg(&dx).arg(&partial).arg(&r).arg(&c);
         let cfg =
             LaunchConfig { grid_dim: (GRAD_PARTS as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }.map_err(launch_err("rms_norm_backward"))?;
+        profile::scope(
+            &self.stream,
+            || "rms_norm_backward".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("rms_norm_backward")),
+        )?;
         self.column_sum_accumulate(partial, dw, GRAD_PARTS, n)
     }
 
@@ -175,7 +184,11 @@ impl StepKernels {
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        unsafe { b.launch(cfg) }.map_err(launch_err("column_sum_accumulate"))?;
+        profile::scope(
+            &self.stream,
+            || "column_sum_accumulate".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("column_sum_accumulate")),
+        )?;
         Ok(())
     }
 
@@ -200,7 +213,11 @@ impl StepKernels {
         let warps = ROW_THREADS / 32;
         let cfg =
             LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }.map_err(launch_err("head_norm_rope_forward"))?;
+        profile::scope(
+            &self.stream,
+            || "head_norm_rope_forward".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("head_norm_rope_forward")),
+        )?;
         Ok(())
     }
 
@@ -223,7 +240,11 @@ impl StepKernels {
         b.arg(&dy).arg(&x).arg(&w).arg(&inv).arg(&cos).arg(&sin).arg(&dx).arg(&partial).arg(&t).arg(&h).arg(&dd);
         let cfg =
             LaunchConfig { grid_dim: (GRAD_PARTS as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }.map_err(launch_err("head_norm_rope_backward"))?;
+        profile::scope(
+            &self.stream,
+            || "head_norm_rope_backward".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("head_norm_rope_backward")),
+        )?;
         self.column_sum_accumulate(partial, dw, GRAD_PARTS, d)
     }
 
@@ -232,7 +253,11 @@ impl StepKernels {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.swiglu_forward);
         b.arg(&gate).arg(&up).arg(&h).arg(&nn);
-        unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("swiglu_forward"))?;
+        profile::scope(
+            &self.stream,
+            || "swiglu_forward".to_string(),
+            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("swiglu_forward")),
+        )?;
         Ok(())
     }
 
@@ -241,7 +266,11 @@ impl StepKernels {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.swiglu_backward);
         b.arg(&dh).arg(&gate).arg(&up).arg(&dgate).arg(&dup).arg(&nn);
-        unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("swiglu_backward"))?;
+        profile::scope(
+            &self.stream,
+            || "swiglu_backward".to_string(),
+            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("swiglu_backward")),
+        )?;
         Ok(())
     }
 
@@ -263,7 +292,11 @@ impl StepKernels {
         let (r, v) = (i32_of("rows", rows)?, i32_of("vocab", vocab)?);
         let mut b = self.stream.launch_builder(&self.ce_grad_rows);
         b.arg(&z).arg(&labels).arg(&weights).arg(&loss).arg(&r).arg(&v).arg(&scale);
-        unsafe { b.launch(Self::rows_cfg(rows, 1024)) }.map_err(launch_err("ce_grad_rows"))?;
+        profile::scope(
+            &self.stream,
+            || "ce_grad_rows".to_string(),
+            || unsafe { b.launch(Self::rows_cfg(rows, 1024)) }.map_err(launch_err("ce_grad_rows")),
+        )?;
         Ok(())
     }
 
@@ -276,7 +309,11 @@ impl StepKernels {
         let (f, name) = if scatter { (&self.scatter_rows, "scatter_rows") } else { (&self.gather_rows, "gather_rows") };
         let mut b = self.stream.launch_builder(f);
         b.arg(&src).arg(&idx).arg(&dst).arg(&n).arg(&c);
-        unsafe { b.launch(Self::rows_cfg(count, ROW_THREADS)) }.map_err(launch_err(name))?;
+        profile::scope(
+            &self.stream,
+            || name.to_string(),
+            || unsafe { b.launch(Self::rows_cfg(count, ROW_THREADS)) }.map_err(launch_err(name)),
+        )?;
         Ok(())
     }
 
@@ -285,7 +322,11 @@ impl StepKernels {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.cast_f32_bf16);
         b.arg(&src).arg(&dst).arg(&nn);
-        unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("cast_f32_bf16"))?;
+        profile::scope(
+            &self.stream,
+            || "cast_f32_bf16".to_string(),
+            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("cast_f32_bf16")),
+        )?;
         Ok(())
     }
 
@@ -295,7 +336,11 @@ impl StepKernels {
         let mut b = self.stream.launch_builder(&self.sum_squares);
         b.arg(&x).arg(&partial).arg(&nn);
         let cfg = LaunchConfig { grid_dim: (parts as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }.map_err(launch_err("sum_squares"))?;
+        profile::scope(
+            &self.stream,
+            || "sum_squares".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("sum_squares")),
+        )?;
         Ok(())
     }
 
@@ -306,7 +351,11 @@ impl StepKernels {
         b.arg(&p).arg(&g).arg(&m).arg(&v).arg(&p_bf16).arg(&nn);
         b.arg(&a.lr).arg(&a.beta1).arg(&a.beta2).arg(&a.eps).arg(&a.weight_decay).arg(&a.bc1).arg(&a.bc2);
         b.arg(&a.grad_scale);
-        unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("adamw_update"))?;
+        profile::scope(
+            &self.stream,
+            || "adamw_update".to_string(),
+            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("adamw_update")),
+        )?;
         Ok(())
     }
 
@@ -315,7 +364,11 @@ impl StepKernels {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.fill_normal_bf16);
         b.arg(&dst).arg(&nn).arg(&seed).arg(&mean).arg(&std);
-        unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("fill_normal_bf16"))?;
+        profile::scope(
+            &self.stream,
+            || "fill_normal_bf16".to_string(),
+            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("fill_normal_bf16")),
+        )?;
         Ok(())
     }
 }
