@@ -22,7 +22,11 @@ pub fn scope<R>(stream: &CudaStream, name: impl FnOnce() -> String, f: impl FnOn
     if !ENABLED.load(Ordering::Relaxed) {
         return f();
     }
-    let event = || stream.record_event(None).map_err(|e| Error::Gpu(format!("profiling event: {e}")));
+    let event = || {
+        stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| Error::Gpu(format!("profiling event: {e}")))
+    };
     let start = event()?;
     let out = f()?;
     let end = event()?;
