@@ -130,9 +130,8 @@ pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         step.load_weights(&case.drafter)?;
         step.load_lm_head(&case.head)?;
         step.set_input(&input, &case.head, &targets)?;
-        step.zero_grads()?;
         let got_loss = step.step(if total > 0.0 { 1.0 / total } else { 0.0 })?;
-        step.grad_sum_squares()?;
+        step.grad_sum_squares("grads")?;
         let measured = gpu.pool_used_high()?.saturating_sub(before);
         let got: Vec<Vec<f64>> =
             step.grads_to_host()?.into_iter().map(|(_, g)| g.into_iter().map(f64::from).collect()).collect();
@@ -240,8 +239,7 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         GPU_KERNEL_BF16,
     );
     let inv_f = flat(&inv_want)?;
-    let (_, dw0f) = draw(n, 0.0, 1.0, &mut rng);
-    let dw = f32s(&dw0f)?;
+    let dw = Buf::<bf16>::zeros(stream, "dw", n)?;
     let (dyb, resb, invb) = (bf(&dy)?, bf(&dres)?, f32s(&inv_f)?);
     let dx = Buf::<bf16>::zeros(stream, "dx", rows * n)?;
     let partial = Buf::<f32>::zeros(stream, "partial", GRAD_PARTS * n)?;
@@ -260,12 +258,12 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         &tensor(&inv_f, &[rows, 1])?,
     )?;
     let dx_want: Vec<f64> = flat(&dx_want)?.iter().zip(&dresf).map(|(a, b)| a + b).collect();
-    let dw_want: Vec<f64> = flat(&dw_want)?.iter().zip(&dw0f).map(|(a, b)| a + b).collect();
+    let dw_want = flat(&dw_want)?;
     check(
         &format!("rms_norm_backward [{rows}, {n}]"),
         vec![
             ("dx", rel_error(&widen_bf16(&dx.download(stream)?), &dx_want)),
-            ("dw", rel_error(&widen_f32(&dw.download(stream)?), &dw_want)),
+            ("dw", rel_error(&widen_bf16(&dw.download(stream)?), &dw_want)),
         ],
         GPU_KERNEL_BF16,
     );
@@ -299,9 +297,9 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         GPU_KERNEL_BF16,
     );
     let (hdy, hdyf) = draw(t * heads * d, 0.0, 1.0, &mut rng);
-    let (_, hdw0f) = draw(d, 0.0, 1.0, &mut rng);
     let hinv_f = flat(&hinv_want)?;
-    let (hdyb, hinvb, hdw) = (bf(&hdy)?, f32s(&hinv_f)?, f32s(&hdw0f)?);
+    let (hdyb, hinvb) = (bf(&hdy)?, f32s(&hinv_f)?);
+    let hdw = Buf::<bf16>::zeros(stream, "dw", d)?;
     let hdx = Buf::<bf16>::zeros(stream, "dx", t * heads * d)?;
     let hpartial = Buf::<f32>::zeros(stream, "partial", GRAD_PARTS * d)?;
     k.head_norm_rope_backward(
@@ -314,12 +312,12 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let dnormed = ops::rope_backward(&tensor(&hdyf, &[t, heads, d])?, &cos, &sin)?;
     let (hdx_want, hdw_want) =
         ops::rms_norm_backward(&dnormed, &hx_t, &tensor(&hwf, &[d])?, &tensor(&hinv_f, &[t, heads, 1])?)?;
-    let hdw_want: Vec<f64> = flat(&hdw_want)?.iter().zip(&hdw0f).map(|(a, b)| a + b).collect();
+    let hdw_want = flat(&hdw_want)?;
     check(
         &format!("head_norm_rope_backward [{t}, {heads}, {d}]"),
         vec![
             ("dx", rel_error(&widen_bf16(&hdx.download(stream)?), &flat(&hdx_want)?)),
-            ("dw", rel_error(&widen_f32(&hdw.download(stream)?), &hdw_want)),
+            ("dw", rel_error(&widen_bf16(&hdw.download(stream)?), &hdw_want)),
         ],
         GPU_KERNEL_BF16,
     );
@@ -347,31 +345,35 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         GPU_KERNEL_BF16,
     );
 
-    // CE gradient rows: in place over bf16 logits.
-    let (ce_rows, vocab) = (rng.random_range(1..=9), rng.random_range(2..=160_000));
-    let (z, zf) = draw(ce_rows * vocab, 0.0, 3.0, &mut rng);
-    let labels: Vec<u32> = (0..ce_rows).map(|_| rng.random_range(0..vocab as u32)).collect();
-    let weights: Vec<f64> = (0..ce_rows).map(|_| rng.random_range(0.1..1.0)).collect();
-    let scale = rng.random_range(0.01..1.0);
-    let zb = bf(&z)?;
-    let (lb, wb2) = (Buf::from_host(stream, "labels", &labels)?, f32s(&weights)?);
-    let loss = Buf::<f32>::zeros(stream, "loss", ce_rows)?;
-    k.ce_grad_rows(zb.ptr(), lb.ptr(), wb2.ptr(), loss.ptr(), ce_rows, vocab, scale as f32)?;
-    // The twin on weights that already carry the scale; its CE sum is then scaled too.
-    let scaled = weights.iter().map(|&w| f64::from(w as f32) * f64::from(scale as f32)).collect();
-    let targets = BlockTargets { labels: labels.clone(), weights: scaled };
-    let row_ids: Vec<u32> = (0..ce_rows as u32).collect();
-    let mut dz_want = zf.clone();
-    let ce_sum = ce_grad_rows(&mut dz_want, &row_ids, &targets) / f64::from(scale as f32);
-    let loss_got: f64 = widen_f32(&loss.download(stream)?).iter().sum();
-    check(
-        &format!("ce_grad_rows [{ce_rows}, {vocab}]"),
-        vec![
-            ("dz", rel_error(&widen_bf16(&zb.download(stream)?), &dz_want)),
-            ("loss", rel_error(&[loss_got], &[ce_sum])),
-        ],
-        GPU_KERNEL_BF16,
-    );
+    // CE gradient rows: in place over bf16 logits; a vocab of a multiple of 8 (16-byte loads)
+    // and one of another size (one logit at a time).
+    let vocab8 = 8 * rng.random_range(1..=20_000);
+    for vocab in [vocab8, vocab8 + rng.random_range(1..8)] {
+        let ce_rows = rng.random_range(1..=9);
+        let (z, zf) = draw(ce_rows * vocab, 0.0, 3.0, &mut rng);
+        let labels: Vec<u32> = (0..ce_rows).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let weights: Vec<f64> = (0..ce_rows).map(|_| rng.random_range(0.1..1.0)).collect();
+        let scale = rng.random_range(0.01..1.0);
+        let zb = bf(&z)?;
+        let (lb, wb2) = (Buf::from_host(stream, "labels", &labels)?, f32s(&weights)?);
+        let loss = Buf::<f32>::zeros(stream, "loss", ce_rows)?;
+        k.ce_grad_rows(zb.ptr(), lb.ptr(), wb2.ptr(), loss.ptr(), ce_rows, vocab, scale as f32)?;
+        // The twin on weights that already carry the scale; its CE sum is then scaled too.
+        let scaled = weights.iter().map(|&w| f64::from(w as f32) * f64::from(scale as f32)).collect();
+        let targets = BlockTargets { labels: labels.clone(), weights: scaled };
+        let row_ids: Vec<u32> = (0..ce_rows as u32).collect();
+        let mut dz_want = zf.clone();
+        let ce_sum = ce_grad_rows(&mut dz_want, &row_ids, &targets) / f64::from(scale as f32);
+        let loss_got: f64 = widen_f32(&loss.download(stream)?).iter().sum();
+        check(
+            &format!("ce_grad_rows [{ce_rows}, {vocab}]"),
+            vec![
+                ("dz", rel_error(&widen_bf16(&zb.download(stream)?), &dz_want)),
+                ("loss", rel_error(&[loss_got], &[ce_sum])),
+            ],
+            GPU_KERNEL_BF16,
+        );
+    }
 
     // AdamW: two updates from zero moments against the reference optimizer.
     let pn = rng.random_range(1..=50_000);
@@ -442,17 +444,26 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     k.cast_f32_bf16(castb.ptr(), cast.ptr(), fill_n)?;
     let cast_want: Vec<f64> = castf.iter().map(|&x| bf16::from_f32(x as f32).to_f64()).collect();
     let sq_partial = Buf::<f32>::zeros(stream, "partial", 64)?;
-    k.sum_squares(castb.ptr(), sq_partial.ptr(), fill_n, 64)?;
+    k.sum_squares(false, castb.ptr(), sq_partial.ptr(), fill_n, 64)?;
     let sq_got: f64 = widen_f32(&sq_partial.download(stream)?).iter().sum();
     let sq_want: f64 = castf.iter().map(|&x| f64::from(x as f32).powi(2)).sum();
+    k.sum_squares(true, cast.ptr(), sq_partial.ptr(), fill_n, 64)?;
+    let sq16_got: f64 = widen_f32(&sq_partial.download(stream)?).iter().sum();
+    let sq16_want: f64 = cast_want.iter().map(|x| x * x).sum();
+    let (_, acc0) = draw(fill_n, 0.0, 1.0, &mut rng);
+    let acc = f32s(&acc0)?;
+    k.accumulate_bf16(acc.ptr(), cast.ptr(), fill_n)?;
+    let acc_want: Vec<f64> = acc0.iter().zip(&cast_want).map(|(a, b)| f64::from(*a as f32) + b).collect();
     check(
-        &format!("fill_normal, gather/scatter, cast, sum_squares [{fill_n}]"),
+        &format!("fill_normal, gather/scatter, cast, sum_squares, accumulate [{fill_n}]"),
         vec![
             ("fill", rel_error(&widen_bf16(&fill.download(stream)?), &fill_want)),
             ("gather", rel_error(&widen_bf16(&gathered.download(stream)?), &gather_want)),
             ("scatter", rel_error(&widen_bf16(&scattered.download(stream)?), &scatter_want)),
             ("cast", rel_error(&widen_bf16(&cast.download(stream)?), &cast_want)),
-            ("sum_squares", rel_error(&[sq_got], &[sq_want])),
+            ("sum_squares f32", rel_error(&[sq_got], &[sq_want])),
+            ("sum_squares bf16", rel_error(&[sq16_got], &[sq16_want])),
+            ("accumulate_bf16", rel_error(&widen_f32(&acc.download(stream)?), &acc_want)),
         ],
         GPU_KERNEL_BF16,
     );

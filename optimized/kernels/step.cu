@@ -1,11 +1,11 @@
 // Elementwise and reduction kernels of the GPU training step (optimized/src/step/gpu/): bf16
-// activations, fp32 arithmetic, fp32 parameter gradients. Each kernel's CPU twin is named above
-// it; `xtask gpu-conformance` checks every kernel against its twin on the H200.
+// activations and step gradients, fp32 arithmetic, fp32 optimizer state. Each kernel's CPU twin
+// is named above it; `xtask gpu-conformance` checks every kernel against its twin on the H200.
 //
-// Conventions: row-major tensors, shapes in comments; `rows` is the leading dim. Parameter
+// Conventions: row-major tensors, shapes in comments; `rows` is the leading dim. Norm-weight
 // gradients are reduced deterministically: a kernel writes one fp32 partial per CTA
-// (`dw_partial [gridDim.x, n]`) and `column_sum_accumulate` adds the partials to the gradient in
-// a fixed order (no atomics, bit-identical from run to run).
+// (`dw_partial [gridDim.x, n]`) and `column_sum` adds the partials in a fixed order (no atomics,
+// bit-identical from run to run).
 
 #include <cuda_bf16.h>
 
@@ -13,8 +13,6 @@ typedef __nv_bfloat16 bf16;
 
 #define WARP 32
 #define NEG_INF __int_as_float(0xff800000)
-// Columns one thread of a row kernel keeps in registers: n <= MAX_COLS_PER_THREAD * blockDim.x.
-#define MAX_COLS_PER_THREAD 32
 // Elements one lane of a head kernel keeps: head_dim <= MAX_HEAD_LANE_ELEMS * 32.
 #define MAX_HEAD_LANE_ELEMS 8
 
@@ -60,52 +58,107 @@ extern "C" __global__ void rms_norm_forward(const bf16* __restrict__ x, const bf
     if (threadIdx.x == 0) inv[row] = r;
 }
 
+// 8 bf16 values moved as one 16-byte load or store.
+#define VEC 8
+union Bf16x8 {
+    uint4 raw;
+    __nv_bfloat162 h2[4];
+};
+
+__device__ __forceinline__ void load8(const bf16* p, float* out) {
+    Bf16x8 v;
+    v.raw = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(v.h2[k]);
+        out[2 * k] = f.x;
+        out[2 * k + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void store8(bf16* p, const float* in) {
+    Bf16x8 v;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v.h2[k] = __floats2bfloat162_rn(in[2 * k], in[2 * k + 1]);
+    *reinterpret_cast<uint4*>(p) = v.raw;
+}
+
+// 8-column chunks one thread of rms_norm_backward holds: n <= MAX_CHUNKS_PER_THREAD * 8 * blockDim.x.
+#define MAX_CHUNKS_PER_THREAD 4
+
 // Twin: step::ops::rms_norm_backward (+ the residual gradient `dres`, may be null). Each CTA
-// takes a contiguous range of rows; dx may alias dy or dres.
+// takes a contiguous range of rows; thread t holds 8-column chunks t, t + blockDim.x, ... of a
+// row in registers (one read of dy and x per row; n a multiple of 8, rows 16-byte aligned);
+// dx may alias dy or dres.
 // dy, x [rows, n], w [n], inv [rows] -> dx [rows, n] = r*(g - x*r^2*mean(g*x)) + dres with g = dy*w,
 // dw_partial [gridDim.x, n] = this CTA's sum over its rows of dy*x*r.
 extern "C" __global__ void rms_norm_backward(const bf16* dy, const bf16* __restrict__ x, const bf16* __restrict__ w,
                                              const float* __restrict__ inv, const bf16* dres, bf16* dx,
                                              float* __restrict__ dw_partial, int rows, int n) {
     __shared__ float scratch[WARP];
-    float acc[MAX_COLS_PER_THREAD];
+    float acc[MAX_CHUNKS_PER_THREAD][VEC];
 #pragma unroll
-    for (int c = 0; c < MAX_COLS_PER_THREAD; ++c) acc[c] = 0.f;
+    for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[c][e] = 0.f;
+    const int chunks = n / VEC;
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int lo = blockIdx.x * per_cta, hi = min(rows, lo + per_cta);
     for (int row = lo; row < hi; ++row) {
         const size_t base = (size_t)row * n;
         const float r = inv[row];
+        float g[MAX_CHUNKS_PER_THREAD][VEC], xv[MAX_CHUNKS_PER_THREAD][VEC];
         float dot = 0.f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) dot += to_f(dy[base + i]) * to_f(w[i]) * to_f(x[base + i]);
+#pragma unroll
+        for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c) {
+            const int chunk = threadIdx.x + c * blockDim.x;
+            if (chunk < chunks) {
+                float wv[VEC];
+                load8(dy + base + chunk * VEC, g[c]);
+                load8(x + base + chunk * VEC, xv[c]);
+                load8(w + chunk * VEC, wv);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) dot += g[c][e] * wv[e] * xv[c][e];
+            }
+        }
         const float coeff = r * r * r * block_sum(dot, scratch) / n;
 #pragma unroll
-        for (int c = 0; c < MAX_COLS_PER_THREAD; ++c) {
-            const int i = threadIdx.x + c * blockDim.x;
-            if (i < n) {
-                const float g = to_f(dy[base + i]), xv = to_f(x[base + i]);
-                acc[c] += g * xv * r;
-                float d = r * g * to_f(w[i]) - xv * coeff;
-                if (dres != nullptr) d += to_f(dres[base + i]);
-                dx[base + i] = to_bf(d);
+        for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c) {
+            const int chunk = threadIdx.x + c * blockDim.x;
+            if (chunk < chunks) {
+                float wv[VEC], d[VEC], res[VEC];
+                load8(w + chunk * VEC, wv);
+                if (dres != nullptr) {
+                    load8(dres + base + chunk * VEC, res);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) res[e] = 0.f;
+                }
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    acc[c][e] += g[c][e] * xv[c][e] * r;
+                    d[e] = r * g[c][e] * wv[e] - xv[c][e] * coeff + res[e];
+                }
+                store8(dx + base + chunk * VEC, d);
             }
         }
     }
 #pragma unroll
-    for (int c = 0; c < MAX_COLS_PER_THREAD; ++c) {
-        const int i = threadIdx.x + c * blockDim.x;
-        if (i < n) dw_partial[(size_t)blockIdx.x * n + i] = acc[c];
+    for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c) {
+        const int chunk = threadIdx.x + c * blockDim.x;
+        if (chunk < chunks)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) dw_partial[(size_t)blockIdx.x * n + chunk * VEC + e] = acc[c][e];
     }
 }
 
-// out [n] += sum over p of partial [parts, n], in order p = 0, 1, ... (deterministic).
-extern "C" __global__ void column_sum_accumulate(const float* __restrict__ partial, float* __restrict__ out, int parts,
-                                                 int n) {
+// out [n] = bf16(sum over p of partial [parts, n]), in order p = 0, 1, ... (deterministic).
+extern "C" __global__ void column_sum(const float* __restrict__ partial, bf16* __restrict__ out, int parts, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float s = 0.f;
     for (int p = 0; p < parts; ++p) s += partial[(size_t)p * n + i];
-    out[i] += s;
+    out[i] = to_bf(s);
 }
 
 // Twin: step::ops::rms_norm_forward over the head dim, then step::ops::rope_forward. One warp
@@ -205,23 +258,51 @@ extern "C" __global__ void head_norm_rope_backward(const bf16* dy, const bf16* _
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
 
-// Twin: step::ops::swiglu_forward. gate, up [n] -> h [n] = silu(gate) * up.
+__device__ __forceinline__ float silu_of(float g) { return g * sigmoid(g); }
+
+// Twin: step::ops::swiglu_forward. gate, up [n] -> h [n] = silu(gate) * up; 8 values per
+// thread and step (16-byte aligned buffers), the n % 8 tail one by one.
 extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                           bf16* __restrict__ h, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = to_f(gate[i]);
-        h[i] = to_bf(g * sigmoid(g) * to_f(up[i]));
+    const long long stride = (long long)gridDim.x * blockDim.x, first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    for (long long c = first; c < n / VEC; c += stride) {
+        float g[VEC], u[VEC], out[VEC];
+        load8(gate + c * VEC, g);
+        load8(up + c * VEC, u);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) out[e] = silu_of(g[e]) * u[e];
+        store8(h + c * VEC, out);
     }
+    for (long long i = n / VEC * VEC + first; i < n; i += stride) h[i] = to_bf(silu_of(to_f(gate[i])) * to_f(up[i]));
 }
 
-// Twin: step::ops::swiglu_backward. dh, gate, up [n] -> dgate = dh*up*silu'(gate), dup = dh*silu(gate);
+// dgate = dh*up*silu'(g), dup = dh*silu(g) with s = sigmoid(g), silu' = s*(1 + g*(1 - s)).
+__device__ __forceinline__ void swiglu_grad(float d, float g, float u, float* dg, float* du) {
+    const float s = sigmoid(g);
+    *dg = d * u * s * (1.f + g * (1.f - s));
+    *du = d * g * s;
+}
+
+// Twin: step::ops::swiglu_backward. dh, gate, up [n] -> dgate, dup (8 at a time, as forward);
 // dgate may alias gate and dup may alias up.
 extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, const bf16* gate, const bf16* up, bf16* dgate,
                                            bf16* dup, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = to_f(gate[i]), u = to_f(up[i]), d = to_f(dh[i]), s = sigmoid(g);
-        dgate[i] = to_bf(d * u * s * (1.f + g * (1.f - s)));
-        dup[i] = to_bf(d * g * s);
+    const long long stride = (long long)gridDim.x * blockDim.x, first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    for (long long c = first; c < n / VEC; c += stride) {
+        float d[VEC], g[VEC], u[VEC], dg[VEC], du[VEC];
+        load8(dh + c * VEC, d);
+        load8(gate + c * VEC, g);
+        load8(up + c * VEC, u);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) swiglu_grad(d[e], g[e], u[e], &dg[e], &du[e]);
+        store8(dgate + c * VEC, dg);
+        store8(dup + c * VEC, du);
+    }
+    for (long long i = n / VEC * VEC + first; i < n; i += stride) {
+        float dg, du;
+        swiglu_grad(to_f(dh[i]), to_f(gate[i]), to_f(up[i]), &dg, &du);
+        dgate[i] = to_bf(dg);
+        dup[i] = to_bf(du);
     }
 }
 
@@ -236,15 +317,23 @@ extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __
     if (row >= rows) return;
     bf16* zr = z + (size_t)row * vocab;
     // Online max and sum of exp per thread, then merged over the CTA.
+    // Rows are 16-byte aligned when vocab % 8 == 0: then 8 logits per load, else one at a time.
+    const int vec = vocab % VEC == 0 ? VEC : 1;
     float m = NEG_INF, s = 0.f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = to_f(zr[i]);
-        if (v > m) {
-            s = s * expf(m - v) + 1.f;
-            m = v;
+    for (int c = threadIdx.x; c < vocab / vec; c += blockDim.x) {
+        float v[VEC];
+        if (vec == VEC) {
+            load8(zr + c * VEC, v);
         } else {
-            s += expf(v - m);
+            v[0] = to_f(zr[c]);
         }
+        float cm = v[0];
+        for (int e = 1; e < vec; ++e) cm = fmaxf(cm, v[e]);
+        const float mm = fmaxf(m, cm);
+        float cs = 0.f;
+        for (int e = 0; e < vec; ++e) cs += expf(v[e] - mm);
+        s = (m == NEG_INF ? 0.f : s * expf(m - mm)) + cs;
+        m = mm;
     }
 #pragma unroll
     for (int o = WARP / 2; o > 0; o /= 2) {
@@ -268,10 +357,20 @@ extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __
     const unsigned y = labels[row];
     const float w = weights[row], zy = to_f(zr[y]);
     __syncthreads();
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float g = expf(to_f(zr[i]) - lse);
-        if (i == (int)y) g -= 1.f;
-        zr[i] = to_bf(scale * w * g);
+    const float sw = scale * w;
+    for (int c = threadIdx.x; c < vocab / vec; c += blockDim.x) {
+        float v[VEC];
+        if (vec == VEC) {
+            load8(zr + c * VEC, v);
+        } else {
+            v[0] = to_f(zr[c]);
+        }
+        for (int e = 0; e < vec; ++e) v[e] = sw * (expf(v[e] - lse) - (c * vec + e == (int)y ? 1.f : 0.f));
+        if (vec == VEC) {
+            store8(zr + c * VEC, v);
+        } else {
+            zr[c] = to_bf(v[0]);
+        }
     }
     if (threadIdx.x == 0) loss[row] = w * (lse - zy);
 }
@@ -300,14 +399,34 @@ extern "C" __global__ void cast_f32_bf16(const float* __restrict__ src, bf16* __
         dst[i] = to_bf(src[i]);
 }
 
+__device__ __forceinline__ float as_float(float x) { return x; }
+__device__ __forceinline__ float as_float(bf16 x) { return to_f(x); }
+
 // partial [gridDim.x] = this CTA's share of sum(x^2) over x [n] (NaN and Inf propagate).
-extern "C" __global__ void sum_squares(const float* __restrict__ x, float* __restrict__ partial, long long n) {
+template <typename T>
+__device__ void sum_squares(const T* __restrict__ x, float* __restrict__ partial, long long n) {
     __shared__ float scratch[WARP];
     float s = 0.f;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        s += x[i] * x[i];
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float v = as_float(x[i]);
+        s += v * v;
+    }
     s = block_sum(s, scratch);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+extern "C" __global__ void sum_squares_f32(const float* __restrict__ x, float* __restrict__ partial, long long n) {
+    sum_squares(x, partial, n);
+}
+
+extern "C" __global__ void sum_squares_bf16(const bf16* __restrict__ x, float* __restrict__ partial, long long n) {
+    sum_squares(x, partial, n);
+}
+
+// acc [n] += g [n]: a step's bf16 gradients into the optimizer's fp32 accumulator.
+extern "C" __global__ void accumulate_bf16(float* __restrict__ acc, const bf16* __restrict__ g, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        acc[i] += to_f(g[i]);
 }
 
 // Twin: dflash_reference::optim::AdamW::step on one parameter, its gradient first scaled by

@@ -8,6 +8,7 @@ use dflash_reference::drafter::param_shapes;
 
 use crate::attention::cpu::TILE_K;
 pub use crate::step::drafter_step::Checkpointing;
+use crate::step::gpu::kernels::GRAD_PARTS;
 
 /// Bytes of one bf16 value, and of one f32 (or u32) value.
 const BF16: u64 = 2;
@@ -35,24 +36,37 @@ pub struct PlanItem {
 /// When a buffer of the step is needed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lifetime {
-    /// For the whole run: bf16 weights, fp32 gradients, the frozen LM head.
+    /// For the whole run: bf16 weights, one step's bf16 gradients, the frozen LM head.
     Model,
-    /// For the whole run, only when training: fp32 master weights and AdamW moments.
+    /// For the whole run, only when training: fp32 master weights, fp32 accumulated gradients
+    /// and AdamW moments.
     Optimizer,
     /// From the forward to the backward: inputs, context, saved activations.
     Saved,
-    /// Scratch of one layer's forward or backward, or one LM-head chunk, reused by all.
+    /// Scratch used in the layer phases and the LM-head phase (the head's output gradient).
     Transient,
+    /// Scratch of one layer's forward or backward, reused by every layer; shares the scratch
+    /// region with [`Lifetime::Head`] (the two phases never overlap).
+    Layer,
+    /// Scratch of one LM-head chunk, inside the scratch region.
+    Head,
 }
 
+/// The key of the region the [`Lifetime::Layer`] and [`Lifetime::Head`] buffers live in.
+pub const SCRATCH: &str = "scratch";
+/// Alignment of buffers inside the scratch region, in bytes.
+const SCRATCH_ALIGN: u64 = 256;
+
 /// One device buffer of the GPU step: `key` (what the step looks it up by), the plan item it
-/// counts under, and its size.
+/// counts under, its size, and for a scratch buffer its byte offset in the [`SCRATCH`] region
+/// (it is then not allocated by itself).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepBuffer {
     pub key: String,
     pub item: &'static str,
     pub lifetime: Lifetime,
     pub bytes: u64,
+    pub scratch_offset: Option<u64>,
 }
 
 /// The itemised plan of one step and its predicted peak.
@@ -62,11 +76,15 @@ pub struct MemoryPlan {
     pub persistent: Vec<PlanItem>,
     /// Held from the forward until the backward (inputs, context features, saved activations).
     pub saved: Vec<PlanItem>,
-    /// Scratch shared by all layers (recompute, activation gradients, one LM-head chunk).
+    /// Scratch: the scratch region and what lives outside it.
     pub transient: Vec<PlanItem>,
+    /// What the scratch region holds in a layer's phase, and in the LM-head phase (not added
+    /// to the peak: the region is).
+    pub layer_scratch: Vec<PlanItem>,
+    pub head_scratch: Vec<PlanItem>,
     pub peak: u64,
-    /// The peak without optimizer state and fp32 master weights (what a PyTorch step measured
-    /// without its optimizer counts).
+    /// The peak without optimizer state and fp32 master copies of weights and gradients (what a
+    /// PyTorch step measured without its optimizer counts).
     pub peak_without_optimizer: u64,
 }
 
@@ -121,8 +139,6 @@ const WORKSPACE_ATTENTION: &str = "one layer's attention out + logsumexp (recomp
 /// allocated with the other buffers.
 pub const ATTENTION_PLANS: &str = "attention plans";
 
-/// Fp32 partial rows of a parameter-gradient reduction (`GRAD_PARTS` of the step kernels).
-const GRAD_PARTS: u64 = 264;
 /// Fp32 partials per parameter of the gradient-norm reduction.
 pub const NORM_PARTS: usize = 64;
 
@@ -135,14 +151,15 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
     let params: u64 = param_shapes(config).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
     let mut out = Vec::new();
     let mut add = |key: String, item: &'static str, lifetime: Lifetime, bytes: u64| {
-        out.push(StepBuffer { key, item, lifetime, bytes })
+        out.push(StepBuffer { key, item, lifetime, bytes, scratch_offset: None })
     };
-    use Lifetime::{Model, Optimizer, Saved, Transient};
+    use Lifetime::{Head, Layer, Model, Optimizer, Saved, Transient};
     add("weights".into(), "weights (bf16 compute copy)", Model, params * BF16);
-    add("grads".into(), "gradients (fp32)", Model, params * F32);
+    add("grads".into(), "gradients of one step (bf16)", Model, params * BF16);
     add("lm_head".into(), "frozen LM head (bf16)", Model, d.vocab * d.hidden * BF16);
     if optimizer {
         add("master".into(), "master weights (fp32)", Optimizer, params * F32);
+        add("grad_acc".into(), "accumulated gradients (fp32)", Optimizer, params * F32);
         add("adam_m".into(), "AdamW moments (fp32, 2x)", Optimizer, params * F32);
         add("adam_v".into(), "AdamW moments (fp32, 2x)", Optimizer, params * F32);
     }
@@ -170,7 +187,7 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
 
     let layer_sets: Vec<(String, &'static str, Lifetime)> = match policy {
         Policy::None => (0..layers).map(|l| (format!("layers.{l}."), SAVED_LAYERS, Saved)).collect(),
-        _ => vec![("recompute.".to_string(), WORKSPACE, Transient)],
+        _ => vec![("recompute.".to_string(), WORKSPACE, Layer)],
     };
     for (prefix, item, lifetime) in layer_sets {
         for (name, bytes) in [
@@ -178,13 +195,10 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
             ("inv_in", d.q * F32),
             ("q_pre", d.q * d.q_dim * BF16),
             ("inv_q", d.q * d.heads * F32),
-            ("q", d.q * d.q_dim * BF16),
             ("k_pre", d.k * d.kv_dim * BF16),
             ("inv_k", d.k * d.kv_heads * F32),
-            ("k", d.k * d.kv_dim * BF16),
             ("v", d.k * d.kv_dim * BF16),
             ("x_mid", d.q * d.hidden * BF16),
-            ("xn2", d.q * d.hidden * BF16),
             ("inv_post", d.q * F32),
             ("gate", d.q * d.inter * BF16),
             ("up", d.q * d.inter * BF16),
@@ -193,7 +207,7 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
         }
     }
     let attention_sets: Vec<(String, &'static str, Lifetime)> = match policy {
-        Policy::PerLayer => vec![("recompute.".to_string(), WORKSPACE_ATTENTION, Transient)],
+        Policy::PerLayer => vec![("recompute.".to_string(), WORKSPACE_ATTENTION, Layer)],
         _ => (0..layers).map(|l| (format!("layers.{l}."), SAVED_ATTENTION, Saved)).collect(),
     };
     for (prefix, item, lifetime) in attention_sets {
@@ -201,31 +215,60 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
         add(format!("{prefix}lse"), item, lifetime, d.heads * d.q * F32);
     }
 
+    // Cheap to recompute from what a layer keeps, so one copy serves every layer: q and k after
+    // their norm and RoPE (from q_pre, k_pre) and the post-attention norm's output (from x_mid).
+    let cheap = "q, k after norm + RoPE, post-attention norm output (recomputed)";
+    add("q".into(), cheap, Layer, d.q * d.q_dim * BF16);
+    add("k".into(), cheap, Layer, d.k * d.kv_dim * BF16);
+    add("xn2".into(), cheap, Layer, d.q * d.hidden * BF16);
     let grads = "activation gradients of one layer";
-    add("h".into(), "SwiGLU output / its gradient", Transient, d.q * d.inter * BF16);
-    for key in ["grad.a", "grad.b", "grad.c"] {
-        add(key.into(), grads, Transient, d.q * d.hidden * BF16);
-    }
-    add("dattn".into(), grads, Transient, d.q * d.q_dim * BF16);
-    add("dq".into(), grads, Transient, d.q * d.q_dim * BF16);
-    add("dk".into(), grads, Transient, d.k * d.kv_dim * BF16);
-    add("dv".into(), grads, Transient, d.k * d.kv_dim * BF16);
-    add("dsum".into(), grads, Transient, d.heads * d.q * F32);
-    add("dctx".into(), grads, Transient, d.s * d.hidden * BF16);
+    add("h".into(), "SwiGLU output / its gradient", Layer, d.q * d.inter * BF16);
+    add("grad.a".into(), grads, Layer, d.q * d.hidden * BF16);
+    // grad.b also takes the LM head's output gradient.
+    add("grad.b".into(), "output gradient of the LM head / of a layer", Transient, d.q * d.hidden * BF16);
+    // grad.c holds dxn2 and dxn, and between them the attention's output gradient.
+    add("grad.c".into(), grads, Layer, d.q * d.hidden.max(d.q_dim) * BF16);
+    add("dq".into(), grads, Layer, d.q * d.q_dim * BF16);
+    add("dk".into(), grads, Layer, d.k * d.kv_dim * BF16);
+    add("dv".into(), grads, Layer, d.k * d.kv_dim * BF16);
+    add("dsum".into(), grads, Layer, d.heads * d.q * F32);
+    add("dctx".into(), grads, Layer, d.s * d.hidden * BF16);
     let reductions = "reduction partials (norm weights, gradient norm)";
-    add("dw_partial".into(), reductions, Transient, GRAD_PARTS * d.hidden.max(d.head_dim) * F32);
+    add("dw_partial".into(), reductions, Layer, GRAD_PARTS as u64 * d.hidden.max(d.head_dim) * F32);
     let param_count = param_shapes(config).len() as u64;
-    add("norm_partial".into(), reductions, Transient, param_count * NORM_PARTS as u64 * F32);
+    add("norm_partial".into(), reductions, Layer, param_count * NORM_PARTS as u64 * F32);
     // One DFlash attention plan per distinct layer kind: a 6-u32 row group per block and a
     // 2-u32 range per 64-key tile (`attention::cuda::DevicePlan`).
     let kinds: std::collections::HashSet<_> = config.dims.layer_kinds.iter().collect();
     let plan_bytes = shape.num_anchors as u64 * 6 * F32 + d.k.div_ceil(TILE_K as u64) * 2 * F32;
     add(ATTENTION_PLANS.into(), inputs, Saved, kinds.len() as u64 * plan_bytes);
     let lm = "one LM-head chunk: rows, bf16 logits / their gradient";
-    add("lm.rows".into(), lm, Transient, d.lm_rows * d.hidden * BF16);
-    add("lm.logits".into(), lm, Transient, d.lm_rows * d.vocab * BF16);
-    add("lm.drows".into(), lm, Transient, d.lm_rows * d.hidden * BF16);
+    add("lm.rows".into(), lm, Head, d.lm_rows * d.hidden * BF16);
+    add("lm.logits".into(), lm, Head, d.lm_rows * d.vocab * BF16);
+    add("lm.drows".into(), lm, Head, d.lm_rows * d.hidden * BF16);
+    place_in_scratch(&mut out);
     out
+}
+
+/// Lays the layer-phase and the head-phase scratch buffers out from offset 0 of one region each
+/// (aligned), and adds the region, as large as the larger phase.
+fn place_in_scratch(buffers: &mut Vec<StepBuffer>) {
+    let mut region = 0;
+    for phase in [Lifetime::Layer, Lifetime::Head] {
+        let mut offset = 0;
+        for b in buffers.iter_mut().filter(|b| b.lifetime == phase) {
+            b.scratch_offset = Some(offset);
+            offset += b.bytes.div_ceil(SCRATCH_ALIGN) * SCRATCH_ALIGN;
+        }
+        region = region.max(offset);
+    }
+    buffers.push(StepBuffer {
+        key: SCRATCH.to_string(),
+        item: "scratch region (one layer's phase or one LM-head chunk)",
+        lifetime: Lifetime::Transient,
+        bytes: region,
+        scratch_offset: None,
+    });
 }
 
 /// The plan of one training step (with optimizer state) of `config` at `shape` under `policy`:
@@ -245,9 +288,19 @@ pub fn plan_step(config: &DraftConfig, shape: StepShape, policy: Policy) -> Memo
     let persistent = items(&|l| matches!(l, Lifetime::Model | Lifetime::Optimizer));
     let saved = items(&|l| l == Lifetime::Saved);
     let transient = items(&|l| l == Lifetime::Transient);
-    let peak: u64 = buffers.iter().map(|b| b.bytes).sum();
+    let layer_scratch = items(&|l| l == Lifetime::Layer);
+    let head_scratch = items(&|l| l == Lifetime::Head);
+    let peak: u64 = buffers.iter().filter(|b| b.scratch_offset.is_none()).map(|b| b.bytes).sum();
     let optimizer: u64 = buffers.iter().filter(|b| b.lifetime == Lifetime::Optimizer).map(|b| b.bytes).sum();
-    MemoryPlan { persistent, saved, transient, peak, peak_without_optimizer: peak - optimizer }
+    MemoryPlan {
+        persistent,
+        saved,
+        transient,
+        layer_scratch,
+        head_scratch,
+        peak,
+        peak_without_optimizer: peak - optimizer,
+    }
 }
 
 /// Peak bytes of the known failure modes at `shape`, for comparison with a plan.
@@ -288,11 +341,22 @@ impl MemoryPlan {
     /// The plan as a table: one line per item, the peak, and whether it fits `device_bytes`.
     pub fn render(&self, device_bytes: u64) -> String {
         let mut out = String::new();
-        for (title, items) in [("persistent", &self.persistent), ("saved", &self.saved), ("transient", &self.transient)]
-        {
+        for (title, items) in [
+            ("persistent", &self.persistent),
+            ("saved", &self.saved),
+            ("transient", &self.transient),
+            ("  in the scratch region, a layer's phase", &self.layer_scratch),
+            ("  in the scratch region, the LM-head phase", &self.head_scratch),
+        ] {
             out.push_str(&format!("{title}:\n"));
+            let indent = if title.starts_with(' ') { "    " } else { "  " };
             for item in items.iter() {
-                out.push_str(&format!("  {:<58} {:>12}\n", item.name, gb(item.bytes)));
+                out.push_str(&format!(
+                    "{indent}{:<width$} {:>12}\n",
+                    item.name,
+                    gb(item.bytes),
+                    width = 60 - indent.len()
+                ));
             }
         }
         out.push_str(&format!("  {:<58} {:>12}\n", "predicted peak", gb(self.peak)));

@@ -109,22 +109,15 @@ fn measure_ours(
     let mut step = GpuStep::new(gpu, config, shape, policy, false).map_err(err)?;
     step.randomize_weights(seed).map_err(err)?;
     step.set_random_input(anchors, default_gamma(config.block_size), seed).map_err(err)?;
-    step.zero_grads().map_err(err)?;
     let first = step.step(1.0).map_err(err)?;
     let scale = 1.0 / first.total_weight;
-    step.zero_grads().map_err(err)?;
     let loss = step.step(scale).map_err(err)?.loss;
-    step.grad_sum_squares().map_err(err)?;
+    step.grad_sum_squares("grads").map_err(err)?;
     let peak_bytes = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
-    let step_ms = gpu
-        .time_ms(warmup, iters, || {
-            step.zero_grads()?;
-            step.step(scale).map(|_| ())
-        })
-        .map_err(err)?;
+    let step_ms = gpu.time_ms(warmup, iters, || step.step(scale).map(|_| ())).map_err(err)?;
     if profile {
         dflash_optimized::profile::enable(true);
-        let result = step.zero_grads().and_then(|()| step.step(scale));
+        let result = step.step(scale);
         dflash_optimized::profile::enable(false);
         result.map_err(err)?;
         print_profile(policy, &dflash_optimized::profile::report().map_err(err)?);

@@ -66,13 +66,6 @@ impl<T> Buf<T> {
         self.slice.len() == 0
     }
 
-    /// Sets every byte to zero.
-    pub fn zero(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
-        // SAFETY: the range is this allocation; the stream orders it with every other access.
-        unsafe { result::memset_d8_async(self.ptr, 0, self.len() * size_of::<T>(), stream.cu_stream()) }
-            .map_err(|e| self.err("zero", e))
-    }
-
     fn err(&self, what: &str, e: impl std::fmt::Display) -> Error {
         Error::Gpu(format!("{what} `{}`: {e}", self.name))
     }
@@ -83,4 +76,21 @@ pub fn copy_device<T>(stream: &Arc<CudaStream>, dst: u64, src: u64, len: usize) 
     // SAFETY: callers pass addresses of live buffers holding `len` values; the stream orders it.
     unsafe { result::memcpy_dtod_async(dst, src, len * size_of::<T>(), stream.cu_stream()) }
         .map_err(|e| Error::Gpu(format!("device copy of {len} values: {e}")))
+}
+
+/// Sets `bytes` bytes at device address `ptr` to zero on `stream`.
+pub fn zero_device(stream: &Arc<CudaStream>, ptr: u64, bytes: usize) -> Result<()> {
+    // SAFETY: callers pass a live buffer's address and size; the stream orders it.
+    unsafe { result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }
+        .map_err(|e| Error::Gpu(format!("zeroing {bytes} bytes: {e}")))
+}
+
+/// `len` values of `T` from device address `ptr` (waits for the stream).
+pub fn download_device<T: Copy + Default>(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Result<Vec<T>> {
+    let mut host = vec![T::default(); len];
+    // SAFETY: callers pass a live buffer holding `len` values; the copy completes before return.
+    unsafe { result::memcpy_dtoh_async(&mut host, ptr, stream.cu_stream()) }
+        .and_then(|()| stream.synchronize())
+        .map_err(|e| Error::Gpu(format!("download of {len} values: {e}")))?;
+    Ok(host)
 }

@@ -14,13 +14,14 @@ use crate::profile;
 const SOURCE: &str = include_str!("../../../kernels/step.cu");
 /// Threads per CTA of the row kernels (`rms_norm_*`, `ce_grad_rows`, copies).
 const ROW_THREADS: u32 = 256;
-/// `MAX_COLS_PER_THREAD` of the kernel source: rows of at most this many x 256 columns.
-const MAX_COLS_PER_THREAD: usize = 32;
+/// `MAX_CHUNKS_PER_THREAD` x `VEC` of the kernel source: `rms_norm_backward` takes rows of at
+/// most this many x 256 columns.
+const MAX_COLS_PER_THREAD: usize = 4 * 8;
 /// `MAX_HEAD_LANE_ELEMS` of the kernel source: head dims of at most this many x 32.
 const MAX_HEAD_LANE_ELEMS: usize = 8;
 /// CTAs of the kernels that reduce a parameter gradient into per-CTA partials: the number of
-/// partial rows [`StepKernels::column_sum_accumulate`] adds up.
-pub const GRAD_PARTS: usize = 264;
+/// partial rows [`StepKernels::column_sum`] adds up.
+pub const GRAD_PARTS: usize = 528;
 /// CTAs of the grid-stride elementwise kernels (2 waves of 132 SMs x 8).
 const ELEMENTWISE_CTAS: u32 = 2112;
 
@@ -37,7 +38,7 @@ pub struct StepKernels {
     stream: Arc<CudaStream>,
     rms_norm_forward: CudaFunction,
     rms_norm_backward: CudaFunction,
-    column_sum_accumulate: CudaFunction,
+    column_sum: CudaFunction,
     head_norm_rope_forward: CudaFunction,
     head_norm_rope_backward: CudaFunction,
     swiglu_forward: CudaFunction,
@@ -46,7 +47,9 @@ pub struct StepKernels {
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     cast_f32_bf16: CudaFunction,
-    sum_squares: CudaFunction,
+    sum_squares_f32: CudaFunction,
+    sum_squares_bf16: CudaFunction,
+    accumulate_bf16: CudaFunction,
     adamw_update: CudaFunction,
     fill_normal_bf16: CudaFunction,
 }
@@ -78,7 +81,7 @@ impl StepKernels {
             stream: gpu.stream().clone(),
             rms_norm_forward: f("rms_norm_forward")?,
             rms_norm_backward: f("rms_norm_backward")?,
-            column_sum_accumulate: f("column_sum_accumulate")?,
+            column_sum: f("column_sum")?,
             head_norm_rope_forward: f("head_norm_rope_forward")?,
             head_norm_rope_backward: f("head_norm_rope_backward")?,
             swiglu_forward: f("swiglu_forward")?,
@@ -87,7 +90,9 @@ impl StepKernels {
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             cast_f32_bf16: f("cast_f32_bf16")?,
-            sum_squares: f("sum_squares")?,
+            sum_squares_f32: f("sum_squares_f32")?,
+            sum_squares_bf16: f("sum_squares_bf16")?,
+            accumulate_bf16: f("accumulate_bf16")?,
             adamw_update: f("adamw_update")?,
             fill_normal_bf16: f("fill_normal_bf16")?,
         })
@@ -106,13 +111,22 @@ impl StepKernels {
     }
 
     fn check_cols(n: usize) -> Result<()> {
-        if n == 0 || n > MAX_COLS_PER_THREAD * ROW_THREADS as usize {
+        let max = MAX_COLS_PER_THREAD * ROW_THREADS as usize;
+        if n == 0 || !n.is_multiple_of(8) || n > max {
             return Err(Error::invalid(
                 "hidden size",
-                format!("{n}: the norm kernels take 1 to {} columns", MAX_COLS_PER_THREAD * ROW_THREADS as usize),
+                format!("{n}: the norm kernels take a multiple of 8 up to {max}"),
             ));
         }
         Ok(())
+    }
+
+    /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).
+    fn check_aligned(kernel: &str, ptrs: &[u64]) -> Result<()> {
+        match ptrs.iter().find(|&&p| p % 16 != 0) {
+            Some(p) => Err(Error::Gpu(format!("{kernel}: device address {p:#x} is not 16-byte aligned"))),
+            None => Ok(()),
+        }
     }
 
     /// Checks a head dim for the head kernels: a multiple of 64 (RoPE partners in one lane) up
@@ -158,6 +172,7 @@ impl StepKernels {
         n: usize,
     ) -> Result<()> {
         Self::check_cols(n)?;
+        Self::check_aligned("rms_norm_backward", &[dy, x, w, dres, dx])?;
         if rows == 0 {
             return Ok(());
         }
@@ -171,13 +186,13 @@ impl StepKernels {
             || "rms_norm_backward".to_string(),
             || unsafe { b.launch(cfg) }.map_err(launch_err("rms_norm_backward")),
         )?;
-        self.column_sum_accumulate(partial, dw, GRAD_PARTS, n)
+        self.column_sum(partial, dw, GRAD_PARTS, n)
     }
 
-    /// `out [n] += sum_p partial [parts, n]`.
-    fn column_sum_accumulate(&self, partial: u64, out: u64, parts: usize, n: usize) -> Result<()> {
+    /// `out [n] = bf16(sum_p partial [parts, n])`.
+    fn column_sum(&self, partial: u64, out: u64, parts: usize, n: usize) -> Result<()> {
         let (p, c) = (i32_of("parts", parts)?, i32_of("n", n)?);
-        let mut b = self.stream.launch_builder(&self.column_sum_accumulate);
+        let mut b = self.stream.launch_builder(&self.column_sum);
         b.arg(&partial).arg(&out).arg(&p).arg(&c);
         let cfg = LaunchConfig {
             grid_dim: (grid(n, ROW_THREADS), 1, 1),
@@ -186,8 +201,8 @@ impl StepKernels {
         };
         profile::scope(
             &self.stream,
-            || "column_sum_accumulate".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("column_sum_accumulate")),
+            || "column_sum".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("column_sum")),
         )?;
         Ok(())
     }
@@ -245,11 +260,12 @@ impl StepKernels {
             || "head_norm_rope_backward".to_string(),
             || unsafe { b.launch(cfg) }.map_err(launch_err("head_norm_rope_backward")),
         )?;
-        self.column_sum_accumulate(partial, dw, GRAD_PARTS, d)
+        self.column_sum(partial, dw, GRAD_PARTS, d)
     }
 
     /// `h [n] = silu(gate) * up`.
     pub fn swiglu_forward(&self, gate: u64, up: u64, h: u64, n: usize) -> Result<()> {
+        Self::check_aligned("swiglu_forward", &[gate, up, h])?;
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.swiglu_forward);
         b.arg(&gate).arg(&up).arg(&h).arg(&nn);
@@ -263,6 +279,7 @@ impl StepKernels {
 
     /// `(dgate, dup) [n]` from `dh`; may write over gate and up.
     pub fn swiglu_backward(&self, dh: u64, gate: u64, up: u64, dgate: u64, dup: u64, n: usize) -> Result<()> {
+        Self::check_aligned("swiglu_backward", &[dh, gate, up, dgate, dup])?;
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.swiglu_backward);
         b.arg(&dh).arg(&gate).arg(&up).arg(&dgate).arg(&dup).arg(&nn);
@@ -286,6 +303,9 @@ impl StepKernels {
         vocab: usize,
         scale: f32,
     ) -> Result<()> {
+        if vocab.is_multiple_of(8) {
+            Self::check_aligned("ce_grad_rows", &[z])?;
+        }
         if rows == 0 {
             return Ok(());
         }
@@ -330,16 +350,31 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `partial [parts]` with `sum(partial) = sum(x^2)` over `x [n]` fp32; `parts` CTAs.
-    pub fn sum_squares(&self, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
+    /// `partial [parts]` with `sum(partial) = sum(x^2)` over `x [n]` (fp32, or bf16 when
+    /// `bf16`); `parts` CTAs.
+    pub fn sum_squares(&self, bf16: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
         let nn = n as i64;
-        let mut b = self.stream.launch_builder(&self.sum_squares);
+        let (f, name) = if bf16 {
+            (&self.sum_squares_bf16, "sum_squares_bf16")
+        } else {
+            (&self.sum_squares_f32, "sum_squares_f32")
+        };
+        let mut b = self.stream.launch_builder(f);
         b.arg(&x).arg(&partial).arg(&nn);
         let cfg = LaunchConfig { grid_dim: (parts as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
+        profile::scope(&self.stream, || name.to_string(), || unsafe { b.launch(cfg) }.map_err(launch_err(name)))?;
+        Ok(())
+    }
+
+    /// `acc [n] += g [n]` (fp32 += bf16).
+    pub fn accumulate_bf16(&self, acc: u64, g: u64, n: usize) -> Result<()> {
+        let nn = n as i64;
+        let mut b = self.stream.launch_builder(&self.accumulate_bf16);
+        b.arg(&acc).arg(&g).arg(&nn);
         profile::scope(
             &self.stream,
-            || "sum_squares".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("sum_squares")),
+            || "accumulate_bf16".to_string(),
+            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("accumulate_bf16")),
         )?;
         Ok(())
     }

@@ -4,8 +4,9 @@
 //! once when the step is made (after checking that they fit), so the step's memory is its plan.
 //!
 //! Shapes (one row): S context tokens, Q = N*B block rows, K = S + Q keys, H hidden, I SwiGLU,
-//! nh/nkv heads of d. Parameter gradients accumulate into `grads` across steps until
-//! [`GpuStep::zero_grads`] (gradient accumulation).
+//! nh/nkv heads of d. Each step writes every parameter's gradient once, in bf16 (one rounding of
+//! an fp32-accumulated result, as PyTorch's bf16 autograd does); the optimizer (`super::adamw`)
+//! accumulates steps in fp32 and applies them to fp32 master weights.
 
 use std::collections::HashMap;
 
@@ -16,14 +17,14 @@ use dflash_reference::ops::rope_tables;
 use dflash_reference::{Error, Result};
 use half::bf16;
 
-use super::device::{copy_device, Buf};
+use super::device::{copy_device, download_device, zero_device, Buf};
 use super::kernels::StepKernels;
 use crate::attention::cpu::AttnShape;
 use crate::attention::cuda::{AttentionKernels, DevicePlan};
 use crate::attention::plan::AttentionPlan;
 use crate::blas::{Blas, Mat, Out};
 use crate::gpu::Gpu;
-use crate::planner::{gb, step_buffers, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS};
+use crate::planner::{gb, step_buffers, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS, SCRATCH};
 
 /// One parameter's place in the flat weight and gradient buffers.
 #[derive(Clone, Debug)]
@@ -67,14 +68,20 @@ struct Sizes {
     eps: f32,
 }
 
-/// The step's device buffers by planner key.
+/// The step's device buffers by planner key: the allocated ones, and the address and size of
+/// every key (inside the scratch region for scratch buffers).
 struct Buffers {
     map: HashMap<String, Buf<u8>>,
+    addr: HashMap<String, (u64, usize)>,
 }
 
 impl Buffers {
     fn ptr(&self, key: &str) -> u64 {
-        self.map.get(key).unwrap_or_else(|| panic!("step buffer `{key}` is not in the plan")).ptr()
+        self.addr.get(key).unwrap_or_else(|| panic!("step buffer `{key}` is not in the plan")).0
+    }
+
+    fn bytes(&self, key: &str) -> usize {
+        self.addr.get(key).unwrap_or_else(|| panic!("step buffer `{key}` is not in the plan")).1
     }
 }
 
@@ -150,10 +157,21 @@ impl GpuStep {
         }
         let stream = gpu.stream().clone();
         let mut map = HashMap::new();
-        for spec in specs.iter().filter(|b| b.key != ATTENTION_PLANS) {
+        for spec in specs.iter().filter(|b| b.key != ATTENTION_PLANS && b.scratch_offset.is_none()) {
             let name: &'static str = Box::leak(spec.key.clone().into_boxed_str());
             map.insert(spec.key.clone(), Buf::<u8>::zeros(&stream, name, spec.bytes as usize)?);
         }
+        let scratch = map.get(SCRATCH).map_or(0, Buf::ptr);
+        let addr = specs
+            .iter()
+            .filter_map(|b| {
+                let ptr = match b.scratch_offset {
+                    Some(offset) => scratch + offset,
+                    None => map.get(&b.key)?.ptr(),
+                };
+                Some((b.key.clone(), (ptr, b.bytes as usize)))
+            })
+            .collect();
         let slots = param_slots(config);
         let q = shape.num_anchors * config.block_size;
         let sizes = Sizes {
@@ -180,7 +198,7 @@ impl GpuStep {
             slot_index: slots.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect(),
             slots,
             sizes,
-            bufs: Buffers { map },
+            bufs: Buffers { map, addr },
             kernels: StepKernels::load(gpu)?,
             attention: AttentionKernels::load(gpu, c.head_dim)?,
             blas: Blas::new(gpu)?,
@@ -208,8 +226,24 @@ impl GpuStep {
         &self.kernels
     }
 
+    /// Whether the plan gave this step a buffer `key` (the optimizer's only when asked for).
+    pub fn has_buffer(&self, key: &str) -> bool {
+        self.bufs.map.contains_key(key)
+    }
+
+    /// Trainable scalars (the length of the flat weight and gradient buffers).
+    pub fn num_params(&self) -> usize {
+        self.slots.last().map_or(0, |s| s.offset + s.len)
+    }
+
+    /// Sets every byte of buffer `key` to zero.
+    pub fn zero_buffer(&self, key: &str) -> Result<()> {
+        zero_device(&self.stream, self.bufs.ptr(key), self.bufs.bytes(key))
+    }
+
+    /// An allocated (not scratch) buffer, to upload into.
     fn buf_mut(&mut self, key: &str) -> &mut Buf<u8> {
-        self.bufs.map.get_mut(key).unwrap_or_else(|| panic!("step buffer `{key}` is not in the plan"))
+        self.bufs.map.get_mut(key).unwrap_or_else(|| panic!("step buffer `{key}` is not allocated on its own"))
     }
 
     fn upload<T: Copy>(&mut self, key: &str, host: &[T]) -> Result<()> {
@@ -226,7 +260,7 @@ impl GpuStep {
 
     fn g(&self, name: &str) -> u64 {
         let slot = &self.slots[self.slot_index[name]];
-        self.bufs.ptr("grads") + (slot.offset * 4) as u64
+        self.bufs.ptr("grads") + (slot.offset * 2) as u64
     }
 
     fn lw(&self, l: usize, name: &str) -> u64 {
@@ -239,7 +273,7 @@ impl GpuStep {
 
     /// The drafter's parameters as bf16 compute weights (and, with an optimizer, fp32 masters).
     pub fn load_weights(&mut self, drafter: &Drafter) -> Result<()> {
-        let mut flat = Vec::with_capacity(self.slots.last().map_or(0, |s| s.offset + s.len));
+        let mut flat = Vec::with_capacity(self.num_params());
         for slot in &self.slots {
             let t = drafter.param(&slot.name);
             if t.dims() != slot.shape.as_slice() {
@@ -391,15 +425,9 @@ impl GpuStep {
         self.set_targets(&targets)
     }
 
-    /// Zeroes the parameter gradients (the start of an accumulation).
-    pub fn zero_grads(&mut self) -> Result<()> {
-        let stream = self.stream.clone();
-        self.buf_mut("grads").zero(&stream)
-    }
-
-    /// One forward and backward of the uploaded row: adds `grad_scale * d(sum w CE)/dθ` to the
-    /// parameter gradients (`grad_scale = 1 / total weight` gives the row's mean-loss gradient)
-    /// and returns the row's loss. Fails naming the loss when it is not finite.
+    /// One forward and backward of the uploaded row: writes `grad_scale * d(sum w CE)/dθ` into
+    /// the parameter gradients (`grad_scale = 1 / total weight` gives the row's mean-loss
+    /// gradient) and returns the row's loss. Fails naming the loss when it is not finite.
     pub fn step(&mut self, grad_scale: f64) -> Result<StepLoss> {
         let z = self.sizes;
         let layers = self.config.dims.num_layers();
@@ -451,8 +479,7 @@ impl GpuStep {
             z.q,
             z.h,
         )?;
-        let stream = self.stream.clone();
-        self.buf_mut("dctx").zero(&stream)?;
+        self.zero_buffer("dctx")?;
         for l in (0..layers).rev() {
             let (acts, attn) = self.layer_sets(l);
             match self.policy {
@@ -472,14 +499,7 @@ impl GpuStep {
             z.s,
             z.h,
         )?;
-        self.blas.matmul(
-            Mat::t(dctx, z.s, z.h),
-            Mat::n(self.bufs.ptr("features"), z.s, z.fw),
-            self.g("fc.weight"),
-            Out::F32,
-            1.0,
-            1.0,
-        )?;
+        self.weight_grad(dctx, z.s, z.h, self.bufs.ptr("features"), z.fw, self.g("fc.weight"))?;
         self.loss()
     }
 
@@ -508,41 +528,22 @@ impl GpuStep {
         self.kernels.rms_norm_forward(x_in, self.lw(l, "input_layernorm.weight"), xn, p("inv_in"), z.q, z.h, z.eps)?;
         // q = rope(q_norm(xn @ Wq^T)); k = rope(k_norm(kv_in @ Wk^T)); v = kv_in @ Wv^T.
         self.linear(xn, z.q, z.h, self.lw(l, "self_attn.q_proj.weight"), z.qd, p("q_pre"), 0.0)?;
-        self.kernels.head_norm_rope_forward(
-            (p("q_pre"), self.lw(l, "self_attn.q_norm.weight"), self.bufs.ptr("cos_q"), self.bufs.ptr("sin_q")),
-            p("q"),
-            p("inv_q"),
-            (z.q, z.nh, z.d),
-            z.eps,
-        )?;
+        self.q_k_forward(l, a, "q")?;
         self.linear(kv_in, z.k, z.h, self.lw(l, "self_attn.k_proj.weight"), z.kd, p("k_pre"), 0.0)?;
-        self.kernels.head_norm_rope_forward(
-            (p("k_pre"), self.lw(l, "self_attn.k_norm.weight"), self.bufs.ptr("cos_k"), self.bufs.ptr("sin_k")),
-            p("k"),
-            p("inv_k"),
-            (z.k, z.nkv, z.d),
-            z.eps,
-        )?;
+        self.q_k_forward(l, a, "k")?;
         self.linear(kv_in, z.k, z.h, self.lw(l, "self_attn.v_proj.weight"), z.kd, p("v"), 0.0)?;
         let (out, lse) = (self.bufs.ptr(&format!("{t}out")), self.bufs.ptr(&format!("{t}lse")));
         if recompute != Recompute::KeptAttention {
             let plan = &self.plans[&self.config.dims.layer_kinds[l]];
-            self.attention.forward(&self.stream, plan, self.attn_shape(), (p("q"), p("k"), p("v")), (out, lse))?;
+            let (q, k) = (self.bufs.ptr("q"), self.bufs.ptr("k"));
+            self.attention.forward(&self.stream, plan, self.attn_shape(), (q, k, p("v")), (out, lse))?;
         }
         // x_mid = x + out @ Wo^T; xn2 = post_norm(x_mid); out = x_mid + down(silu(gate) * up).
         let x_mid = p("x_mid");
         copy_device::<bf16>(&self.stream, x_mid, x_in, z.q * z.h)?;
         self.linear(out, z.q, z.qd, self.lw(l, "self_attn.o_proj.weight"), z.h, x_mid, 1.0)?;
-        let xn2 = p("xn2");
-        self.kernels.rms_norm_forward(
-            x_mid,
-            self.lw(l, "post_attention_layernorm.weight"),
-            xn2,
-            p("inv_post"),
-            z.q,
-            z.h,
-            z.eps,
-        )?;
+        self.post_norm_forward(l, a)?;
+        let xn2 = self.bufs.ptr("xn2");
         self.linear(xn2, z.q, z.h, self.lw(l, "mlp.gate_proj.weight"), z.i, p("gate"), 0.0)?;
         self.linear(xn2, z.q, z.h, self.lw(l, "mlp.up_proj.weight"), z.i, p("up"), 0.0)?;
         if recompute != Recompute::No {
@@ -555,6 +556,34 @@ impl GpuStep {
         self.linear(h, z.q, z.i, self.lw(l, "mlp.down_proj.weight"), z.h, x_out, 1.0)
     }
 
+    /// `q` (or `k`) = rope(head_norm(q_pre)) of layer `l` from its set `a`, into the shared buffer.
+    fn q_k_forward(&self, l: usize, a: &str, which: &str) -> Result<()> {
+        let z = self.sizes;
+        let p = |name: &str| self.bufs.ptr(&format!("{a}{name}"));
+        let (tokens, heads, tables) =
+            if which == "q" { (z.q, z.nh, ("cos_q", "sin_q")) } else { (z.k, z.nkv, ("cos_k", "sin_k")) };
+        self.kernels.head_norm_rope_forward(
+            (
+                p(&format!("{which}_pre")),
+                self.lw(l, &format!("self_attn.{which}_norm.weight")),
+                self.bufs.ptr(tables.0),
+                self.bufs.ptr(tables.1),
+            ),
+            self.bufs.ptr(which),
+            p(&format!("inv_{which}")),
+            (tokens, heads, z.d),
+            z.eps,
+        )
+    }
+
+    /// `xn2` = post_norm(x_mid) of layer `l` from its set `a`, into the shared buffer.
+    fn post_norm_forward(&self, l: usize, a: &str) -> Result<()> {
+        let z = self.sizes;
+        let p = |name: &str| self.bufs.ptr(&format!("{a}{name}"));
+        let w = self.lw(l, "post_attention_layernorm.weight");
+        self.kernels.rms_norm_forward(p("x_mid"), w, self.bufs.ptr("xn2"), p("inv_post"), z.q, z.h, z.eps)
+    }
+
     /// Layer `l`'s backward: `grad.a` holds the gradient of its output on entry and of its input
     /// on return; its parameter gradients are added, and its context gradient added to `dctx`.
     fn layer_backward(&self, l: usize, a: &str, t: &str) -> Result<()> {
@@ -565,6 +594,13 @@ impl GpuStep {
         let x_in = b(&format!("residual.{l}"));
         let (kv_in, h) = (p("kv_in"), b("h"));
         let xn = kv_in + (z.s * z.h * 2) as u64;
+        let (q, k, xn2) = (b("q"), b("k"), b("xn2"));
+        if self.policy == Policy::None {
+            // The shared buffers hold the last layer's: recompute this layer's.
+            self.q_k_forward(l, a, "q")?;
+            self.q_k_forward(l, a, "k")?;
+            self.post_norm_forward(l, a)?;
+        }
         // MLP: h = silu(gate) * up (recomputed); dWdown += dout^T h; dh = dout @ Wdown (into h).
         self.kernels.swiglu_forward(p("gate"), p("up"), h, z.q * z.i)?;
         self.weight_grad(dout, z.q, z.h, h, z.i, self.lg(l, "mlp.down_proj.weight"))?;
@@ -573,8 +609,8 @@ impl GpuStep {
         let (dgate, dup) = (p("gate"), p("up"));
         self.input_grad(dgate, z.q, z.i, self.lw(l, "mlp.gate_proj.weight"), z.h, dscratch, 0.0)?;
         self.input_grad(dup, z.q, z.i, self.lw(l, "mlp.up_proj.weight"), z.h, dscratch, 1.0)?;
-        self.weight_grad(dgate, z.q, z.i, p("xn2"), z.h, self.lg(l, "mlp.gate_proj.weight"))?;
-        self.weight_grad(dup, z.q, z.i, p("xn2"), z.h, self.lg(l, "mlp.up_proj.weight"))?;
+        self.weight_grad(dgate, z.q, z.i, xn2, z.h, self.lg(l, "mlp.gate_proj.weight"))?;
+        self.weight_grad(dup, z.q, z.i, xn2, z.h, self.lg(l, "mlp.up_proj.weight"))?;
         // dx_mid = dout + post_norm backward.
         self.kernels.rms_norm_backward(
             (dscratch, p("x_mid"), self.lw(l, "post_attention_layernorm.weight"), p("inv_post"), dout),
@@ -586,7 +622,8 @@ impl GpuStep {
         )?;
         // Attention: dattn = dx_mid @ Wo, dWo += dx_mid^T out; then the fused backward.
         let (out, lse) = (b(&format!("{t}out")), b(&format!("{t}lse")));
-        let dattn = b("dattn");
+        let dattn = dscratch; // free until dxn
+
         self.input_grad(dx_mid, z.q, z.h, self.lw(l, "self_attn.o_proj.weight"), z.qd, dattn, 0.0)?;
         self.weight_grad(dx_mid, z.q, z.h, out, z.qd, self.lg(l, "self_attn.o_proj.weight"))?;
         let (dq, dk, dv) = (b("dq"), b("dk"), b("dv"));
@@ -595,7 +632,7 @@ impl GpuStep {
             &self.stream,
             plan,
             self.attn_shape(),
-            (p("q"), p("k"), p("v")),
+            (q, k, p("v")),
             (out, lse, dattn),
             b("dsum"),
             (dq, dk, dv),
@@ -645,8 +682,7 @@ impl GpuStep {
     /// `grad.b [Q, H]` gets `grad_scale * d(sum w CE)/dhf` (zero on unweighted rows).
     fn lm_head_ce(&mut self, grad_scale: f64) -> Result<()> {
         let z = self.sizes;
-        let stream = self.stream.clone();
-        self.buf_mut("grad.b").zero(&stream)?;
+        self.zero_buffer("grad.b")?;
         let b = |key: &str| self.bufs.ptr(key);
         let chunk = self.shape.lm_chunk_rows.min(z.q).max(1);
         let mut start = 0;
@@ -673,12 +709,8 @@ impl GpuStep {
 
     /// The loss of the last step from its per-row CE (downloaded: waits for the step).
     fn loss(&self) -> Result<StepLoss> {
-        let losses = self.bufs.map["loss_rows"].download(&self.stream)?;
-        let sum: f64 = losses
-            .chunks_exact(4)
-            .take(self.weighted_rows)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
-            .sum();
+        let losses: Vec<f32> = download_device(&self.stream, self.bufs.ptr("loss_rows"), self.weighted_rows)?;
+        let sum: f64 = losses.iter().map(|&x| f64::from(x)).sum();
         let loss = if self.total_weight > 0.0 { sum / self.total_weight } else { 0.0 };
         if !loss.is_finite() {
             return Err(Error::invalid("loss", format!("{loss} (not finite) on {}", self.gpu_name)));
@@ -698,32 +730,35 @@ impl GpuStep {
         self.blas.matmul(Mat::n(dy, rows, n), Mat::n(w, n, k), dx, Out::Bf16, 1.0, beta)
     }
 
-    /// `dw [n, k] += dy [rows, n]^T @ x [rows, k]` (fp32 gradient).
+    /// `dw [n, k] = dy [rows, n]^T @ x [rows, k]` (bf16 gradient).
     fn weight_grad(&self, dy: u64, rows: usize, n: usize, x: u64, k: usize, dw: u64) -> Result<()> {
-        self.blas.matmul(Mat::t(dy, rows, n), Mat::n(x, rows, k), dw, Out::F32, 1.0, 1.0)
+        self.blas.matmul(Mat::t(dy, rows, n), Mat::n(x, rows, k), dw, Out::Bf16, 1.0, 0.0)
     }
 
     fn attn_shape(&self) -> AttnShape {
         AttnShape { num_heads: self.sizes.nh, num_kv_heads: self.sizes.nkv, head_dim: self.sizes.d }
     }
 
-    /// Every parameter gradient on the host (fp32), in checkpoint-key order.
+    /// Every parameter gradient of the last step on the host, in checkpoint-key order.
     pub fn grads_to_host(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        let bytes = self.bufs.map["grads"].download(&self.stream)?;
-        let all: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let all: Vec<bf16> = download_device(&self.stream, self.bufs.ptr("grads"), self.num_params())?;
+        let all: Vec<f32> = all.into_iter().map(bf16::to_f32).collect();
         Ok(self.slots.iter().map(|s| (s.name.clone(), all[s.offset..s.offset + s.len].to_vec())).collect())
     }
 
-    /// The sum of squares of every parameter's gradient (fp32 partials summed in f64 on the
-    /// host); fails naming the first gradient that holds NaN or Inf.
-    pub fn grad_sum_squares(&self) -> Result<Vec<f64>> {
+    /// The sum of squares of every parameter's gradient, of the last step (`grads`, bf16) or
+    /// accumulated (`grad_acc`, fp32), as fp32 partials summed in f64 on the host; fails naming
+    /// the first gradient that holds NaN or Inf.
+    pub fn grad_sum_squares(&self, key: &str) -> Result<Vec<f64>> {
         let partial = self.bufs.ptr("norm_partial");
+        let bf16 = key == "grads";
+        let width = if bf16 { 2 } else { 4 };
         for (n, slot) in self.slots.iter().enumerate() {
-            let g = self.bufs.ptr("grads") + (slot.offset * 4) as u64;
-            self.kernels.sum_squares(g, partial + (n * NORM_PARTS * 4) as u64, slot.len, NORM_PARTS)?;
+            let g = self.bufs.ptr(key) + (slot.offset * width) as u64;
+            self.kernels.sum_squares(bf16, g, partial + (n * NORM_PARTS * 4) as u64, slot.len, NORM_PARTS)?;
         }
-        let bytes = self.bufs.map["norm_partial"].download(&self.stream)?;
-        let partials: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let partials: Vec<f32> =
+            download_device(&self.stream, self.bufs.ptr("norm_partial"), self.slots.len() * NORM_PARTS)?;
         self.slots
             .iter()
             .enumerate()
