@@ -322,28 +322,40 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         GPU_KERNEL_BF16,
     );
 
-    // SwiGLU forward and backward (in place over gate and up, as the step runs it).
-    let m = rng.random_range(1..=100_000);
-    let (g, gf) = draw(m, 0.0, 2.0, &mut rng);
-    let (u, uf) = draw(m, 0.0, 1.0, &mut rng);
-    let (dh, dhf) = draw(m, 0.0, 1.0, &mut rng);
-    let (gb, ub, dhb) = (bf(&g)?, bf(&u)?, bf(&dh)?);
-    let h = Buf::<bf16>::zeros(stream, "h", m)?;
-    k.swiglu_forward(gb.ptr(), ub.ptr(), h.ptr(), m)?;
-    let (gt, ut) = (tensor(&gf, &[m])?, tensor(&uf, &[m])?);
-    let h_want = ops::swiglu_forward(&gt, &ut)?;
-    let h_got = widen_bf16(&h.download(stream)?);
-    k.swiglu_backward(dhb.ptr(), gb.ptr(), ub.ptr(), gb.ptr(), ub.ptr(), m)?;
-    let (dg_want, du_want) = ops::swiglu_backward(&tensor(&dhf, &[m])?, &gt, &ut)?;
-    check(
-        &format!("swiglu forward/backward [{m}]"),
-        vec![
-            ("h", rel_error(&h_got, &flat(&h_want)?)),
-            ("dgate", rel_error(&widen_bf16(&gb.download(stream)?), &flat(&dg_want)?)),
-            ("dup", rel_error(&widen_bf16(&ub.download(stream)?), &flat(&du_want)?)),
-        ],
-        GPU_KERNEL_BF16,
-    );
+    // SwiGLU forward and backward over [gate | up] rows, in place as the step runs it; an
+    // intermediate size of a multiple of 8 (16-byte loads) and one of another size.
+    let inter8 = 8 * rng.random_range(1..=200);
+    for inter in [inter8, inter8 + rng.random_range(1..8)] {
+        let rows = rng.random_range(1..=90);
+        let m = rows * inter;
+        let (g, gf) = draw(m, 0.0, 2.0, &mut rng);
+        let (u, uf) = draw(m, 0.0, 1.0, &mut rng);
+        let (dh, dhf) = draw(m, 0.0, 1.0, &mut rng);
+        let gate_up: Vec<bf16> =
+            (0..rows).flat_map(|r| [&g[r * inter..][..inter], &u[r * inter..][..inter]].concat()).collect();
+        let (gub, dhb) = (bf(&gate_up)?, bf(&dh)?);
+        let h = Buf::<bf16>::zeros(stream, "h", m)?;
+        k.swiglu_forward(gub.ptr(), h.ptr(), rows, inter)?;
+        let (gt, ut) = (tensor(&gf, &[rows, inter])?, tensor(&uf, &[rows, inter])?);
+        let h_want = ops::swiglu_forward(&gt, &ut)?;
+        let h_got = widen_bf16(&h.download(stream)?);
+        k.swiglu_backward(dhb.ptr(), gub.ptr(), rows, inter)?;
+        let (dg_want, du_want) = ops::swiglu_backward(&tensor(&dhf, &[rows, inter])?, &gt, &ut)?;
+        let got = widen_bf16(&gub.download(stream)?);
+        let (dg_got, du_got): (Vec<f64>, Vec<f64>) = (
+            (0..rows).flat_map(|r| got[r * 2 * inter..][..inter].to_vec()).collect(),
+            (0..rows).flat_map(|r| got[r * 2 * inter + inter..][..inter].to_vec()).collect(),
+        );
+        check(
+            &format!("swiglu forward/backward [{rows}, 2 x {inter}]"),
+            vec![
+                ("h", rel_error(&h_got, &flat(&h_want)?)),
+                ("dgate", rel_error(&dg_got, &flat(&dg_want)?)),
+                ("dup", rel_error(&du_got, &flat(&du_want)?)),
+            ],
+            GPU_KERNEL_BF16,
+        );
+    }
 
     // CE gradient rows: in place over bf16 logits; a vocab of a multiple of 8 (16-byte loads)
     // and one of another size (one logit at a time).

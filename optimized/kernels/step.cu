@@ -161,9 +161,29 @@ extern "C" __global__ void column_sum(const float* __restrict__ partial, bf16* _
     out[i] = to_bf(s);
 }
 
+// Lane `lane` of a head row holds its `per_lane = d / 32` contiguous elements from `lane * per_lane`:
+// loaded and stored as bf16 pairs (d a multiple of 64, so per_lane is even); the RoPE partner of
+// element i (i +- d/2) sits in lane `lane ^ 16` at the same position.
+__device__ __forceinline__ void load_lane(const bf16* row, int lane, int per_lane, float* v) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(row + lane * per_lane);
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS / 2; ++k)
+        if (2 * k < per_lane) {
+            const float2 f = __bfloat1622float2(p[k]);
+            v[2 * k] = f.x;
+            v[2 * k + 1] = f.y;
+        }
+}
+
+__device__ __forceinline__ void store_lane(bf16* row, int lane, int per_lane, const float* v) {
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(row + lane * per_lane);
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS / 2; ++k)
+        if (2 * k < per_lane) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+}
+
 // Twin: step::ops::rms_norm_forward over the head dim, then step::ops::rope_forward. One warp
-// per (token, head) row; lane l holds elements l, l+32, ... so that the RoPE partner of element
-// i (i +- d/2) sits in the same lane (d a multiple of 64).
+// per (token, head) row.
 // x [T, heads, d], w [d], cos/sin [T, d] (fp32) -> y [T, heads, d], inv [T*heads].
 extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                   const float* __restrict__ cos_t, const float* __restrict__ sin_t,
@@ -171,28 +191,28 @@ extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, co
                                                   int d, float eps) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= tokens * heads) return;
-    const int t = row / heads, per_lane = d / WARP, half_lanes = per_lane / 2;
-    const bf16* xr = x + (size_t)row * d;
-    float v[MAX_HEAD_LANE_ELEMS];
+    const int t = row / heads, per_lane = d / WARP, first = lane * per_lane;
+    float v[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
+    load_lane(x + (size_t)row * d, lane, per_lane, v);
+    load_lane(w, lane, per_lane, wv);
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-        if (k < per_lane) {
-            v[k] = to_f(xr[lane + k * WARP]);
-            ss += v[k] * v[k];
-        }
+        if (k < per_lane) ss += v[k] * v[k];
     const float r = 1.f / sqrtf(warp_sum(ss) / d + eps);
 #pragma unroll
     for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-        if (k < per_lane) v[k] *= r * to_f(w[lane + k * WARP]);
-    bf16* yr = y + (size_t)row * d;
+        if (k < per_lane) v[k] *= r * wv[k];
+    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
 #pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
+        const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
         if (k < per_lane) {
-            const int i = lane + k * WARP;
-            const float rot = k < half_lanes ? -v[k + half_lanes] : v[k - half_lanes];
-            yr[i] = to_bf(v[k] * cos_t[(size_t)t * d + i] + rot * sin_t[(size_t)t * d + i]);
+            const size_t at = (size_t)t * d + first + k;
+            out[k] = v[k] * cos_t[at] + sign * partner * sin_t[at];
         }
+    }
+    store_lane(y + (size_t)row * d, lane, per_lane, out);
     if (lane == 0) inv[row] = r;
 }
 
@@ -207,49 +227,47 @@ extern "C" __global__ void head_norm_rope_backward(const bf16* dy, const bf16* _
                                                    int d) {
     __shared__ float cta_dw[MAX_HEAD_LANE_ELEMS * WARP];
     const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
-    const int per_lane = d / WARP, half_lanes = per_lane / 2;
+    const int per_lane = d / WARP, first = lane * per_lane;
     for (int i = threadIdx.x; i < d; i += blockDim.x) cta_dw[i] = 0.f;
     __syncthreads();
-    float acc[MAX_HEAD_LANE_ELEMS];
+    float acc[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS];
+    load_lane(w, lane, per_lane, wv);
 #pragma unroll
     for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) acc[k] = 0.f;
+    const float sign = lane < WARP / 2 ? 1.f : -1.f;  // rotate_half^T: [u2, -u1]
     for (int row = blockIdx.x * warps + threadIdx.x / WARP; row < tokens * heads; row += gridDim.x * warps) {
         const int t = row / heads;
-        const size_t base = (size_t)row * d;
-        float g[MAX_HEAD_LANE_ELEMS], u[MAX_HEAD_LANE_ELEMS], xv[MAX_HEAD_LANE_ELEMS];
-#pragma unroll
-        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-            if (k < per_lane) {
-                const int i = lane + k * WARP;
-                g[k] = to_f(dy[base + i]);
-                u[k] = g[k] * sin_t[(size_t)t * d + i];
-                g[k] *= cos_t[(size_t)t * d + i];
-                xv[k] = to_f(x[base + i]);
-            }
-        // dxn = dy*cos + [u2, -u1]: the gradient of the normed, pre-RoPE values.
+        float g[MAX_HEAD_LANE_ELEMS], xv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
+        load_lane(dy + (size_t)row * d, lane, per_lane, g);
+        load_lane(x + (size_t)row * d, lane, per_lane, xv);
+        // dxn = dy*cos + rotate_half^T(dy*sin): the gradient of the normed, pre-RoPE values.
         float dot = 0.f;
 #pragma unroll
-        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
+            const size_t at = (size_t)t * d + first + (k < per_lane ? k : 0);
+            const float u = g[k] * sin_t[at];
+            const float partner = __shfl_xor_sync(0xffffffffu, u, WARP / 2);
             if (k < per_lane) {
-                g[k] += k < half_lanes ? u[k + half_lanes] : -u[k - half_lanes];
-                dot += g[k] * to_f(w[lane + k * WARP]) * xv[k];
+                g[k] = g[k] * cos_t[at] + sign * partner;
+                dot += g[k] * wv[k] * xv[k];
             }
+        }
         const float r = inv[row];
         const float coeff = r * r * r * warp_sum(dot) / d;
 #pragma unroll
         for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
             if (k < per_lane) {
-                const int i = lane + k * WARP;
                 acc[k] += g[k] * xv[k] * r;
-                dx[base + i] = to_bf(r * g[k] * to_f(w[i]) - xv[k] * coeff);
+                out[k] = r * g[k] * wv[k] - xv[k] * coeff;
             }
+        store_lane(dx + (size_t)row * d, lane, per_lane, out);
     }
     // Lanes of different warps hold the same columns: add them in shared memory in warp order.
     for (int wi = 0; wi < warps; ++wi) {
         if (threadIdx.x / WARP == wi) {
 #pragma unroll
             for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-                if (k < per_lane) cta_dw[lane + k * WARP] += acc[k];
+                if (k < per_lane) cta_dw[first + k] += acc[k];
         }
         __syncthreads();
     }
@@ -260,20 +278,30 @@ __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)
 
 __device__ __forceinline__ float silu_of(float g) { return g * sigmoid(g); }
 
-// Twin: step::ops::swiglu_forward. gate, up [n] -> h [n] = silu(gate) * up; 8 values per
-// thread and step (16-byte aligned buffers), the n % 8 tail one by one.
-extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gate, const bf16* __restrict__ up,
-                                          bf16* __restrict__ h, long long n) {
-    const long long stride = (long long)gridDim.x * blockDim.x, first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    for (long long c = first; c < n / VEC; c += stride) {
+// Twin: step::ops::swiglu_forward. gu [rows, 2I] holds each row's gate then up (one matmul
+// with the stacked weight [W_gate; W_up]) -> h [rows, I] = silu(gate) * up. Thread-strided over
+// 8-value chunks when I % 8 == 0 (16-byte loads), else over single values.
+extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
+    const int vec = inter % VEC == 0 ? VEC : 1, per_row = inter / vec;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < (long long)rows * per_row; c += stride) {
+        const long long r = c / per_row, col = (c % per_row) * vec;
+        const bf16* g_ptr = gu + r * 2 * inter + col;
         float g[VEC], u[VEC], out[VEC];
-        load8(gate + c * VEC, g);
-        load8(up + c * VEC, u);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) out[e] = silu_of(g[e]) * u[e];
-        store8(h + c * VEC, out);
+        if (vec == VEC) {
+            load8(g_ptr, g);
+            load8(g_ptr + inter, u);
+        } else {
+            g[0] = to_f(g_ptr[0]);
+            u[0] = to_f(g_ptr[inter]);
+        }
+        for (int e = 0; e < vec; ++e) out[e] = silu_of(g[e]) * u[e];
+        if (vec == VEC) {
+            store8(h + r * inter + col, out);
+        } else {
+            h[r * inter + col] = to_bf(out[0]);
+        }
     }
-    for (long long i = n / VEC * VEC + first; i < n; i += stride) h[i] = to_bf(silu_of(to_f(gate[i])) * to_f(up[i]));
 }
 
 // dgate = dh*up*silu'(g), dup = dh*silu(g) with s = sigmoid(g), silu' = s*(1 + g*(1 - s)).
@@ -283,26 +311,32 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float* dg
     *du = d * g * s;
 }
 
-// Twin: step::ops::swiglu_backward. dh, gate, up [n] -> dgate, dup (8 at a time, as forward);
-// dgate may alias gate and dup may alias up.
-extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, const bf16* gate, const bf16* up, bf16* dgate,
-                                           bf16* dup, long long n) {
-    const long long stride = (long long)gridDim.x * blockDim.x, first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    for (long long c = first; c < n / VEC; c += stride) {
+// Twin: step::ops::swiglu_backward. dh [rows, I], gu [rows, 2I] -> gu := [dgate | dup] per row,
+// in place (chunked as forward).
+extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
+    const int vec = inter % VEC == 0 ? VEC : 1, per_row = inter / vec;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < (long long)rows * per_row; c += stride) {
+        const long long r = c / per_row, col = (c % per_row) * vec;
+        bf16* g_ptr = gu + r * 2 * inter + col;
         float d[VEC], g[VEC], u[VEC], dg[VEC], du[VEC];
-        load8(dh + c * VEC, d);
-        load8(gate + c * VEC, g);
-        load8(up + c * VEC, u);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) swiglu_grad(d[e], g[e], u[e], &dg[e], &du[e]);
-        store8(dgate + c * VEC, dg);
-        store8(dup + c * VEC, du);
-    }
-    for (long long i = n / VEC * VEC + first; i < n; i += stride) {
-        float dg, du;
-        swiglu_grad(to_f(dh[i]), to_f(gate[i]), to_f(up[i]), &dg, &du);
-        dgate[i] = to_bf(dg);
-        dup[i] = to_bf(du);
+        if (vec == VEC) {
+            load8(dh + r * inter + col, d);
+            load8(g_ptr, g);
+            load8(g_ptr + inter, u);
+        } else {
+            d[0] = to_f(dh[r * inter + col]);
+            g[0] = to_f(g_ptr[0]);
+            u[0] = to_f(g_ptr[inter]);
+        }
+        for (int e = 0; e < vec; ++e) swiglu_grad(d[e], g[e], u[e], &dg[e], &du[e]);
+        if (vec == VEC) {
+            store8(g_ptr, dg);
+            store8(g_ptr + inter, du);
+        } else {
+            g_ptr[0] = to_bf(dg[0]);
+            g_ptr[inter] = to_bf(du[0]);
+        }
     }
 }
 

@@ -200,8 +200,7 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
             ("v", d.k * d.kv_dim * BF16),
             ("x_mid", d.q * d.hidden * BF16),
             ("inv_post", d.q * F32),
-            ("gate", d.q * d.inter * BF16),
-            ("up", d.q * d.inter * BF16),
+            ("gate_up", d.q * 2 * d.inter * BF16),
         ] {
             add(format!("{prefix}{name}"), item, lifetime, bytes);
         }

@@ -263,30 +263,36 @@ impl StepKernels {
         self.column_sum(partial, dw, GRAD_PARTS, d)
     }
 
-    /// `h [n] = silu(gate) * up`.
-    pub fn swiglu_forward(&self, gate: u64, up: u64, h: u64, n: usize) -> Result<()> {
-        Self::check_aligned("swiglu_forward", &[gate, up, h])?;
-        let nn = n as i64;
+    /// `h [rows, I] = silu(gate) * up` with `gu [rows, 2I]` holding each row's gate then up.
+    pub fn swiglu_forward(&self, gu: u64, h: u64, rows: usize, inter: usize) -> Result<()> {
+        if inter.is_multiple_of(8) {
+            Self::check_aligned("swiglu_forward", &[gu, h])?;
+        }
+        let (r, i) = (i32_of("rows", rows)?, i32_of("intermediate size", inter)?);
         let mut b = self.stream.launch_builder(&self.swiglu_forward);
-        b.arg(&gate).arg(&up).arg(&h).arg(&nn);
+        b.arg(&gu).arg(&h).arg(&r).arg(&i);
+        let cfg = Self::elementwise_cfg(rows * inter / if inter.is_multiple_of(8) { 8 } else { 1 });
         profile::scope(
             &self.stream,
             || "swiglu_forward".to_string(),
-            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("swiglu_forward")),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("swiglu_forward")),
         )?;
         Ok(())
     }
 
-    /// `(dgate, dup) [n]` from `dh`; may write over gate and up.
-    pub fn swiglu_backward(&self, dh: u64, gate: u64, up: u64, dgate: u64, dup: u64, n: usize) -> Result<()> {
-        Self::check_aligned("swiglu_backward", &[dh, gate, up, dgate, dup])?;
-        let nn = n as i64;
+    /// `gu [rows, 2I]` := each row's `[dgate | dup]` from `dh [rows, I]` and its gate and up.
+    pub fn swiglu_backward(&self, dh: u64, gu: u64, rows: usize, inter: usize) -> Result<()> {
+        if inter.is_multiple_of(8) {
+            Self::check_aligned("swiglu_backward", &[dh, gu])?;
+        }
+        let (r, i) = (i32_of("rows", rows)?, i32_of("intermediate size", inter)?);
         let mut b = self.stream.launch_builder(&self.swiglu_backward);
-        b.arg(&dh).arg(&gate).arg(&up).arg(&dgate).arg(&dup).arg(&nn);
+        b.arg(&dh).arg(&gu).arg(&r).arg(&i);
+        let cfg = Self::elementwise_cfg(rows * inter / if inter.is_multiple_of(8) { 8 } else { 1 });
         profile::scope(
             &self.stream,
             || "swiglu_backward".to_string(),
-            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("swiglu_backward")),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("swiglu_backward")),
         )?;
         Ok(())
     }

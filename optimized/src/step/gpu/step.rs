@@ -137,7 +137,7 @@ impl GpuStep {
             return Err(Error::invalid("step shape", format!("{shape:?}: context, anchors and LM chunk must be >= 1")));
         }
         let specs = step_buffers(config, shape, policy, optimizer);
-        let planned_bytes: u64 = specs.iter().map(|b| b.bytes).sum();
+        let planned_bytes: u64 = specs.iter().filter(|b| b.scratch_offset.is_none()).map(|b| b.bytes).sum();
         let available = gpu.available_bytes()?;
         if planned_bytes > available {
             let mut items: Vec<_> = specs.iter().collect();
@@ -173,6 +173,13 @@ impl GpuStep {
             })
             .collect();
         let slots = param_slots(config);
+        for l in 0..c.num_layers() {
+            let slot = |name: &str| slots.iter().find(|s| s.name == format!("layers.{l}.mlp.{name}.weight"));
+            let (gate, up) = (slot("gate_proj"), slot("up_proj"));
+            if !gate.zip(up).is_some_and(|(g, u)| g.offset + g.len == u.offset) {
+                return Err(Error::invalid("parameters", format!("layer {l}: gate_proj and up_proj must be adjacent")));
+            }
+        }
         let q = shape.num_anchors * config.block_size;
         let sizes = Sizes {
             s: shape.context_len,
@@ -544,13 +551,13 @@ impl GpuStep {
         self.linear(out, z.q, z.qd, self.lw(l, "self_attn.o_proj.weight"), z.h, x_mid, 1.0)?;
         self.post_norm_forward(l, a)?;
         let xn2 = self.bufs.ptr("xn2");
-        self.linear(xn2, z.q, z.h, self.lw(l, "mlp.gate_proj.weight"), z.i, p("gate"), 0.0)?;
-        self.linear(xn2, z.q, z.h, self.lw(l, "mlp.up_proj.weight"), z.i, p("up"), 0.0)?;
+        // gate | up = xn2 @ [W_gate; W_up]^T: the two weights are adjacent in the flat buffer.
+        self.linear(xn2, z.q, z.h, self.lw(l, "mlp.gate_proj.weight"), 2 * z.i, p("gate_up"), 0.0)?;
         if recompute != Recompute::No {
             return Ok(());
         }
         let h = self.bufs.ptr("h");
-        self.kernels.swiglu_forward(p("gate"), p("up"), h, z.q * z.i)?;
+        self.kernels.swiglu_forward(p("gate_up"), h, z.q, z.i)?;
         let x_out = self.bufs.ptr(&format!("residual.{}", l + 1));
         copy_device::<bf16>(&self.stream, x_out, x_mid, z.q * z.h)?;
         self.linear(h, z.q, z.i, self.lw(l, "mlp.down_proj.weight"), z.h, x_out, 1.0)
@@ -602,15 +609,15 @@ impl GpuStep {
             self.post_norm_forward(l, a)?;
         }
         // MLP: h = silu(gate) * up (recomputed); dWdown += dout^T h; dh = dout @ Wdown (into h).
-        self.kernels.swiglu_forward(p("gate"), p("up"), h, z.q * z.i)?;
+        let gate_up = p("gate_up");
+        self.kernels.swiglu_forward(gate_up, h, z.q, z.i)?;
         self.weight_grad(dout, z.q, z.h, h, z.i, self.lg(l, "mlp.down_proj.weight"))?;
         self.input_grad(dout, z.q, z.h, self.lw(l, "mlp.down_proj.weight"), z.i, h, 0.0)?;
-        self.kernels.swiglu_backward(h, p("gate"), p("up"), p("gate"), p("up"), z.q * z.i)?;
-        let (dgate, dup) = (p("gate"), p("up"));
-        self.input_grad(dgate, z.q, z.i, self.lw(l, "mlp.gate_proj.weight"), z.h, dscratch, 0.0)?;
-        self.input_grad(dup, z.q, z.i, self.lw(l, "mlp.up_proj.weight"), z.h, dscratch, 1.0)?;
-        self.weight_grad(dgate, z.q, z.i, xn2, z.h, self.lg(l, "mlp.gate_proj.weight"))?;
-        self.weight_grad(dup, z.q, z.i, xn2, z.h, self.lg(l, "mlp.up_proj.weight"))?;
+        // gate_up := dgate | dup; dxn2 = [dgate | dup] @ [W_gate; W_up]; the stacked weight
+        // gradient [dW_gate; dW_up] lands on both adjacent gradients at once.
+        self.kernels.swiglu_backward(h, gate_up, z.q, z.i)?;
+        self.input_grad(gate_up, z.q, 2 * z.i, self.lw(l, "mlp.gate_proj.weight"), z.h, dscratch, 0.0)?;
+        self.weight_grad(gate_up, z.q, 2 * z.i, xn2, z.h, self.lg(l, "mlp.gate_proj.weight"))?;
         // dx_mid = dout + post_norm backward.
         self.kernels.rms_norm_backward(
             (dscratch, p("x_mid"), self.lw(l, "post_attention_layernorm.weight"), p("inv_post"), dout),
