@@ -526,7 +526,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
     const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
     int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
     const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, int nh, int nkv, float scale) {
+    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dk_acc,
+    float* __restrict__ dv_acc, int nh, int nkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sK = reinterpret_cast<bf16*>(smem);  // [TILE_K][SROW]
     bf16* sV = sK + TILE_K * SROW;             // [TILE_K][SROW]
@@ -547,19 +548,23 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
 
     const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
     const int chunks = (R * G + CHUNK - 1) / CHUNK;
+    // With gridDim.z = 2 splits, CTA z takes its half of the tile's work items and adds its
+    // partial dK, dV to the fp32 accumulators: exactly two additions onto zero per element, which
+    // commute, so the result does not depend on which split finishes first.
     const int items = (g_end - g_first) * chunks;
+    const int i_begin = items * blockIdx.z / gridDim.z, i_end = items * (blockIdx.z + 1) / gridDim.z;
     const int my_key[2] = {key0 + warp * 16 + gq, key0 + warp * 16 + gq + 8};
-    if (items > 0) {
-        const int group = g_first;
-        load_chunk_async(chunk_stage(stages), groups[group], group, 0, R, G, kh, num_queries, window, causal_in_block, q,
-                         dout, lse, dsum, nh);
+    if (i_end > i_begin) {
+        const int group = g_first + i_begin / chunks;
+        load_chunk_async(chunk_stage(stages), groups[group], group, (i_begin % chunks) * CHUNK, R, G, kh, num_queries,
+                         window, causal_in_block, q, dout, lse, dsum, nh);
     }
     cp_async_commit();
-    for (int i = 0; i < items; i++) {
+    for (int i = i_begin; i < i_end; i++) {
         const int group = g_first + i / chunks;
-        if (i + 1 < items) {
+        if (i + 1 < i_end) {
             const int next = g_first + (i + 1) / chunks;
-            load_chunk_async(chunk_stage(stages + ((i + 1) & 1) * CHUNK_STAGE_BYTES), groups[next], next, ((i + 1) % chunks) * CHUNK, R, G, kh,
+            load_chunk_async(chunk_stage(stages + ((i + 1 - i_begin) & 1) * CHUNK_STAGE_BYTES), groups[next], next, ((i + 1) % chunks) * CHUNK, R, G, kh,
                              num_queries, window, causal_in_block, q, dout, lse, dsum, nh);
             cp_async_commit();
             cp_async_wait_all_but_one();
@@ -567,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
             cp_async_wait_all();
         }
         __syncthreads();
-        const ChunkStage st = chunk_stage(stages + (i & 1) * CHUNK_STAGE_BYTES);
+        const ChunkStage st = chunk_stage(stages + ((i - i_begin) & 1) * CHUNK_STAGE_BYTES);
         const RowGroup g = groups[group];
         const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
         // The tile lies inside every valid row's context interval: no per-element test (padding
@@ -597,16 +602,32 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
         __syncthreads();
     }
     cp_async_wait_all();
+    if (gridDim.z > 1 && i_end == i_begin) return;  // nothing to add
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int key = my_key[h];
         if (key >= num_keys) continue;
-        bf16* krow = dk + ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
-        bf16* vrow = dv + ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
+        const size_t at = ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
 #pragma unroll
         for (int nd = 0; nd < DN; nd++) {
-            *reinterpret_cast<u32*>(krow + nd * 8) = pack_bf16(dK[nd][2 * h] * scale, dK[nd][2 * h + 1] * scale);
-            *reinterpret_cast<u32*>(vrow + nd * 8) = pack_bf16(dV[nd][2 * h], dV[nd][2 * h + 1]);
+            if (gridDim.z > 1) {
+                atomicAdd(dk_acc + at + nd * 8, dK[nd][2 * h] * scale);
+                atomicAdd(dk_acc + at + nd * 8 + 1, dK[nd][2 * h + 1] * scale);
+                atomicAdd(dv_acc + at + nd * 8, dV[nd][2 * h]);
+                atomicAdd(dv_acc + at + nd * 8 + 1, dV[nd][2 * h + 1]);
+            } else {
+                *reinterpret_cast<u32*>(dk + at + nd * 8) = pack_bf16(dK[nd][2 * h] * scale, dK[nd][2 * h + 1] * scale);
+                *reinterpret_cast<u32*>(dv + at + nd * 8) = pack_bf16(dV[nd][2 * h], dV[nd][2 * h + 1]);
+            }
         }
+    }
+}
+
+// dk, dv [n] = bf16 of the split key-major backward's fp32 accumulators.
+extern "C" __global__ void attention_dkdv_finish(const float* __restrict__ dk_acc, const float* __restrict__ dv_acc,
+                                                 bf16* __restrict__ dk, bf16* __restrict__ dv, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        dk[i] = __float2bfloat16_rn(dk_acc[i]);
+        dv[i] = __float2bfloat16_rn(dv_acc[i]);
     }
 }

@@ -280,12 +280,13 @@ __device__ __forceinline__ float silu_of(float g) { return g * sigmoid(g); }
 
 // Twin: step::ops::swiglu_forward. gu [rows, 2I] holds each row's gate then up (one matmul
 // with the stacked weight [W_gate; W_up]) -> h [rows, I] = silu(gate) * up. Thread-strided over
-// 8-value chunks when I % 8 == 0 (16-byte loads), else over single values.
+// 8-value chunks when I % 8 == 0 (16-byte loads), else over single values; grid (chunks of a
+// row, rows).
 extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
     const int vec = inter % VEC == 0 ? VEC : 1, per_row = inter / vec;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < (long long)rows * per_row; c += stride) {
-        const long long r = c / per_row, col = (c % per_row) * vec;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y)
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < per_row; c += gridDim.x * blockDim.x) {
+        const long long col = (long long)c * vec;
         const bf16* g_ptr = gu + r * 2 * inter + col;
         float g[VEC], u[VEC], out[VEC];
         if (vec == VEC) {
@@ -315,9 +316,9 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float* dg
 // in place (chunked as forward).
 extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
     const int vec = inter % VEC == 0 ? VEC : 1, per_row = inter / vec;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < (long long)rows * per_row; c += stride) {
-        const long long r = c / per_row, col = (c % per_row) * vec;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y)
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < per_row; c += gridDim.x * blockDim.x) {
+        const long long col = (long long)c * vec;
         bf16* g_ptr = gu + r * 2 * inter + col;
         float d[VEC], g[VEC], u[VEC], dg[VEC], du[VEC];
         if (vec == VEC) {

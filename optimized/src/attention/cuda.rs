@@ -103,6 +103,7 @@ pub struct AttentionKernels {
     dsum: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
+    dkdv_finish: CudaFunction,
 }
 
 /// Dynamic shared memory of the forward: two stages of K and V tiles.
@@ -147,6 +148,7 @@ impl AttentionKernels {
             dsum: function("attention_backward_dsum", 0)?,
             dq: function("attention_backward_dq", dq_smem(head_dim))?,
             dkdv: function("attention_backward_dkdv", dkdv_smem(head_dim))?,
+            dkdv_finish: function("attention_dkdv_finish", 0)?,
         })
     }
 
@@ -216,7 +218,10 @@ impl AttentionKernels {
     }
 
     /// `dq`, `dk`, `dv` (shaped like q, k, v) from the forward's `out` and `lse` and `dout`;
-    /// `dsum [nh, Q]` (fp32) is scratch. All arguments are device addresses.
+    /// `dsum [nh, Q]` (fp32) is scratch. With `split` (two fp32 accumulators shaped like k), the
+    /// key-major pass runs each KV tile's work in two halves on two CTAs (the DFlash context
+    /// tiles seen by every block no longer set the critical path) and adds them up there. All
+    /// arguments are device addresses.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -227,6 +232,7 @@ impl AttentionKernels {
         (out, lse, dout): (u64, u64, u64),
         dsum: u64,
         (dq, dk, dv): (u64, u64, u64),
+        split: Option<(u64, u64)>,
     ) -> Result<()> {
         let (groups, threads) = self.check(&dp.plan, shape)?;
         let p = &dp.plan;
@@ -256,21 +262,46 @@ impl AttentionKernels {
             )?;
         }
         let tiles = p.num_keys.div_ceil(TILE_K) as u32;
+        let kv_len = p.num_keys * shape.num_kv_heads * shape.head_dim;
+        let (splits, (dk_acc, dv_acc)) = match split {
+            Some(acc) => (2, acc),
+            None => (1, (0, 0)),
+        };
+        if splits > 1 {
+            for acc in [dk_acc, dv_acc] {
+                crate::step::gpu::device::zero_device(stream, acc, kv_len * 4)?;
+            }
+        }
         if tiles > 0 {
             let cfg = LaunchConfig {
-                grid_dim: (shape.num_kv_heads as u32, tiles, 1),
+                grid_dim: (shape.num_kv_heads as u32, tiles, splits),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: dkdv_smem(self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
             b.arg(&dp.groups).arg(&dp.kv_ranges);
             plan_args.push(&mut b);
-            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv);
+            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv).arg(&dk_acc).arg(&dv_acc);
             head_args.push(&mut b);
             profile::scope(
                 stream,
                 || "attention_backward_dkdv".to_string(),
                 || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv")),
+            )?;
+        }
+        if splits > 1 && kv_len > 0 {
+            let n = kv_len as i64;
+            let cfg = LaunchConfig {
+                grid_dim: ((kv_len.div_ceil(256) as u32).min(2112), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&self.dkdv_finish);
+            b.arg(&dk_acc).arg(&dv_acc).arg(&dk).arg(&dv).arg(&n);
+            profile::scope(
+                stream,
+                || "attention_dkdv_finish".to_string(),
+                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_dkdv_finish")),
             )?;
         }
         Ok(())
@@ -376,6 +407,7 @@ impl DeviceRun {
         stream: &Arc<CudaStream>,
         dp: &DevicePlan,
         shape: AttnShape,
+        split: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
     ) -> Result<()> {
         let p = |x: &CudaSlice<bf16>| x.device_ptr(stream).0;
         kernels.backward(
@@ -386,6 +418,7 @@ impl DeviceRun {
             (p(&self.out), self.lse.device_ptr(stream).0, p(&self.dout)),
             self.dsum.device_ptr(stream).0,
             (p(&self.dq), p(&self.dk), p(&self.dv)),
+            split.map(|(dk_acc, dv_acc)| (dk_acc.device_ptr(stream).0, dv_acc.device_ptr(stream).0)),
         )
     }
 }
@@ -410,17 +443,26 @@ pub fn conformance_case(gpu: &Gpu, case: &AttnCase) -> Result<CaseErrors> {
     let dp = DevicePlan::upload(stream, &plan)?;
     let mut run = DeviceRun::new(stream, DeviceRun::upload_inputs(stream, &host)?, &plan, shape)?;
     run.forward(&kernels, stream, &dp, shape)?;
-    run.backward(&kernels, stream, &dp, shape)?;
+    run.backward(&kernels, stream, &dp, shape, None)?;
     let down = |x: &CudaSlice<bf16>| -> Result<Vec<f64>> {
         Ok(widen(&stream.clone_dtoh(x).map_err(gpu_err("download results"))?))
     };
     let got = [down(&run.out)?, down(&run.dq)?, down(&run.dk)?, down(&run.dv)?];
+    // The split key-major pass (the training step's) into the same outputs.
+    let kv_len = plan.num_keys.max(1) * shape.num_kv_heads * shape.head_dim;
+    let acc = || stream.alloc_zeros::<f32>(kv_len).map_err(gpu_err("allocate dK/dV accumulators"));
+    let (dk_acc, dv_acc) = (acc()?, acc()?);
+    run.backward(&kernels, stream, &dp, shape, Some((&dk_acc, &dv_acc)))?;
+    let got_split = [down(&run.dk)?, down(&run.dv)?];
 
     let scale = (case.head_dim as f64).powf(-0.5);
     let (q, k, v, dout) = (widen(&host.q), widen(&host.k), widen(&host.v), widen(&host.dout));
     let (out, lse) = attention_forward(&plan, shape, &q, &k, &v, scale)?;
     let (dq, dk, dv) = attention_backward(&plan, shape, &q, &k, &v, &out, &lse, &dout, scale)?;
-    let mut worst = [out, dq, dk, dv].iter().zip(&got).map(|(want, got)| rel_error(got, want)).collect::<Vec<_>>();
+    let mut worst =
+        [out, dq, dk.clone(), dv.clone()].iter().zip(&got).map(|(want, got)| rel_error(got, want)).collect::<Vec<_>>();
+    worst[2] = worst[2].max(rel_error(&got_split[0], &dk));
+    worst[3] = worst[3].max(rel_error(&got_split[1], &dv));
     if plan.num_queries * plan.num_keys * case.num_heads <= DENSE_REFERENCE_LIMIT {
         let dense = dense_reference(case, &plan, shape, [&q, &k, &v, &dout])?;
         for (w, (want, got)) in worst.iter_mut().zip(dense.iter().zip(&got)) {
@@ -475,12 +517,12 @@ pub fn bench_case(gpu: &Gpu, case: &AttnCase, warmup: usize, iters: usize) -> Re
     gpu.reset_pool_high()?;
     let mut run = DeviceRun::new(stream, inputs, &plan, shape)?;
     run.forward(&kernels, stream, &dp, shape)?;
-    run.backward(&kernels, stream, &dp, shape)?;
+    run.backward(&kernels, stream, &dp, shape, None)?;
     let extra_bytes = gpu.pool_used_high()?.saturating_sub(before);
     let fwd_ms = gpu.time_ms(warmup, iters, || run.forward(&kernels, stream, &dp, shape))?;
     let fwdbwd_ms = gpu.time_ms(warmup, iters, || {
         run.forward(&kernels, stream, &dp, shape)?;
-        run.backward(&kernels, stream, &dp, shape)
+        run.backward(&kernels, stream, &dp, shape, None)
     })?;
     Ok(BenchTimes { fwd_ms, fwdbwd_ms, extra_bytes, planned_extra_bytes: planned_extra_bytes(&plan, shape) as u64 })
 }

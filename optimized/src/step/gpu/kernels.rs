@@ -110,6 +110,16 @@ impl StepKernels {
         }
     }
 
+    /// Grid (chunks of a row, rows) of the SwiGLU kernels: 8-value chunks when `inter % 8 == 0`.
+    fn row_chunks_cfg(rows: usize, inter: usize) -> LaunchConfig {
+        let per_row = if inter.is_multiple_of(8) { inter / 8 } else { inter };
+        LaunchConfig {
+            grid_dim: (grid(per_row, ROW_THREADS), rows.clamp(1, 65_535) as u32, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
     fn check_cols(n: usize) -> Result<()> {
         let max = MAX_COLS_PER_THREAD * ROW_THREADS as usize;
         if n == 0 || !n.is_multiple_of(8) || n > max {
@@ -271,7 +281,7 @@ impl StepKernels {
         let (r, i) = (i32_of("rows", rows)?, i32_of("intermediate size", inter)?);
         let mut b = self.stream.launch_builder(&self.swiglu_forward);
         b.arg(&gu).arg(&h).arg(&r).arg(&i);
-        let cfg = Self::elementwise_cfg(rows * inter / if inter.is_multiple_of(8) { 8 } else { 1 });
+        let cfg = Self::row_chunks_cfg(rows, inter);
         profile::scope(
             &self.stream,
             || "swiglu_forward".to_string(),
@@ -288,7 +298,7 @@ impl StepKernels {
         let (r, i) = (i32_of("rows", rows)?, i32_of("intermediate size", inter)?);
         let mut b = self.stream.launch_builder(&self.swiglu_backward);
         b.arg(&dh).arg(&gu).arg(&r).arg(&i);
-        let cfg = Self::elementwise_cfg(rows * inter / if inter.is_multiple_of(8) { 8 } else { 1 });
+        let cfg = Self::row_chunks_cfg(rows, inter);
         profile::scope(
             &self.stream,
             || "swiglu_backward".to_string(),

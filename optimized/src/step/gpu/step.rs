@@ -176,7 +176,7 @@ impl GpuStep {
         for l in 0..c.num_layers() {
             let slot = |name: &str| slots.iter().find(|s| s.name == format!("layers.{l}.mlp.{name}.weight"));
             let (gate, up) = (slot("gate_proj"), slot("up_proj"));
-            if !gate.zip(up).is_some_and(|(g, u)| g.offset + g.len == u.offset) {
+            if gate.zip(up).is_none_or(|(g, u)| g.offset + g.len != u.offset) {
                 return Err(Error::invalid("parameters", format!("layer {l}: gate_proj and up_proj must be adjacent")));
             }
         }
@@ -643,6 +643,7 @@ impl GpuStep {
             (out, lse, dattn),
             b("dsum"),
             (dq, dk, dv),
+            Some((b("dk_acc"), b("dv_acc"))),
         )?;
         // Through RoPE and the head norms, in place.
         self.kernels.head_norm_rope_backward(
