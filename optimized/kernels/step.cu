@@ -278,30 +278,47 @@ __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)
 
 __device__ __forceinline__ float silu_of(float g) { return g * sigmoid(g); }
 
-// Twin: step::ops::swiglu_forward. gu [rows, 2I] holds each row's gate then up (one matmul
-// with the stacked weight [W_gate; W_up]) -> h [rows, I] = silu(gate) * up. Thread-strided over
-// 8-value chunks when I % 8 == 0 (16-byte loads), else over single values; grid (chunks of a
-// row, rows).
-extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
-    const int vec = inter % VEC == 0 ? VEC : 1, per_row = inter / vec;
+// `V` values at `p` (V = 8: one 16-byte load; V = 1: one value).
+template <int V>
+__device__ __forceinline__ void load_v(const bf16* p, float* out) {
+    if (V == VEC) {
+        load8(p, out);
+    } else {
+        out[0] = to_f(p[0]);
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_v(bf16* p, const float* in) {
+    if (V == VEC) {
+        store8(p, in);
+    } else {
+        p[0] = to_bf(in[0]);
+    }
+}
+
+template <int V>
+__device__ void swiglu_forward_rows(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
     for (long long r = blockIdx.y; r < rows; r += gridDim.y)
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < per_row; c += gridDim.x * blockDim.x) {
-        const long long col = (long long)c * vec;
-        const bf16* g_ptr = gu + r * 2 * inter + col;
-        float g[VEC], u[VEC], out[VEC];
-        if (vec == VEC) {
-            load8(g_ptr, g);
-            load8(g_ptr + inter, u);
-        } else {
-            g[0] = to_f(g_ptr[0]);
-            u[0] = to_f(g_ptr[inter]);
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < inter / V; c += gridDim.x * blockDim.x) {
+            const long long col = (long long)c * V;
+            float g[V], u[V], out[V];
+            load_v<V>(gu + r * 2 * inter + col, g);
+            load_v<V>(gu + r * 2 * inter + inter + col, u);
+#pragma unroll
+            for (int e = 0; e < V; ++e) out[e] = silu_of(g[e]) * u[e];
+            store_v<V>(h + r * inter + col, out);
         }
-        for (int e = 0; e < vec; ++e) out[e] = silu_of(g[e]) * u[e];
-        if (vec == VEC) {
-            store8(h + r * inter + col, out);
-        } else {
-            h[r * inter + col] = to_bf(out[0]);
-        }
+}
+
+// Twin: step::ops::swiglu_forward. gu [rows, 2I] holds each row's gate then up (one matmul
+// with the stacked weight [W_gate; W_up]) -> h [rows, I] = silu(gate) * up. Grid (chunks of a
+// row, rows); 8-value chunks when I % 8 == 0 (16-byte loads), else single values.
+extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
+    if (inter % VEC == 0) {
+        swiglu_forward_rows<VEC>(gu, h, rows, inter);
+    } else {
+        swiglu_forward_rows<1>(gu, h, rows, inter);
     }
 }
 
@@ -312,36 +329,68 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float* dg
     *du = d * g * s;
 }
 
-// Twin: step::ops::swiglu_backward. dh [rows, I], gu [rows, 2I] -> gu := [dgate | dup] per row,
-// in place (chunked as forward).
-extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
-    const int vec = inter % VEC == 0 ? VEC : 1, per_row = inter / vec;
+template <int V>
+__device__ void swiglu_backward_rows(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
     for (long long r = blockIdx.y; r < rows; r += gridDim.y)
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < per_row; c += gridDim.x * blockDim.x) {
-        const long long col = (long long)c * vec;
-        bf16* g_ptr = gu + r * 2 * inter + col;
-        float d[VEC], g[VEC], u[VEC], dg[VEC], du[VEC];
-        if (vec == VEC) {
-            load8(dh + r * inter + col, d);
-            load8(g_ptr, g);
-            load8(g_ptr + inter, u);
-        } else {
-            d[0] = to_f(dh[r * inter + col]);
-            g[0] = to_f(g_ptr[0]);
-            u[0] = to_f(g_ptr[inter]);
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < inter / V; c += gridDim.x * blockDim.x) {
+            const long long col = (long long)c * V;
+            bf16* g_ptr = gu + r * 2 * inter + col;
+            float d[V], g[V], u[V], dg[V], du[V];
+            load_v<V>(dh + r * inter + col, d);
+            load_v<V>(g_ptr, g);
+            load_v<V>(g_ptr + inter, u);
+#pragma unroll
+            for (int e = 0; e < V; ++e) swiglu_grad(d[e], g[e], u[e], &dg[e], &du[e]);
+            store_v<V>(g_ptr, dg);
+            store_v<V>(g_ptr + inter, du);
         }
-        for (int e = 0; e < vec; ++e) swiglu_grad(d[e], g[e], u[e], &dg[e], &du[e]);
-        if (vec == VEC) {
-            store8(g_ptr, dg);
-            store8(g_ptr + inter, du);
-        } else {
-            g_ptr[0] = to_bf(dg[0]);
-            g_ptr[inter] = to_bf(du[0]);
-        }
+}
+
+// Twin: step::ops::swiglu_backward. dh [rows, I], gu [rows, 2I] -> gu := [dgate | dup] per row,
+// in place (grid and chunks as forward).
+extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
+    if (inter % VEC == 0) {
+        swiglu_backward_rows<VEC>(dh, gu, rows, inter);
+    } else {
+        swiglu_backward_rows<1>(dh, gu, rows, inter);
     }
 }
 
-// Twin: step::lm_head_ce's per-row CE gradient. One CTA per row; z is overwritten in place.
+// Online max and sum of exp over a row of logits, `V` at a time; merged over the CTA.
+template <int V>
+__device__ void row_max_sum(const bf16* zr, int vocab, float* m_out, float* s_out) {
+    float m = NEG_INF, s = 0.f;
+    for (int c = threadIdx.x; c < vocab / V; c += blockDim.x) {
+        float v[V];
+        load_v<V>(zr + c * V, v);
+        float cm = v[0];
+#pragma unroll
+        for (int e = 1; e < V; ++e) cm = fmaxf(cm, v[e]);
+        const float mm = fmaxf(m, cm);
+        float cs = 0.f;
+#pragma unroll
+        for (int e = 0; e < V; ++e) cs += expf(v[e] - mm);
+        s = (m == NEG_INF ? 0.f : s * expf(m - mm)) + cs;
+        m = mm;
+    }
+    *m_out = m;
+    *s_out = s;
+}
+
+// z := sw * (exp(z - lse) - onehot(y)), `V` at a time.
+template <int V>
+__device__ void row_ce_grad(bf16* zr, int vocab, float lse, unsigned y, float sw) {
+    for (int c = threadIdx.x; c < vocab / V; c += blockDim.x) {
+        float v[V];
+        load_v<V>(zr + c * V, v);
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[e] = sw * (expf(v[e] - lse) - (c * V + e == (int)y ? 1.f : 0.f));
+        store_v<V>(zr + c * V, v);
+    }
+}
+
+// Twin: step::lm_head_ce's per-row CE gradient. One CTA per row; z is overwritten in place, 8
+// logits per load when vocab % 8 == 0 (rows 16-byte aligned), else one at a time.
 // z [rows, vocab] logits, labels [rows], weights [rows] -> z := scale*w*(softmax(z) - onehot(y)),
 // loss [rows] = w*(logsumexp(z) - z[y]) (unscaled).
 extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __restrict__ labels,
@@ -351,24 +400,12 @@ extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __
     const int row = blockIdx.x;
     if (row >= rows) return;
     bf16* zr = z + (size_t)row * vocab;
-    // Online max and sum of exp per thread, then merged over the CTA.
-    // Rows are 16-byte aligned when vocab % 8 == 0: then 8 logits per load, else one at a time.
-    const int vec = vocab % VEC == 0 ? VEC : 1;
-    float m = NEG_INF, s = 0.f;
-    for (int c = threadIdx.x; c < vocab / vec; c += blockDim.x) {
-        float v[VEC];
-        if (vec == VEC) {
-            load8(zr + c * VEC, v);
-        } else {
-            v[0] = to_f(zr[c]);
-        }
-        float cm = v[0];
-        for (int e = 1; e < vec; ++e) cm = fmaxf(cm, v[e]);
-        const float mm = fmaxf(m, cm);
-        float cs = 0.f;
-        for (int e = 0; e < vec; ++e) cs += expf(v[e] - mm);
-        s = (m == NEG_INF ? 0.f : s * expf(m - mm)) + cs;
-        m = mm;
+    const bool vec = vocab % VEC == 0;
+    float m, s;
+    if (vec) {
+        row_max_sum<VEC>(zr, vocab, &m, &s);
+    } else {
+        row_max_sum<1>(zr, vocab, &m, &s);
     }
 #pragma unroll
     for (int o = WARP / 2; o > 0; o /= 2) {
@@ -392,20 +429,10 @@ extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __
     const unsigned y = labels[row];
     const float w = weights[row], zy = to_f(zr[y]);
     __syncthreads();
-    const float sw = scale * w;
-    for (int c = threadIdx.x; c < vocab / vec; c += blockDim.x) {
-        float v[VEC];
-        if (vec == VEC) {
-            load8(zr + c * VEC, v);
-        } else {
-            v[0] = to_f(zr[c]);
-        }
-        for (int e = 0; e < vec; ++e) v[e] = sw * (expf(v[e] - lse) - (c * vec + e == (int)y ? 1.f : 0.f));
-        if (vec == VEC) {
-            store8(zr + c * VEC, v);
-        } else {
-            zr[c] = to_bf(v[0]);
-        }
+    if (vec) {
+        row_ce_grad<VEC>(zr, vocab, lse, y, scale * w);
+    } else {
+        row_ce_grad<1>(zr, vocab, lse, y, scale * w);
     }
     if (threadIdx.x == 0) loss[row] = w * (lse - zy);
 }
