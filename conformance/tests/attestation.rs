@@ -44,4 +44,17 @@ fn kernel_sources_match_a_passing_gpu_attestation() {
     for case in cases {
         assert_eq!(case["pass"], Value::Bool(true), "{}: case {} did not pass: {HOW}", file.display(), case["name"]);
     }
+    // The run covered the step kernels against their twins and the GPU step under every policy.
+    let names: Vec<&str> = cases.iter().filter_map(|c| c["name"].as_str()).collect();
+    for prefix in ["kernel rms_norm", "kernel head_norm_rope", "kernel swiglu", "kernel ce_grad_rows", "kernel adamw"] {
+        assert!(names.iter().any(|n| n.starts_with(prefix)), "{}: no `{prefix}` case: {HOW}", file.display());
+    }
+    for policy in ["none", "selective", "per-layer"] {
+        let step = format!(" {policy} [");
+        assert!(
+            names.iter().any(|n| n.starts_with("step seed") && n.contains(&step)),
+            "{}: no GPU step case under the {policy} policy: {HOW}",
+            file.display()
+        );
+    }
 }

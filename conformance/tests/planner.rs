@@ -2,7 +2,7 @@
 //! that hold for any config (items add up to the peak, checkpointing never raises the saved
 //! activations, the failure modes reproduce the spec's figure).
 
-use dflash_optimized::planner::{failure_modes, named_plans, plan_step, Policy, StepShape};
+use dflash_optimized::planner::{check_fits, failure_modes, named_plans, plan_step, step_buffers, Policy, StepShape};
 
 /// One H200's usable memory, 139.8 GiB (shared/GPU.md).
 fn device_bytes() -> u64 {
@@ -58,4 +58,19 @@ fn chunked_attention_failure_mode_matches_the_spec_figure() {
     let shape = StepShape { context_len: 8000, num_anchors: 1024, lm_chunk_rows: 1024 };
     let gb = failure_modes(&qwen, shape, 256).chunked_attention_all_layers as f64 / 1e9;
     assert!((gb - 128.0).abs() / 128.0 < 0.05, "chunked attention peak {gb:.1} GB, the spec says about 128 GB");
+}
+
+/// A step that does not fit is refused with an error naming what it needs, the device, what is
+/// available and its largest buffers; one that fits passes. The GPU step calls this before it
+/// allocates anything.
+#[test]
+fn a_step_that_cannot_fit_is_refused_naming_its_largest_buffers() {
+    let p = named_plans().into_iter().next().expect("named plans");
+    let buffers = step_buffers(&p.config, p.shape, Policy::None, true);
+    let peak = plan_step(&p.config, p.shape, Policy::None).peak;
+    assert!(check_fits(&buffers, peak, "GPU 0").is_ok(), "exactly the plan fits");
+    let err = check_fits(&buffers, peak - 1, "GPU 0").expect_err("one byte short must be refused");
+    for needle in ["needs 27.", "GPU 0", "available", "adam_m", "master"] {
+        assert!(err.contains(needle), "`{needle}` missing from: {err}");
+    }
 }

@@ -216,7 +216,7 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
 
     // Cheap to recompute from what a layer keeps, so one copy serves every layer: q and k after
     // their norm and RoPE (from q_pre, k_pre) and the post-attention norm's output (from x_mid).
-    let cheap = "q, k after norm + RoPE, post-attention norm output (recomputed)";
+    let cheap = "q, k after norm + RoPE, xn2 (recomputed per layer)";
     add("q".into(), cheap, Layer, d.q * d.q_dim * BF16);
     add("k".into(), cheap, Layer, d.k * d.kv_dim * BF16);
     add("xn2".into(), cheap, Layer, d.q * d.hidden * BF16);
@@ -292,7 +292,7 @@ pub fn plan_step(config: &DraftConfig, shape: StepShape, policy: Policy) -> Memo
     let transient = items(&|l| l == Lifetime::Transient);
     let layer_scratch = items(&|l| l == Lifetime::Layer);
     let head_scratch = items(&|l| l == Lifetime::Head);
-    let peak: u64 = buffers.iter().filter(|b| b.scratch_offset.is_none()).map(|b| b.bytes).sum();
+    let peak = allocated_bytes(&buffers);
     let optimizer: u64 = buffers.iter().filter(|b| b.lifetime == Lifetime::Optimizer).map(|b| b.bytes).sum();
     MemoryPlan {
         persistent,
@@ -332,6 +332,31 @@ pub fn failure_modes(config: &DraftConfig, shape: StepShape, chunk_rows: usize) 
         chunked_attention_all_layers: d.layers * chunks * 2 * d.heads * d.k * head_dim * BF16,
         chunk_rows,
     }
+}
+
+/// Bytes the step allocates: every buffer outside the scratch region (the region included).
+pub fn allocated_bytes(buffers: &[StepBuffer]) -> u64 {
+    buffers.iter().filter(|b| b.scratch_offset.is_none()).map(|b| b.bytes).sum()
+}
+
+/// Refuses a step whose `buffers` (of [`step_buffers`]) need more than `available` bytes, before
+/// anything is allocated: the error names the total, the device and the largest buffers.
+pub fn check_fits(buffers: &[StepBuffer], available: u64, device: &str) -> Result<(), String> {
+    let needed = allocated_bytes(buffers);
+    if needed <= available {
+        return Ok(());
+    }
+    let mut largest: Vec<&StepBuffer> = buffers.iter().filter(|b| b.scratch_offset.is_none()).collect();
+    largest.sort_by_key(|b| std::cmp::Reverse(b.bytes));
+    let names: Vec<String> =
+        largest.iter().take(4).map(|b| format!("{} ({}) {}", b.key, b.item, gb(b.bytes))).collect();
+    Err(format!(
+        "the step needs {} but {device} has {} available; largest buffers: {}; try a checkpointing policy that \
+         keeps less, fewer anchors or a shorter context",
+        gb(needed),
+        gb(available),
+        names.join(", ")
+    ))
 }
 
 /// Renders `bytes` as GB (1e9 bytes) with 3 decimals.

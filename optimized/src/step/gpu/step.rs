@@ -24,7 +24,9 @@ use crate::attention::cuda::{AttentionKernels, DevicePlan};
 use crate::attention::plan::AttentionPlan;
 use crate::blas::{Blas, Mat, Out};
 use crate::gpu::Gpu;
-use crate::planner::{gb, step_buffers, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS, SCRATCH};
+use crate::planner::{
+    allocated_bytes, check_fits, step_buffers, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS, SCRATCH,
+};
 
 /// One parameter's place in the flat weight and gradient buffers.
 #[derive(Clone, Debug)]
@@ -137,24 +139,10 @@ impl GpuStep {
             return Err(Error::invalid("step shape", format!("{shape:?}: context, anchors and LM chunk must be >= 1")));
         }
         let specs = step_buffers(config, shape, policy, optimizer);
-        let planned_bytes: u64 = specs.iter().filter(|b| b.scratch_offset.is_none()).map(|b| b.bytes).sum();
-        let available = gpu.available_bytes()?;
-        if planned_bytes > available {
-            let mut items: Vec<_> = specs.iter().collect();
-            items.sort_by_key(|b| std::cmp::Reverse(b.bytes));
-            let largest: Vec<String> = items.iter().take(4).map(|b| format!("{} {}", b.key, gb(b.bytes))).collect();
-            return Err(Error::Gpu(format!(
-                "the step ({} policy, S={} N={}) needs {} but {} has {} available; largest buffers: {}; \
-                 try a checkpointing policy that keeps less, or fewer anchors",
-                policy.name(),
-                shape.context_len,
-                shape.num_anchors,
-                gb(planned_bytes),
-                gpu.name(),
-                gb(available),
-                largest.join(", ")
-            )));
-        }
+        let planned_bytes = allocated_bytes(&specs);
+        let device =
+            format!("{} ({} policy, S={} N={})", gpu.name(), policy.name(), shape.context_len, shape.num_anchors);
+        check_fits(&specs, gpu.available_bytes()?, &device).map_err(Error::Gpu)?;
         let stream = gpu.stream().clone();
         let mut map = HashMap::new();
         for spec in specs.iter().filter(|b| b.key != ATTENTION_PLANS && b.scratch_offset.is_none()) {
