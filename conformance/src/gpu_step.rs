@@ -4,6 +4,7 @@
 //! in f64, with its measured memory-pool peak against the planned bytes.
 
 use candle_core::{DType, Device, Tensor, Var};
+pub use dflash_optimized::attention::cases::rel_error;
 use dflash_optimized::gpu::Gpu;
 use dflash_optimized::planner::{Policy, StepShape};
 use dflash_optimized::step::gpu::device::Buf;
@@ -57,21 +58,6 @@ impl GpuCheck {
             measured <= planned && measured as f64 >= planned as f64 * (1.0 - PLAN_SLACK)
         });
         errors_ok && memory_ok
-    }
-}
-
-/// `||got - want|| / ||want||` in f64 (`||got||` when `want` is zero); infinity on NaN or Inf.
-pub fn rel_error(got: &[f64], want: &[f64]) -> f64 {
-    if got.len() != want.len() || got.iter().chain(want).any(|x| !x.is_finite()) {
-        return f64::INFINITY;
-    }
-    let norm = |x: &mut dyn Iterator<Item = f64>| x.map(|e| e * e).sum::<f64>().sqrt();
-    let diff = norm(&mut got.iter().zip(want).map(|(a, b)| a - b));
-    let reference = norm(&mut want.iter().copied());
-    if reference == 0.0 {
-        norm(&mut got.iter().copied())
-    } else {
-        diff / reference
     }
 }
 
