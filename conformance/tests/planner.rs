@@ -74,3 +74,37 @@ fn a_step_that_cannot_fit_is_refused_naming_its_largest_buffers() {
         assert!(err.contains(needle), "`{needle}` missing from: {err}");
     }
 }
+
+/// The scratch region's layout: every buffer of a phase inside the region, 256-byte aligned and
+/// disjoint from the other buffers of its phase (the two phases never run at the same time).
+#[test]
+fn scratch_buffers_are_aligned_disjoint_and_inside_the_region() {
+    use dflash_optimized::planner::{Lifetime, SCRATCH};
+    for p in named_plans() {
+        for policy in Policy::ALL {
+            let buffers = step_buffers(&p.config, p.shape, policy, false);
+            let region = buffers.iter().find(|b| b.key == SCRATCH).expect("a scratch region").bytes;
+            for phase in [Lifetime::Layer, Lifetime::Head] {
+                let mut spans: Vec<(u64, u64, &str)> = buffers
+                    .iter()
+                    .filter(|b| b.lifetime == phase)
+                    .map(|b| {
+                        let offset = b.scratch_offset.expect("scratch buffers have an offset");
+                        (offset, offset + b.bytes, b.key.as_str())
+                    })
+                    .collect();
+                assert!(!spans.is_empty(), "{} {policy:?}: no {phase:?} buffers", p.name);
+                spans.sort();
+                for (lo, hi, key) in &spans {
+                    assert!(lo % 256 == 0 && *hi <= region, "{} {policy:?}: {key} at {lo}..{hi} of {region}", p.name);
+                }
+                for w in spans.windows(2) {
+                    assert!(w[0].1 <= w[1].0, "{} {policy:?}: {} overlaps {}", p.name, w[0].2, w[1].2);
+                }
+            }
+            for b in buffers.iter().filter(|b| !matches!(b.lifetime, Lifetime::Layer | Lifetime::Head)) {
+                assert!(b.scratch_offset.is_none(), "{}: {} is outside the scratch region", p.name, b.key);
+            }
+        }
+    }
+}
