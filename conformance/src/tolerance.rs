@@ -124,8 +124,9 @@ pub const STEP_F32: Tolerance = Tolerance {
 /// reference in f64 on the same weights (issue 4's bound).
 pub const GPU_STEP_BF16: Tolerance = Tolerance {
     rel: 2e-2,
-    reason: "bf16 storage of weights, activations and logits rounds each to 2^-9 (~2e-3) relative; a few \
-             roundings per op compound over the layers and the attention backward, measured ~5e-3",
+    reason: "bf16 storage of activations, logits and gradients rounds each to 2^-9 (~2e-3) relative; the \
+             roundings compound over the layers and are amplified where the attention backward's p*(dp - D) \
+             cancels; measured up to 1.4e-2 on the q/k norm weights (sums over every row and head)",
 };
 
 /// One `step.cu` kernel on bf16 inputs against its CPU twin in f64 on the same (bf16-exact) inputs.
