@@ -31,8 +31,10 @@ JSON object per policy and prints a table last.
 
 options:
   --out FILE      results file                          (default results/step-h200.json)
-  --seq S         context tokens                        (default 3072)
-  --anchors N     blocks                                (default 512)
+  --config NAME   a named config of `cargo xtask plan`, by its first word: qwen3-8b-drafter
+                  (default) or 64-layer-target (S=8192 N=1024, 4 sliding layers of 2048 + 1 full)
+  --seq S         context tokens                        (default: the named config's)
+  --anchors N     blocks                                (default: the named config's)
   --lm-chunk R    LM-head rows per chunk                (default 1024)
   --warmup N      untimed steps per measurement         (default 3)
   --iters N       timed steps, median reported          (default 10)
@@ -44,8 +46,10 @@ options:
   --profile yes|no  print each operation's GPU time in one step per policy (default no)
   --commit SHA    the commit measured                   (default: commit.txt next to the binary)";
 
-const OPTIONS: &[&str] =
-    &["out", "seq", "anchors", "lm-chunk", "warmup", "iters", "torch", "python", "script", "seed", "commit", "profile"];
+const OPTIONS: &[&str] = &[
+    "out", "config", "seq", "anchors", "lm-chunk", "warmup", "iters", "torch", "python", "script", "seed", "commit",
+    "profile",
+];
 
 /// Dense bf16 peak of the H200 (and H100 SXM) that MFU divides by, in FLOP/s.
 const PEAK_FLOPS: f64 = 989e12;
@@ -158,7 +162,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Ok(());
     };
     let out: PathBuf = opts.get("out", PathBuf::from("results/step-h200.json"))?;
-    let named = named_plans().into_iter().next().ok_or("no named plan")?;
+    let wanted: String = opts.get("config", "qwen3-8b-drafter".to_string())?;
+    let plans = named_plans();
+    let known: Vec<&str> = plans.iter().filter_map(|p| p.name.split_whitespace().next()).collect::<Vec<_>>();
+    let known = known.join(", ");
+    let named = named_plans()
+        .into_iter()
+        .find(|p| p.name.split_whitespace().next() == Some(wanted.as_str()))
+        .ok_or_else(|| format!("option `--config`: unknown `{wanted}` (known: {known})"))?;
     let shape = StepShape {
         context_len: opts.get("seq", named.shape.context_len)?,
         num_anchors: opts.get("anchors", named.shape.num_anchors)?,
