@@ -137,11 +137,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     println!("\nOn the GPU machine, from the repository root (carry: [\"{BUNDLE}\"]):");
     println!(
         "  export LD_LIBRARY_PATH=/usr/local/cuda/lib64; {BUNDLE}/xtask gpu-conformance --out $OUT/attestation.json \
-         && {BUNDLE}/xtask bench attention --out $OUT/attention-h200.json"
+         && {BUNDLE}/xtask bench attention --out $OUT/attention-h200.json \
+         && {BUNDLE}/xtask bench step --out $OUT/step-h200.json"
     );
     println!(
-        "Then commit $OUT/attestation.json as fixtures/gpu/attestation.json and $OUT/attention-h200.json as \
-         results/attention-h200.json."
+        "Then commit $OUT/attestation.json as fixtures/gpu/attestation.json, and $OUT/attention-h200.json and \
+         $OUT/step-h200.json into results/."
     );
     Ok(())
 }
