@@ -768,3 +768,30 @@ impl GpuStep {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::named_plans;
+
+    /// The flat layout covers every parameter once, in checkpoint-key order, without gaps, and
+    /// keeps each layer's gate and up projections adjacent (the stacked-weight matmul needs it).
+    #[test]
+    fn param_slots_are_contiguous_and_stack_gate_and_up() {
+        for p in named_plans() {
+            let slots = param_slots(&p.config);
+            let shapes = param_shapes(&p.config);
+            assert_eq!(slots.len(), shapes.len());
+            let mut next = 0;
+            for (slot, (name, shape)) in slots.iter().zip(&shapes) {
+                assert_eq!((&slot.name, &slot.shape, slot.offset), (name, shape, next));
+                next += slot.len;
+            }
+            for l in 0..p.config.dims.num_layers() {
+                let find = |n: &str| slots.iter().find(|s| s.name == format!("layers.{l}.mlp.{n}.weight")).unwrap();
+                let (gate, up) = (find("gate_proj"), find("up_proj"));
+                assert_eq!(gate.offset + gate.len, up.offset, "{}: layer {l}", p.name);
+            }
+        }
+    }
+}
