@@ -7,9 +7,10 @@ use candle_core::{DType, Device, Tensor, Var};
 pub use dflash_optimized::attention::cases::rel_error;
 use dflash_optimized::gpu::Gpu;
 use dflash_optimized::planner::{Policy, StepShape};
+use dflash_optimized::step::gpu::backend::{Backend, Cuda};
 use dflash_optimized::step::gpu::device::Buf;
-use dflash_optimized::step::gpu::kernels::{normal_at, AdamWArgs, StepKernels, GRAD_PARTS};
-use dflash_optimized::step::gpu::step::GpuStep;
+use dflash_optimized::step::gpu::kernels::{normal_at, AdamWArgs, StepKernels, StepOps, GRAD_PARTS};
+use dflash_optimized::step::gpu::step::Step;
 use dflash_optimized::step::lm_head_ce::ce_grad_rows;
 use dflash_optimized::step::ops;
 use dflash_reference::data::TrainRow;
@@ -65,10 +66,61 @@ fn flat(t: &Tensor) -> Result<Vec<f64>> {
     Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
 }
 
+/// Measures the memory peak of a backend: the GPU's pool high-water mark, or (on the CPU) a
+/// counting allocator.
+pub trait PeakMeter {
+    /// Starts a measurement from the memory in use now.
+    fn start(&mut self) -> Result<()>;
+    /// Forgets the peak so far, keeping the start (the next peak counts from what is in use now).
+    fn forget_peak(&mut self) -> Result<()>;
+    /// The highest use since the start (or the last forget), minus the use at the start.
+    fn peak(&mut self) -> Result<u64>;
+}
+
+/// The GPU memory pool's high-water mark.
+pub struct PoolMeter<'a> {
+    pub gpu: &'a Gpu,
+    before: u64,
+}
+
+impl<'a> PoolMeter<'a> {
+    pub fn new(gpu: &'a Gpu) -> Self {
+        PoolMeter { gpu, before: 0 }
+    }
+}
+
+impl PeakMeter for PoolMeter<'_> {
+    fn start(&mut self) -> Result<()> {
+        self.before = self.gpu.pool_used()?;
+        self.gpu.reset_pool_high()
+    }
+
+    fn forget_peak(&mut self) -> Result<()> {
+        self.gpu.reset_pool_high()
+    }
+
+    fn peak(&mut self) -> Result<u64> {
+        Ok(self.gpu.pool_used_high()?.saturating_sub(self.before))
+    }
+}
+
 /// The GPU step of the random case `seed` under every policy against the reference in f64:
-/// the loss, every parameter gradient (the worst named), the policies against each other, and
-/// each policy's measured pool peak against its plan.
+/// see [`planned_step_checks`].
 pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
+    planned_step_checks(seed, "step", || Cuda::new(gpu, 64), &mut PoolMeter::new(gpu), 0)
+}
+
+/// The planned step on the backends `backend()` makes, for the random case `seed` under every
+/// policy, against the reference in f64: the loss, every parameter gradient (the worst named),
+/// the policies against each other, and each policy's memory peak (measured by `meter` from
+/// before the step's buffers exist, through one step) against its plan plus `allowance` bytes.
+pub fn planned_step_checks<B: Backend>(
+    seed: u64,
+    label: &str,
+    backend: impl Fn() -> Result<B>,
+    meter: &mut dyn PeakMeter,
+    allowance: u64,
+) -> Result<Vec<GpuCheck>> {
     let case = bf16_exact(gpu_draft_case(seed, DType::F64)?)?;
     let config = &case.drafter.config;
     let b = config.block_size;
@@ -110,15 +162,18 @@ pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let mut checks = Vec::new();
     let mut per_policy: Vec<Vec<Vec<f64>>> = Vec::new();
     for policy in Policy::ALL {
-        let before = gpu.pool_used()?;
-        gpu.reset_pool_high()?;
-        let mut step = GpuStep::new(gpu, config, shape, policy, false)?;
+        let dev = backend()?;
+        meter.start()?;
+        let mut step = Step::with_backend(dev, config, shape, policy, false)?;
         step.load_weights(&case.drafter)?;
         step.load_lm_head(&case.head)?;
         step.set_input(&input, &case.head, &targets)?;
+        // Staging the input on the host is not the step's memory: count from here on.
+        meter.forget_peak()?;
         let got_loss = step.step(if total > 0.0 { 1.0 / total } else { 0.0 })?;
         step.grad_sum_squares("grads")?;
-        let measured = gpu.pool_used_high()?.saturating_sub(before);
+        let measured = meter.peak()?;
+        let planned = step.planned_peak() + allowance;
         let got: Vec<Vec<f64>> =
             step.grads_to_host()?.into_iter().map(|(_, g)| g.into_iter().map(f64::from).collect()).collect();
         let mut errors = vec![("loss".to_string(), rel_error(&[got_loss.loss], &[reference_loss]))];
@@ -131,10 +186,10 @@ pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
             .fold((String::new(), -1.0), |a, b| if b.1 > a.1 { b } else { a });
         errors.push((format!("worst gradient ({worst_name})"), worst));
         checks.push(GpuCheck {
-            name: format!("step seed {seed} {} [{describe}]", policy.name()),
+            name: format!("{label} seed {seed} {} [{describe}]", policy.name()),
             errors,
             tolerance: GPU_STEP_BF16.rel,
-            memory: Some((measured, step.planned_bytes)),
+            memory: Some((measured, planned)),
         });
         per_policy.push(got);
     }
@@ -144,7 +199,7 @@ pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
         agree.push((format!("{} vs none", p.name()), worst));
     }
     checks.push(GpuCheck {
-        name: format!("step seed {seed} policies agree"),
+        name: format!("{label} seed {seed} policies agree"),
         errors: agree,
         tolerance: POLICIES_AGREE.rel,
         memory: None,

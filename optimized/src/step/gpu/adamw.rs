@@ -7,8 +7,9 @@
 use dflash_reference::optim::AdamWConfig;
 use dflash_reference::{Error, Result};
 
-use super::kernels::AdamWArgs;
-use super::step::GpuStep;
+use super::backend::Backend;
+use super::kernels::{AdamWArgs, StepOps};
+use super::step::Step;
 
 /// AdamW state on the device: the step count (the moments live in the step's `adam_m` and
 /// `adam_v` buffers).
@@ -19,7 +20,7 @@ pub struct GpuAdamW {
 
 impl GpuAdamW {
     /// A fresh optimizer for `step`, which must have been made with its optimizer buffers.
-    pub fn new(step: &GpuStep, config: AdamWConfig) -> Result<Self> {
+    pub fn new<B: Backend>(step: &Step<B>, config: AdamWConfig) -> Result<Self> {
         if !step.has_buffer("master") {
             return Err(Error::invalid("optimizer", "the step was made without its optimizer buffers"));
         }
@@ -27,15 +28,15 @@ impl GpuAdamW {
     }
 
     /// Adds the last step's gradients to the fp32 accumulator.
-    pub fn accumulate(&self, step: &GpuStep) -> Result<()> {
+    pub fn accumulate<B: Backend>(&self, step: &Step<B>) -> Result<()> {
         let n = step.num_params();
-        step.kernels().accumulate_bf16(step.buffer("grad_acc"), step.buffer("grads"), n)
+        step.backend().ops().accumulate_bf16(step.buffer("grad_acc"), step.buffer("grads"), n)
     }
 
     /// One update with learning rate `lr` from the accumulated gradients, clipped to global norm
     /// `max_norm` (`max_norm / (norm + 1e-6)`, as the reference); zeroes the accumulator and
     /// returns the norm before clipping. Fails naming a gradient that holds NaN or Inf.
-    pub fn update(&mut self, step: &GpuStep, lr: f64, max_norm: f64) -> Result<f64> {
+    pub fn update<B: Backend>(&mut self, step: &Step<B>, lr: f64, max_norm: f64) -> Result<f64> {
         let norm = step.grad_sum_squares("grad_acc")?.iter().sum::<f64>().sqrt();
         let grad_scale = if norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
         self.t += 1;
@@ -52,7 +53,7 @@ impl GpuAdamW {
         };
         let b = |key: &str| step.buffer(key);
         let buffers = (b("master"), b("grad_acc"), b("adam_m"), b("adam_v"), b("weights"));
-        step.kernels().adamw_update(buffers, step.num_params(), args)?;
+        step.backend().ops().adamw_update(buffers, step.num_params(), args)?;
         step.zero_buffer("grad_acc")?;
         Ok(norm)
     }

@@ -151,9 +151,109 @@ impl StepKernels {
         Ok(())
     }
 
+    /// `out [n] = bf16(sum_p partial [parts, n])`.
+    fn column_sum(&self, partial: u64, out: u64, parts: usize, n: usize) -> Result<()> {
+        let (p, c) = (i32_of("parts", parts)?, i32_of("n", n)?);
+        let mut b = self.stream.launch_builder(&self.column_sum);
+        b.arg(&partial).arg(&out).arg(&p).arg(&c);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, ROW_THREADS), 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        profile::scope(
+            &self.stream,
+            || "column_sum".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(launch_err("column_sum")),
+        )?;
+        Ok(())
+    }
+}
+
+/// The step's elementwise and reduction operations on device addresses: the `step.cu` kernels
+/// ([`StepKernels`]) or their CPU twins on host memory (`super::host::HostOps`).
+pub trait StepOps {
     /// `y [rows, n] = rms_norm(x) * w`, `inv [rows]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_forward(&self, x: u64, w: u64, y: u64, inv: u64, rows: usize, n: usize, eps: f32) -> Result<()> {
+    fn rms_norm_forward(&self, x: u64, w: u64, y: u64, inv: u64, rows: usize, n: usize, eps: f32) -> Result<()>;
+
+    /// `dx [rows, n]` (`+ dres` unless `dres` is 0) and `dw [n] +=` the weight gradient, through
+    /// `partial` (`[GRAD_PARTS, n]` fp32 scratch).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_backward(
+        &self,
+        inputs: (u64, u64, u64, u64, u64),
+        dx: u64,
+        dw: u64,
+        partial: u64,
+        rows: usize,
+        n: usize,
+    ) -> Result<()>;
+
+    /// `y [T, heads, d] = rope(rms_norm(x) * w)`, `inv [T*heads]`; cos/sin `[T, d]` fp32.
+    #[allow(clippy::too_many_arguments)]
+    fn head_norm_rope_forward(
+        &self,
+        inputs: (u64, u64, u64, u64),
+        y: u64,
+        inv: u64,
+        dims: (usize, usize, usize),
+        eps: f32,
+    ) -> Result<()>;
+
+    /// `dx [T, heads, d]` through RoPE and the head norm, `dw [d] +=` (via `partial`).
+    #[allow(clippy::too_many_arguments)]
+    fn head_norm_rope_backward(
+        &self,
+        inputs: (u64, u64, u64, u64, u64, u64),
+        dx: u64,
+        dw: u64,
+        partial: u64,
+        dims: (usize, usize, usize),
+    ) -> Result<()>;
+
+    /// `h [rows, I] = silu(gate) * up` with `gu [rows, 2I]` holding each row's gate then up.
+    fn swiglu_forward(&self, gu: u64, h: u64, rows: usize, inter: usize) -> Result<()>;
+
+    /// `gu [rows, 2I]` := each row's `[dgate | dup]` from `dh [rows, I]` and its gate and up.
+    fn swiglu_backward(&self, dh: u64, gu: u64, rows: usize, inter: usize) -> Result<()>;
+
+    /// Logits `z [rows, vocab]` := `scale * w * (softmax(z) - onehot(y))`, `loss [rows] = w * CE`.
+    #[allow(clippy::too_many_arguments)]
+    fn ce_grad_rows(
+        &self,
+        z: u64,
+        labels: u64,
+        weights: u64,
+        loss: u64,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+    ) -> Result<()>;
+
+    /// `dst [count, cols] = src [idx[r], cols]` (`scatter`: `dst [idx[r]] = src [r]`).
+    fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()>;
+
+    /// `dst [n] = bf16(src [n])`.
+    fn cast_f32_bf16(&self, src: u64, dst: u64, n: usize) -> Result<()>;
+
+    /// `partial [parts]` with `sum(partial) = sum(x^2)` over `x [n]` (fp32, or bf16 when
+    /// `bf16`); `parts` CTAs.
+    fn sum_squares(&self, bf16: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()>;
+
+    /// `acc [n] += g [n]` (fp32 += bf16).
+    fn accumulate_bf16(&self, acc: u64, g: u64, n: usize) -> Result<()>;
+
+    /// One AdamW update of `p [n]` (fp32) from `g` with moments `m`, `v`; writes `p_bf16`.
+    fn adamw_update(&self, buffers: (u64, u64, u64, u64, u64), n: usize, a: AdamWArgs) -> Result<()>;
+
+    /// `dst [n] = bf16(mean + std * normal_at(seed, i))`.
+    fn fill_normal_bf16(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()>;
+}
+
+impl StepOps for StepKernels {
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_forward(&self, x: u64, w: u64, y: u64, inv: u64, rows: usize, n: usize, eps: f32) -> Result<()> {
         Self::check_cols(n)?;
         if rows == 0 {
             return Ok(());
@@ -169,10 +269,8 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `dx [rows, n]` (`+ dres` unless `dres` is 0) and `dw [n] +=` the weight gradient, through
-    /// `partial` (`[GRAD_PARTS, n]` fp32 scratch).
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_backward(
+    fn rms_norm_backward(
         &self,
         (dy, x, w, inv, dres): (u64, u64, u64, u64, u64),
         dx: u64,
@@ -199,27 +297,8 @@ impl StepKernels {
         self.column_sum(partial, dw, GRAD_PARTS, n)
     }
 
-    /// `out [n] = bf16(sum_p partial [parts, n])`.
-    fn column_sum(&self, partial: u64, out: u64, parts: usize, n: usize) -> Result<()> {
-        let (p, c) = (i32_of("parts", parts)?, i32_of("n", n)?);
-        let mut b = self.stream.launch_builder(&self.column_sum);
-        b.arg(&partial).arg(&out).arg(&p).arg(&c);
-        let cfg = LaunchConfig {
-            grid_dim: (grid(n, ROW_THREADS), 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        profile::scope(
-            &self.stream,
-            || "column_sum".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("column_sum")),
-        )?;
-        Ok(())
-    }
-
-    /// `y [T, heads, d] = rope(rms_norm(x) * w)`, `inv [T*heads]`; cos/sin `[T, d]` fp32.
     #[allow(clippy::too_many_arguments)]
-    pub fn head_norm_rope_forward(
+    fn head_norm_rope_forward(
         &self,
         (x, w, cos, sin): (u64, u64, u64, u64),
         y: u64,
@@ -246,9 +325,8 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `dx [T, heads, d]` through RoPE and the head norm, `dw [d] +=` (via `partial`).
     #[allow(clippy::too_many_arguments)]
-    pub fn head_norm_rope_backward(
+    fn head_norm_rope_backward(
         &self,
         (dy, x, w, inv, cos, sin): (u64, u64, u64, u64, u64, u64),
         dx: u64,
@@ -273,8 +351,7 @@ impl StepKernels {
         self.column_sum(partial, dw, GRAD_PARTS, d)
     }
 
-    /// `h [rows, I] = silu(gate) * up` with `gu [rows, 2I]` holding each row's gate then up.
-    pub fn swiglu_forward(&self, gu: u64, h: u64, rows: usize, inter: usize) -> Result<()> {
+    fn swiglu_forward(&self, gu: u64, h: u64, rows: usize, inter: usize) -> Result<()> {
         if inter.is_multiple_of(8) {
             Self::check_aligned("swiglu_forward", &[gu, h])?;
         }
@@ -290,8 +367,7 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `gu [rows, 2I]` := each row's `[dgate | dup]` from `dh [rows, I]` and its gate and up.
-    pub fn swiglu_backward(&self, dh: u64, gu: u64, rows: usize, inter: usize) -> Result<()> {
+    fn swiglu_backward(&self, dh: u64, gu: u64, rows: usize, inter: usize) -> Result<()> {
         if inter.is_multiple_of(8) {
             Self::check_aligned("swiglu_backward", &[dh, gu])?;
         }
@@ -307,9 +383,8 @@ impl StepKernels {
         Ok(())
     }
 
-    /// Logits `z [rows, vocab]` := `scale * w * (softmax(z) - onehot(y))`, `loss [rows] = w * CE`.
     #[allow(clippy::too_many_arguments)]
-    pub fn ce_grad_rows(
+    fn ce_grad_rows(
         &self,
         z: u64,
         labels: u64,
@@ -336,8 +411,7 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `dst [count, cols] = src [idx[r], cols]` (`scatter`: `dst [idx[r]] = src [r]`).
-    pub fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()> {
+    fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
@@ -353,8 +427,7 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `dst [n] = bf16(src [n])`.
-    pub fn cast_f32_bf16(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+    fn cast_f32_bf16(&self, src: u64, dst: u64, n: usize) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.cast_f32_bf16);
         b.arg(&src).arg(&dst).arg(&nn);
@@ -366,9 +439,7 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `partial [parts]` with `sum(partial) = sum(x^2)` over `x [n]` (fp32, or bf16 when
-    /// `bf16`); `parts` CTAs.
-    pub fn sum_squares(&self, bf16: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
+    fn sum_squares(&self, bf16: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
         let nn = n as i64;
         let (f, name) = if bf16 {
             (&self.sum_squares_bf16, "sum_squares_bf16")
@@ -382,8 +453,7 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `acc [n] += g [n]` (fp32 += bf16).
-    pub fn accumulate_bf16(&self, acc: u64, g: u64, n: usize) -> Result<()> {
+    fn accumulate_bf16(&self, acc: u64, g: u64, n: usize) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.accumulate_bf16);
         b.arg(&acc).arg(&g).arg(&nn);
@@ -395,8 +465,7 @@ impl StepKernels {
         Ok(())
     }
 
-    /// One AdamW update of `p [n]` (fp32) from `g` with moments `m`, `v`; writes `p_bf16`.
-    pub fn adamw_update(&self, (p, g, m, v, p_bf16): (u64, u64, u64, u64, u64), n: usize, a: AdamWArgs) -> Result<()> {
+    fn adamw_update(&self, (p, g, m, v, p_bf16): (u64, u64, u64, u64, u64), n: usize, a: AdamWArgs) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.adamw_update);
         b.arg(&p).arg(&g).arg(&m).arg(&v).arg(&p_bf16).arg(&nn);
@@ -410,8 +479,7 @@ impl StepKernels {
         Ok(())
     }
 
-    /// `dst [n] = bf16(mean + std * normal_at(seed, i))`.
-    pub fn fill_normal_bf16(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
+    fn fill_normal_bf16(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.fill_normal_bf16);
         b.arg(&dst).arg(&nn).arg(&seed).arg(&mean).arg(&std);

@@ -2,6 +2,8 @@
 //! kernels, the step itself, AdamW on the device, and the checks `xtask gpu-conformance` runs.
 
 pub mod adamw;
+pub mod backend;
 pub mod device;
+pub mod host;
 pub mod kernels;
 pub mod step;

@@ -17,12 +17,11 @@ use dflash_reference::ops::rope_tables;
 use dflash_reference::{Error, Result};
 use half::bf16;
 
-use super::device::{copy_device, download_device, zero_device, Buf};
-use super::kernels::StepKernels;
+use super::backend::{download, Allocation, Backend, Cuda};
+use super::kernels::StepOps;
 use crate::attention::cpu::AttnShape;
-use crate::attention::cuda::{AttentionKernels, DevicePlan};
 use crate::attention::plan::AttentionPlan;
-use crate::blas::{Blas, Mat, Out};
+use crate::blas::Mat;
 use crate::gpu::Gpu;
 use crate::planner::{
     allocated_bytes, check_fits, step_buffers, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS, SCRATCH,
@@ -70,14 +69,14 @@ struct Sizes {
     eps: f32,
 }
 
-/// The step's device buffers by planner key: the allocated ones, and the address and size of
-/// every key (inside the scratch region for scratch buffers).
-struct Buffers {
-    map: HashMap<String, Buf<u8>>,
+/// The step's buffers by planner key: the allocated ones, and the address and size of every key
+/// (inside the scratch region for scratch buffers).
+struct Buffers<A> {
+    map: HashMap<String, A>,
     addr: HashMap<String, (u64, usize)>,
 }
 
-impl Buffers {
+impl<A> Buffers<A> {
     fn ptr(&self, key: &str) -> u64 {
         self.addr.get(key).unwrap_or_else(|| panic!("step buffer `{key}` is not in the plan")).0
     }
@@ -106,50 +105,61 @@ pub struct StepLoss {
     pub total_weight: f64,
 }
 
-/// The GPU training step of one drafter config at fixed shapes under one checkpointing policy.
-pub struct GpuStep {
-    gpu_name: String,
-    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+/// The planned training step of one drafter config at fixed shapes under one checkpointing
+/// policy, on a backend: the GPU ([`GpuStep`]) or the CPU twin (`Step<Host>`).
+pub struct Step<B: Backend> {
+    dev: B,
     pub config: DraftConfig,
     pub shape: StepShape,
     pub policy: Policy,
     slots: Vec<ParamSlot>,
     slot_index: HashMap<String, usize>,
     sizes: Sizes,
-    bufs: Buffers,
-    kernels: StepKernels,
-    attention: AttentionKernels,
-    blas: Blas,
-    plans: HashMap<AttnKind, DevicePlan>,
+    bufs: Buffers<B::Alloc>,
+    plans: HashMap<AttnKind, B::Plan>,
     /// Rows with a nonzero CE weight, in the order their labels and weights were uploaded.
     weighted_rows: usize,
     total_weight: f64,
-    /// Planned bytes of all buffers (what [`GpuStep::new`] allocated from the pool).
+    /// Planned bytes of all buffers (what the step allocated).
     pub planned_bytes: u64,
 }
 
-impl GpuStep {
-    /// Allocates every buffer of the plan of `config` at `shape` under `policy` (with the
-    /// optimizer's when `optimizer`), after checking that they fit in the device's free memory;
-    /// a step that cannot fit is refused before anything is allocated, naming its largest items.
+/// The step on the GPU.
+pub type GpuStep = Step<Cuda>;
+
+impl Step<Cuda> {
+    /// The step on `gpu`: see [`Step::with_backend`].
     pub fn new(gpu: &Gpu, config: &DraftConfig, shape: StepShape, policy: Policy, optimizer: bool) -> Result<Self> {
+        Self::with_backend(Cuda::new(gpu, config.dims.head_dim)?, config, shape, policy, optimizer)
+    }
+}
+
+impl<B: Backend> Step<B> {
+    /// Allocates every buffer of the plan of `config` at `shape` under `policy` (with the
+    /// optimizer's when `optimizer`) on `dev`, after checking that they fit in its free memory;
+    /// a step that cannot fit is refused before anything is allocated, naming its largest items.
+    pub fn with_backend(
+        dev: B,
+        config: &DraftConfig,
+        shape: StepShape,
+        policy: Policy,
+        optimizer: bool,
+    ) -> Result<Self> {
         let c = &config.dims;
-        StepKernels::check_head_dim(c.head_dim)?;
         if shape.num_anchors == 0 || shape.context_len == 0 || shape.lm_chunk_rows == 0 {
             return Err(Error::invalid("step shape", format!("{shape:?}: context, anchors and LM chunk must be >= 1")));
         }
         let specs = step_buffers(config, shape, policy, optimizer);
         let planned_bytes = allocated_bytes(&specs);
         let device =
-            format!("{} ({} policy, S={} N={})", gpu.name(), policy.name(), shape.context_len, shape.num_anchors);
-        check_fits(&specs, gpu.available_bytes()?, &device).map_err(Error::Gpu)?;
-        let stream = gpu.stream().clone();
+            format!("{} ({} policy, S={} N={})", dev.name(), policy.name(), shape.context_len, shape.num_anchors);
+        check_fits(&specs, dev.available_bytes()?, &device).map_err(Error::Gpu)?;
         let mut map = HashMap::new();
         for spec in specs.iter().filter(|b| b.key != ATTENTION_PLANS && b.scratch_offset.is_none()) {
             let name: &'static str = Box::leak(spec.key.clone().into_boxed_str());
-            map.insert(spec.key.clone(), Buf::<u8>::zeros(&stream, name, spec.bytes as usize)?);
+            map.insert(spec.key.clone(), dev.alloc(name, spec.bytes as usize)?);
         }
-        let scratch = map.get(SCRATCH).map_or(0, Buf::ptr);
+        let scratch = map.get(SCRATCH).map_or(0, |a: &B::Alloc| a.ptr());
         let addr = specs
             .iter()
             .filter_map(|b| {
@@ -184,9 +194,8 @@ impl GpuStep {
             v: c.vocab_size,
             eps: c.rms_norm_eps as f32,
         };
-        Ok(GpuStep {
-            gpu_name: gpu.name().to_string(),
-            stream,
+        Ok(Step {
+            dev,
             config: config.clone(),
             shape,
             policy,
@@ -194,9 +203,6 @@ impl GpuStep {
             slots,
             sizes,
             bufs: Buffers { map, addr },
-            kernels: StepKernels::load(gpu)?,
-            attention: AttentionKernels::load(gpu, c.head_dim)?,
-            blas: Blas::new(gpu)?,
             plans: HashMap::new(),
             weighted_rows: 0,
             total_weight: 0.0,
@@ -213,12 +219,16 @@ impl GpuStep {
         self.bufs.ptr(key)
     }
 
-    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
-        &self.stream
+    /// The planned peak: the buffers, and what the backend's attention needs beyond them under
+    /// the uploaded input's plans.
+    pub fn planned_peak(&self) -> u64 {
+        let shape = self.attn_shape();
+        self.planned_bytes + self.plans.values().map(|p| self.dev.attention_scratch_bytes(p, shape)).max().unwrap_or(0)
     }
 
-    pub fn kernels(&self) -> &StepKernels {
-        &self.kernels
+    /// The backend the step runs on.
+    pub fn backend(&self) -> &B {
+        &self.dev
     }
 
     /// Whether the plan gave this step a buffer `key` (the optimizer's only when asked for).
@@ -233,19 +243,17 @@ impl GpuStep {
 
     /// Sets every byte of buffer `key` to zero.
     pub fn zero_buffer(&self, key: &str) -> Result<()> {
-        zero_device(&self.stream, self.bufs.ptr(key), self.bufs.bytes(key))
+        self.dev.zero(self.bufs.ptr(key), self.bufs.bytes(key))
     }
 
-    /// An allocated (not scratch) buffer, to upload into.
-    fn buf_mut(&mut self, key: &str) -> &mut Buf<u8> {
-        self.bufs.map.get_mut(key).unwrap_or_else(|| panic!("step buffer `{key}` is not allocated on its own"))
-    }
-
+    /// Copies `host` to the start of buffer `key`.
     fn upload<T: Copy>(&mut self, key: &str, host: &[T]) -> Result<()> {
-        let stream = self.stream.clone();
         // SAFETY: plain-old-data values viewed as their bytes.
         let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, std::mem::size_of_val(host)) };
-        self.buf_mut(key).upload(&stream, bytes)
+        if bytes.len() > self.bufs.bytes(key) {
+            return Err(Error::invalid(key, format!("{} bytes for a buffer of {}", bytes.len(), self.bufs.bytes(key))));
+        }
+        self.dev.upload(self.bufs.ptr(key), bytes)
     }
 
     fn w(&self, name: &str) -> u64 {
@@ -313,10 +321,10 @@ impl GpuStep {
         for (n, slot) in self.slots.iter().enumerate() {
             let (mean, std) = if dflash_reference::drafter::is_norm(&slot.name) { (1.0, 0.0) } else { (0.0, 0.02) };
             let ptr = self.bufs.ptr("weights") + (slot.offset * 2) as u64;
-            self.kernels.fill_normal_bf16(ptr, slot.len, seed.wrapping_add(n as u64), mean, std)?;
+            self.dev.ops().fill_normal_bf16(ptr, slot.len, seed.wrapping_add(n as u64), mean, std)?;
         }
         let (lm, n) = (self.bufs.ptr("lm_head"), self.sizes.v * self.sizes.h);
-        self.kernels.fill_normal_bf16(lm, n, seed ^ 0x5eed_1e4d, 0.0, 0.02)
+        self.dev.ops().fill_normal_bf16(lm, n, seed ^ 0x5eed_1e4d, 0.0, 0.02)
     }
 
     /// Uploads one row's input: features, block embeddings (`x0`, from the frozen table on the
@@ -373,7 +381,8 @@ impl GpuStep {
         for &kind in &self.config.dims.layer_kinds {
             if !self.plans.contains_key(&kind) {
                 let plan = make(kind)?;
-                self.plans.insert(kind, DevicePlan::upload(&self.stream, &plan)?);
+                let uploaded = self.dev.upload_plan(&plan)?;
+                self.plans.insert(kind, uploaded);
             }
         }
         Ok(())
@@ -411,8 +420,8 @@ impl GpuStep {
         let anchor_set = dflash_reference::anchors::Anchors { positions: anchors.to_vec(), keep };
         let targets = BlockTargets::new(&tokens, &vec![true; z.s], &anchor_set, b, gamma);
         let (features, x0) = (self.bufs.ptr("features"), self.bufs.ptr("residual.0"));
-        self.kernels.fill_normal_bf16(features, z.s * z.fw, seed ^ 1, 0.0, 1.0)?;
-        self.kernels.fill_normal_bf16(x0, z.q * z.h, seed ^ 2, 0.0, 1.0)?;
+        self.dev.ops().fill_normal_bf16(features, z.s * z.fw, seed ^ 1, 0.0, 1.0)?;
+        self.dev.ops().fill_normal_bf16(x0, z.q * z.h, seed ^ 2, 0.0, 1.0)?;
         let queries: Vec<usize> = anchors.iter().flat_map(|&a| (0..b).map(move |o| a + o)).collect();
         let keys: Vec<usize> = (0..z.s).chain(queries.iter().copied()).collect();
         self.set_positions(&queries, &keys)?;
@@ -427,15 +436,8 @@ impl GpuStep {
         let z = self.sizes;
         let layers = self.config.dims.num_layers();
         // Context: ctx = hidden_norm(features @ fc^T).
-        self.blas.matmul(
-            Mat::n(self.bufs.ptr("features"), z.s, z.fw),
-            Mat::t(self.w("fc.weight"), z.h, z.fw),
-            self.bufs.ptr("ctx_pre"),
-            Out::Bf16,
-            1.0,
-            0.0,
-        )?;
-        self.kernels.rms_norm_forward(
+        self.linear(self.bufs.ptr("features"), z.s, z.fw, self.w("fc.weight"), z.h, self.bufs.ptr("ctx_pre"), 0.0)?;
+        self.dev.ops().rms_norm_forward(
             self.bufs.ptr("ctx_pre"),
             self.w("hidden_norm.weight"),
             self.bufs.ptr("ctx"),
@@ -448,7 +450,7 @@ impl GpuStep {
             let (acts, attn) = self.layer_sets(l);
             self.layer_forward(l, &acts, &attn, Recompute::No)?;
         }
-        self.kernels.rms_norm_forward(
+        self.dev.ops().rms_norm_forward(
             self.bufs.ptr(&format!("residual.{layers}")),
             self.w("norm.weight"),
             self.bufs.ptr("hf"),
@@ -460,7 +462,7 @@ impl GpuStep {
         self.lm_head_ce(grad_scale)?;
 
         // Backward: grad.b = dhf (from the LM head), grad.a = the gradient of the last layer's output.
-        self.kernels.rms_norm_backward(
+        self.dev.ops().rms_norm_backward(
             (
                 self.bufs.ptr("grad.b"),
                 self.bufs.ptr(&format!("residual.{layers}")),
@@ -486,7 +488,7 @@ impl GpuStep {
         }
         // dctx -> through hidden_norm (in place) -> fc.
         let dctx = self.bufs.ptr("dctx");
-        self.kernels.rms_norm_backward(
+        self.dev.ops().rms_norm_backward(
             (dctx, self.bufs.ptr("ctx_pre"), self.w("hidden_norm.weight"), self.bufs.ptr("inv_hidden"), 0),
             dctx,
             self.g("hidden_norm.weight"),
@@ -519,8 +521,16 @@ impl GpuStep {
         let x_in = self.bufs.ptr(&format!("residual.{l}"));
         let kv_in = p("kv_in");
         let xn = kv_in + (z.s * z.h * 2) as u64;
-        copy_device::<bf16>(&self.stream, kv_in, self.bufs.ptr("ctx"), z.s * z.h)?;
-        self.kernels.rms_norm_forward(x_in, self.lw(l, "input_layernorm.weight"), xn, p("inv_in"), z.q, z.h, z.eps)?;
+        self.dev.copy(kv_in, self.bufs.ptr("ctx"), z.s * z.h * 2)?;
+        self.dev.ops().rms_norm_forward(
+            x_in,
+            self.lw(l, "input_layernorm.weight"),
+            xn,
+            p("inv_in"),
+            z.q,
+            z.h,
+            z.eps,
+        )?;
         // q = rope(q_norm(xn @ Wq^T)); k = rope(k_norm(kv_in @ Wk^T)); v = kv_in @ Wv^T.
         self.linear(xn, z.q, z.h, self.lw(l, "self_attn.q_proj.weight"), z.qd, p("q_pre"), 0.0)?;
         self.q_k_forward(l, a, "q")?;
@@ -531,11 +541,11 @@ impl GpuStep {
         if recompute != Recompute::KeptAttention {
             let plan = &self.plans[&self.config.dims.layer_kinds[l]];
             let (q, k) = (self.bufs.ptr("q"), self.bufs.ptr("k"));
-            self.attention.forward(&self.stream, plan, self.attn_shape(), (q, k, p("v")), (out, lse))?;
+            self.dev.attention_forward(plan, self.attn_shape(), (q, k, p("v")), (out, lse))?;
         }
         // x_mid = x + out @ Wo^T; xn2 = post_norm(x_mid); out = x_mid + down(silu(gate) * up).
         let x_mid = p("x_mid");
-        copy_device::<bf16>(&self.stream, x_mid, x_in, z.q * z.h)?;
+        self.dev.copy(x_mid, x_in, z.q * z.h * 2)?;
         self.linear(out, z.q, z.qd, self.lw(l, "self_attn.o_proj.weight"), z.h, x_mid, 1.0)?;
         self.post_norm_forward(l, a)?;
         let xn2 = self.bufs.ptr("xn2");
@@ -545,9 +555,9 @@ impl GpuStep {
             return Ok(());
         }
         let h = self.bufs.ptr("h");
-        self.kernels.swiglu_forward(p("gate_up"), h, z.q, z.i)?;
+        self.dev.ops().swiglu_forward(p("gate_up"), h, z.q, z.i)?;
         let x_out = self.bufs.ptr(&format!("residual.{}", l + 1));
-        copy_device::<bf16>(&self.stream, x_out, x_mid, z.q * z.h)?;
+        self.dev.copy(x_out, x_mid, z.q * z.h * 2)?;
         self.linear(h, z.q, z.i, self.lw(l, "mlp.down_proj.weight"), z.h, x_out, 1.0)
     }
 
@@ -557,7 +567,7 @@ impl GpuStep {
         let p = |name: &str| self.bufs.ptr(&format!("{a}{name}"));
         let (tokens, heads, tables) =
             if which == "q" { (z.q, z.nh, ("cos_q", "sin_q")) } else { (z.k, z.nkv, ("cos_k", "sin_k")) };
-        self.kernels.head_norm_rope_forward(
+        self.dev.ops().head_norm_rope_forward(
             (
                 p(&format!("{which}_pre")),
                 self.lw(l, &format!("self_attn.{which}_norm.weight")),
@@ -576,7 +586,7 @@ impl GpuStep {
         let z = self.sizes;
         let p = |name: &str| self.bufs.ptr(&format!("{a}{name}"));
         let w = self.lw(l, "post_attention_layernorm.weight");
-        self.kernels.rms_norm_forward(p("x_mid"), w, self.bufs.ptr("xn2"), p("inv_post"), z.q, z.h, z.eps)
+        self.dev.ops().rms_norm_forward(p("x_mid"), w, self.bufs.ptr("xn2"), p("inv_post"), z.q, z.h, z.eps)
     }
 
     /// Layer `l`'s backward: `grad.a` holds the gradient of its output on entry and of its input
@@ -598,16 +608,16 @@ impl GpuStep {
         }
         // MLP: h = silu(gate) * up (recomputed); dWdown += dout^T h; dh = dout @ Wdown (into h).
         let gate_up = p("gate_up");
-        self.kernels.swiglu_forward(gate_up, h, z.q, z.i)?;
+        self.dev.ops().swiglu_forward(gate_up, h, z.q, z.i)?;
         self.weight_grad(dout, z.q, z.h, h, z.i, self.lg(l, "mlp.down_proj.weight"))?;
         self.input_grad(dout, z.q, z.h, self.lw(l, "mlp.down_proj.weight"), z.i, h, 0.0)?;
         // gate_up := dgate | dup; dxn2 = [dgate | dup] @ [W_gate; W_up]; the stacked weight
         // gradient [dW_gate; dW_up] lands on both adjacent gradients at once.
-        self.kernels.swiglu_backward(h, gate_up, z.q, z.i)?;
+        self.dev.ops().swiglu_backward(h, gate_up, z.q, z.i)?;
         self.input_grad(gate_up, z.q, 2 * z.i, self.lw(l, "mlp.gate_proj.weight"), z.h, dscratch, 0.0)?;
         self.weight_grad(gate_up, z.q, 2 * z.i, xn2, z.h, self.lg(l, "mlp.gate_proj.weight"))?;
         // dx_mid = dout + post_norm backward.
-        self.kernels.rms_norm_backward(
+        self.dev.ops().rms_norm_backward(
             (dscratch, p("x_mid"), self.lw(l, "post_attention_layernorm.weight"), p("inv_post"), dout),
             dx_mid,
             self.lg(l, "post_attention_layernorm.weight"),
@@ -623,25 +633,24 @@ impl GpuStep {
         self.weight_grad(dx_mid, z.q, z.h, out, z.qd, self.lg(l, "self_attn.o_proj.weight"))?;
         let (dq, dk, dv) = (b("dq"), b("dk"), b("dv"));
         let plan = &self.plans[&self.config.dims.layer_kinds[l]];
-        self.attention.backward(
-            &self.stream,
+        self.dev.attention_backward(
             plan,
             self.attn_shape(),
             (q, k, p("v")),
             (out, lse, dattn),
             b("dsum"),
             (dq, dk, dv),
-            Some((b("dk_acc"), b("dv_acc"))),
+            (b("dk_acc"), b("dv_acc")),
         )?;
         // Through RoPE and the head norms, in place.
-        self.kernels.head_norm_rope_backward(
+        self.dev.ops().head_norm_rope_backward(
             (dq, p("q_pre"), self.lw(l, "self_attn.q_norm.weight"), p("inv_q"), b("cos_q"), b("sin_q")),
             dq,
             self.lg(l, "self_attn.q_norm.weight"),
             b("dw_partial"),
             (z.q, z.nh, z.d),
         )?;
-        self.kernels.head_norm_rope_backward(
+        self.dev.ops().head_norm_rope_backward(
             (dk, p("k_pre"), self.lw(l, "self_attn.k_norm.weight"), p("inv_k"), b("cos_k"), b("sin_k")),
             dk,
             self.lg(l, "self_attn.k_norm.weight"),
@@ -664,7 +673,7 @@ impl GpuStep {
         self.weight_grad(dk, z.k, z.kd, kv_in, z.h, self.lg(l, "self_attn.k_proj.weight"))?;
         self.weight_grad(dv, z.k, z.kd, kv_in, z.h, self.lg(l, "self_attn.v_proj.weight"))?;
         // dx = dx_mid + input_norm backward (into grad.a).
-        self.kernels.rms_norm_backward(
+        self.dev.ops().rms_norm_backward(
             (dscratch, x_in, self.lw(l, "input_layernorm.weight"), p("inv_in"), dx_mid),
             dout,
             self.lg(l, "input_layernorm.weight"),
@@ -685,9 +694,9 @@ impl GpuStep {
         while start < self.weighted_rows {
             let n = chunk.min(self.weighted_rows - start);
             let rows = b("rows_ce") + (start * 4) as u64;
-            self.kernels.copy_rows(false, b("hf"), rows, b("lm.rows"), n, z.h)?;
+            self.dev.ops().copy_rows(false, b("hf"), rows, b("lm.rows"), n, z.h)?;
             self.linear(b("lm.rows"), n, z.h, b("lm_head"), z.v, b("lm.logits"), 0.0)?;
-            self.kernels.ce_grad_rows(
+            self.dev.ops().ce_grad_rows(
                 b("lm.logits"),
                 b("labels") + (start * 4) as u64,
                 b("weights_ce") + (start * 4) as u64,
@@ -697,7 +706,7 @@ impl GpuStep {
                 grad_scale as f32,
             )?;
             self.input_grad(b("lm.logits"), n, z.v, b("lm_head"), z.h, b("lm.drows"), 0.0)?;
-            self.kernels.copy_rows(true, b("lm.drows"), rows, b("grad.b"), n, z.h)?;
+            self.dev.ops().copy_rows(true, b("lm.drows"), rows, b("grad.b"), n, z.h)?;
             start += n;
         }
         Ok(())
@@ -705,11 +714,11 @@ impl GpuStep {
 
     /// The loss of the last step from its per-row CE (downloaded: waits for the step).
     fn loss(&self) -> Result<StepLoss> {
-        let losses: Vec<f32> = download_device(&self.stream, self.bufs.ptr("loss_rows"), self.weighted_rows)?;
+        let losses: Vec<f32> = download(&self.dev, self.bufs.ptr("loss_rows"), self.weighted_rows)?;
         let sum: f64 = losses.iter().map(|&x| f64::from(x)).sum();
         let loss = if self.total_weight > 0.0 { sum / self.total_weight } else { 0.0 };
         if !loss.is_finite() {
-            return Err(Error::invalid("loss", format!("{loss} (not finite) on {}", self.gpu_name)));
+            return Err(Error::invalid("loss", format!("{loss} (not finite) on {}", self.dev.name())));
         }
         Ok(StepLoss { loss, total_weight: self.total_weight })
     }
@@ -717,18 +726,18 @@ impl GpuStep {
     /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y` (bf16).
     #[allow(clippy::too_many_arguments)]
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
-        self.blas.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, Out::Bf16, 1.0, beta)
+        self.dev.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta)
     }
 
     /// `dx [rows, k] = dy [rows, n] @ w [n, k] + beta * dx` (bf16).
     #[allow(clippy::too_many_arguments)]
     fn input_grad(&self, dy: u64, rows: usize, n: usize, w: u64, k: usize, dx: u64, beta: f32) -> Result<()> {
-        self.blas.matmul(Mat::n(dy, rows, n), Mat::n(w, n, k), dx, Out::Bf16, 1.0, beta)
+        self.dev.matmul(Mat::n(dy, rows, n), Mat::n(w, n, k), dx, beta)
     }
 
     /// `dw [n, k] = dy [rows, n]^T @ x [rows, k]` (bf16 gradient).
     fn weight_grad(&self, dy: u64, rows: usize, n: usize, x: u64, k: usize, dw: u64) -> Result<()> {
-        self.blas.matmul(Mat::t(dy, rows, n), Mat::n(x, rows, k), dw, Out::Bf16, 1.0, 0.0)
+        self.dev.matmul(Mat::t(dy, rows, n), Mat::n(x, rows, k), dw, 0.0)
     }
 
     fn attn_shape(&self) -> AttnShape {
@@ -737,7 +746,7 @@ impl GpuStep {
 
     /// Every parameter gradient of the last step on the host, in checkpoint-key order.
     pub fn grads_to_host(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        let all: Vec<bf16> = download_device(&self.stream, self.bufs.ptr("grads"), self.num_params())?;
+        let all: Vec<bf16> = download(&self.dev, self.bufs.ptr("grads"), self.num_params())?;
         let all: Vec<f32> = all.into_iter().map(bf16::to_f32).collect();
         Ok(self.slots.iter().map(|s| (s.name.clone(), all[s.offset..s.offset + s.len].to_vec())).collect())
     }
@@ -751,10 +760,9 @@ impl GpuStep {
         let width = if bf16 { 2 } else { 4 };
         for (n, slot) in self.slots.iter().enumerate() {
             let g = self.bufs.ptr(key) + (slot.offset * width) as u64;
-            self.kernels.sum_squares(bf16, g, partial + (n * NORM_PARTS * 4) as u64, slot.len, NORM_PARTS)?;
+            self.dev.ops().sum_squares(bf16, g, partial + (n * NORM_PARTS * 4) as u64, slot.len, NORM_PARTS)?;
         }
-        let partials: Vec<f32> =
-            download_device(&self.stream, self.bufs.ptr("norm_partial"), self.slots.len() * NORM_PARTS)?;
+        let partials: Vec<f32> = download(&self.dev, self.bufs.ptr("norm_partial"), self.slots.len() * NORM_PARTS)?;
         self.slots
             .iter()
             .enumerate()
