@@ -1,7 +1,8 @@
-//! GPU checks of the training step, run by `xtask gpu-conformance` on the H200 (CI has no GPU;
-//! the attestation records these results): every `step.cu` kernel against its CPU twin on fresh
-//! random inputs, and the whole GPU step under every checkpointing policy against the reference
-//! in f64, with its measured memory-pool peak against the planned bytes.
+//! Checks of the planned training step: every `step.cu` kernel against its CPU twin on fresh
+//! random inputs, and the whole step under every checkpointing policy against the reference in
+//! f64, with its measured memory peak against the plan. `xtask gpu-conformance` runs them on the
+//! H200 (CI has no GPU; the attestation records the results); `tests/host_step.rs` runs the step
+//! checks on the CPU backend in CI, its heap measured by a counting allocator.
 
 use candle_core::{DType, Device, Tensor, Var};
 pub use dflash_optimized::attention::cases::rel_error;

@@ -2,6 +2,7 @@
 //! and random tiny setups. The tests themselves live in `tests/`.
 
 pub mod gpu_step;
+pub mod heap;
 pub mod setups;
 pub mod tolerance;
 

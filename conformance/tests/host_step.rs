@@ -3,59 +3,12 @@
 //! inputs (the GPU step's bound), under every checkpointing policy (identical gradients), with
 //! its heap peak from a counting allocator against the plan.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use dflash_conformance::gpu_step::{planned_step_checks, PeakMeter};
+use dflash_conformance::gpu_step::planned_step_checks;
+use dflash_conformance::heap::{CountingAllocator, HeapMeter};
 use dflash_optimized::step::gpu::host::Host;
-use dflash_reference::Result;
-
-/// Counts live heap bytes and their high-water mark.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-            PEAK.fetch_max(live, Ordering::SeqCst);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-    }
-}
 
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// The heap measured by the counting allocator.
-struct HeapMeter {
-    before: usize,
-}
-
-impl PeakMeter for HeapMeter {
-    fn start(&mut self) -> Result<()> {
-        self.before = LIVE.load(Ordering::SeqCst);
-        PEAK.store(self.before, Ordering::SeqCst);
-        Ok(())
-    }
-
-    fn forget_peak(&mut self) -> Result<()> {
-        PEAK.store(LIVE.load(Ordering::SeqCst), Ordering::SeqCst);
-        Ok(())
-    }
-
-    fn peak(&mut self) -> Result<u64> {
-        Ok(PEAK.load(Ordering::SeqCst).saturating_sub(self.before) as u64)
-    }
-}
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 /// Heap the step holds besides its planned buffers: the names, addresses and parameter slots of
 /// about a hundred buffers (a few kB), and the attention plans' host copies; 64 KiB bounds them.
@@ -63,16 +16,10 @@ const BOOKKEEPING_BYTES: u64 = 64 << 10;
 
 #[test]
 fn planned_step_on_the_cpu_matches_the_reference_within_its_plan() {
-    // The tests of this binary share the counting allocator: this is its only test.
     for seed in [1u64, 2, 3] {
-        let checks = planned_step_checks(
-            seed,
-            "cpu step",
-            || Ok(Host::default()),
-            &mut HeapMeter { before: 0 },
-            BOOKKEEPING_BYTES,
-        )
-        .expect("the planned step on the CPU");
+        let checks =
+            planned_step_checks(seed, "cpu step", || Ok(Host::default()), &mut HeapMeter::default(), BOOKKEEPING_BYTES)
+                .expect("the planned step on the CPU");
         for c in &checks {
             println!("{} errors {:?} memory {:?}", c.name, c.errors, c.memory);
             assert!(
@@ -84,5 +31,77 @@ fn planned_step_on_the_cpu_matches_the_reference_within_its_plan() {
                 c.memory
             );
         }
+    }
+}
+
+/// `GpuAdamW` on the CPU backend: two accumulated steps, clipped and applied to the fp32 master
+/// weights, equal the reference's clipping and AdamW on the same gradients.
+#[test]
+fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
+    use candle_core::{DType, Device, Tensor, Var};
+    use dflash_conformance::gpu_step::rel_error;
+    use dflash_conformance::setups::gpu_draft_case;
+    use dflash_conformance::tolerance::ADAMW_F32;
+    use dflash_optimized::planner::{Policy, StepShape};
+    use dflash_optimized::step::gpu::adamw::GpuAdamW;
+    use dflash_optimized::step::gpu::backend::download;
+    use dflash_optimized::step::gpu::step::Step;
+    use dflash_reference::drafter::DraftInput;
+    use dflash_reference::loss::BlockTargets;
+    use dflash_reference::optim::{clip_grad_norm, AdamW, AdamWConfig};
+
+    let case = gpu_draft_case(4, DType::F32).expect("case");
+    let config = &case.drafter.config;
+    let b = config.block_size;
+    let input = DraftInput::training(&case.row, &case.anchors, b).expect("input");
+    let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
+    let shape = StepShape { context_len: case.row.len(), num_anchors: case.anchors.positions.len(), lm_chunk_rows: 16 };
+    let mut step = Step::with_backend(Host::default(), config, shape, Policy::PerLayer, true).expect("step");
+    step.load_weights(&case.drafter).expect("weights");
+    step.load_lm_head(&case.head).expect("lm head");
+    step.set_input(&input, &case.head, &targets).expect("input");
+    let adam_config = AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() };
+    let mut adam = GpuAdamW::new(&step, adam_config.clone()).expect("optimizer");
+    // Two micro-steps accumulate (the second at half scale), as gradient accumulation does.
+    let mut summed: Vec<Vec<f32>> = Vec::new();
+    for scale in [1.0, 0.5] {
+        step.step(scale / targets.total_weight()).expect("step");
+        adam.accumulate(&step).expect("accumulate");
+        let grads = step.grads_to_host().expect("grads");
+        if summed.is_empty() {
+            summed = grads.into_iter().map(|(_, g)| g).collect();
+        } else {
+            summed.iter_mut().zip(grads).for_each(|(s, (_, g))| s.iter_mut().zip(g).for_each(|(a, b)| *a += b));
+        }
+    }
+    let max_norm = 1e-3; // below the gradients' norm: clipping acts
+    let norm = adam.update(&step, 2e-3, max_norm).expect("update");
+
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let before: Vec<Vec<f32>> = case.drafter.named_params().iter().map(|(_, v)| flat(v.as_tensor())).collect();
+    let params: Vec<(String, Var)> = case
+        .drafter
+        .named_params()
+        .iter()
+        .map(|(n, v)| (n.clone(), Var::from_tensor(&v.as_tensor().copy().unwrap()).unwrap()))
+        .collect();
+    let mut grads: Vec<Tensor> = summed
+        .iter()
+        .zip(&params)
+        .map(|(g, (_, v))| Tensor::from_vec(g.clone(), v.dims(), &Device::Cpu).unwrap())
+        .collect();
+    let want_norm = clip_grad_norm(&params, &mut grads, max_norm).expect("clip");
+    assert!(want_norm > max_norm, "the test must exercise clipping");
+    assert!(rel_error(&[norm], &[want_norm]) < ADAMW_F32.rel, "norm {norm} vs {want_norm}");
+    let mut reference = AdamW::new(&params, adam_config).expect("reference optimizer");
+    reference.step(&params, &grads, 2e-3).expect("reference step");
+
+    let master: Vec<f32> = download(step.backend(), step.buffer("master"), step.num_params()).expect("master");
+    for (slot, (p0, (name, after))) in step.slots().iter().zip(before.iter().zip(&params)) {
+        let want = flat(after.as_tensor());
+        let got = &master[slot.offset..slot.offset + slot.len];
+        let delta = |p: &[f32]| p.iter().zip(p0).map(|(a, b)| f64::from(a - b)).collect::<Vec<_>>();
+        let err = rel_error(&delta(got), &delta(&want));
+        assert!(err < ADAMW_F32.rel, "{name}: update relative error {err:.2e} ({})", ADAMW_F32.reason);
     }
 }

@@ -2,9 +2,7 @@
 //! with a counting allocator: never above the plan, and the plan within 10% of the measurement
 //! (a dense `[Q, K]` buffer or expanded K/V would blow through both).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
+use dflash_conformance::heap::{measure, CountingAllocator};
 use dflash_conformance::setups::randn;
 use dflash_optimized::attention::cases::AttnCase;
 use dflash_optimized::attention::cpu::{
@@ -14,38 +12,8 @@ use dflash_reference::config::AttnKind;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-/// Counts live heap bytes and their high-water mark.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-            PEAK.fetch_max(live, Ordering::SeqCst);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// Runs `f` and returns its result and the heap bytes it added at its peak.
-fn measure<R>(f: impl FnOnce() -> R) -> (R, usize) {
-    let before = LIVE.load(Ordering::SeqCst);
-    PEAK.store(before, Ordering::SeqCst);
-    let result = f();
-    (result, PEAK.load(Ordering::SeqCst) - before)
-}
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 /// The planned ceilings relative to the measured peak: at least 1, at most 1.10.
 const PLAN_SLACK: f64 = 1.10;

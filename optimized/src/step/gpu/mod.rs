@@ -1,5 +1,6 @@
-//! The training step on the GPU (bf16 compute, fp32 gradients): device buffers, the `step.cu`
-//! kernels, the step itself, AdamW on the device, and the checks `xtask gpu-conformance` runs.
+//! The planned training step (bf16 storage, fp32 arithmetic): every buffer from the memory
+//! planner, one driver (`step.rs`) over a backend (`backend.rs`): the GPU (cuBLAS, the attention
+//! kernels, the `step.cu` kernels of `kernels.rs`) or the CPU twin (`host.rs`); AdamW on either.
 
 pub mod adamw;
 pub mod backend;
