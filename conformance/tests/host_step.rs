@@ -105,3 +105,59 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
         assert!(err < ADAMW_F32.rel, "{name}: update relative error {err:.2e} ({})", ADAMW_F32.reason);
     }
 }
+
+/// A NaN in a weight is reported as a non-finite loss naming the step; a NaN that reaches only
+/// gradients (a dropped block's rows: no loss and no other block sees them, but `0 * NaN` in
+/// the weight gradients) is reported naming the step and the parameter.
+#[test]
+fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
+    use candle_core::{DType, Tensor};
+    use dflash_conformance::setups::gpu_draft_case;
+    use dflash_optimized::planner::{Policy, StepShape};
+    use dflash_optimized::step::gpu::backend::Backend;
+    use dflash_optimized::step::gpu::step::Step;
+    use dflash_reference::drafter::{DraftInput, Drafter};
+    use dflash_reference::loss::BlockTargets;
+
+    let case = gpu_draft_case(5, DType::F32).expect("case");
+    let config = case.drafter.config.clone();
+    let (b, h) = (config.block_size, config.dims.hidden_size);
+    let mut anchors = case.anchors.clone();
+    let dropped = anchors.keep.len() - 1;
+    anchors.keep[dropped] = false;
+    let input = DraftInput::training(&case.row, &anchors, b).expect("input");
+    let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &anchors, b, case.gamma);
+    let shape = StepShape { context_len: case.row.len(), num_anchors: anchors.positions.len(), lm_chunk_rows: 8 };
+    let new_step = |drafter: &Drafter| {
+        let mut step = Step::with_backend(Host::default(), &config, shape, Policy::None, false).unwrap();
+        step.load_weights(drafter).unwrap();
+        step.load_lm_head(&case.head).unwrap();
+        step.set_input(&input, &case.head, &targets).unwrap();
+        step
+    };
+
+    // One NaN element in an up projection: the loss of the first step is NaN.
+    let poisoned = Drafter::from_fn(config.clone(), |name, _| {
+        let t = case.drafter.param(name).clone();
+        if name != "layers.0.mlp.up_proj.weight" {
+            return Ok(t);
+        }
+        let mut v = t.flatten_all()?.to_vec1::<f32>()?;
+        v[0] = f32::NAN;
+        Ok(Tensor::from_vec(v, t.dims(), t.device())?)
+    })
+    .unwrap();
+    let err = new_step(&poisoned).step(1.0).expect_err("a NaN weight makes a NaN loss").to_string();
+    assert!(err.contains("loss of step 1") && err.contains("NaN"), "{err}");
+
+    // NaN block inputs in the dropped block: a finite loss, NaN weight gradients.
+    let mut step = new_step(&case.drafter);
+    let nan_rows = vec![half::bf16::NAN; b * h];
+    // SAFETY: plain-old-data values viewed as their bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(nan_rows.as_ptr() as *const u8, nan_rows.len() * 2) };
+    step.backend().upload(step.buffer("residual.0") + (dropped * b * h * 2) as u64, bytes).unwrap();
+    step.step(1.0).expect("the dropped block does not reach the loss");
+    step.step(1.0).expect("nor in a second step");
+    let err = step.grad_sum_squares("grads").expect_err("NaN gradients").to_string();
+    assert!(err.contains("gradient of ") && err.contains("after step 2") && err.contains("NaN"), "{err}");
+}

@@ -119,6 +119,8 @@ pub struct Step<B: Backend> {
     plans: HashMap<AttnKind, B::Plan>,
     /// Rows with a nonzero CE weight, in the order their labels and weights were uploaded.
     weighted_rows: usize,
+    /// Steps run so far (named in errors: the step whose loss or gradient went bad).
+    steps_done: u64,
     total_weight: f64,
     /// Planned bytes of all buffers (what the step allocated).
     pub planned_bytes: u64,
@@ -205,6 +207,7 @@ impl<B: Backend> Step<B> {
             bufs: Buffers { map, addr },
             plans: HashMap::new(),
             weighted_rows: 0,
+            steps_done: 0,
             total_weight: 0.0,
             planned_bytes,
         })
@@ -431,8 +434,10 @@ impl<B: Backend> Step<B> {
 
     /// One forward and backward of the uploaded row: writes `grad_scale * d(sum w CE)/dθ` into
     /// the parameter gradients (`grad_scale = 1 / total weight` gives the row's mean-loss
-    /// gradient) and returns the row's loss. Fails naming the loss when it is not finite.
+    /// gradient) and returns the row's loss. Fails naming the step and the loss when the loss is
+    /// not finite.
     pub fn step(&mut self, grad_scale: f64) -> Result<StepLoss> {
+        self.steps_done += 1;
         let z = self.sizes;
         let layers = self.config.dims.num_layers();
         // Context: ctx = hidden_norm(features @ fc^T).
@@ -718,7 +723,10 @@ impl<B: Backend> Step<B> {
         let sum: f64 = losses.iter().map(|&x| f64::from(x)).sum();
         let loss = if self.total_weight > 0.0 { sum / self.total_weight } else { 0.0 };
         if !loss.is_finite() {
-            return Err(Error::invalid("loss", format!("{loss} (not finite) on {}", self.dev.name())));
+            return Err(Error::invalid(
+                format!("loss of step {}", self.steps_done),
+                format!("{loss} (not finite) on {}", self.dev.name()),
+            ));
         }
         Ok(StepLoss { loss, total_weight: self.total_weight })
     }
@@ -769,7 +777,10 @@ impl<B: Backend> Step<B> {
             .map(|(n, slot)| {
                 let sq: f64 = partials[n * NORM_PARTS..(n + 1) * NORM_PARTS].iter().map(|&x| x as f64).sum();
                 if !sq.is_finite() {
-                    return Err(Error::invalid(format!("gradient of {}", slot.name), "holds NaN or Inf"));
+                    return Err(Error::invalid(
+                        format!("gradient of {} ({key}, after step {})", slot.name, self.steps_done),
+                        "holds NaN or Inf",
+                    ));
                 }
                 Ok(sq)
             })
