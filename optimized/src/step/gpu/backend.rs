@@ -40,7 +40,7 @@ pub trait Backend {
     /// Bytes a new allocation can get.
     fn available_bytes(&self) -> Result<u64>;
     /// `bytes` zeroed bytes, named `name` in errors.
-    fn alloc(&self, name: &'static str, bytes: usize) -> Result<Self::Alloc>;
+    fn alloc(&self, name: &str, bytes: usize) -> Result<Self::Alloc>;
     fn upload(&self, dst: u64, src: &[u8]) -> Result<()>;
     /// Fills `dst` from address `src` (waits for queued work).
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()>;
@@ -124,7 +124,7 @@ impl Backend for Cuda {
         Ok(self.available)
     }
 
-    fn alloc(&self, name: &'static str, bytes: usize) -> Result<Buf<u8>> {
+    fn alloc(&self, name: &str, bytes: usize) -> Result<Buf<u8>> {
         Buf::zeros(&self.stream, name, bytes)
     }
 

@@ -12,22 +12,22 @@ use dflash_reference::{Error, Result};
 pub struct Buf<T> {
     slice: CudaSlice<T>,
     ptr: u64,
-    name: &'static str,
+    name: String,
     _t: PhantomData<T>,
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
     /// Allocates `len` zeroed values (at least one) named `name` in errors.
-    pub fn zeros(stream: &Arc<CudaStream>, name: &'static str, len: usize) -> Result<Self> {
+    pub fn zeros(stream: &Arc<CudaStream>, name: &str, len: usize) -> Result<Self> {
         let slice = stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(|e| Error::Gpu(format!("allocating `{name}` ({len} x {} bytes): {e}", size_of::<T>())))?;
         let ptr = slice.device_ptr(stream).0;
-        Ok(Buf { slice, ptr, name, _t: PhantomData })
+        Ok(Buf { slice, ptr, name: name.to_string(), _t: PhantomData })
     }
 
     /// Allocates and fills from `host`.
-    pub fn from_host(stream: &Arc<CudaStream>, name: &'static str, host: &[T]) -> Result<Self> {
+    pub fn from_host(stream: &Arc<CudaStream>, name: &str, host: &[T]) -> Result<Self> {
         let mut buf = Self::zeros(stream, name, host.len())?;
         buf.upload(stream, host)?;
         Ok(buf)
@@ -36,7 +36,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
     /// Copies `host` to the start of the buffer.
     pub fn upload(&mut self, stream: &Arc<CudaStream>, host: &[T]) -> Result<()> {
         if host.len() > self.len() {
-            return Err(Error::invalid(self.name, format!("{} values for a buffer of {}", host.len(), self.len())));
+            return Err(Error::invalid(&self.name, format!("{} values for a buffer of {}", host.len(), self.len())));
         }
         stream.memcpy_htod(host, &mut self.slice.slice_mut(..host.len())).map_err(|e| self.err("upload", e))
     }

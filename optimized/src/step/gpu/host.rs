@@ -106,7 +106,7 @@ impl Backend for Host {
         Ok(u64::MAX)
     }
 
-    fn alloc(&self, name: &'static str, bytes: usize) -> Result<HostAlloc> {
+    fn alloc(&self, name: &str, bytes: usize) -> Result<HostAlloc> {
         let layout = Layout::from_size_align(bytes.max(1), ALIGN)
             .map_err(|e| Error::invalid(name, format!("{bytes} bytes: {e}")))?;
         // SAFETY: the layout has a nonzero size.

@@ -158,8 +158,7 @@ impl<B: Backend> Step<B> {
         check_fits(&specs, dev.available_bytes()?, &device).map_err(Error::Gpu)?;
         let mut map = HashMap::new();
         for spec in specs.iter().filter(|b| b.key != ATTENTION_PLANS && b.scratch_offset.is_none()) {
-            let name: &'static str = Box::leak(spec.key.clone().into_boxed_str());
-            map.insert(spec.key.clone(), dev.alloc(name, spec.bytes as usize)?);
+            map.insert(spec.key.clone(), dev.alloc(&spec.key, spec.bytes as usize)?);
         }
         let scratch = map.get(SCRATCH).map_or(0, |a: &B::Alloc| a.ptr());
         let addr = specs
