@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, Var};
 pub use dflash_optimized::attention::cases::rel_error;
 use dflash_optimized::gpu::Gpu;
 use dflash_optimized::planner::{Policy, StepShape};
-use dflash_optimized::step::gpu::backend::{Backend, Cuda};
+use dflash_optimized::step::gpu::backend::{Backend, Cuda, Elem};
 use dflash_optimized::step::gpu::device::Buf;
 use dflash_optimized::step::gpu::kernels::{normal_at, AdamWArgs, StepKernels, StepOps, GRAD_PARTS};
 use dflash_optimized::step::gpu::step::Step;
@@ -24,7 +24,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::setups::{gpu_draft_case, DraftCase};
-use crate::tolerance::{Tolerance, GPU_KERNEL_BF16, GPU_STEP_BF16};
+use crate::tolerance::{Tolerance, GPU_KERNEL_BF16, GPU_STEP_BF16, STEP_F32};
 
 /// Gradients of the same step under two checkpointing policies.
 pub const POLICIES_AGREE: Tolerance = Tolerance {
@@ -112,7 +112,8 @@ pub fn step_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
 }
 
 /// The planned step on the backends `backend()` makes, for the random case `seed` under every
-/// policy, against the reference in f64: the loss, every parameter gradient (the worst named),
+/// policy, against the reference in f64 (the bf16 step's bound for bf16 storage, the f32 step's
+/// for f32): the loss, every parameter gradient (the worst named),
 /// the policies against each other, and each policy's memory peak (measured by `meter` from
 /// before the step's buffers exist, through one step) against its plan plus `allowance` bytes.
 pub fn planned_step_checks<B: Backend>(
@@ -122,7 +123,9 @@ pub fn planned_step_checks<B: Backend>(
     meter: &mut dyn PeakMeter,
     allowance: u64,
 ) -> Result<Vec<GpuCheck>> {
-    let case = bf16_exact(gpu_draft_case(seed, DType::F64)?)?;
+    // The inputs the step stores, exactly: only its own arithmetic is measured.
+    let (storage, tolerance) = if B::Elem::BYTES == 2 { (DType::BF16, GPU_STEP_BF16) } else { (DType::F32, STEP_F32) };
+    let case = rounded_to(gpu_draft_case(seed, DType::F64)?, storage)?;
     let config = &case.drafter.config;
     let b = config.block_size;
     let input = DraftInput::training(&case.row, &case.anchors, b)?;
@@ -189,7 +192,7 @@ pub fn planned_step_checks<B: Backend>(
         checks.push(GpuCheck {
             name: format!("{label} seed {seed} {} [{describe}]", policy.name()),
             errors,
-            tolerance: GPU_STEP_BF16.rel,
+            tolerance: tolerance.rel,
             memory: Some((measured, planned)),
         });
         per_policy.push(got);
@@ -208,11 +211,11 @@ pub fn planned_step_checks<B: Backend>(
     Ok(checks)
 }
 
-/// `case` with every weight, frozen table and feature rounded to bf16 (kept in f64): the GPU
+/// `case` with every weight, frozen table and feature rounded to `storage` (kept in f64): the
 /// step computes on exactly these values, so the reference sees the same inputs and only the
 /// step's own arithmetic is measured.
-fn bf16_exact(case: DraftCase) -> Result<DraftCase> {
-    let round = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::BF16)?.to_dtype(DType::F64)?) };
+fn rounded_to(case: DraftCase, storage: DType) -> Result<DraftCase> {
+    let round = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(storage)?.to_dtype(DType::F64)?) };
     let drafter = Drafter::from_fn(case.drafter.config.clone(), |name, _| round(case.drafter.param(name)))?;
     let head = FrozenHead { embed: round(&case.head.embed)?, lm_head: round(&case.head.lm_head)? };
     let row = TrainRow { features: round(&case.row.features)?, ..case.row };
@@ -476,7 +479,7 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let fill_n = rng.random_range(1..=100_000);
     let fill_seed = rng.random::<u64>();
     let fill = Buf::<bf16>::zeros(stream, "fill", fill_n)?;
-    k.fill_normal_bf16(fill.ptr(), fill_n, fill_seed, 0.5, 2.0)?;
+    k.fill_normal(fill.ptr(), fill_n, fill_seed, 0.5, 2.0)?;
     let fill_want: Vec<f64> = (0..fill_n as u64).map(|i| 0.5 + 2.0 * normal_at(fill_seed, i)).collect();
     let (src_rows, cols) = (rng.random_range(2..=50), rng.random_range(1..=700));
     let (src, srcf) = draw(src_rows * cols, 0.0, 1.0, &mut rng);
@@ -495,7 +498,7 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let (_, castf) = draw(fill_n, 0.0, 3.0, &mut rng);
     let castb = f32s(&castf)?;
     let cast = Buf::<bf16>::zeros(stream, "cast", fill_n)?;
-    k.cast_f32_bf16(castb.ptr(), cast.ptr(), fill_n)?;
+    k.cast_f32(castb.ptr(), cast.ptr(), fill_n)?;
     let cast_want: Vec<f64> = castf.iter().map(|&x| bf16::from_f32(x as f32).to_f64()).collect();
     let sq_partial = Buf::<f32>::zeros(stream, "partial", 64)?;
     k.sum_squares(false, castb.ptr(), sq_partial.ptr(), fill_n, 64)?;
@@ -506,7 +509,7 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let sq16_want: f64 = cast_want.iter().map(|x| x * x).sum();
     let (_, acc0) = draw(fill_n, 0.0, 1.0, &mut rng);
     let acc = f32s(&acc0)?;
-    k.accumulate_bf16(acc.ptr(), cast.ptr(), fill_n)?;
+    k.accumulate(acc.ptr(), cast.ptr(), fill_n)?;
     let acc_want: Vec<f64> = acc0.iter().zip(&cast_want).map(|(a, b)| f64::from(*a as f32) + b).collect();
     check(
         &format!("fill_normal, gather/scatter, cast, sum_squares, accumulate [{fill_n}]"),

@@ -5,6 +5,7 @@
 
 use dflash_conformance::gpu_step::planned_step_checks;
 use dflash_conformance::heap::{CountingAllocator, HeapMeter};
+use dflash_optimized::step::gpu::backend::Elem;
 use dflash_optimized::step::gpu::host::Host;
 
 #[global_allocator]
@@ -14,11 +15,10 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 /// about a hundred buffers (a few kB), and the attention plans' host copies; 64 KiB bounds them.
 const BOOKKEEPING_BYTES: u64 = 64 << 10;
 
-#[test]
-fn planned_step_on_the_cpu_matches_the_reference_within_its_plan() {
+fn check_planned_step<E: Elem>(label: &str) {
     for seed in [1u64, 2, 3] {
         let checks =
-            planned_step_checks(seed, "cpu step", || Ok(Host::default()), &mut HeapMeter::default(), BOOKKEEPING_BYTES)
+            planned_step_checks(seed, label, || Ok(Host::<E>::default()), &mut HeapMeter::default(), BOOKKEEPING_BYTES)
                 .expect("the planned step on the CPU");
         for c in &checks {
             println!("{} errors {:?} memory {:?}", c.name, c.errors, c.memory);
@@ -32,6 +32,16 @@ fn planned_step_on_the_cpu_matches_the_reference_within_its_plan() {
             );
         }
     }
+}
+
+#[test]
+fn planned_step_on_the_cpu_in_bf16_matches_the_reference_within_its_plan() {
+    check_planned_step::<half::bf16>("cpu bf16 step");
+}
+
+#[test]
+fn planned_step_on_the_cpu_in_f32_matches_the_reference_within_its_plan() {
+    check_planned_step::<f32>("cpu f32 step");
 }
 
 /// `GpuAdamW` on the CPU backend: two accumulated steps, clipped and applied to the fp32 master
@@ -56,7 +66,8 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     let input = DraftInput::training(&case.row, &case.anchors, b).expect("input");
     let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
     let shape = StepShape { context_len: case.row.len(), num_anchors: case.anchors.positions.len(), lm_chunk_rows: 16 };
-    let mut step = Step::with_backend(Host::default(), config, shape, Policy::PerLayer, true).expect("step");
+    let mut step =
+        Step::with_backend(Host::<half::bf16>::default(), config, shape, Policy::PerLayer, true).expect("step");
     step.load_weights(&case.drafter).expect("weights");
     step.load_lm_head(&case.head).expect("lm head");
     step.set_input(&input, &case.head, &targets).expect("input");
@@ -129,7 +140,7 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &anchors, b, case.gamma);
     let shape = StepShape { context_len: case.row.len(), num_anchors: anchors.positions.len(), lm_chunk_rows: 8 };
     let new_step = |drafter: &Drafter| {
-        let mut step = Step::with_backend(Host::default(), &config, shape, Policy::None, false).unwrap();
+        let mut step = Step::with_backend(Host::<half::bf16>::default(), &config, shape, Policy::None, false).unwrap();
         step.load_weights(drafter).unwrap();
         step.load_lm_head(&case.head).unwrap();
         step.set_input(&input, &case.head, &targets).unwrap();

@@ -146,6 +146,18 @@ pub const NORM_PARTS: usize = 64;
 /// `optimizer` buffers when training (not when only the step is measured). The GPU step
 /// allocates exactly these (`step::gpu`), so the plan is what the step holds.
 pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, optimizer: bool) -> Vec<StepBuffer> {
+    step_buffers_of(config, shape, policy, optimizer, BF16)
+}
+
+/// [`step_buffers`] for a step storing weights, activations and step gradients in values of
+/// `elem` bytes (2 for bf16: the GPU; 4 for f32: the CPU step in f32).
+pub fn step_buffers_of(
+    config: &DraftConfig,
+    shape: StepShape,
+    policy: Policy,
+    optimizer: bool,
+    elem: u64,
+) -> Vec<StepBuffer> {
     let d = Dims::new(config, shape);
     let layers = config.dims.num_layers();
     let params: u64 = param_shapes(config).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
@@ -154,9 +166,9 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
         out.push(StepBuffer { key, item, lifetime, bytes, scratch_offset: None })
     };
     use Lifetime::{Head, Layer, Model, Optimizer, Saved, Transient};
-    add("weights".into(), "weights (bf16 compute copy)", Model, params * BF16);
-    add("grads".into(), "gradients of one step (bf16)", Model, params * BF16);
-    add("lm_head".into(), "frozen LM head (bf16)", Model, d.vocab * d.hidden * BF16);
+    add("weights".into(), "weights (compute copy)", Model, params * elem);
+    add("grads".into(), "gradients of one step", Model, params * elem);
+    add("lm_head".into(), "frozen LM head", Model, d.vocab * d.hidden * elem);
     if optimizer {
         add("master".into(), "master weights (fp32)", Optimizer, params * F32);
         add("grad_acc".into(), "accumulated gradients (fp32)", Optimizer, params * F32);
@@ -164,7 +176,7 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
         add("adam_v".into(), "AdamW moments (fp32, 2x)", Optimizer, params * F32);
     }
     let inputs = "inputs: features, RoPE tables, labels, weights";
-    add("features".into(), inputs, Saved, d.s * d.features * BF16);
+    add("features".into(), inputs, Saved, d.s * d.features * elem);
     for key in ["cos_q", "sin_q"] {
         add(key.into(), inputs, Saved, d.q * d.head_dim * F32);
     }
@@ -175,14 +187,14 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
         add(key.into(), inputs, Saved, d.q * F32);
     }
     let context = "context: fc output, ctx, inverse RMS";
-    add("ctx_pre".into(), context, Saved, d.s * d.hidden * BF16);
-    add("ctx".into(), context, Saved, d.s * d.hidden * BF16);
+    add("ctx_pre".into(), context, Saved, d.s * d.hidden * elem);
+    add("ctx".into(), context, Saved, d.s * d.hidden * elem);
     add("inv_hidden".into(), context, Saved, d.s * F32);
     let residual = "residual stream: every layer's input, the output";
     for l in 0..=layers {
-        add(format!("residual.{l}"), residual, Saved, d.q * d.hidden * BF16);
+        add(format!("residual.{l}"), residual, Saved, d.q * d.hidden * elem);
     }
-    add("hf".into(), "final norm output and inverse RMS", Saved, d.q * d.hidden * BF16);
+    add("hf".into(), "final norm output and inverse RMS", Saved, d.q * d.hidden * elem);
     add("inv_final".into(), "final norm output and inverse RMS", Saved, d.q * F32);
 
     let layer_sets: Vec<(String, &'static str, Lifetime)> = match policy {
@@ -191,16 +203,16 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
     };
     for (prefix, item, lifetime) in layer_sets {
         for (name, bytes) in [
-            ("kv_in", d.k * d.hidden * BF16),
+            ("kv_in", d.k * d.hidden * elem),
             ("inv_in", d.q * F32),
-            ("q_pre", d.q * d.q_dim * BF16),
+            ("q_pre", d.q * d.q_dim * elem),
             ("inv_q", d.q * d.heads * F32),
-            ("k_pre", d.k * d.kv_dim * BF16),
+            ("k_pre", d.k * d.kv_dim * elem),
             ("inv_k", d.k * d.kv_heads * F32),
-            ("v", d.k * d.kv_dim * BF16),
-            ("x_mid", d.q * d.hidden * BF16),
+            ("v", d.k * d.kv_dim * elem),
+            ("x_mid", d.q * d.hidden * elem),
             ("inv_post", d.q * F32),
-            ("gate_up", d.q * 2 * d.inter * BF16),
+            ("gate_up", d.q * 2 * d.inter * elem),
         ] {
             add(format!("{prefix}{name}"), item, lifetime, bytes);
         }
@@ -210,31 +222,31 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
         _ => (0..layers).map(|l| (format!("layers.{l}."), SAVED_ATTENTION, Saved)).collect(),
     };
     for (prefix, item, lifetime) in attention_sets {
-        add(format!("{prefix}out"), item, lifetime, d.q * d.q_dim * BF16);
+        add(format!("{prefix}out"), item, lifetime, d.q * d.q_dim * elem);
         add(format!("{prefix}lse"), item, lifetime, d.heads * d.q * F32);
     }
 
     // Cheap to recompute from what a layer keeps, so one copy serves every layer: q and k after
     // their norm and RoPE (from q_pre, k_pre) and the post-attention norm's output (from x_mid).
     let cheap = "q, k after norm + RoPE, xn2 (recomputed per layer)";
-    add("q".into(), cheap, Layer, d.q * d.q_dim * BF16);
-    add("k".into(), cheap, Layer, d.k * d.kv_dim * BF16);
-    add("xn2".into(), cheap, Layer, d.q * d.hidden * BF16);
+    add("q".into(), cheap, Layer, d.q * d.q_dim * elem);
+    add("k".into(), cheap, Layer, d.k * d.kv_dim * elem);
+    add("xn2".into(), cheap, Layer, d.q * d.hidden * elem);
     let grads = "activation gradients of one layer";
-    add("h".into(), "SwiGLU output / its gradient", Layer, d.q * d.inter * BF16);
-    add("grad.a".into(), grads, Layer, d.q * d.hidden * BF16);
+    add("h".into(), "SwiGLU output / its gradient", Layer, d.q * d.inter * elem);
+    add("grad.a".into(), grads, Layer, d.q * d.hidden * elem);
     // grad.b also takes the LM head's output gradient.
-    add("grad.b".into(), "output gradient of the LM head / of a layer", Transient, d.q * d.hidden * BF16);
+    add("grad.b".into(), "output gradient of the LM head / of a layer", Transient, d.q * d.hidden * elem);
     // grad.c holds dxn2 and dxn, and between them the attention's output gradient.
-    add("grad.c".into(), grads, Layer, d.q * d.hidden.max(d.q_dim) * BF16);
-    add("dq".into(), grads, Layer, d.q * d.q_dim * BF16);
-    add("dk".into(), grads, Layer, d.k * d.kv_dim * BF16);
-    add("dv".into(), grads, Layer, d.k * d.kv_dim * BF16);
+    add("grad.c".into(), grads, Layer, d.q * d.hidden.max(d.q_dim) * elem);
+    add("dq".into(), grads, Layer, d.q * d.q_dim * elem);
+    add("dk".into(), grads, Layer, d.k * d.kv_dim * elem);
+    add("dv".into(), grads, Layer, d.k * d.kv_dim * elem);
     add("dsum".into(), grads, Layer, d.heads * d.q * F32);
     // fp32 accumulators of the split key-major attention backward.
     add("dk_acc".into(), grads, Layer, d.k * d.kv_dim * F32);
     add("dv_acc".into(), grads, Layer, d.k * d.kv_dim * F32);
-    add("dctx".into(), grads, Layer, d.s * d.hidden * BF16);
+    add("dctx".into(), grads, Layer, d.s * d.hidden * elem);
     let reductions = "reduction partials (norm weights, gradient norm)";
     add("dw_partial".into(), reductions, Layer, GRAD_PARTS as u64 * d.hidden.max(d.head_dim) * F32);
     let param_count = param_shapes(config).len() as u64;
@@ -244,10 +256,10 @@ pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, opti
     let kinds: std::collections::HashSet<_> = config.dims.layer_kinds.iter().collect();
     let plan_bytes = shape.num_anchors as u64 * 6 * F32 + d.k.div_ceil(TILE_K as u64) * 2 * F32;
     add(ATTENTION_PLANS.into(), inputs, Saved, kinds.len() as u64 * plan_bytes);
-    let lm = "one LM-head chunk: rows, bf16 logits / their gradient";
-    add("lm.rows".into(), lm, Head, d.lm_rows * d.hidden * BF16);
-    add("lm.logits".into(), lm, Head, d.lm_rows * d.vocab * BF16);
-    add("lm.drows".into(), lm, Head, d.lm_rows * d.hidden * BF16);
+    let lm = "one LM-head chunk: rows, logits / their gradient";
+    add("lm.rows".into(), lm, Head, d.lm_rows * d.hidden * elem);
+    add("lm.logits".into(), lm, Head, d.lm_rows * d.vocab * elem);
+    add("lm.drows".into(), lm, Head, d.lm_rows * d.hidden * elem);
     place_in_scratch(&mut out);
     out
 }

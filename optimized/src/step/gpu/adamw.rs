@@ -30,7 +30,7 @@ impl GpuAdamW {
     /// Adds the last step's gradients to the fp32 accumulator.
     pub fn accumulate<B: Backend>(&self, step: &Step<B>) -> Result<()> {
         let n = step.num_params();
-        step.backend().ops().accumulate_bf16(step.buffer("grad_acc"), step.buffer("grads"), n)
+        step.backend().ops().accumulate(step.buffer("grad_acc"), step.buffer("grads"), n)
     }
 
     /// One update with learning rate `lr` from the accumulated gradients, clipped to global norm

@@ -16,6 +16,38 @@ use crate::attention::plan::AttentionPlan;
 use crate::blas::{Blas, Mat, Out};
 use crate::gpu::Gpu;
 
+/// What a backend stores weights, activations and step gradients in: bf16 on the GPU, bf16 or
+/// f32 on the CPU.
+pub trait Elem: Copy + Default + Send + Sync + 'static {
+    const BYTES: usize;
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for half::bf16 {
+    const BYTES: usize = 2;
+
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+impl Elem for f32 {
+    const BYTES: usize = 4;
+
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
 /// An allocation of a backend, freed on drop.
 pub trait Allocation {
     /// The address of byte 0.
@@ -28,8 +60,10 @@ impl Allocation for Buf<u8> {
     }
 }
 
-/// Memory and operations of the planned step (bf16 storage unless stated).
+/// Memory and operations of the planned step (values stored as [`Backend::Elem`] unless
+/// stated).
 pub trait Backend {
+    type Elem: Elem;
     type Ops: StepOps;
     type Alloc: Allocation;
     /// An attention plan where the backend's attention reads it.
@@ -47,14 +81,14 @@ pub trait Backend {
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()>;
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     fn ops(&self) -> &Self::Ops;
-    /// `c [m, n] = a @ b + beta * c`, bf16 with fp32 accumulation.
+    /// `c [m, n] = a @ b + beta * c`, fp32 accumulation.
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()>;
     fn upload_plan(&self, plan: &AttentionPlan) -> Result<Self::Plan>;
     /// Memory the attention takes beyond the plan's buffers under `plan` (none on the GPU).
     fn attention_scratch_bytes(&self, _plan: &Self::Plan, _shape: AttnShape) -> u64 {
         0
     }
-    /// `out [Q, nh, d]` (bf16) and `lse [nh, Q]` (fp32) from q, k, v.
+    /// `out [Q, nh, d]` and `lse [nh, Q]` (fp32) from q, k, v.
     fn attention_forward(
         &self,
         plan: &Self::Plan,
@@ -112,6 +146,7 @@ impl Cuda {
 }
 
 impl Backend for Cuda {
+    type Elem = half::bf16;
     type Ops = StepKernels;
     type Alloc = Buf<u8>;
     type Plan = DevicePlan;

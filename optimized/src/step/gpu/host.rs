@@ -1,6 +1,7 @@
 //! The planned step on the CPU: [`Host`] allocates the plan's buffers in host memory and
-//! [`HostOps`] are the CPU twins of the `step.cu` kernels, element for element on the same bf16
-//! layouts (fp32 arithmetic, f64 for the CE's log-sum-exp). Matmuls are plain loops with fp32
+//! [`HostOps`] are the CPU twins of the `step.cu` kernels, element for element on the same
+//! layouts, storing bf16 (the GPU step's twin) or f32 (fp32 arithmetic, f64 for the CE's
+//! log-sum-exp). Matmuls are plain loops with fp32
 //! accumulation; attention is the fused attention's CPU twin (`attention::cpu`) on fp32 copies.
 //! Nothing here allocates except the attention, whose scratch [`Host::attention_scratch_bytes`]
 //! bounds (`Backend::attention_scratch_bytes`), so a step's heap is its plan plus that.
@@ -11,9 +12,9 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 
 use dflash_reference::{Error, Result};
-use half::bf16;
+use std::marker::PhantomData;
 
-use super::backend::{Allocation, Backend};
+use super::backend::{Allocation, Backend, Elem};
 use super::kernels::{normal_at, AdamWArgs, StepOps};
 use crate::attention::cpu::{
     attention_backward, attention_backward_bytes, attention_forward, attention_forward_bytes, AttnShape,
@@ -43,24 +44,29 @@ impl Drop for HostAlloc {
     }
 }
 
-/// The CPU as a backend of the planned step.
+/// The CPU as a backend of the planned step, storing `E` (bf16: the GPU step's twin; f32).
 #[derive(Default)]
-pub struct Host {
-    ops: HostOps,
+pub struct Host<E> {
+    ops: HostOps<E>,
 }
 
-/// The CPU twins of the `step.cu` kernels.
-#[derive(Default)]
-pub struct HostOps;
+/// The CPU twins of the `step.cu` kernels, on values stored as `E`.
+pub struct HostOps<E>(PhantomData<E>);
 
-fn ld(p: u64, i: usize) -> f32 {
+impl<E> Default for HostOps<E> {
+    fn default() -> Self {
+        HostOps(PhantomData)
+    }
+}
+
+fn ld<E: Elem>(p: u64, i: usize) -> f32 {
     // SAFETY: callers index inside buffers of the step's plan.
-    unsafe { (*(p as *const bf16).add(i)).to_f32() }
+    unsafe { (*(p as *const E).add(i)).to_f32() }
 }
 
-fn st(p: u64, i: usize, v: f32) {
+fn st<E: Elem>(p: u64, i: usize, v: f32) {
     // SAFETY: as `ld`.
-    unsafe { *(p as *mut bf16).add(i) = bf16::from_f32(v) }
+    unsafe { *(p as *mut E).add(i) = E::from_f32(v) }
 }
 
 fn ld32(p: u64, i: usize) -> f32 {
@@ -78,9 +84,9 @@ fn ld_u32(p: u64, i: usize) -> u32 {
     unsafe { *(p as *const u32).add(i) }
 }
 
-/// `count` bf16 values from `p` as f32 (allocates: attention scratch only).
-fn widen(p: u64, count: usize) -> Vec<f32> {
-    (0..count).map(|i| ld(p, i)).collect()
+/// `count` stored values from `p` as f32 (allocates: attention scratch only).
+fn widen<E: Elem>(p: u64, count: usize) -> Vec<f32> {
+    (0..count).map(|i| ld::<E>(p, i)).collect()
 }
 
 /// Heap bytes the attention allocates beyond the plan, at its largest (forward or backward):
@@ -93,8 +99,9 @@ fn attention_scratch(plan: &AttentionPlan, shape: AttnShape) -> u64 {
     forward.max(backward) as u64
 }
 
-impl Backend for Host {
-    type Ops = HostOps;
+impl<E: Elem> Backend for Host<E> {
+    type Elem = E;
+    type Ops = HostOps<E>;
     type Alloc = HostAlloc;
     type Plan = AttentionPlan;
 
@@ -141,7 +148,7 @@ impl Backend for Host {
         Ok(())
     }
 
-    fn ops(&self) -> &HostOps {
+    fn ops(&self) -> &HostOps<E> {
         &self.ops
     }
 
@@ -151,13 +158,13 @@ impl Backend for Host {
         if k != kb {
             return Err(Error::invalid("matmul", format!("inner dims differ: a is {m}x{k}, b is {kb}x{n}")));
         }
-        let at = |i: usize, x: usize| if a.t { ld(a.ptr, x * a.cols + i) } else { ld(a.ptr, i * a.cols + x) };
-        let bt = |x: usize, j: usize| if b.t { ld(b.ptr, j * b.cols + x) } else { ld(b.ptr, x * b.cols + j) };
+        let at = |i: usize, x: usize| if a.t { ld::<E>(a.ptr, x * a.cols + i) } else { ld::<E>(a.ptr, i * a.cols + x) };
+        let bt = |x: usize, j: usize| if b.t { ld::<E>(b.ptr, j * b.cols + x) } else { ld::<E>(b.ptr, x * b.cols + j) };
         for i in 0..m {
             for j in 0..n {
                 let acc: f32 = (0..k).map(|x| at(i, x) * bt(x, j)).sum();
-                let old = if beta != 0.0 { beta * ld(c, i * n + j) } else { 0.0 };
-                st(c, i * n + j, acc + old);
+                let old = if beta != 0.0 { beta * ld::<E>(c, i * n + j) } else { 0.0 };
+                st::<E>(c, i * n + j, acc + old);
             }
         }
         Ok(())
@@ -181,8 +188,15 @@ impl Backend for Host {
         let (nq, nk) = (plan.num_queries, plan.num_keys);
         let (q_len, kv_len) = (nq * shape.num_heads * shape.head_dim, nk * shape.num_kv_heads * shape.head_dim);
         let scale = (shape.head_dim as f64).powf(-0.5);
-        let (o, l) = attention_forward(plan, shape, &widen(q, q_len), &widen(k, kv_len), &widen(v, kv_len), scale)?;
-        o.iter().enumerate().for_each(|(i, &x)| st(out, i, x));
+        let (o, l) = attention_forward(
+            plan,
+            shape,
+            &widen::<E>(q, q_len),
+            &widen::<E>(k, kv_len),
+            &widen::<E>(v, kv_len),
+            scale,
+        )?;
+        o.iter().enumerate().for_each(|(i, &x)| st::<E>(out, i, x));
         l.iter().enumerate().for_each(|(i, &x)| st32(lse, i, x));
         Ok(())
     }
@@ -205,27 +219,27 @@ impl Backend for Host {
         let (gq, gk, gv) = attention_backward(
             plan,
             shape,
-            &widen(q, q_len),
-            &widen(k, kv_len),
-            &widen(v, kv_len),
-            &widen(out, q_len),
+            &widen::<E>(q, q_len),
+            &widen::<E>(k, kv_len),
+            &widen::<E>(v, kv_len),
+            &widen::<E>(out, q_len),
             lse,
-            &widen(dout, q_len),
+            &widen::<E>(dout, q_len),
             scale,
         )?;
         for (dst, src) in [(dq, &gq), (dk, &gk), (dv, &gv)] {
-            src.iter().enumerate().for_each(|(i, &x)| st(dst, i, x));
+            src.iter().enumerate().for_each(|(i, &x)| st::<E>(dst, i, x));
         }
         Ok(())
     }
 }
 
-impl StepOps for HostOps {
+impl<E: Elem> StepOps for HostOps<E> {
     fn rms_norm_forward(&self, x: u64, w: u64, y: u64, inv: u64, rows: usize, n: usize, eps: f32) -> Result<()> {
         for r in 0..rows {
-            let ss: f32 = (0..n).map(|i| ld(x, r * n + i).powi(2)).sum();
+            let ss: f32 = (0..n).map(|i| ld::<E>(x, r * n + i).powi(2)).sum();
             let rr = 1.0 / (ss / n as f32 + eps).sqrt();
-            (0..n).for_each(|i| st(y, r * n + i, ld(x, r * n + i) * rr * ld(w, i)));
+            (0..n).for_each(|i| st::<E>(y, r * n + i, ld::<E>(x, r * n + i) * rr * ld::<E>(w, i)));
             st32(inv, r, rr);
         }
         Ok(())
@@ -243,16 +257,16 @@ impl StepOps for HostOps {
         (0..n).for_each(|i| st32(partial, i, 0.0));
         for r in 0..rows {
             let rr = ld32(inv, r);
-            let dot: f32 = (0..n).map(|i| ld(dy, r * n + i) * ld(w, i) * ld(x, r * n + i)).sum();
+            let dot: f32 = (0..n).map(|i| ld::<E>(dy, r * n + i) * ld::<E>(w, i) * ld::<E>(x, r * n + i)).sum();
             let coeff = rr * rr * rr * dot / n as f32;
             for i in 0..n {
-                let (g, xv) = (ld(dy, r * n + i), ld(x, r * n + i));
+                let (g, xv) = (ld::<E>(dy, r * n + i), ld::<E>(x, r * n + i));
                 st32(partial, i, ld32(partial, i) + g * xv * rr);
-                let res = if dres != 0 { ld(dres, r * n + i) } else { 0.0 };
-                st(dx, r * n + i, rr * g * ld(w, i) - xv * coeff + res);
+                let res = if dres != 0 { ld::<E>(dres, r * n + i) } else { 0.0 };
+                st::<E>(dx, r * n + i, rr * g * ld::<E>(w, i) - xv * coeff + res);
             }
         }
-        (0..n).for_each(|i| st(dw, i, ld32(partial, i)));
+        (0..n).for_each(|i| st::<E>(dw, i, ld32(partial, i)));
         Ok(())
     }
 
@@ -267,11 +281,11 @@ impl StepOps for HostOps {
         let half = d / 2;
         for row in 0..tokens * heads {
             let (t, base) = (row / heads, row * d);
-            let rr = 1.0 / ((0..d).map(|i| ld(x, base + i).powi(2)).sum::<f32>() / d as f32 + eps).sqrt();
-            let normed = |i: usize| ld(x, base + i) * rr * ld(w, i);
+            let rr = 1.0 / ((0..d).map(|i| ld::<E>(x, base + i).powi(2)).sum::<f32>() / d as f32 + eps).sqrt();
+            let normed = |i: usize| ld::<E>(x, base + i) * rr * ld::<E>(w, i);
             for i in 0..d {
                 let rot = if i < half { -normed(i + half) } else { normed(i - half) };
-                st(y, base + i, normed(i) * ld32(cos, t * d + i) + rot * ld32(sin, t * d + i));
+                st::<E>(y, base + i, normed(i) * ld32(cos, t * d + i) + rot * ld32(sin, t * d + i));
             }
             st32(inv, row, rr);
         }
@@ -291,29 +305,29 @@ impl StepOps for HostOps {
         for row in 0..tokens * heads {
             let (t, base) = (row / heads, row * d);
             // dxn = dy*cos + [u2, -u1] with u = dy*sin; kept in the partial's spare row d..2d.
-            let u = |i: usize| ld(dy, base + i) * ld32(sin, t * d + i);
+            let u = |i: usize| ld::<E>(dy, base + i) * ld32(sin, t * d + i);
             for i in 0..d {
                 let rot = if i < half { u(i + half) } else { -u(i - half) };
-                st32(partial, d + i, ld(dy, base + i) * ld32(cos, t * d + i) + rot);
+                st32(partial, d + i, ld::<E>(dy, base + i) * ld32(cos, t * d + i) + rot);
             }
             let rr = ld32(inv, row);
-            let dot: f32 = (0..d).map(|i| ld32(partial, d + i) * ld(w, i) * ld(x, base + i)).sum();
+            let dot: f32 = (0..d).map(|i| ld32(partial, d + i) * ld::<E>(w, i) * ld::<E>(x, base + i)).sum();
             let coeff = rr * rr * rr * dot / d as f32;
             for i in 0..d {
-                let (g, xv) = (ld32(partial, d + i), ld(x, base + i));
+                let (g, xv) = (ld32(partial, d + i), ld::<E>(x, base + i));
                 st32(partial, i, ld32(partial, i) + g * xv * rr);
-                st(dx, base + i, rr * g * ld(w, i) - xv * coeff);
+                st::<E>(dx, base + i, rr * g * ld::<E>(w, i) - xv * coeff);
             }
         }
-        (0..d).for_each(|i| st(dw, i, ld32(partial, i)));
+        (0..d).for_each(|i| st::<E>(dw, i, ld32(partial, i)));
         Ok(())
     }
 
     fn swiglu_forward(&self, gu: u64, h: u64, rows: usize, inter: usize) -> Result<()> {
         for r in 0..rows {
             for c in 0..inter {
-                let (g, u) = (ld(gu, r * 2 * inter + c), ld(gu, r * 2 * inter + inter + c));
-                st(h, r * inter + c, g / (1.0 + (-g).exp()) * u);
+                let (g, u) = (ld::<E>(gu, r * 2 * inter + c), ld::<E>(gu, r * 2 * inter + inter + c));
+                st::<E>(h, r * inter + c, g / (1.0 + (-g).exp()) * u);
             }
         }
         Ok(())
@@ -323,10 +337,10 @@ impl StepOps for HostOps {
         for r in 0..rows {
             for c in 0..inter {
                 let (gi, ui) = (r * 2 * inter + c, r * 2 * inter + inter + c);
-                let (d, g, u) = (ld(dh, r * inter + c), ld(gu, gi), ld(gu, ui));
+                let (d, g, u) = (ld::<E>(dh, r * inter + c), ld::<E>(gu, gi), ld::<E>(gu, ui));
                 let s = 1.0 / (1.0 + (-g).exp());
-                st(gu, gi, d * u * s * (1.0 + g * (1.0 - s)));
-                st(gu, ui, d * g * s);
+                st::<E>(gu, gi, d * u * s * (1.0 + g * (1.0 - s)));
+                st::<E>(gu, ui, d * g * s);
             }
         }
         Ok(())
@@ -344,13 +358,13 @@ impl StepOps for HostOps {
     ) -> Result<()> {
         for r in 0..rows {
             let base = r * vocab;
-            let max = (0..vocab).map(|i| f64::from(ld(z, base + i))).fold(f64::NEG_INFINITY, f64::max);
-            let lse = max + (0..vocab).map(|i| (f64::from(ld(z, base + i)) - max).exp()).sum::<f64>().ln();
+            let max = (0..vocab).map(|i| f64::from(ld::<E>(z, base + i))).fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + (0..vocab).map(|i| (f64::from(ld::<E>(z, base + i)) - max).exp()).sum::<f64>().ln();
             let (y, w) = (ld_u32(labels, r) as usize, ld32(weights, r));
-            st32(loss, r, w * (lse - f64::from(ld(z, base + y))) as f32);
+            st32(loss, r, w * (lse - f64::from(ld::<E>(z, base + y))) as f32);
             for i in 0..vocab {
-                let p = (f64::from(ld(z, base + i)) - lse).exp() as f32;
-                st(z, base + i, scale * w * (p - if i == y { 1.0 } else { 0.0 }));
+                let p = (f64::from(ld::<E>(z, base + i)) - lse).exp() as f32;
+                st::<E>(z, base + i, scale * w * (p - if i == y { 1.0 } else { 0.0 }));
             }
         }
         Ok(())
@@ -360,28 +374,28 @@ impl StepOps for HostOps {
         for r in 0..count {
             let row = ld_u32(idx, r) as usize;
             let (from, to) = if scatter { (r, row) } else { (row, r) };
-            (0..cols).for_each(|i| st(dst, to * cols + i, ld(src, from * cols + i)));
+            (0..cols).for_each(|i| st::<E>(dst, to * cols + i, ld::<E>(src, from * cols + i)));
         }
         Ok(())
     }
 
-    fn cast_f32_bf16(&self, src: u64, dst: u64, n: usize) -> Result<()> {
-        (0..n).for_each(|i| st(dst, i, ld32(src, i)));
+    fn cast_f32(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+        (0..n).for_each(|i| st::<E>(dst, i, ld32(src, i)));
         Ok(())
     }
 
-    fn sum_squares(&self, bf16: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
-        let sum: f32 = (0..n).map(|i| if bf16 { ld(x, i) } else { ld32(x, i) }.powi(2)).sum();
+    fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
+        let sum: f32 = (0..n).map(|i| if stored { ld::<E>(x, i) } else { ld32(x, i) }.powi(2)).sum();
         (0..parts).for_each(|p| st32(partial, p, if p == 0 { sum } else { 0.0 }));
         Ok(())
     }
 
-    fn accumulate_bf16(&self, acc: u64, g: u64, n: usize) -> Result<()> {
-        (0..n).for_each(|i| st32(acc, i, ld32(acc, i) + ld(g, i)));
+    fn accumulate(&self, acc: u64, g: u64, n: usize) -> Result<()> {
+        (0..n).for_each(|i| st32(acc, i, ld32(acc, i) + ld::<E>(g, i)));
         Ok(())
     }
 
-    fn adamw_update(&self, (p, g, m, v, p_bf16): (u64, u64, u64, u64, u64), n: usize, a: AdamWArgs) -> Result<()> {
+    fn adamw_update(&self, (p, g, m, v, p_stored): (u64, u64, u64, u64, u64), n: usize, a: AdamWArgs) -> Result<()> {
         for i in 0..n {
             let gi = ld32(g, i) * a.grad_scale;
             let mi = a.beta1 * ld32(m, i) + (1.0 - a.beta1) * gi;
@@ -390,13 +404,13 @@ impl StepOps for HostOps {
             st32(m, i, mi);
             st32(v, i, vi);
             st32(p, i, pi);
-            st(p_bf16, i, pi);
+            st::<E>(p_stored, i, pi);
         }
         Ok(())
     }
 
-    fn fill_normal_bf16(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
-        (0..n).for_each(|i| st(dst, i, mean + std * normal_at(seed, i as u64) as f32));
+    fn fill_normal(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
+        (0..n).for_each(|i| st::<E>(dst, i, mean + std * normal_at(seed, i as u64) as f32));
         Ok(())
     }
 }

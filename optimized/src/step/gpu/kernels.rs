@@ -171,7 +171,8 @@ impl StepKernels {
 }
 
 /// The step's elementwise and reduction operations on device addresses: the `step.cu` kernels
-/// ([`StepKernels`]) or their CPU twins on host memory (`super::host::HostOps`).
+/// ([`StepKernels`]) or their CPU twins on host memory (`super::host::HostOps`). "Stored" values
+/// are the backend's element type (`Backend::Elem`: bf16 on the GPU); the rest is fp32.
 pub trait StepOps {
     /// `y [rows, n] = rms_norm(x) * w`, `inv [rows]`.
     #[allow(clippy::too_many_arguments)]
@@ -234,21 +235,22 @@ pub trait StepOps {
     /// `dst [count, cols] = src [idx[r], cols]` (`scatter`: `dst [idx[r]] = src [r]`).
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()>;
 
-    /// `dst [n] = bf16(src [n])`.
-    fn cast_f32_bf16(&self, src: u64, dst: u64, n: usize) -> Result<()>;
+    /// `dst [n] = stored(src [n])` from fp32.
+    fn cast_f32(&self, src: u64, dst: u64, n: usize) -> Result<()>;
 
-    /// `partial [parts]` with `sum(partial) = sum(x^2)` over `x [n]` (fp32, or bf16 when
-    /// `bf16`); `parts` CTAs.
-    fn sum_squares(&self, bf16: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()>;
+    /// `partial [parts]` with `sum(partial) = sum(x^2)` over `x [n]` (stored values when
+    /// `stored`, else fp32); `parts` CTAs.
+    fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()>;
 
-    /// `acc [n] += g [n]` (fp32 += bf16).
-    fn accumulate_bf16(&self, acc: u64, g: u64, n: usize) -> Result<()>;
+    /// `acc [n] += g [n]` (fp32 += stored).
+    fn accumulate(&self, acc: u64, g: u64, n: usize) -> Result<()>;
 
-    /// One AdamW update of `p [n]` (fp32) from `g` with moments `m`, `v`; writes `p_bf16`.
+    /// One AdamW update of `p [n]` (fp32) from `g` with moments `m`, `v`; writes the stored
+    /// compute copy `p_stored`.
     fn adamw_update(&self, buffers: (u64, u64, u64, u64, u64), n: usize, a: AdamWArgs) -> Result<()>;
 
-    /// `dst [n] = bf16(mean + std * normal_at(seed, i))`.
-    fn fill_normal_bf16(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()>;
+    /// `dst [n] = stored(mean + std * normal_at(seed, i))`.
+    fn fill_normal(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()>;
 }
 
 impl StepOps for StepKernels {
@@ -427,7 +429,7 @@ impl StepOps for StepKernels {
         Ok(())
     }
 
-    fn cast_f32_bf16(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+    fn cast_f32(&self, src: u64, dst: u64, n: usize) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.cast_f32_bf16);
         b.arg(&src).arg(&dst).arg(&nn);
@@ -439,9 +441,9 @@ impl StepOps for StepKernels {
         Ok(())
     }
 
-    fn sum_squares(&self, bf16: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
+    fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
         let nn = n as i64;
-        let (f, name) = if bf16 {
+        let (f, name) = if stored {
             (&self.sum_squares_bf16, "sum_squares_bf16")
         } else {
             (&self.sum_squares_f32, "sum_squares_f32")
@@ -453,7 +455,7 @@ impl StepOps for StepKernels {
         Ok(())
     }
 
-    fn accumulate_bf16(&self, acc: u64, g: u64, n: usize) -> Result<()> {
+    fn accumulate(&self, acc: u64, g: u64, n: usize) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.accumulate_bf16);
         b.arg(&acc).arg(&g).arg(&nn);
@@ -479,7 +481,7 @@ impl StepOps for StepKernels {
         Ok(())
     }
 
-    fn fill_normal_bf16(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
+    fn fill_normal(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.fill_normal_bf16);
         b.arg(&dst).arg(&nn).arg(&seed).arg(&mean).arg(&std);

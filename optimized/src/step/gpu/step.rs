@@ -1,12 +1,13 @@
-//! The drafter's training step on the GPU: the CPU step (`step::drafter_step`) op for op, in bf16
-//! with fp32 accumulation, fp32 parameter gradients, cuBLAS matmuls, the fused attention kernels
-//! and the `step.cu` kernels. Every buffer is one of the planner's `step_buffers`, allocated
-//! once when the step is made (after checking that they fit), so the step's memory is its plan.
+//! The planned training step: the CPU step (`step::drafter_step`) op for op over a backend
+//! (`super::backend`): on the GPU in bf16 with fp32 accumulation (cuBLAS, the fused attention,
+//! the `step.cu` kernels), or on the CPU with their twins storing bf16 or f32. Every buffer is one
+//! of the planner's `step_buffers_of`, allocated once when the step is made (after checking that
+//! they fit), so the step's memory is its plan.
 //!
 //! Shapes (one row): S context tokens, Q = N*B block rows, K = S + Q keys, H hidden, I SwiGLU,
-//! nh/nkv heads of d. Each step writes every parameter's gradient once, in bf16 (one rounding of
-//! an fp32-accumulated result, as PyTorch's bf16 autograd does); the optimizer (`super::adamw`)
-//! accumulates steps in fp32 and applies them to fp32 master weights.
+//! nh/nkv heads of d. Each step writes every parameter's gradient once in the stored type (on the
+//! GPU one bf16 rounding of an fp32-accumulated result, as PyTorch's bf16 autograd does); the
+//! optimizer (`super::adamw`) accumulates steps in fp32 and applies them to fp32 master weights.
 
 use std::collections::HashMap;
 
@@ -15,16 +16,15 @@ use dflash_reference::drafter::{param_shapes, DraftInput, Drafter, FrozenHead};
 use dflash_reference::loss::BlockTargets;
 use dflash_reference::ops::rope_tables;
 use dflash_reference::{Error, Result};
-use half::bf16;
 
-use super::backend::{download, Allocation, Backend, Cuda};
+use super::backend::{download, Allocation, Backend, Cuda, Elem};
 use super::kernels::StepOps;
 use crate::attention::cpu::AttnShape;
 use crate::attention::plan::AttentionPlan;
 use crate::blas::Mat;
 use crate::gpu::Gpu;
 use crate::planner::{
-    allocated_bytes, check_fits, step_buffers, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS, SCRATCH,
+    allocated_bytes, check_fits, step_buffers_of, Policy, StepShape, ATTENTION_PLANS, NORM_PARTS, SCRATCH,
 };
 
 /// One parameter's place in the flat weight and gradient buffers.
@@ -151,7 +151,7 @@ impl<B: Backend> Step<B> {
         if shape.num_anchors == 0 || shape.context_len == 0 || shape.lm_chunk_rows == 0 {
             return Err(Error::invalid("step shape", format!("{shape:?}: context, anchors and LM chunk must be >= 1")));
         }
-        let specs = step_buffers(config, shape, policy, optimizer);
+        let specs = step_buffers_of(config, shape, policy, optimizer, B::Elem::BYTES as u64);
         let planned_bytes = allocated_bytes(&specs);
         let device =
             format!("{} ({} policy, S={} N={})", dev.name(), policy.name(), shape.context_len, shape.num_anchors);
@@ -260,12 +260,12 @@ impl<B: Backend> Step<B> {
 
     fn w(&self, name: &str) -> u64 {
         let slot = &self.slots[self.slot_index[name]];
-        self.bufs.ptr("weights") + (slot.offset * 2) as u64
+        self.bufs.ptr("weights") + (slot.offset * B::Elem::BYTES) as u64
     }
 
     fn g(&self, name: &str) -> u64 {
         let slot = &self.slots[self.slot_index[name]];
-        self.bufs.ptr("grads") + (slot.offset * 2) as u64
+        self.bufs.ptr("grads") + (slot.offset * B::Elem::BYTES) as u64
     }
 
     fn lw(&self, l: usize, name: &str) -> u64 {
@@ -276,7 +276,7 @@ impl<B: Backend> Step<B> {
         self.g(&format!("layers.{l}.{name}"))
     }
 
-    /// The drafter's parameters as bf16 compute weights (and, with an optimizer, fp32 masters).
+    /// The drafter's parameters as stored compute weights (and, with an optimizer, fp32 masters).
     pub fn load_weights(&mut self, drafter: &Drafter) -> Result<()> {
         let mut flat = Vec::with_capacity(self.num_params());
         for slot in &self.slots {
@@ -289,15 +289,15 @@ impl<B: Backend> Step<B> {
             }
             flat.extend(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
         }
-        let as_bf16: Vec<bf16> = flat.iter().map(|&x| bf16::from_f32(x)).collect();
-        self.upload("weights", &as_bf16)?;
+        let stored: Vec<B::Elem> = flat.iter().map(|&x| B::Elem::from_f32(x)).collect();
+        self.upload("weights", &stored)?;
         if self.bufs.map.contains_key("master") {
             self.upload("master", &flat)?;
         }
         Ok(())
     }
 
-    /// The frozen LM head `[V, H]` as bf16.
+    /// The frozen LM head `[V, H]`, stored.
     pub fn load_lm_head(&mut self, head: &FrozenHead) -> Result<()> {
         let (v, h) = head.lm_head.dims2()?;
         if (v, h) != (self.sizes.v, self.sizes.h) {
@@ -306,13 +306,13 @@ impl<B: Backend> Step<B> {
                 format!("shape [{v}, {h}], the step expects [{}, {}]", self.sizes.v, self.sizes.h),
             ));
         }
-        let host: Vec<bf16> = head
+        let host: Vec<B::Elem> = head
             .lm_head
             .flatten_all()?
             .to_dtype(candle_core::DType::F32)?
             .to_vec1::<f32>()?
             .into_iter()
-            .map(bf16::from_f32)
+            .map(B::Elem::from_f32)
             .collect();
         self.upload("lm_head", &host)
     }
@@ -322,11 +322,11 @@ impl<B: Backend> Step<B> {
     pub fn randomize_weights(&mut self, seed: u64) -> Result<()> {
         for (n, slot) in self.slots.iter().enumerate() {
             let (mean, std) = if dflash_reference::drafter::is_norm(&slot.name) { (1.0, 0.0) } else { (0.0, 0.02) };
-            let ptr = self.bufs.ptr("weights") + (slot.offset * 2) as u64;
-            self.dev.ops().fill_normal_bf16(ptr, slot.len, seed.wrapping_add(n as u64), mean, std)?;
+            let ptr = self.bufs.ptr("weights") + (slot.offset * B::Elem::BYTES) as u64;
+            self.dev.ops().fill_normal(ptr, slot.len, seed.wrapping_add(n as u64), mean, std)?;
         }
         let (lm, n) = (self.bufs.ptr("lm_head"), self.sizes.v * self.sizes.h);
-        self.dev.ops().fill_normal_bf16(lm, n, seed ^ 0x5eed_1e4d, 0.0, 0.02)
+        self.dev.ops().fill_normal(lm, n, seed ^ 0x5eed_1e4d, 0.0, 0.02)
     }
 
     /// Uploads one row's input: features, block embeddings (`x0`, from the frozen table on the
@@ -347,17 +347,13 @@ impl<B: Backend> Step<B> {
                 format!("shape {:?}, expected [{}, {}]", input.features.dims(), z.s, z.fw),
             ));
         }
-        let to_bf16 = |t: &candle_core::Tensor| -> Result<Vec<bf16>> {
-            Ok(t.flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1::<f32>()?
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect())
+        let stored = |t: &candle_core::Tensor| -> Result<Vec<B::Elem>> {
+            let values = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+            Ok(values.into_iter().map(B::Elem::from_f32).collect())
         };
-        self.upload("features", &to_bf16(&input.features)?)?;
+        self.upload("features", &stored(&input.features)?)?;
         let x0 = input.block_embeddings(head, self.config.mask_token_id, candle_core::DType::F32)?;
-        self.upload("residual.0", &to_bf16(&x0)?)?;
+        self.upload("residual.0", &stored(&x0)?)?;
         self.set_positions(&input.query_positions(), &input.key_positions())?;
         self.set_plans(|kind| AttentionPlan::dflash(&input.layout, kind))?;
         self.set_targets(targets)
@@ -422,8 +418,8 @@ impl<B: Backend> Step<B> {
         let anchor_set = dflash_reference::anchors::Anchors { positions: anchors.to_vec(), keep };
         let targets = BlockTargets::new(&tokens, &vec![true; z.s], &anchor_set, b, gamma);
         let (features, x0) = (self.bufs.ptr("features"), self.bufs.ptr("residual.0"));
-        self.dev.ops().fill_normal_bf16(features, z.s * z.fw, seed ^ 1, 0.0, 1.0)?;
-        self.dev.ops().fill_normal_bf16(x0, z.q * z.h, seed ^ 2, 0.0, 1.0)?;
+        self.dev.ops().fill_normal(features, z.s * z.fw, seed ^ 1, 0.0, 1.0)?;
+        self.dev.ops().fill_normal(x0, z.q * z.h, seed ^ 2, 0.0, 1.0)?;
         let queries: Vec<usize> = anchors.iter().flat_map(|&a| (0..b).map(move |o| a + o)).collect();
         let keys: Vec<usize> = (0..z.s).chain(queries.iter().copied()).collect();
         self.set_positions(&queries, &keys)?;
@@ -524,8 +520,8 @@ impl<B: Backend> Step<B> {
         let p = |name: &str| self.bufs.ptr(&format!("{a}{name}"));
         let x_in = self.bufs.ptr(&format!("residual.{l}"));
         let kv_in = p("kv_in");
-        let xn = kv_in + (z.s * z.h * 2) as u64;
-        self.dev.copy(kv_in, self.bufs.ptr("ctx"), z.s * z.h * 2)?;
+        let xn = kv_in + (z.s * z.h * B::Elem::BYTES) as u64;
+        self.dev.copy(kv_in, self.bufs.ptr("ctx"), z.s * z.h * B::Elem::BYTES)?;
         self.dev.ops().rms_norm_forward(
             x_in,
             self.lw(l, "input_layernorm.weight"),
@@ -549,7 +545,7 @@ impl<B: Backend> Step<B> {
         }
         // x_mid = x + out @ Wo^T; xn2 = post_norm(x_mid); out = x_mid + down(silu(gate) * up).
         let x_mid = p("x_mid");
-        self.dev.copy(x_mid, x_in, z.q * z.h * 2)?;
+        self.dev.copy(x_mid, x_in, z.q * z.h * B::Elem::BYTES)?;
         self.linear(out, z.q, z.qd, self.lw(l, "self_attn.o_proj.weight"), z.h, x_mid, 1.0)?;
         self.post_norm_forward(l, a)?;
         let xn2 = self.bufs.ptr("xn2");
@@ -561,7 +557,7 @@ impl<B: Backend> Step<B> {
         let h = self.bufs.ptr("h");
         self.dev.ops().swiglu_forward(p("gate_up"), h, z.q, z.i)?;
         let x_out = self.bufs.ptr(&format!("residual.{}", l + 1));
-        self.dev.copy(x_out, x_mid, z.q * z.h * 2)?;
+        self.dev.copy(x_out, x_mid, z.q * z.h * B::Elem::BYTES)?;
         self.linear(h, z.q, z.i, self.lw(l, "mlp.down_proj.weight"), z.h, x_out, 1.0)
     }
 
@@ -602,7 +598,7 @@ impl<B: Backend> Step<B> {
         let (dout, dx_mid, dscratch) = (b("grad.a"), b("grad.b"), b("grad.c"));
         let x_in = b(&format!("residual.{l}"));
         let (kv_in, h) = (p("kv_in"), b("h"));
-        let xn = kv_in + (z.s * z.h * 2) as u64;
+        let xn = kv_in + (z.s * z.h * B::Elem::BYTES) as u64;
         let (q, k, xn2) = (b("q"), b("k"), b("xn2"));
         if self.policy == Policy::None {
             // The shared buffers hold the last layer's: recompute this layer's.
@@ -668,7 +664,8 @@ impl<B: Backend> Step<B> {
             self.lw(l, "self_attn.v_proj.weight"),
         );
         self.input_grad(dq, z.q, z.qd, wq, z.h, dscratch, 0.0)?;
-        let (dk_blocks, dv_blocks) = (dk + (z.s * z.kd * 2) as u64, dv + (z.s * z.kd * 2) as u64);
+        let (dk_blocks, dv_blocks) =
+            (dk + (z.s * z.kd * B::Elem::BYTES) as u64, dv + (z.s * z.kd * B::Elem::BYTES) as u64);
         self.input_grad(dk_blocks, z.q, z.kd, wk, z.h, dscratch, 1.0)?;
         self.input_grad(dv_blocks, z.q, z.kd, wv, z.h, dscratch, 1.0)?;
         self.input_grad(dk, z.s, z.kd, wk, z.h, b("dctx"), 1.0)?;
@@ -730,19 +727,19 @@ impl<B: Backend> Step<B> {
         Ok(StepLoss { loss, total_weight: self.total_weight })
     }
 
-    /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y` (bf16).
+    /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y`.
     #[allow(clippy::too_many_arguments)]
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
         self.dev.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta)
     }
 
-    /// `dx [rows, k] = dy [rows, n] @ w [n, k] + beta * dx` (bf16).
+    /// `dx [rows, k] = dy [rows, n] @ w [n, k] + beta * dx`.
     #[allow(clippy::too_many_arguments)]
     fn input_grad(&self, dy: u64, rows: usize, n: usize, w: u64, k: usize, dx: u64, beta: f32) -> Result<()> {
         self.dev.matmul(Mat::n(dy, rows, n), Mat::n(w, n, k), dx, beta)
     }
 
-    /// `dw [n, k] = dy [rows, n]^T @ x [rows, k]` (bf16 gradient).
+    /// `dw [n, k] = dy [rows, n]^T @ x [rows, k]` (the step's stored gradient).
     fn weight_grad(&self, dy: u64, rows: usize, n: usize, x: u64, k: usize, dw: u64) -> Result<()> {
         self.dev.matmul(Mat::t(dy, rows, n), Mat::n(x, rows, k), dw, 0.0)
     }
@@ -753,21 +750,21 @@ impl<B: Backend> Step<B> {
 
     /// Every parameter gradient of the last step on the host, in checkpoint-key order.
     pub fn grads_to_host(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        let all: Vec<bf16> = download(&self.dev, self.bufs.ptr("grads"), self.num_params())?;
-        let all: Vec<f32> = all.into_iter().map(bf16::to_f32).collect();
+        let all: Vec<B::Elem> = download(&self.dev, self.bufs.ptr("grads"), self.num_params())?;
+        let all: Vec<f32> = all.into_iter().map(Elem::to_f32).collect();
         Ok(self.slots.iter().map(|s| (s.name.clone(), all[s.offset..s.offset + s.len].to_vec())).collect())
     }
 
-    /// The sum of squares of every parameter's gradient, of the last step (`grads`, bf16) or
+    /// The sum of squares of every parameter's gradient, of the last step (`grads`, stored) or
     /// accumulated (`grad_acc`, fp32), as fp32 partials summed in f64 on the host; fails naming
     /// the first gradient that holds NaN or Inf.
     pub fn grad_sum_squares(&self, key: &str) -> Result<Vec<f64>> {
         let partial = self.bufs.ptr("norm_partial");
-        let bf16 = key == "grads";
-        let width = if bf16 { 2 } else { 4 };
+        let stored = key == "grads";
+        let width = if stored { B::Elem::BYTES } else { 4 };
         for (n, slot) in self.slots.iter().enumerate() {
             let g = self.bufs.ptr(key) + (slot.offset * width) as u64;
-            self.dev.ops().sum_squares(bf16, g, partial + (n * NORM_PARTS * 4) as u64, slot.len, NORM_PARTS)?;
+            self.dev.ops().sum_squares(stored, g, partial + (n * NORM_PARTS * 4) as u64, slot.len, NORM_PARTS)?;
         }
         let partials: Vec<f32> = download(&self.dev, self.bufs.ptr("norm_partial"), self.slots.len() * NORM_PARTS)?;
         self.slots
