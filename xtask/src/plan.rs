@@ -52,7 +52,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
     };
     for (name, config, shape) in configs {
-        println!("== {name}: S={} N={} B={} ==", shape.context_len, shape.num_anchors, config.block_size);
+        println!(
+            "== {name}: S={} N={} B={}; the GPU step (bf16 weights, activations and step gradients) ==",
+            shape.context_len, shape.num_anchors, config.block_size
+        );
         for policy in Policy::ALL {
             println!("-- checkpointing: {}", policy.name());
             print!("{}", plan_step(&config, shape, policy).render(device_bytes));
