@@ -66,11 +66,32 @@ proptest! {
     }
 }
 
+/// Three packed rows of 6-16 tokens for `config`, from `seed`.
+fn random_rows(
+    config: &dflash_reference::config::DraftConfig,
+    seed: u64,
+    dtype: DType,
+) -> Vec<dflash_reference::data::TrainRow> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let feature_dim = config.num_features() * config.dims.hidden_size;
+    (0..3)
+        .map(|_| {
+            dflash_conformance::setups::random_packed_row(
+                rng.random_range(6..=16),
+                config.dims.vocab_size,
+                feature_dim,
+                &mut rng,
+                dtype,
+            )
+        })
+        .collect::<dflash_reference::Result<_>>()
+        .expect("rows")
+}
+
 /// The training loop with the optimized step's gradients follows the reference loop step for
 /// step (same anchors, clipping and AdamW) in f64: losses and final parameters agree.
 #[test]
 fn training_with_the_optimized_step_follows_the_reference() {
-    use dflash_conformance::setups::random_packed_row;
     use dflash_optimized::step::trainer::ManualStep;
     use dflash_reference::drafter::Drafter;
     use dflash_reference::optim::AdamWConfig;
@@ -79,14 +100,7 @@ fn training_with_the_optimized_step_follows_the_reference() {
     for seed in [3u64, 11, 29] {
         let case = random_draft_case(seed, DType::F64).expect("random case");
         let config = case.drafter.config.clone();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let feature_dim = config.num_features() * config.dims.hidden_size;
-        let rows: Vec<_> = (0..3)
-            .map(|_| {
-                random_packed_row(rng.random_range(6..=16), config.dims.vocab_size, feature_dim, &mut rng, DType::F64)
-            })
-            .collect::<dflash_reference::Result<_>>()
-            .expect("rows");
+        let rows = random_rows(&config, seed, DType::F64);
         let copy = || Drafter::from_fn(config.clone(), |name, _| Ok(case.drafter.param(name).copy()?)).expect("copy");
         let (reference, optimized) = (copy(), copy());
         let opts = TrainOptions {
@@ -107,6 +121,34 @@ fn training_with_the_optimized_step_follows_the_reference() {
         }
         for ((name, va), (_, vb)) in reference.named_params().iter().zip(optimized.named_params()) {
             assert_close(&format!("seed {seed} trained {name}"), vb.as_tensor(), va.as_tensor(), ORACLE_F64);
+        }
+    }
+}
+
+/// The planned step on the CPU in f32 as the training loop's gradient source: the batch loss and
+/// every batch gradient equal the reference's autograd in f32 on the same anchors (rows of
+/// different shapes, each row's share of the batch weight).
+#[test]
+fn planned_cpu_step_batch_gradients_match_autograd() {
+    use dflash_optimized::step::trainer::PlannedCpuStep;
+    use dflash_reference::train::{Autograd, GradientSource};
+
+    for seed in [5u64, 17, 23] {
+        let case = random_draft_case(seed, DType::F32).expect("random case");
+        let config = &case.drafter.config;
+        let rows = random_rows(config, seed, DType::F32);
+        let refs: Vec<_> = rows.iter().collect();
+        let batch = |source: &mut dyn GradientSource| {
+            let mut anchor_rng = ChaCha8Rng::seed_from_u64(seed ^ 1);
+            source.batch_gradients(&case.drafter, &case.head, &refs, 3, case.gamma, &mut anchor_rng).expect("batch")
+        };
+        let want = batch(&mut Autograd);
+        let got = batch(&mut PlannedCpuStep::new(Checkpointing::Selective, 2));
+        let loss_err = (got.loss - want.loss).abs() / want.loss.abs().max(f64::MIN_POSITIVE);
+        assert!(loss_err <= STEP_F32.rel, "seed {seed}: loss {} vs {} ({loss_err:.2e})", got.loss, want.loss);
+        assert_eq!(got.weight, want.weight, "seed {seed}: batch weight");
+        for ((name, _), (g, w)) in case.drafter.named_params().iter().zip(got.grads.iter().zip(&want.grads)) {
+            assert_close(&format!("seed {seed} batch grad {name}"), g, w, STEP_F32);
         }
     }
 }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use candle_core::DType;
 use dflash_optimized::step::drafter_step::Checkpointing;
-use dflash_optimized::step::trainer::ManualStep;
+use dflash_optimized::step::trainer::{ManualStep, PlannedCpuStep};
 use dflash_reference::builtin::{generate_rows, random_prompt, target_entropy, tiny_draft_config, tiny_target};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::eval::evaluate;
@@ -32,8 +32,9 @@ options:
   --lr X             peak learning rate                    (default 3e-3)
   --rows N           training rows generated               (default 64)
   --temperature X    sampling temperature of the data      (default 0.5)
-  --step NAME        gradients: `reference` (candle autograd) or `optimized`
-                     (manual backward, fused attention, chunked LM head) (default reference)
+  --step NAME        gradients: `reference` (candle autograd), `optimized` (manual
+                     backward, fused attention, chunked LM head) or `planned` (the
+                     GPU step's driver and memory plan on the CPU in f32) (default reference)
   --seed N           seed of everything                    (default 0)
   --out DIR          where the trained drafter is saved    (default runs/tiny-drafter)";
 
@@ -60,8 +61,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let n_rows: usize = opts.get("rows", 64)?;
     let temperature: f64 = opts.get("temperature", 0.5)?;
     let step_kind: String = opts.get("step", "reference".to_string())?;
-    if step_kind != "reference" && step_kind != "optimized" {
-        return Err(format!("option `--step`: unknown step `{step_kind}` (reference or optimized)"));
+    if !["reference", "optimized", "planned"].contains(&step_kind.as_str()) {
+        return Err(format!("option `--step`: unknown step `{step_kind}` (reference, optimized or planned)"));
     }
     let seed: u64 = opts.get("seed", 0)?;
     let out: PathBuf = opts.get("out", PathBuf::from("runs/tiny-drafter"))?;
@@ -129,9 +130,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let head = target.frozen_head();
     let reports = match step_kind.as_str() {
         "reference" => train_with(&drafter, &head, &data, &train_opts, &mut Autograd, on_step),
-        _ => {
+        "optimized" => {
             let mut manual = ManualStep { policy: Checkpointing::PerLayer, lm_chunk_rows: 256 };
             train_with(&drafter, &head, &data, &train_opts, &mut manual, on_step)
+        }
+        _ => {
+            let mut planned = PlannedCpuStep::new(Checkpointing::PerLayer, 256);
+            train_with(&drafter, &head, &data, &train_opts, &mut planned, on_step)
         }
     }
     .map_err(err)?;
