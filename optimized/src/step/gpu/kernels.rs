@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use dflash_reference::{Error, Result};
 
 use crate::gpu::Gpu;
@@ -131,6 +131,13 @@ impl StepKernels {
         Ok(())
     }
 
+    /// Launches a kernel with its arguments, under `name` in errors and profiles.
+    fn launch(&self, name: &str, mut b: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+        // SAFETY: every launcher checks the sizes its kernel relies on before building `b`.
+        profile::scope(&self.stream, || name.to_string(), || unsafe { b.launch(cfg) }.map_err(launch_err(name)))?;
+        Ok(())
+    }
+
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).
     fn check_aligned(kernel: &str, ptrs: &[u64]) -> Result<()> {
         match ptrs.iter().find(|&&p| p % 16 != 0) {
@@ -161,12 +168,7 @@ impl StepKernels {
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        profile::scope(
-            &self.stream,
-            || "column_sum".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("column_sum")),
-        )?;
-        Ok(())
+        self.launch("column_sum", b, cfg)
     }
 }
 
@@ -263,12 +265,7 @@ impl StepOps for StepKernels {
         let (r, c) = (i32_of("rows", rows)?, i32_of("n", n)?);
         let mut b = self.stream.launch_builder(&self.rms_norm_forward);
         b.arg(&x).arg(&w).arg(&y).arg(&inv).arg(&r).arg(&c).arg(&eps);
-        profile::scope(
-            &self.stream,
-            || "rms_norm_forward".to_string(),
-            || unsafe { b.launch(Self::rows_cfg(rows, ROW_THREADS)) }.map_err(launch_err("rms_norm_forward")),
-        )?;
-        Ok(())
+        self.launch("rms_norm_forward", b, Self::rows_cfg(rows, ROW_THREADS))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -291,11 +288,7 @@ impl StepOps for StepKernels {
         b.arg(&dy).arg(&x).arg(&w).arg(&inv).arg(&dres).arg(&dx).arg(&partial).arg(&r).arg(&c);
         let cfg =
             LaunchConfig { grid_dim: (GRAD_PARTS as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        profile::scope(
-            &self.stream,
-            || "rms_norm_backward".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("rms_norm_backward")),
-        )?;
+        self.launch("rms_norm_backward", b, cfg)?;
         self.column_sum(partial, dw, GRAD_PARTS, n)
     }
 
@@ -319,12 +312,7 @@ impl StepOps for StepKernels {
         let warps = ROW_THREADS / 32;
         let cfg =
             LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        profile::scope(
-            &self.stream,
-            || "head_norm_rope_forward".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("head_norm_rope_forward")),
-        )?;
-        Ok(())
+        self.launch("head_norm_rope_forward", b, cfg)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -345,11 +333,7 @@ impl StepOps for StepKernels {
         b.arg(&dy).arg(&x).arg(&w).arg(&inv).arg(&cos).arg(&sin).arg(&dx).arg(&partial).arg(&t).arg(&h).arg(&dd);
         let cfg =
             LaunchConfig { grid_dim: (GRAD_PARTS as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        profile::scope(
-            &self.stream,
-            || "head_norm_rope_backward".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("head_norm_rope_backward")),
-        )?;
+        self.launch("head_norm_rope_backward", b, cfg)?;
         self.column_sum(partial, dw, GRAD_PARTS, d)
     }
 
@@ -361,12 +345,7 @@ impl StepOps for StepKernels {
         let mut b = self.stream.launch_builder(&self.swiglu_forward);
         b.arg(&gu).arg(&h).arg(&r).arg(&i);
         let cfg = Self::row_chunks_cfg(rows, inter);
-        profile::scope(
-            &self.stream,
-            || "swiglu_forward".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("swiglu_forward")),
-        )?;
-        Ok(())
+        self.launch("swiglu_forward", b, cfg)
     }
 
     fn swiglu_backward(&self, dh: u64, gu: u64, rows: usize, inter: usize) -> Result<()> {
@@ -377,12 +356,7 @@ impl StepOps for StepKernels {
         let mut b = self.stream.launch_builder(&self.swiglu_backward);
         b.arg(&dh).arg(&gu).arg(&r).arg(&i);
         let cfg = Self::row_chunks_cfg(rows, inter);
-        profile::scope(
-            &self.stream,
-            || "swiglu_backward".to_string(),
-            || unsafe { b.launch(cfg) }.map_err(launch_err("swiglu_backward")),
-        )?;
-        Ok(())
+        self.launch("swiglu_backward", b, cfg)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -405,12 +379,7 @@ impl StepOps for StepKernels {
         let (r, v) = (i32_of("rows", rows)?, i32_of("vocab", vocab)?);
         let mut b = self.stream.launch_builder(&self.ce_grad_rows);
         b.arg(&z).arg(&labels).arg(&weights).arg(&loss).arg(&r).arg(&v).arg(&scale);
-        profile::scope(
-            &self.stream,
-            || "ce_grad_rows".to_string(),
-            || unsafe { b.launch(Self::rows_cfg(rows, 1024)) }.map_err(launch_err("ce_grad_rows")),
-        )?;
-        Ok(())
+        self.launch("ce_grad_rows", b, Self::rows_cfg(rows, 1024))
     }
 
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()> {
@@ -421,24 +390,14 @@ impl StepOps for StepKernels {
         let (f, name) = if scatter { (&self.scatter_rows, "scatter_rows") } else { (&self.gather_rows, "gather_rows") };
         let mut b = self.stream.launch_builder(f);
         b.arg(&src).arg(&idx).arg(&dst).arg(&n).arg(&c);
-        profile::scope(
-            &self.stream,
-            || name.to_string(),
-            || unsafe { b.launch(Self::rows_cfg(count, ROW_THREADS)) }.map_err(launch_err(name)),
-        )?;
-        Ok(())
+        self.launch(name, b, Self::rows_cfg(count, ROW_THREADS))
     }
 
     fn cast_f32(&self, src: u64, dst: u64, n: usize) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.cast_f32_bf16);
         b.arg(&src).arg(&dst).arg(&nn);
-        profile::scope(
-            &self.stream,
-            || "cast_f32_bf16".to_string(),
-            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("cast_f32_bf16")),
-        )?;
-        Ok(())
+        self.launch("cast_f32_bf16", b, Self::elementwise_cfg(n))
     }
 
     fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
@@ -451,20 +410,14 @@ impl StepOps for StepKernels {
         let mut b = self.stream.launch_builder(f);
         b.arg(&x).arg(&partial).arg(&nn);
         let cfg = LaunchConfig { grid_dim: (parts as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        profile::scope(&self.stream, || name.to_string(), || unsafe { b.launch(cfg) }.map_err(launch_err(name)))?;
-        Ok(())
+        self.launch(name, b, cfg)
     }
 
     fn accumulate(&self, acc: u64, g: u64, n: usize) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.accumulate_bf16);
         b.arg(&acc).arg(&g).arg(&nn);
-        profile::scope(
-            &self.stream,
-            || "accumulate_bf16".to_string(),
-            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("accumulate_bf16")),
-        )?;
-        Ok(())
+        self.launch("accumulate_bf16", b, Self::elementwise_cfg(n))
     }
 
     fn adamw_update(&self, (p, g, m, v, p_bf16): (u64, u64, u64, u64, u64), n: usize, a: AdamWArgs) -> Result<()> {
@@ -473,24 +426,14 @@ impl StepOps for StepKernels {
         b.arg(&p).arg(&g).arg(&m).arg(&v).arg(&p_bf16).arg(&nn);
         b.arg(&a.lr).arg(&a.beta1).arg(&a.beta2).arg(&a.eps).arg(&a.weight_decay).arg(&a.bc1).arg(&a.bc2);
         b.arg(&a.grad_scale);
-        profile::scope(
-            &self.stream,
-            || "adamw_update".to_string(),
-            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("adamw_update")),
-        )?;
-        Ok(())
+        self.launch("adamw_update", b, Self::elementwise_cfg(n))
     }
 
     fn fill_normal(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
         let nn = n as i64;
         let mut b = self.stream.launch_builder(&self.fill_normal_bf16);
         b.arg(&dst).arg(&nn).arg(&seed).arg(&mean).arg(&std);
-        profile::scope(
-            &self.stream,
-            || "fill_normal_bf16".to_string(),
-            || unsafe { b.launch(Self::elementwise_cfg(n)) }.map_err(launch_err("fill_normal_bf16")),
-        )?;
-        Ok(())
+        self.launch("fill_normal_bf16", b, Self::elementwise_cfg(n))
     }
 }
 
