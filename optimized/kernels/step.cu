@@ -455,12 +455,6 @@ extern "C" __global__ void scatter_rows(const bf16* __restrict__ src, const unsi
     for (int i = threadIdx.x; i < cols; i += blockDim.x) d[i] = src[(size_t)r * cols + i];
 }
 
-// dst [n] = bf16(src [n]).
-extern "C" __global__ void cast_f32_bf16(const float* __restrict__ src, bf16* __restrict__ dst, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        dst[i] = to_bf(src[i]);
-}
-
 __device__ __forceinline__ float as_float(float x) { return x; }
 __device__ __forceinline__ float as_float(bf16 x) { return to_f(x); }
 

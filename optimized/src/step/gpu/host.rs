@@ -379,11 +379,6 @@ impl<E: Elem> StepOps for HostOps<E> {
         Ok(())
     }
 
-    fn cast_f32(&self, src: u64, dst: u64, n: usize) -> Result<()> {
-        (0..n).for_each(|i| st::<E>(dst, i, ld32(src, i)));
-        Ok(())
-    }
-
     fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
         let sum: f32 = (0..n).map(|i| if stored { ld::<E>(x, i) } else { ld32(x, i) }.powi(2)).sum();
         (0..parts).for_each(|p| st32(partial, p, if p == 0 { sum } else { 0.0 }));

@@ -46,7 +46,6 @@ pub struct StepKernels {
     ce_grad_rows: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
-    cast_f32_bf16: CudaFunction,
     sum_squares_f32: CudaFunction,
     sum_squares_bf16: CudaFunction,
     accumulate_bf16: CudaFunction,
@@ -89,7 +88,6 @@ impl StepKernels {
             ce_grad_rows: f("ce_grad_rows")?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
-            cast_f32_bf16: f("cast_f32_bf16")?,
             sum_squares_f32: f("sum_squares_f32")?,
             sum_squares_bf16: f("sum_squares_bf16")?,
             accumulate_bf16: f("accumulate_bf16")?,
@@ -236,9 +234,6 @@ pub trait StepOps {
 
     /// `dst [count, cols] = src [idx[r], cols]` (`scatter`: `dst [idx[r]] = src [r]`).
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()>;
-
-    /// `dst [n] = stored(src [n])` from fp32.
-    fn cast_f32(&self, src: u64, dst: u64, n: usize) -> Result<()>;
 
     /// `partial [parts]` with `sum(partial) = sum(x^2)` over `x [n]` (stored values when
     /// `stored`, else fp32); `parts` CTAs.
@@ -391,13 +386,6 @@ impl StepOps for StepKernels {
         let mut b = self.stream.launch_builder(f);
         b.arg(&src).arg(&idx).arg(&dst).arg(&n).arg(&c);
         self.launch(name, b, Self::rows_cfg(count, ROW_THREADS))
-    }
-
-    fn cast_f32(&self, src: u64, dst: u64, n: usize) -> Result<()> {
-        let nn = n as i64;
-        let mut b = self.stream.launch_builder(&self.cast_f32_bf16);
-        b.arg(&src).arg(&dst).arg(&nn);
-        self.launch("cast_f32_bf16", b, Self::elementwise_cfg(n))
     }
 
     fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
