@@ -180,13 +180,14 @@ struct LaneRows {
     RowBounds b[2];
 };
 
+// rho_warp: the group row of the warp's first fragment row.
 __device__ LaneRows lane_rows(const RowGroup& g, int group, int R, int G, int kh, int num_queries, int window,
-                              int causal_in_block) {
+                              int causal_in_block, int rho_warp) {
     LaneRows lr;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lane = threadIdx.x % 32;
     const int rows_valid = min(R, num_queries - group * R);
     for (int i = 0; i < 2; i++) {
-        int rho = warp * 16 + lane / 4 + 8 * i;
+        int rho = rho_warp + lane / 4 + 8 * i;
         int hh = rho / R, r = rho % R;
         lr.ok[i] = hh < G && r < rows_valid;
         lr.q[i] = group * R + r;
@@ -275,13 +276,21 @@ __device__ __forceinline__ void mask_scores(float s[TILE_K / 8][4], const LaneRo
         }
 }
 
+// The A fragment (16 rows x 16 columns, k-step kk) of fp32 accumulator tiles p rounded to bf16.
+__device__ __forceinline__ void pack_a(u32 a[4], const float p[][4], int kk) {
+    a[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+    a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+    a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+}
+
 // acc (16 rows x HEAD_DIM) += P (16 rows x TILE_K, fp32 accumulator layout) . tile (TILE_K x HEAD_DIM).
 __device__ __forceinline__ void probs_times_tile(float acc[DN][4], const float p[TILE_K / 8][4], const bf16* tile) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int kk = 0; kk < TILE_K / 16; kk++) {
-        u32 a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
-                    pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        u32 a[4];
+        pack_a(a, p, kk);
 #pragma unroll
         for (int nd = 0; nd < DN; nd += 2) {
             u32 b[4];
@@ -301,6 +310,52 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// One online-softmax step of this lane's two rows over a tile of scaled (log2-domain) scores s:
+// s becomes the probabilities against the new running max m, l and acc are rescaled to it.
+__device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc[DN][4], float m[2], float l[2]) {
+#pragma unroll
+    for (int i2 = 0; i2 < 2; i2++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i2], s[nt][2 * i2 + 1]));
+        mx = quad_max(mx);
+        const float m_new = fmaxf(m[i2], mx);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = fast_exp2(m[i2] - base);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < TILE_K / 8; nt++) {
+            s[nt][2 * i2] = fast_exp2(s[nt][2 * i2] - base);
+            s[nt][2 * i2 + 1] = fast_exp2(s[nt][2 * i2 + 1] - base);
+            sum += s[nt][2 * i2] + s[nt][2 * i2 + 1];
+        }
+        l[i2] = l[i2] * alpha + sum;
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++) {
+            acc[nd][2 * i2] *= alpha;
+            acc[nd][2 * i2 + 1] *= alpha;
+        }
+        m[i2] = m_new;
+    }
+}
+
+// The forward's epilogue: out = acc / l and lse (natural log; -inf for rows that see nothing).
+__device__ __forceinline__ void write_forward_rows(const float acc[DN][4], const float m[2], const float l[2],
+                                                   const LaneRows& lr, bf16* out, float* lse, int num_queries, int nh,
+                                                   int tq) {
+#pragma unroll
+    for (int i2 = 0; i2 < 2; i2++) {
+        const float total = quad_sum(l[i2]);
+        if (!lr.ok[i2]) continue;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        bf16* orow = out + ((size_t)lr.q[i2] * nh + lr.h[i2]) * HEAD_DIM + 2 * tq;
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++)
+            *reinterpret_cast<u32*>(orow + nd * 8) = pack_bf16(acc[nd][2 * i2] * inv, acc[nd][2 * i2 + 1] * inv);
+        if (tq == 0) lse[(size_t)lr.h[i2] * num_queries + lr.q[i2]] = total > 0.f ? (m[i2] + log2f(total)) / LOG2E : -INFINITY;
+    }
+}
+
 // Forward: out and lse (natural log) of every row. Grid (nkv, groups), block 32 * ceil(R*G/16).
 extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
@@ -314,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const int group = gridDim.y - 1 - blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
     const int lane = threadIdx.x % 32, tq = lane % 4;
     const RowGroup g = groups[group];
-    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block);
+    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block, (threadIdx.x / 32) * 16);
     const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
     const float scale_log2 = scale * LOG2E;
 
@@ -339,45 +394,12 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
 #pragma unroll
             for (int e = 0; e < 4; e++) s[nt][e] *= scale_log2;
         if (!walk.full(t)) mask_scores(s, lr, t * TILE_K);
-#pragma unroll
-        for (int i2 = 0; i2 < 2; i2++) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < TILE_K / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i2], s[nt][2 * i2 + 1]));
-            mx = quad_max(mx);
-            const float m_new = fmaxf(m[i2], mx);
-            const float base = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = fast_exp2(m[i2] - base);
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < TILE_K / 8; nt++) {
-                s[nt][2 * i2] = fast_exp2(s[nt][2 * i2] - base);
-                s[nt][2 * i2 + 1] = fast_exp2(s[nt][2 * i2 + 1] - base);
-                sum += s[nt][2 * i2] + s[nt][2 * i2 + 1];
-            }
-            l[i2] = l[i2] * alpha + sum;
-#pragma unroll
-            for (int nd = 0; nd < DN; nd++) {
-                acc[nd][2 * i2] *= alpha;
-                acc[nd][2 * i2 + 1] *= alpha;
-            }
-            m[i2] = m_new;
-        }
+        online_softmax(s, acc, m, l);
         probs_times_tile(acc, s, tV);
         __syncthreads();
     }
 
-#pragma unroll
-    for (int i2 = 0; i2 < 2; i2++) {
-        const float total = quad_sum(l[i2]);
-        if (!lr.ok[i2]) continue;
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        bf16* orow = out + ((size_t)lr.q[i2] * nh + lr.h[i2]) * HEAD_DIM + 2 * tq;
-#pragma unroll
-        for (int nd = 0; nd < DN; nd++)
-            *reinterpret_cast<u32*>(orow + nd * 8) = pack_bf16(acc[nd][2 * i2] * inv, acc[nd][2 * i2 + 1] * inv);
-        if (tq == 0) lse[(size_t)lr.h[i2] * num_queries + lr.q[i2]] = total > 0.f ? (m[i2] + log2f(total)) / LOG2E : -INFINITY;
-    }
+    write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
 
 // dsum[h, q] = sum_d dout[q, h, d] * out[q, h, d]. One warp per (q, h).
@@ -394,6 +416,36 @@ extern "C" __global__ void attention_backward_dsum(const bf16* __restrict__ out,
     if (lane == 0) dsum[(size_t)h * num_queries + qi] = sum;
 }
 
+// ds of this lane's two rows over a tile of raw scores s (keys key0..): s becomes
+// p * (dp - dsum) with p = exp2(s * scale_log2 - lse2), zero where the row does not see the key.
+__device__ __forceinline__ void query_major_ds(float s[TILE_K / 8][4], const float dp[TILE_K / 8][4],
+                                               const LaneRows& lr, const float lse2[2], const float ds_row[2],
+                                               int key0, bool full, float scale_log2) {
+    const int tq = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < TILE_K / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int key = key0 + nt * 8 + 2 * tq + (e & 1);
+            float p = fast_exp2(s[nt][e] * scale_log2 - lse2[e >> 1]);
+            if (!full && !sees(lr.b[e >> 1], key)) p = 0.f;
+            s[nt][e] = p * (dp[nt][e] - ds_row[e >> 1]);
+        }
+}
+
+// The dQ pass's epilogue: dq = scale * acc for this lane's two rows.
+__device__ __forceinline__ void write_dq_rows(const float acc[DN][4], const LaneRows& lr, bf16* dq, int nh, float scale,
+                                              int tq) {
+#pragma unroll
+    for (int i2 = 0; i2 < 2; i2++) {
+        if (!lr.ok[i2]) continue;
+        bf16* row = dq + ((size_t)lr.q[i2] * nh + lr.h[i2]) * HEAD_DIM + 2 * tq;
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++)
+            *reinterpret_cast<u32*>(row + nd * 8) = pack_bf16(acc[nd][2 * i2] * scale, acc[nd][2 * i2 + 1] * scale);
+    }
+}
+
 // dQ, query-major like the forward: dq = scale * sum_k ds k, ds = p (dp - dsum), dp = dout . v.
 extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
@@ -407,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     const int group = gridDim.y - 1 - blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
     const int lane = threadIdx.x % 32, tq = lane % 4;
     const RowGroup g = groups[group];
-    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block);
+    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block, (threadIdx.x / 32) * 16);
     const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
     const float scale_log2 = scale * LOG2E;
 
@@ -445,27 +497,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         rows_times_tile(s, qa, tK);
         shared_rows_times_tile(dp, sDo, warp_row0, tV);
-        const bool full = walk.full(t);
-#pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = t * TILE_K + nt * 8 + 2 * tq + (e & 1);
-                float p = fast_exp2(s[nt][e] * scale_log2 - lse2[e >> 1]);
-                if (!full && !sees(lr.b[e >> 1], key)) p = 0.f;
-                s[nt][e] = p * (dp[nt][e] - ds_row[e >> 1]);
-            }
+        query_major_ds(s, dp, lr, lse2, ds_row, t * TILE_K, walk.full(t), scale_log2);
         probs_times_tile(acc, s, tK);
         __syncthreads();
     }
-#pragma unroll
-    for (int i2 = 0; i2 < 2; i2++) {
-        if (!lr.ok[i2]) continue;
-        bf16* row = dq + ((size_t)lr.q[i2] * nh + lr.h[i2]) * HEAD_DIM + 2 * tq;
-#pragma unroll
-        for (int nd = 0; nd < DN; nd++)
-            *reinterpret_cast<u32*>(row + nd * 8) = pack_bf16(acc[nd][2 * i2] * scale, acc[nd][2 * i2 + 1] * scale);
-    }
+    write_dq_rows(acc, lr, dq, nh, scale, tq);
 }
 
 // dK, dV, key-major: a CTA owns one KV tile (TILE_K keys; warp w keys 16w..16w+15) of one KV
@@ -494,6 +530,10 @@ __device__ __forceinline__ ChunkStage chunk_stage(unsigned char* base) {
 }
 #define CHUNK_STAGE_BYTES (2 * CHUNK * SROW * 2 + CHUNK * (4 + 4 + 16))
 
+__device__ __forceinline__ void load_chunk_scalars(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
+                                                   int G, int kh, int num_queries, int window, int causal_in_block,
+                                                   const float* lse, const float* dsum);
+
 __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
                                                  int G, int kh, int num_queries, int window, int causal_in_block,
                                                  const bf16* q, const bf16* dout, const float* lse, const float* dsum,
@@ -507,6 +547,15 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
         cp_async16(st.q + rr * SROW + col, q + at, ok);
         cp_async16(st.dout + rr * SROW + col, dout + at, ok);
     }
+    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum);
+}
+
+// Stages lse (log2 domain; +inf for padding rows), dsum and the row bounds of rows c0..c0+CHUNK-1
+// of `group` (synchronous stores; the next __syncthreads publishes them).
+__device__ __forceinline__ void load_chunk_scalars(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
+                                                   int G, int kh, int num_queries, int window, int causal_in_block,
+                                                   const float* lse, const float* dsum) {
+    const int rows_per_group = R * G, rows_valid = min(R, num_queries - group * R);
     for (int rr = threadIdx.x; rr < CHUNK; rr += blockDim.x) {
         const int rho = c0 + rr, hh = rho / R, r = rho % R;
         const bool ok = rho < rows_per_group && r < rows_valid;
@@ -522,6 +571,53 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
     }
 }
 
+// The key-major pass's epilogue for this lane's two keys: dk = scale * dK and dv = dV, or with a
+// split grid (gridDim.z > 1) their fp32 adds onto the accumulators.
+__device__ __forceinline__ void write_dkdv_rows(const float dK[DN][4], const float dV[DN][4], const int my_key[2],
+                                                int num_keys, int nkv, int kh, bf16* dk, bf16* dv, float* dk_acc,
+                                                float* dv_acc, float scale) {
+    const int tq = threadIdx.x % 4;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int key = my_key[h];
+        if (key >= num_keys) continue;
+        const size_t at = ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++) {
+            if (gridDim.z > 1) {
+                atomicAdd(dk_acc + at + nd * 8, dK[nd][2 * h] * scale);
+                atomicAdd(dk_acc + at + nd * 8 + 1, dK[nd][2 * h + 1] * scale);
+                atomicAdd(dv_acc + at + nd * 8, dV[nd][2 * h]);
+                atomicAdd(dv_acc + at + nd * 8 + 1, dV[nd][2 * h + 1]);
+            } else {
+                *reinterpret_cast<u32*>(dk + at + nd * 8) = pack_bf16(dK[nd][2 * h] * scale, dK[nd][2 * h + 1] * scale);
+                *reinterpret_cast<u32*>(dv + at + nd * 8) = pack_bf16(dV[nd][2 * h], dV[nd][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// p^T and ds^T of this lane's two keys (my_key) over a staged chunk of rows, from raw scores
+// s^T and dp^T: p = exp2(s * scale_log2 - lse2), zero where the row does not see the key.
+__device__ __forceinline__ void key_major_probs(float sT[CHUNK / 8][4], float dpT[CHUNK / 8][4], const ChunkStage& st,
+                                                const int my_key[2], bool full, float scale_log2) {
+    const int tq = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < CHUNK / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int rr = nt * 8 + 2 * tq + (e & 1);
+            float p = fast_exp2(fmaf(sT[nt][e], scale_log2, -st.lse2[rr]));
+            if (!full) {
+                const int key = my_key[e >> 1];
+                const int* b = st.bounds + 4 * rr;
+                if (!((key >= b[0] && key < b[1]) || (key >= b[2] && key < b[3]))) p = 0.f;
+            }
+            sT[nt][e] = p;
+            dpT[nt][e] = p * (dpT[nt][e] - st.dsum[rr]);
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
     const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
     int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -533,7 +629,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
     bf16* sV = sK + TILE_K * SROW;             // [TILE_K][SROW]
     unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * SROW);
     const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
     const int key0 = tile * TILE_K;
     const float scale_log2 = scale * LOG2E;
 
@@ -583,44 +679,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
         float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
         shared_rows_times_tile(sT, sK, warp * 16, st.q);
         shared_rows_times_tile(dpT, sV, warp * 16, st.dout);
-#pragma unroll
-        for (int nt = 0; nt < CHUNK / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int rr = nt * 8 + 2 * tq + (e & 1);
-                float p = fast_exp2(fmaf(sT[nt][e], scale_log2, -st.lse2[rr]));
-                if (!full) {
-                    const int key = my_key[e >> 1];
-                    const int* b = st.bounds + 4 * rr;
-                    if (!((key >= b[0] && key < b[1]) || (key >= b[2] && key < b[3]))) p = 0.f;
-                }
-                sT[nt][e] = p;
-                dpT[nt][e] = p * (dpT[nt][e] - st.dsum[rr]);
-            }
+        key_major_probs(sT, dpT, st, my_key, full, scale_log2);
         probs_times_tile(dV, sT, st.dout);
         probs_times_tile(dK, dpT, st.q);
         __syncthreads();
     }
     cp_async_wait_all();
     if (gridDim.z > 1 && i_end == i_begin) return;  // nothing to add
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int key = my_key[h];
-        if (key >= num_keys) continue;
-        const size_t at = ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
-#pragma unroll
-        for (int nd = 0; nd < DN; nd++) {
-            if (gridDim.z > 1) {
-                atomicAdd(dk_acc + at + nd * 8, dK[nd][2 * h] * scale);
-                atomicAdd(dk_acc + at + nd * 8 + 1, dK[nd][2 * h + 1] * scale);
-                atomicAdd(dv_acc + at + nd * 8, dV[nd][2 * h]);
-                atomicAdd(dv_acc + at + nd * 8 + 1, dV[nd][2 * h + 1]);
-            } else {
-                *reinterpret_cast<u32*>(dk + at + nd * 8) = pack_bf16(dK[nd][2 * h] * scale, dK[nd][2 * h + 1] * scale);
-                *reinterpret_cast<u32*>(dv + at + nd * 8) = pack_bf16(dV[nd][2 * h], dV[nd][2 * h + 1]);
-            }
-        }
-    }
+    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale);
 }
 
 // dk, dv [n] = bf16 of the split key-major backward's fp32 accumulators.
@@ -630,4 +696,393 @@ extern "C" __global__ void attention_dkdv_finish(const float* __restrict__ dk_ac
         dk[i] = __float2bfloat16_rn(dk_acc[i]);
         dv[i] = __float2bfloat16_rn(dv_acc[i]);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hopper kernels (compute_90a): warpgroup MMA (wgmma), both operands in shared memory or A (the
+// probabilities, ds) in registers. A warpgroup (4 warps) owns 64 rows; warp w of it owns rows
+// 16w..16w+15 in the accumulator layout of mma.sync above, so the masking and softmax code is
+// shared. Shared tiles are 128-byte swizzled: a [rows][HEAD_DIM] tile is stored as PANELS panels
+// [rows][64] (one 128-byte line per row), the 16-byte chunk c of row r at chunk c ^ (r % 8);
+// every tile starts 1024-byte aligned.
+
+#define PANELS (HEAD_DIM / 64)
+#define WG_ROWS 64
+typedef unsigned long long u64;
+
+// Element offset of (row, col) in a swizzled tile of `rows` rows.
+__device__ __forceinline__ int swz(int row, int col, int rows) {
+    return (col >> 6) * rows * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+}
+
+__device__ __forceinline__ bf16* align_1024(unsigned char* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    return reinterpret_cast<bf16*>(p + ((1024 - (a & 1023)) & 1023));
+}
+
+// wgmma matrix descriptor of a 128-byte-swizzled operand at p: 8-row groups 1024 bytes apart,
+// `lbo` bytes between 64-column panels (read by MN-major operands only).
+__device__ __forceinline__ u64 smem_desc(const bf16* p, u32 lbo) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    return (u64)((a & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// K-major operand: tile rows as M (or N), the head dim as K; k-step kk = columns 16kk..16kk+15.
+__device__ __forceinline__ u64 desc_kmajor(const bf16* tile, int rows, int kk) {
+    return smem_desc(tile + (kk >> 2) * rows * 64 + (kk & 3) * 16, 0);
+}
+
+// MN-major operand: tile rows as K (k-step kk = rows 16kk..16kk+15), head-dim panel p as N.
+__device__ __forceinline__ u64 desc_mnmajor(const bf16* tile, int rows, int kk, int p) {
+    return smem_desc(tile + p * rows * 64 + kk * 16 * 64, rows * 128);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Makes this thread's generic-proxy shared writes (cp.async) visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (64 x 64) += A (64 x 16, K-major at a) . B (16 x 64, K-major at b: [n][k] rows).
+__device__ __forceinline__ void wgmma_ss(float d[8][4], u64 a, u64 b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "l"(a), "l"(b));
+}
+
+// d (64 x 64) += A (64 x 16, this warp's 16 rows in registers) . B (16 x 64, MN-major at b).
+__device__ __forceinline__ void wgmma_rs(float d[8][4], const u32 a[4], u64 b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+__device__ __forceinline__ void zero_tiles(float d[8][4]) {
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+}
+
+// d (64 x 64) = A . B^T over the head dim, A and B K-major [64][HEAD_DIM] swizzled tiles.
+__device__ __forceinline__ void tile_times_tile_t(float d[8][4], const bf16* a, const bf16* b) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++) wgmma_ss(d, desc_kmajor(a, 64, kk), desc_kmajor(b, 64, kk));
+}
+
+// acc (64 x HEAD_DIM) += P (64 x 64 in accumulator layout, rounded to bf16) . tile (64 x HEAD_DIM).
+__device__ __forceinline__ void regs_times_tile(float acc[DN][4], const float p[8][4], const bf16* tile) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        u32 a[4];
+        pack_a(a, p, kk);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, 64, kk, pn));
+    }
+}
+
+// Starts loading rows row0..row0+63 of `group` (row rho: query group*R + rho % R, head
+// kh*G + rho / R) of x [Q, nh, HEAD_DIM] into a swizzled [64][HEAD_DIM] tile, thread tid of 128;
+// rows past the group's are zero.
+__device__ __forceinline__ void load_group_rows_async(bf16* tile, const bf16* x, int group, int row0, int R, int G,
+                                                      int kh, int num_queries, int nh, int tid) {
+    const int rows_valid = min(R, num_queries - group * R);
+    for (int c = tid; c < 64 * (HEAD_DIM / 8); c += 128) {
+        const int rr = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, rho = row0 + rr;
+        const int hh = rho / R, r = rho % R;
+        const bool ok = hh < G && r < rows_valid;
+        const size_t at = ok ? ((size_t)(group * R + r) * nh + kh * G + hh) * HEAD_DIM + col : 0;
+        cp_async16(tile + swz(rr, col, 64), x + at, ok);
+    }
+}
+
+// Starts loading KV tile t (keys 64t..64t+63; zero past num_keys) of k and v, KV head kh, into
+// swizzled [64][HEAD_DIM] tiles.
+__device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf16* k, const bf16* v, int t,
+                                                    int num_keys, int nkv, int kh) {
+    for (int c = threadIdx.x; c < TILE_K * (HEAD_DIM / 8); c += blockDim.x) {
+        const int row = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, key = t * TILE_K + row;
+        const bool valid = key < num_keys;
+        const size_t at = ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col;
+        cp_async16(tK + swz(row, col, TILE_K), k + at, valid);
+        cp_async16(tV + swz(row, col, TILE_K), v + at, valid);
+    }
+}
+
+// Waits for this thread's cp.async groups but the newest `pending` (0 or 1), then makes every
+// thread's landed tiles visible to wgmma.
+__device__ __forceinline__ void land_tiles(int pending) {
+    if (pending) cp_async_wait_all_but_one();
+    else cp_async_wait_all();
+    fence_async_proxy();
+    __syncthreads();
+}
+
+__device__ __forceinline__ bool visits(const TileWalk& w, int t) {
+    return (t >= w.ct0 && t < w.ct1) || (t >= w.bt0 && t < w.bt1);
+}
+
+// The walk over the union of two walks' tiles (each tile once).
+__device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
+    if (b.ct1 > b.ct0) {
+        if (a.ct1 > a.ct0) {
+            a.ct0 = min(a.ct0, b.ct0);
+            a.ct1 = max(a.ct1, b.ct1);
+        } else {
+            a.ct0 = b.ct0;
+            a.ct1 = b.ct1;
+        }
+    }
+    if (b.bt1 > b.bt0) {
+        if (a.bt1 > a.bt0) {
+            a.bt0 = min(a.bt0, b.bt0);
+            a.bt1 = max(a.bt1, b.bt1);
+        } else {
+            a.bt0 = b.bt0;
+            a.bt1 = b.bt1;
+        }
+    }
+    a.bt0 = max(a.bt0, a.ct1);
+    a.bt1 = max(a.bt1, a.bt0);
+    return a;
+}
+
+// A CTA of the Hopper query-major kernels (256 threads, two warpgroups): a group of at most 64
+// rows (R * G) takes one warpgroup, two groups per CTA; a group of up to 128 rows takes both.
+// Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later groups see more).
+struct WgRows {
+    int group, row0;    // this warpgroup's group and its first row in the group
+    TileWalk own, all;  // the tiles its group visits; the tiles the CTA visits
+};
+
+__device__ WgRows wg_rows(const RowGroup* groups, int R, int G, int num_queries, int window) {
+    const int wpg = (R * G + WG_ROWS - 1) / WG_ROWS, gpc = 2 / wpg;
+    const int num_groups = (num_queries + R - 1) / R, first = (gridDim.y - 1 - blockIdx.y) * gpc;
+    const int wg = threadIdx.x / 128;
+    WgRows w;
+    w.group = first + wg / wpg;
+    w.row0 = (wg % wpg) * WG_ROWS;
+    TileWalk none;
+    none.ct0 = none.ct1 = none.bt0 = none.bt1 = none.full_lo = none.full_hi = 0;
+    w.own = w.all = none;
+    for (int j = first; j < min(first + gpc, num_groups); j++) {
+        const TileWalk tw = tile_walk(groups[j], min(R, num_queries - j * R), window);
+        if (j == w.group) w.own = tw;
+        w.all = walk_union(w.all, tw);
+    }
+    return w;
+}
+
+// Forward on Hopper: out and lse of every row, as attention_forward.
+extern "C" __global__ void __launch_bounds__(256) attention_forward_wg(
+    const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
+    float* __restrict__ lse, int nh, int nkv, float scale) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    bf16* sQ = align_1024(smem);              // [2][64][HEAD_DIM], one tile per warpgroup
+    bf16* sK = sQ + 2 * WG_ROWS * HEAD_DIM;   // [2 stages][TILE_K][HEAD_DIM]
+    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;    // [2 stages][TILE_K][HEAD_DIM]
+    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+    const int tq = threadIdx.x % 4;
+    const WgRows w = wg_rows(groups, R, G, num_queries, window);
+    const bool has_rows = w.own.count() > 0;
+    const RowGroup g = groups[has_rows ? w.group : 0];
+    const LaneRows lr = lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + warp * 16);
+    const float scale_log2 = scale * LOG2E;
+    bf16* myQ = sQ + wg * WG_ROWS * HEAD_DIM;
+    if (has_rows) load_group_rows_async(myQ, q, w.group, w.row0, R, G, kh, num_queries, nh, threadIdx.x % 128);
+    cp_async_commit();
+
+    float acc[DN][4];
+#pragma unroll
+    for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    const int n = w.all.count();
+    if (n > 0) load_kv_tiles_async(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
+    cp_async_commit();
+    for (int i = 0; i < n; i++) {
+        const int stage = i & 1, t = w.all.tile(i);
+        if (i + 1 < n) {
+            load_kv_tiles_async(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
+                                w.all.tile(i + 1), num_keys, nkv, kh);
+            cp_async_commit();
+        }
+        land_tiles(i + 1 < n);
+        if (visits(w.own, t)) {  // uniform across the warpgroup
+            const bf16* tK = sK + stage * TILE_K * HEAD_DIM;
+            const bf16* tV = sV + stage * TILE_K * HEAD_DIM;
+            float s[TILE_K / 8][4];
+            zero_tiles(s);
+            wg_fence();
+            tile_times_tile_t(s, myQ, tK);
+            wg_commit_wait();
+#pragma unroll
+            for (int nt = 0; nt < TILE_K / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] *= scale_log2;
+            if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
+            online_softmax(s, acc, m, l);
+            wg_fence();
+            regs_times_tile(acc, s, tV);
+            wg_commit_wait();
+        }
+        __syncthreads();
+    }
+    cp_async_wait_all();
+    write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
+}
+
+// dQ on Hopper, query-major like attention_forward_wg: dq = scale * sum_k ds k.
+extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
+    const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ dsum, bf16* __restrict__ dq, int nh, int nkv, float scale) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    bf16* sQ = align_1024(smem);              // [2][64][HEAD_DIM], one tile per warpgroup
+    bf16* sDo = sQ + 2 * WG_ROWS * HEAD_DIM;  // [2][64][HEAD_DIM]
+    bf16* sK = sDo + 2 * WG_ROWS * HEAD_DIM;  // [2 stages][TILE_K][HEAD_DIM]
+    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;    // [2 stages][TILE_K][HEAD_DIM]
+    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+    const int tq = threadIdx.x % 4;
+    const WgRows w = wg_rows(groups, R, G, num_queries, window);
+    const bool has_rows = w.own.count() > 0;
+    const RowGroup g = groups[has_rows ? w.group : 0];
+    const LaneRows lr = lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + warp * 16);
+    const float scale_log2 = scale * LOG2E;
+    bf16* myQ = sQ + wg * WG_ROWS * HEAD_DIM;
+    bf16* myDo = sDo + wg * WG_ROWS * HEAD_DIM;
+    if (has_rows) {
+        load_group_rows_async(myQ, q, w.group, w.row0, R, G, kh, num_queries, nh, threadIdx.x % 128);
+        load_group_rows_async(myDo, dout, w.group, w.row0, R, G, kh, num_queries, nh, threadIdx.x % 128);
+    }
+    cp_async_commit();
+    float lse2[2], ds_row[2];
+    for (int i = 0; i < 2; i++) {
+        const size_t at = (size_t)lr.h[i] * num_queries + lr.q[i];
+        lse2[i] = lr.ok[i] ? lse[at] * LOG2E : INFINITY;
+        ds_row[i] = lr.ok[i] ? dsum[at] : 0.f;
+    }
+    float acc[DN][4];
+#pragma unroll
+    for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
+
+    const int n = w.all.count();
+    if (n > 0) load_kv_tiles_async(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
+    cp_async_commit();
+    for (int i = 0; i < n; i++) {
+        const int stage = i & 1, t = w.all.tile(i);
+        if (i + 1 < n) {
+            load_kv_tiles_async(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
+                                w.all.tile(i + 1), num_keys, nkv, kh);
+            cp_async_commit();
+        }
+        land_tiles(i + 1 < n);
+        if (visits(w.own, t)) {  // uniform across the warpgroup
+            const bf16* tK = sK + stage * TILE_K * HEAD_DIM;
+            const bf16* tV = sV + stage * TILE_K * HEAD_DIM;
+            float s[TILE_K / 8][4], dp[TILE_K / 8][4];
+            zero_tiles(s);
+            zero_tiles(dp);
+            wg_fence();
+            tile_times_tile_t(s, myQ, tK);
+            tile_times_tile_t(dp, myDo, tV);
+            wg_commit_wait();
+            query_major_ds(s, dp, lr, lse2, ds_row, t * TILE_K, w.own.full(t), scale_log2);
+            wg_fence();
+            regs_times_tile(acc, s, tK);
+            wg_commit_wait();
+        }
+        __syncthreads();
+    }
+    cp_async_wait_all();
+    write_dq_rows(acc, lr, dq, nh, scale, tq);
+}
+
+// One staged chunk of the Hopper key-major pass: swizzled q and dout tiles [CHUNK][HEAD_DIM],
+// then lse2, dsum and bounds as in ChunkStage; stages are 1024-byte aligned.
+#define WG_STAGE_BYTES (((2 * CHUNK * HEAD_DIM * 2 + CHUNK * (4 + 4 + 16)) + 1023) / 1024 * 1024)
+
+__device__ __forceinline__ ChunkStage chunk_stage_wg(unsigned char* base) {
+    ChunkStage c;
+    c.q = reinterpret_cast<bf16*>(base);
+    c.dout = c.q + CHUNK * HEAD_DIM;
+    c.lse2 = reinterpret_cast<float*>(c.dout + CHUNK * HEAD_DIM);
+    c.dsum = c.lse2 + CHUNK;
+    c.bounds = reinterpret_cast<int*>(c.dsum + CHUNK);
+    return c;
+}
+
+__device__ __forceinline__ void load_chunk_async_wg(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
+                                                    int G, int kh, int num_queries, int window, int causal_in_block,
+                                                    const bf16* q, const bf16* dout, const float* lse,
+                                                    const float* dsum, int nh) {
+    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh, threadIdx.x);
+    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh, threadIdx.x);
+    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum);
+}
+
+// dK, dV on Hopper, key-major like attention_backward_dkdv: one warpgroup (128 threads) owns a
+// KV tile of 64 keys; same grid, same optional split into fp32 accumulators.
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
+    const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
+    int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
+    const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dk_acc,
+    float* __restrict__ dv_acc, int nh, int nkv, float scale) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    bf16* sK = align_1024(smem);           // [TILE_K][HEAD_DIM]
+    bf16* sV = sK + TILE_K * HEAD_DIM;     // [TILE_K][HEAD_DIM]
+    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM);
+    const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
+    const float scale_log2 = scale * LOG2E;
+
+    load_kv_tiles_async(sK, sV, k, v, tile, num_keys, nkv, kh);
+
+    float dK[DN][4], dV[DN][4];
+#pragma unroll
+    for (int nd = 0; nd < DN; nd++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dK[nd][e] = dV[nd][e] = 0.f;
+
+    const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
+    const int chunks = (R * G + CHUNK - 1) / CHUNK;
+    const int items = (g_end - g_first) * chunks;
+    const int i_begin = items * blockIdx.z / gridDim.z, i_end = items * (blockIdx.z + 1) / gridDim.z;
+    const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
+    if (i_end > i_begin) {
+        const int group = g_first + i_begin / chunks;
+        load_chunk_async_wg(chunk_stage_wg(stages), groups[group], group, (i_begin % chunks) * CHUNK, R, G, kh,
+                            num_queries, window, causal_in_block, q, dout, lse, dsum, nh);
+    }
+    cp_async_commit();
+    for (int i = i_begin; i < i_end; i++) {
+        const int group = g_first + i / chunks;
+        if (i + 1 < i_end) {
+            const int next = g_first + (i + 1) / chunks;
+            load_chunk_async_wg(chunk_stage_wg(stages + ((i + 1 - i_begin) & 1) * WG_STAGE_BYTES), groups[next], next,
+                                ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, window, causal_in_block, q, dout,
+                                lse, dsum, nh);
+            cp_async_commit();
+        }
+        land_tiles(i + 1 < i_end);
+        const ChunkStage st = chunk_stage_wg(stages + ((i - i_begin) & 1) * WG_STAGE_BYTES);
+        const TileWalk walk = tile_walk(groups[group], min(R, num_queries - group * R), window);
+        float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
+        zero_tiles(sT);
+        zero_tiles(dpT);
+        wg_fence();
+        tile_times_tile_t(sT, sK, st.q);
+        tile_times_tile_t(dpT, sV, st.dout);
+        wg_commit_wait();
+        key_major_probs(sT, dpT, st, my_key, walk.full(tile), scale_log2);
+        wg_fence();
+        regs_times_tile(dV, sT, st.dout);
+        regs_times_tile(dK, dpT, st.q);
+        wg_commit_wait();
+        __syncthreads();
+    }
+    cp_async_wait_all();
+    if (gridDim.z > 1 && i_end == i_begin) return;  // nothing to add
+    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale);
 }

@@ -31,6 +31,16 @@ impl Options {
     }
 
     /// The value of `--name` parsed as `T`, or `default`.
+    /// A `--name yes|no` option.
+    pub fn yes_no(&self, name: &str, default: bool) -> Result<bool, String> {
+        match self.get(name, String::new())?.as_str() {
+            "" => Ok(default),
+            "yes" => Ok(true),
+            "no" => Ok(false),
+            other => Err(format!("option `--{name}`: `{other}`; yes or no expected")),
+        }
+    }
+
     pub fn get<T: FromStr>(&self, name: &str, default: T) -> Result<T, String> {
         match self.values.get(name) {
             None => Ok(default),

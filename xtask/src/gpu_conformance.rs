@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck};
 use dflash_optimized::attention::cases::{conformance_cases, BF16_TOLERANCE};
-use dflash_optimized::attention::cuda::conformance_case;
+use dflash_optimized::attention::cuda::{conformance_case, KernelVariant};
 use dflash_optimized::gpu::Gpu;
 use dflash_optimized::kernels::{kernel_hash, KERNEL_SOURCES};
 use serde_json::{json, Value};
@@ -30,9 +30,11 @@ writing the file.
 
 options:
   --out FILE      where the attestation goes       (default fixtures/gpu/attestation.json)
-  --commit SHA    the commit under test            (default: commit.txt next to the binary)";
+  --commit SHA    the commit under test            (default: commit.txt next to the binary)
+  --variant NAME  attention kernels to check: mma-sync, wgmma or all   (default all)
+  --step yes|no   also the step kernels and the GPU step                (default yes)";
 
-const OPTIONS: &[&str] = &["out", "commit"];
+const OPTIONS: &[&str] = &["out", "commit", "variant", "step"];
 
 /// Opens GPU 0, or says why there is none and how to run on the GPU machine.
 pub fn open_gpu() -> Result<Gpu, String> {
@@ -85,6 +87,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let out: PathBuf = opts.get("out", PathBuf::from("fixtures/gpu/attestation.json"))?;
     let commit: String = opts.get("commit", String::new())?;
     let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
+    let variants = parse_variants(&opts.get("variant", "all".to_string())?)?;
+    let with_step = opts.yes_no("step", true)?;
     let gpu = open_gpu()?;
     if KERNEL_SOURCES.is_empty() {
         return Err("no kernel sources are embedded (optimized/kernels/*.cu): nothing to attest".to_string());
@@ -92,19 +96,20 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let hash = kernel_hash();
     let files: Vec<&str> = KERNEL_SOURCES.iter().map(|&(name, _)| name).collect();
     println!("GPU conformance on {} (commit {commit}); kernels {} sha256 {hash}", gpu.name(), files.join(", "));
-    println!("{:<24} {:>10} {:>10} {:>10} {:>10}  {:<6} {:>7}", "case", "out", "dq", "dk", "dv", "result", "time");
+    println!("{:<34} {:>10} {:>10} {:>10} {:>10}  {:<6} {:>7}", "case", "out", "dq", "dk", "dv", "result", "time");
 
     let mut cases = Vec::new();
-    for case in conformance_cases() {
+    for (variant, case) in variants.iter().flat_map(|&v| conformance_cases().into_iter().map(move |c| (v, c))) {
         let started = Instant::now();
-        let outcome = conformance_case(&gpu, &case);
+        let outcome = conformance_case(&gpu, &case, variant);
+        let name = format!("{}/{}", variant.name(), case.name);
         let secs = started.elapsed().as_secs_f64();
         let entry = match outcome {
             Ok(errors) => {
                 let pass = errors.pass();
                 println!(
-                    "{:<24} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e}  {:<6} {secs:>6.1}s",
-                    case.name,
+                    "{:<34} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e}  {:<6} {secs:>6.1}s",
+                    name,
                     errors.out,
                     errors.dq,
                     errors.dk,
@@ -112,20 +117,20 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                     if pass { "pass" } else { "FAIL" }
                 );
                 json!({
-                    "name": case.name,
+                    "name": name,
                     "errors": { "out": errors.out, "dq": errors.dq, "dk": errors.dk, "dv": errors.dv },
                     "pass": pass,
                 })
             }
             Err(e) => {
-                println!("{:<24} error after {secs:.1}s: {e}", case.name);
-                json!({ "name": case.name, "errors": Value::Null, "pass": false, "error": e.to_string() })
+                println!("{name:<34} error after {secs:.1}s: {e}");
+                json!({ "name": name, "errors": Value::Null, "pass": false, "error": e.to_string() })
             }
         };
         cases.push(entry);
     }
-    for entry in step_checks(&gpu)? {
-        cases.push(entry);
+    if with_step {
+        cases.extend(step_checks(&gpu)?);
     }
     let failed: Vec<&str> =
         cases.iter().filter(|c| c["pass"] != Value::Bool(true)).filter_map(|c| c["name"].as_str()).collect();
@@ -151,6 +156,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("GPU conformance failed on: {}", failed.join(", ")))
+    }
+}
+
+/// `all` or one kernel variant's name.
+pub fn parse_variants(arg: &str) -> Result<Vec<KernelVariant>, String> {
+    match arg {
+        "all" => Ok(KernelVariant::ALL.to_vec()),
+        name => Ok(vec![name.parse()?]),
     }
 }
 

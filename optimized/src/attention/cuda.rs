@@ -20,6 +20,8 @@ const SOURCE: &str = include_str!("../../kernels/attention.cu");
 const DKDV_CHUNK: usize = 64;
 /// Largest CTA of the query-major kernels: 16 rows per warp, at most 8 warps.
 const MAX_CTA_ROWS: usize = 128;
+/// Rows of a warpgroup in the wgmma kernels (`WG_ROWS`).
+const WG_ROWS: usize = 64;
 
 fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Gpu(format!("{what}: {e:?}"))
@@ -96,9 +98,53 @@ impl HeadArgs {
     }
 }
 
+/// Which kernels run. Both compute the same results over the same plan and take the same
+/// arguments; they differ in tensor-core instructions, shared layout and CTA shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelVariant {
+    /// `mma.sync` m16n8k16 on padded shared tiles: 16 rows per warp, one row group per CTA.
+    MmaSync,
+    /// Hopper `wgmma` on 128-byte-swizzled shared tiles: 64 rows per warpgroup, two warpgroups
+    /// per CTA (two row groups of up to 64 rows share each K/V tile); head_dim a multiple of 64.
+    Wgmma,
+}
+
+impl KernelVariant {
+    pub const ALL: [KernelVariant; 2] = [KernelVariant::MmaSync, KernelVariant::Wgmma];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelVariant::MmaSync => "mma-sync",
+            KernelVariant::Wgmma => "wgmma",
+        }
+    }
+
+    /// Kernel-name suffix in `attention.cu`.
+    fn suffix(self) -> &'static str {
+        match self {
+            KernelVariant::MmaSync => "",
+            KernelVariant::Wgmma => "_wg",
+        }
+    }
+}
+
+impl std::str::FromStr for KernelVariant {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown kernel variant `{s}` (mma-sync or wgmma)"))
+    }
+}
+
+/// The variant the training step and `AttentionKernels::load` use.
+pub const DEFAULT_VARIANT: KernelVariant = KernelVariant::MmaSync;
+
 /// The attention kernels compiled for one head dim.
 pub struct AttentionKernels {
     head_dim: usize,
+    variant: KernelVariant,
     forward: CudaFunction,
     dsum: CudaFunction,
     dq: CudaFunction,
@@ -106,30 +152,53 @@ pub struct AttentionKernels {
     dkdv_finish: CudaFunction,
 }
 
-/// Dynamic shared memory of the forward: two stages of K and V tiles.
-fn forward_smem(head_dim: usize) -> usize {
-    2 * 2 * TILE_K * (head_dim + 8) * 2
+/// Dynamic shared memory of the forward: two stages of K and V tiles (wgmma: plus one
+/// 64-row q tile per warpgroup, and 1024 bytes to align the swizzled tiles).
+fn forward_smem(variant: KernelVariant, head_dim: usize) -> usize {
+    match variant {
+        KernelVariant::MmaSync => 2 * 2 * TILE_K * (head_dim + 8) * 2,
+        KernelVariant::Wgmma => 1024 + (2 * WG_ROWS + 4 * TILE_K) * head_dim * 2,
+    }
 }
 
 /// Dynamic shared memory of the dQ pass: the forward's, plus the CTA's dout rows.
-fn dq_smem(head_dim: usize) -> usize {
-    forward_smem(head_dim) + MAX_CTA_ROWS * (head_dim + 8) * 2
+fn dq_smem(variant: KernelVariant, head_dim: usize) -> usize {
+    match variant {
+        KernelVariant::MmaSync => forward_smem(variant, head_dim) + MAX_CTA_ROWS * (head_dim + 8) * 2,
+        KernelVariant::Wgmma => forward_smem(variant, head_dim) + 2 * WG_ROWS * head_dim * 2,
+    }
 }
 
 /// Dynamic shared memory of the key-major backward: K and V tiles, and two stages of q and
-/// dout rows with their lse, dsum and row bounds.
-fn dkdv_smem(head_dim: usize) -> usize {
-    2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + DKDV_CHUNK * (4 + 4 + 16))
+/// dout rows with their lse, dsum and row bounds (wgmma: stages rounded to 1024 bytes).
+fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
+    let scalars = DKDV_CHUNK * (4 + 4 + 16);
+    match variant {
+        KernelVariant::MmaSync => 2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + scalars),
+        KernelVariant::Wgmma => {
+            1024 + 2 * TILE_K * head_dim * 2 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + scalars).next_multiple_of(1024)
+        }
+    }
 }
 
 impl AttentionKernels {
-    /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
-    /// multiple of 32 up to 256 (fragments are loaded two k-steps at a time).
+    /// The default variant's kernels ([`DEFAULT_VARIANT`]).
     pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
-        if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
+        Self::load_variant(gpu, head_dim, DEFAULT_VARIANT)
+    }
+
+    /// Compiles (once per process and head dim) and loads the kernels of `variant`; `head_dim`
+    /// must be a multiple of 32 (mma.sync: fragments load two k-steps at a time) or of 64 (wgmma:
+    /// 128-byte panels), up to 256.
+    pub fn load_variant(gpu: &Gpu, head_dim: usize, variant: KernelVariant) -> Result<Self> {
+        let granule = match variant {
+            KernelVariant::MmaSync => 32,
+            KernelVariant::Wgmma => 64,
+        };
+        if head_dim == 0 || !head_dim.is_multiple_of(granule) || head_dim > 256 {
             return Err(Error::invalid(
                 "head_dim",
-                format!("{head_dim}: the CUDA kernels need a multiple of 32 up to 256"),
+                format!("{head_dim}: the {} kernels need a multiple of {granule} up to 256", variant.name()),
             ));
         }
         let module: &'static str = Box::leak(format!("attention_d{head_dim}").into_boxed_str());
@@ -142,12 +211,14 @@ impl AttentionKernels {
             }
             Ok(f)
         };
+        let sfx = variant.suffix();
         Ok(AttentionKernels {
             head_dim,
-            forward: function("attention_forward", forward_smem(head_dim))?,
+            variant,
+            forward: function(&format!("attention_forward{sfx}"), forward_smem(variant, head_dim))?,
             dsum: function("attention_backward_dsum", 0)?,
-            dq: function("attention_backward_dq", dq_smem(head_dim))?,
-            dkdv: function("attention_backward_dkdv", dkdv_smem(head_dim))?,
+            dq: function(&format!("attention_backward_dq{sfx}"), dq_smem(variant, head_dim))?,
+            dkdv: function(&format!("attention_backward_dkdv{sfx}"), dkdv_smem(variant, head_dim))?,
             dkdv_finish: function("attention_dkdv_finish", 0)?,
         })
     }
@@ -176,13 +247,19 @@ impl AttentionKernels {
                 ),
             ));
         }
-        Ok((plan.groups.len() as u32, rows.div_ceil(16) as u32 * 32))
+        let groups = plan.groups.len() as u32;
+        Ok(match self.variant {
+            // One group per CTA, one warp per 16 rows.
+            KernelVariant::MmaSync => (groups, rows.div_ceil(16) as u32 * 32),
+            // Two warpgroups: two groups of up to 64 rows per CTA, or one of up to 128.
+            KernelVariant::Wgmma => (groups.div_ceil(2 / rows.div_ceil(WG_ROWS) as u32), 256),
+        })
     }
 
-    /// Grid (KV heads, row groups), one warp per 16 CTA rows.
-    fn query_major_config(&self, shape: AttnShape, groups: u32, threads: u32, smem: usize) -> LaunchConfig {
+    /// Grid (KV heads, CTAs of row groups).
+    fn query_major_config(&self, shape: AttnShape, ctas: u32, threads: u32, smem: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (shape.num_kv_heads as u32, groups, 1),
+            grid_dim: (shape.num_kv_heads as u32, ctas, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem as u32,
         }
@@ -198,12 +275,12 @@ impl AttentionKernels {
         (q, k, v): (u64, u64, u64),
         (out, lse): (u64, u64),
     ) -> Result<()> {
-        let (groups, threads) = self.check(&dp.plan, shape)?;
-        if groups == 0 {
+        let (ctas, threads) = self.check(&dp.plan, shape)?;
+        if ctas == 0 {
             return Ok(());
         }
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
-        let cfg = self.query_major_config(shape, groups, threads, forward_smem(self.head_dim));
+        let cfg = self.query_major_config(shape, ctas, threads, forward_smem(self.variant, self.head_dim));
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups);
         plan_args.push(&mut b);
@@ -234,7 +311,7 @@ impl AttentionKernels {
         (dq, dk, dv): (u64, u64, u64),
         split: Option<(u64, u64)>,
     ) -> Result<()> {
-        let (groups, threads) = self.check(&dp.plan, shape)?;
+        let (ctas, threads) = self.check(&dp.plan, shape)?;
         let p = &dp.plan;
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
         let pairs = (p.num_queries * shape.num_heads) as u32;
@@ -248,8 +325,8 @@ impl AttentionKernels {
                 || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum")),
             )?;
         }
-        if groups > 0 {
-            let cfg = self.query_major_config(shape, groups, threads, dq_smem(self.head_dim));
+        if ctas > 0 {
+            let cfg = self.query_major_config(shape, ctas, threads, dq_smem(self.variant, self.head_dim));
             let mut b = stream.launch_builder(&self.dq);
             b.arg(&dp.groups);
             plan_args.push(&mut b);
@@ -276,7 +353,7 @@ impl AttentionKernels {
             let cfg = LaunchConfig {
                 grid_dim: (shape.num_kv_heads as u32, tiles, splits),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: dkdv_smem(self.head_dim) as u32,
+                shared_mem_bytes: dkdv_smem(self.variant, self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
             b.arg(&dp.groups).arg(&dp.kv_ranges);
@@ -434,12 +511,12 @@ const DENSE_REFERENCE_LIMIT: usize = 20_000_000;
 
 /// Runs `case` on the GPU and returns the worst relative error of out, dq, dk, dv against the
 /// CPU twin in f64 and, for cases small enough, the reference's dense attention in f64.
-pub fn conformance_case(gpu: &Gpu, case: &AttnCase) -> Result<CaseErrors> {
+pub fn conformance_case(gpu: &Gpu, case: &AttnCase, variant: KernelVariant) -> Result<CaseErrors> {
     let plan = case.plan()?;
     let shape = case_shape(case);
     let host = HostInputs::draw(case, &plan);
     let stream = gpu.stream();
-    let kernels = AttentionKernels::load(gpu, case.head_dim)?;
+    let kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
     let dp = DevicePlan::upload(stream, &plan)?;
     let mut run = DeviceRun::new(stream, DeviceRun::upload_inputs(stream, &host)?, &plan, shape)?;
     run.forward(&kernels, stream, &dp, shape)?;
@@ -505,12 +582,18 @@ fn dense_reference(
 
 /// Times the forward and forward+backward of `case` (CUDA events, median after `warmup`), and
 /// measures the memory-pool growth of one forward+backward against the planned bytes.
-pub fn bench_case(gpu: &Gpu, case: &AttnCase, warmup: usize, iters: usize) -> Result<BenchTimes> {
+pub fn bench_case(
+    gpu: &Gpu,
+    case: &AttnCase,
+    variant: KernelVariant,
+    warmup: usize,
+    iters: usize,
+) -> Result<BenchTimes> {
     let plan = case.plan()?;
     let shape = case_shape(case);
     let host = HostInputs::draw(case, &plan);
     let stream = gpu.stream();
-    let kernels = AttentionKernels::load(gpu, case.head_dim)?;
+    let kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
     let dp = DevicePlan::upload(stream, &plan)?;
     let inputs = DeviceRun::upload_inputs(stream, &host)?;
     let before = gpu.pool_used()?;
