@@ -532,7 +532,7 @@ __device__ __forceinline__ ChunkStage chunk_stage(unsigned char* base) {
 
 __device__ __forceinline__ void load_chunk_scalars(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
                                                    int G, int kh, int num_queries, int window, int causal_in_block,
-                                                   const float* lse, const float* dsum);
+                                                   const float* lse, const float* dsum, int tid, int threads);
 
 __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
                                                  int G, int kh, int num_queries, int window, int causal_in_block,
@@ -547,16 +547,17 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
         cp_async16(st.q + rr * SROW + col, q + at, ok);
         cp_async16(st.dout + rr * SROW + col, dout + at, ok);
     }
-    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum);
+    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum, threadIdx.x,
+                       blockDim.x);
 }
 
 // Stages lse (log2 domain; +inf for padding rows), dsum and the row bounds of rows c0..c0+CHUNK-1
-// of `group` (synchronous stores; the next __syncthreads publishes them).
+// of `group`, thread tid of `threads` (synchronous stores; the next barrier publishes them).
 __device__ __forceinline__ void load_chunk_scalars(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
                                                    int G, int kh, int num_queries, int window, int causal_in_block,
-                                                   const float* lse, const float* dsum) {
+                                                   const float* lse, const float* dsum, int tid, int threads) {
     const int rows_per_group = R * G, rows_valid = min(R, num_queries - group * R);
-    for (int rr = threadIdx.x; rr < CHUNK; rr += blockDim.x) {
+    for (int rr = tid; rr < CHUNK; rr += threads) {
         const int rho = c0 + rr, hh = rho / R, r = rho % R;
         const bool ok = rho < rows_per_group && r < rows_valid;
         const size_t at = (size_t)(kh * G + hh) * num_queries + group * R + r;
@@ -1016,14 +1017,21 @@ __device__ __forceinline__ void load_chunk_async_wg(const ChunkStage& st, const 
                                                     int G, int kh, int num_queries, int window, int causal_in_block,
                                                     const bf16* q, const bf16* dout, const float* lse,
                                                     const float* dsum, int nh) {
-    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh, threadIdx.x);
-    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh, threadIdx.x);
-    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum);
+    const int tid = threadIdx.x % 128;  // of this warpgroup
+    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh, tid);
+    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh, tid);
+    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum, tid, 128);
 }
 
-// dK, dV on Hopper, key-major like attention_backward_dkdv: one warpgroup (128 threads) owns a
-// KV tile of 64 keys; same grid, same optional split into fp32 accumulators.
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
+// Barrier of this warpgroup's 128 threads only (named barrier 1 + warpgroup).
+__device__ __forceinline__ void wg_barrier() { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)threadIdx.x / 128) : "memory"); }
+
+// dK, dV on Hopper, key-major like attention_backward_dkdv: a CTA (two warpgroups) owns a KV
+// tile of 64 keys, each warpgroup walks half of the tile's chunks with its own two-stage pipeline
+// (halving the critical path of the context tiles that every block sees), and the halves' dK, dV
+// are added in shared memory at the end, in a fixed order. Same grid, same optional split into
+// fp32 accumulators (gridDim.z = 2: each CTA takes its half of the work, as a whole).
+extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
     const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
     int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
     const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
@@ -1032,12 +1040,15 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
     extern __shared__ __align__(1024) unsigned char smem[];
     bf16* sK = align_1024(smem);           // [TILE_K][HEAD_DIM]
     bf16* sV = sK + TILE_K * HEAD_DIM;     // [TILE_K][HEAD_DIM]
-    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM);
+    const int wg = threadIdx.x / 128;
+    // [2 warpgroups][2 stages] chunk stages
+    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM) + wg * 2 * WG_STAGE_BYTES;
     const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, gq = lane / 4;
     const float scale_log2 = scale * LOG2E;
 
     load_kv_tiles_async(sK, sV, k, v, tile, num_keys, nkv, kh);
+    cp_async_commit();
 
     float dK[DN][4], dV[DN][4];
 #pragma unroll
@@ -1048,8 +1059,11 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
     const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
     const int chunks = (R * G + CHUNK - 1) / CHUNK;
     const int items = (g_end - g_first) * chunks;
-    const int i_begin = items * blockIdx.z / gridDim.z, i_end = items * (blockIdx.z + 1) / gridDim.z;
+    const int c_begin = items * blockIdx.z / gridDim.z, c_end = items * (blockIdx.z + 1) / gridDim.z;
+    if (gridDim.z > 1 && c_end == c_begin) return;  // nothing to add (uniform across the CTA)
+    const int i_begin = c_begin + (c_end - c_begin) * wg / 2, i_end = c_begin + (c_end - c_begin) * (wg + 1) / 2;
     const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
+    land_tiles(0);  // K and V, for both warpgroups
     if (i_end > i_begin) {
         const int group = g_first + i_begin / chunks;
         load_chunk_async_wg(chunk_stage_wg(stages), groups[group], group, (i_begin % chunks) * CHUNK, R, G, kh,
@@ -1064,8 +1078,12 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
                                 ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, window, causal_in_block, q, dout,
                                 lse, dsum, nh);
             cp_async_commit();
+            cp_async_wait_all_but_one();
+        } else {
+            cp_async_wait_all();
         }
-        land_tiles(i + 1 < i_end);
+        fence_async_proxy();
+        wg_barrier();
         const ChunkStage st = chunk_stage_wg(stages + ((i - i_begin) & 1) * WG_STAGE_BYTES);
         const TileWalk walk = tile_walk(groups[group], min(R, num_queries - group * R), window);
         float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
@@ -1080,9 +1098,30 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
         regs_times_tile(dV, sT, st.dout);
         regs_times_tile(dK, dpT, st.q);
         wg_commit_wait();
-        __syncthreads();
+        wg_barrier();
     }
     cp_async_wait_all();
-    if (gridDim.z > 1 && i_end == i_begin) return;  // nothing to add
+    // Warpgroup 1 hands its dK, dV to warpgroup 0 through the (now idle) stage memory.
+    float* partial = reinterpret_cast<float*>(sV + TILE_K * HEAD_DIM);  // [2 * DN * 4][128]
+    const int tid = threadIdx.x % 128;
+    __syncthreads();
+    if (wg == 1) {
+#pragma unroll
+        for (int nd = 0; nd < DN; nd++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                partial[(nd * 4 + e) * 128 + tid] = dK[nd][e];
+                partial[((DN + nd) * 4 + e) * 128 + tid] = dV[nd][e];
+            }
+    }
+    __syncthreads();
+    if (wg == 1) return;
+#pragma unroll
+    for (int nd = 0; nd < DN; nd++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            dK[nd][e] += partial[(nd * 4 + e) * 128 + tid];
+            dV[nd][e] += partial[((DN + nd) * 4 + e) * 128 + tid];
+        }
     write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale);
 }

@@ -34,9 +34,10 @@ options:
   --commit SHA    the commit measured                   (default: commit.txt next to the binary)
   --variant NAME  our kernels: mma-sync, wgmma, or all (each timed; the default variant's times
                   are the `ours_*` fields, every variant's under `variants`)   (default all)
-  --torch yes|no  run the PyTorch baselines             (default yes; no: ours only, no file)";
+  --torch yes|no  run the PyTorch baselines             (default yes; no: ours only, no file)
+  --profile yes|no  print each kernel's GPU time per call, per case and variant   (default no)";
 
-const OPTIONS: &[&str] = &["out", "warmup", "iters", "python", "script", "commit", "variant", "torch"];
+const OPTIONS: &[&str] = &["out", "warmup", "iters", "python", "script", "commit", "variant", "torch", "profile"];
 
 /// Useful FLOPs of the forward per allowed (query, key) pair and query head, over `head_dim`:
 /// `QK^T` and `PV`, 2 multiply-adds each.
@@ -101,6 +102,7 @@ fn attention(args: Vec<String>) -> Result<(), String> {
     let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
     let variants = parse_variants(&opts.get("variant", "all".to_string())?)?;
     let with_torch = opts.yes_no("torch", true)?;
+    let profile = opts.yes_no("profile", false)?;
     let gpu = open_gpu()?;
     let gpu_name = gpu.name().to_string();
     let date = utc_now();
@@ -121,6 +123,9 @@ fn attention(args: Vec<String>) -> Result<(), String> {
             match &times {
                 Ok(t) => println!("ours  {label:<38} fwd {:.3} ms, fwd+bwd {:.3} ms", t.fwd_ms, t.fwdbwd_ms),
                 Err(e) => println!("ours  {label:<38} error: {e}"),
+            }
+            if profile {
+                print_kernel_times(&gpu, &case, variant)?;
             }
             measured.push((variant, times));
         }
@@ -292,6 +297,20 @@ pub fn run_python_json(python: &str, script: &Path, input: &Value) -> Result<Val
         let head: String = stdout.chars().take(400).collect();
         format!("`{shown}`: stdout is not the expected JSON ({e}): {head}")
     })
+}
+
+/// Each kernel's GPU time per call over a few forward+backward runs of `case` (CUDA events).
+fn print_kernel_times(gpu: &dflash_optimized::gpu::Gpu, case: &AttnCase, variant: KernelVariant) -> Result<(), String> {
+    use dflash_optimized::profile;
+    profile::enable(true);
+    let run = bench_case(gpu, case, variant, 2, 3);
+    profile::enable(false);
+    let ops = profile::report().map_err(|e| e.to_string())?;
+    run.map_err(|e| e.to_string())?;
+    for (name, ms, count) in ops {
+        println!("      {:>8.3} ms/call  {name}", ms / count as f64);
+    }
+    Ok(())
 }
 
 /// The summary table, printed last.

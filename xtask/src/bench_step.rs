@@ -177,8 +177,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
     let (warmup, iters, seed): (usize, usize, u64) =
         (opts.get("warmup", 3)?, opts.get("iters", 10)?, opts.get("seed", 0)?);
-    let profile = opts.yes_no( "profile", false)?;
-    let with_torch = opts.yes_no( "torch", true)?;
+    let profile = opts.yes_no("profile", false)?;
+    let with_torch = opts.yes_no("torch", true)?;
     let python: String = opts.get("python", "python3".to_string())?;
     let script: PathBuf = opts.get("script", gpu_bundle::bundled_file("step_torch.py", "xtask/bench/step_torch.py"))?;
     if iters == 0 {
@@ -341,7 +341,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Err(format!("{} measurement(s) failed:\n  {}", errors.len(), errors.join("\n  ")))
     }
 }
-
 
 /// The summary table, printed last.
 fn print_table(objects: &[Value]) {

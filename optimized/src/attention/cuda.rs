@@ -119,6 +119,15 @@ impl KernelVariant {
         }
     }
 
+    /// Threads of a key-major CTA: one warp per 16 keys (mma.sync); two warpgroups, each walking
+    /// half of the tile's rows (wgmma).
+    fn dkdv_threads(self) -> u32 {
+        match self {
+            KernelVariant::MmaSync => 128,
+            KernelVariant::Wgmma => 256,
+        }
+    }
+
     /// Kernel-name suffix in `attention.cu`.
     fn suffix(self) -> &'static str {
         match self {
@@ -175,8 +184,9 @@ fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
     let scalars = DKDV_CHUNK * (4 + 4 + 16);
     match variant {
         KernelVariant::MmaSync => 2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + scalars),
+        // Two warpgroups with two stages each.
         KernelVariant::Wgmma => {
-            1024 + 2 * TILE_K * head_dim * 2 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + scalars).next_multiple_of(1024)
+            1024 + 2 * TILE_K * head_dim * 2 + 4 * (2 * DKDV_CHUNK * head_dim * 2 + scalars).next_multiple_of(1024)
         }
     }
 }
@@ -352,7 +362,7 @@ impl AttentionKernels {
         if tiles > 0 {
             let cfg = LaunchConfig {
                 grid_dim: (shape.num_kv_heads as u32, tiles, splits),
-                block_dim: (128, 1, 1),
+                block_dim: (self.variant.dkdv_threads(), 1, 1),
                 shared_mem_bytes: dkdv_smem(self.variant, self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
