@@ -572,11 +572,11 @@ __device__ __forceinline__ void load_chunk_scalars(const ChunkStage& st, const R
     }
 }
 
-// The key-major pass's epilogue for this lane's two keys: dk = scale * dK and dv = dV, or with a
-// split grid (gridDim.z > 1) their fp32 adds onto the accumulators.
+// The key-major pass's epilogue for this lane's two keys: dk = scale * dK and dv = dV, or with
+// `accumulate` their fp32 adds onto the accumulators.
 __device__ __forceinline__ void write_dkdv_rows(const float dK[DN][4], const float dV[DN][4], const int my_key[2],
                                                 int num_keys, int nkv, int kh, bf16* dk, bf16* dv, float* dk_acc,
-                                                float* dv_acc, float scale) {
+                                                float* dv_acc, float scale, bool accumulate) {
     const int tq = threadIdx.x % 4;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -585,7 +585,7 @@ __device__ __forceinline__ void write_dkdv_rows(const float dK[DN][4], const flo
         const size_t at = ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
 #pragma unroll
         for (int nd = 0; nd < DN; nd++) {
-            if (gridDim.z > 1) {
+            if (accumulate) {
                 atomicAdd(dk_acc + at + nd * 8, dK[nd][2 * h] * scale);
                 atomicAdd(dk_acc + at + nd * 8 + 1, dK[nd][2 * h + 1] * scale);
                 atomicAdd(dv_acc + at + nd * 8, dV[nd][2 * h]);
@@ -598,10 +598,10 @@ __device__ __forceinline__ void write_dkdv_rows(const float dK[DN][4], const flo
     }
 }
 
-// p^T and ds^T of this lane's two keys (my_key) over a staged chunk of rows, from raw scores
-// s^T and dp^T: p = exp2(s * scale_log2 - lse2), zero where the row does not see the key.
-__device__ __forceinline__ void key_major_probs(float sT[CHUNK / 8][4], float dpT[CHUNK / 8][4], const ChunkStage& st,
-                                                const int my_key[2], bool full, float scale_log2) {
+// p^T of this lane's two keys (my_key) over a staged chunk of rows, from raw scores s^T:
+// p = exp2(s * scale_log2 - lse2), zero where the row does not see the key.
+__device__ __forceinline__ void key_major_probs(float sT[CHUNK / 8][4], const ChunkStage& st, const int my_key[2],
+                                                bool full, float scale_log2) {
     const int tq = threadIdx.x % 4;
 #pragma unroll
     for (int nt = 0; nt < CHUNK / 8; nt++)
@@ -615,8 +615,17 @@ __device__ __forceinline__ void key_major_probs(float sT[CHUNK / 8][4], float dp
                 if (!((key >= b[0] && key < b[1]) || (key >= b[2] && key < b[3]))) p = 0.f;
             }
             sT[nt][e] = p;
-            dpT[nt][e] = p * (dpT[nt][e] - st.dsum[rr]);
         }
+}
+
+// ds^T = p^T (dp^T - dsum) over a staged chunk, in place of dp^T.
+__device__ __forceinline__ void key_major_ds(float dpT[CHUNK / 8][4], const float pT[CHUNK / 8][4],
+                                             const ChunkStage& st) {
+    const int tq = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < CHUNK / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dpT[nt][e] = pT[nt][e] * (dpT[nt][e] - st.dsum[nt * 8 + 2 * tq + (e & 1)]);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
@@ -680,14 +689,15 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
         float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
         shared_rows_times_tile(sT, sK, warp * 16, st.q);
         shared_rows_times_tile(dpT, sV, warp * 16, st.dout);
-        key_major_probs(sT, dpT, st, my_key, full, scale_log2);
+        key_major_probs(sT, st, my_key, full, scale_log2);
+        key_major_ds(dpT, sT, st);
         probs_times_tile(dV, sT, st.dout);
         probs_times_tile(dK, dpT, st.q);
         __syncthreads();
     }
     cp_async_wait_all();
     if (gridDim.z > 1 && i_end == i_begin) return;  // nothing to add
-    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale);
+    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale, gridDim.z > 1);
 }
 
 // dk, dv [n] = bf16 of the split key-major backward's fp32 accumulators.
@@ -759,6 +769,13 @@ __device__ __forceinline__ void wgmma_rs(float d[8][4], const u32 a[4], u64 b) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// d (64 x 64) += A (64 x 16, this warp's 16 rows in registers) . B (16 x 64, K-major at b: [n][k] rows).
+__device__ __forceinline__ void wgmma_rs_kmajor(float d[8][4], const u32 a[4], u64 b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
 __device__ __forceinline__ void zero_tiles(float d[8][4]) {
 #pragma unroll
     for (int nt = 0; nt < 8; nt++) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
@@ -768,6 +785,13 @@ __device__ __forceinline__ void zero_tiles(float d[8][4]) {
 __device__ __forceinline__ void tile_times_tile_t(float d[8][4], const bf16* a, const bf16* b) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; kk++) wgmma_ss(d, desc_kmajor(a, 64, kk), desc_kmajor(b, 64, kk));
+}
+
+// d (64 rows x 64 keys) = A . tile^T over the head dim, A in registers (load_row_frags), the
+// tile a K-major [64][HEAD_DIM] swizzled tile.
+__device__ __forceinline__ void frags_times_tile_t(float d[8][4], const u32 a[DK][4], const bf16* tile) {
+#pragma unroll
+    for (int kk = 0; kk < DK; kk++) wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, 64, kk));
 }
 
 // acc (64 x HEAD_DIM) += P (64 x 64 in accumulator layout, rounded to bf16) . tile (64 x HEAD_DIM).
@@ -879,19 +903,17 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward_wg(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
     float* __restrict__ lse, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    bf16* sQ = align_1024(smem);              // [2][64][HEAD_DIM], one tile per warpgroup
-    bf16* sK = sQ + 2 * WG_ROWS * HEAD_DIM;   // [2 stages][TILE_K][HEAD_DIM]
-    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;    // [2 stages][TILE_K][HEAD_DIM]
-    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+    bf16* sK = align_1024(smem);            // [2 stages][TILE_K][HEAD_DIM]
+    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;  // [2 stages][TILE_K][HEAD_DIM]
+    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, warp = (threadIdx.x / 32) % 4;
     const int tq = threadIdx.x % 4;
     const WgRows w = wg_rows(groups, R, G, num_queries, window);
     const bool has_rows = w.own.count() > 0;
     const RowGroup g = groups[has_rows ? w.group : 0];
     const LaneRows lr = lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + warp * 16);
     const float scale_log2 = scale * LOG2E;
-    bf16* myQ = sQ + wg * WG_ROWS * HEAD_DIM;
-    if (has_rows) load_group_rows_async(myQ, q, w.group, w.row0, R, G, kh, num_queries, nh, threadIdx.x % 128);
-    cp_async_commit();
+    u32 qa[DK][4];
+    load_row_frags(qa, q, lr, nh);
 
     float acc[DN][4];
 #pragma unroll
@@ -915,7 +937,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward_wg(
             float s[TILE_K / 8][4];
             zero_tiles(s);
             wg_fence();
-            tile_times_tile_t(s, myQ, tK);
+            frags_times_tile_t(s, qa, tK);
             wg_commit_wait();
 #pragma unroll
             for (int nt = 0; nt < TILE_K / 8; nt++)
@@ -939,24 +961,18 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ dsum, bf16* __restrict__ dq, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    bf16* sQ = align_1024(smem);              // [2][64][HEAD_DIM], one tile per warpgroup
-    bf16* sDo = sQ + 2 * WG_ROWS * HEAD_DIM;  // [2][64][HEAD_DIM]
-    bf16* sK = sDo + 2 * WG_ROWS * HEAD_DIM;  // [2 stages][TILE_K][HEAD_DIM]
-    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;    // [2 stages][TILE_K][HEAD_DIM]
-    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+    bf16* sK = align_1024(smem);            // [2 stages][TILE_K][HEAD_DIM]
+    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;  // [2 stages][TILE_K][HEAD_DIM]
+    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, warp = (threadIdx.x / 32) % 4;
     const int tq = threadIdx.x % 4;
     const WgRows w = wg_rows(groups, R, G, num_queries, window);
     const bool has_rows = w.own.count() > 0;
     const RowGroup g = groups[has_rows ? w.group : 0];
     const LaneRows lr = lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + warp * 16);
     const float scale_log2 = scale * LOG2E;
-    bf16* myQ = sQ + wg * WG_ROWS * HEAD_DIM;
-    bf16* myDo = sDo + wg * WG_ROWS * HEAD_DIM;
-    if (has_rows) {
-        load_group_rows_async(myQ, q, w.group, w.row0, R, G, kh, num_queries, nh, threadIdx.x % 128);
-        load_group_rows_async(myDo, dout, w.group, w.row0, R, G, kh, num_queries, nh, threadIdx.x % 128);
-    }
-    cp_async_commit();
+    u32 qa[DK][4], da[DK][4];
+    load_row_frags(qa, q, lr, nh);
+    load_row_frags(da, dout, lr, nh);
     float lse2[2], ds_row[2];
     for (int i = 0; i < 2; i++) {
         const size_t at = (size_t)lr.h[i] * num_queries + lr.q[i];
@@ -985,8 +1001,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
             zero_tiles(s);
             zero_tiles(dp);
             wg_fence();
-            tile_times_tile_t(s, myQ, tK);
-            tile_times_tile_t(dp, myDo, tV);
+            frags_times_tile_t(s, qa, tK);
+            frags_times_tile_t(dp, da, tV);
             wg_commit_wait();
             query_major_ds(s, dp, lr, lse2, ds_row, t * TILE_K, w.own.full(t), scale_log2);
             wg_fence();
@@ -1026,12 +1042,32 @@ __device__ __forceinline__ void load_chunk_async_wg(const ChunkStage& st, const 
 // Barrier of this warpgroup's 128 threads only (named barrier 1 + warpgroup).
 __device__ __forceinline__ void wg_barrier() { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)threadIdx.x / 128) : "memory"); }
 
-// dK, dV on Hopper, key-major like attention_backward_dkdv: a CTA (two warpgroups) owns a KV
-// tile of 64 keys, each warpgroup walks half of the tile's chunks with its own two-stage pipeline
-// (halving the critical path of the context tiles that every block sees), and the halves' dK, dV
-// are added in shared memory at the end, in a fixed order. Same grid, same optional split into
-// fp32 accumulators (gridDim.z = 2: each CTA takes its half of the work, as a whole).
-extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
+// Thread-block cluster helpers: this CTA's rank, a shared address of this CTA mapped into CTA
+// `rank`'s shared memory, a store there, and a barrier of the whole cluster that orders shared
+// memory (release / acquire).
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 map_shared(const void* p, u32 rank) {
+    u32 out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    return out;
+}
+__device__ __forceinline__ void st_cluster(u32 addr, float x) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(x) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// dK, dV on Hopper, key-major like attention_backward_dkdv: one warpgroup (128 threads) owns a
+// KV tile of 64 keys. The two CTAs of a cluster (blockIdx.z = 0, 1) take one half each of the
+// tile's chunks, halving the critical path of the context tiles that every block sees; rank 1
+// then adds its dK, dV into rank 0's shared memory and rank 0 writes the sum (a fixed order, so
+// deterministic; no global scratch). Grid (nkv, kv tiles, 2).
+extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) attention_backward_dkdv_wg(
     const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
     int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
     const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
@@ -1040,15 +1076,13 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
     extern __shared__ __align__(1024) unsigned char smem[];
     bf16* sK = align_1024(smem);           // [TILE_K][HEAD_DIM]
     bf16* sV = sK + TILE_K * HEAD_DIM;     // [TILE_K][HEAD_DIM]
-    const int wg = threadIdx.x / 128;
-    // [2 warpgroups][2 stages] chunk stages
-    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM) + wg * 2 * WG_STAGE_BYTES;
+    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM);  // [2 stages]
     const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, gq = lane / 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
+    const u32 rank = cluster_rank();
     const float scale_log2 = scale * LOG2E;
 
     load_kv_tiles_async(sK, sV, k, v, tile, num_keys, nkv, kh);
-    cp_async_commit();
 
     float dK[DN][4], dV[DN][4];
 #pragma unroll
@@ -1059,11 +1093,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
     const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
     const int chunks = (R * G + CHUNK - 1) / CHUNK;
     const int items = (g_end - g_first) * chunks;
-    const int c_begin = items * blockIdx.z / gridDim.z, c_end = items * (blockIdx.z + 1) / gridDim.z;
-    if (gridDim.z > 1 && c_end == c_begin) return;  // nothing to add (uniform across the CTA)
-    const int i_begin = c_begin + (c_end - c_begin) * wg / 2, i_end = c_begin + (c_end - c_begin) * (wg + 1) / 2;
+    const int i_begin = items * rank / 2, i_end = items * (rank + 1) / 2;
     const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
-    land_tiles(0);  // K and V, for both warpgroups
     if (i_end > i_begin) {
         const int group = g_first + i_begin / chunks;
         load_chunk_async_wg(chunk_stage_wg(stages), groups[group], group, (i_begin % chunks) * CHUNK, R, G, kh,
@@ -1078,12 +1109,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
                                 ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, window, causal_in_block, q, dout,
                                 lse, dsum, nh);
             cp_async_commit();
-            cp_async_wait_all_but_one();
-        } else {
-            cp_async_wait_all();
         }
-        fence_async_proxy();
-        wg_barrier();
+        land_tiles(i + 1 < i_end);
         const ChunkStage st = chunk_stage_wg(stages + ((i - i_begin) & 1) * WG_STAGE_BYTES);
         const TileWalk walk = tile_walk(groups[group], min(R, num_queries - group * R), window);
         float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
@@ -1093,29 +1120,32 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
         tile_times_tile_t(sT, sK, st.q);
         tile_times_tile_t(dpT, sV, st.dout);
         wg_commit_wait();
-        key_major_probs(sT, dpT, st, my_key, walk.full(tile), scale_log2);
+        // p first: dV's matmul runs while ds is computed.
+        key_major_probs(sT, st, my_key, walk.full(tile), scale_log2);
         wg_fence();
         regs_times_tile(dV, sT, st.dout);
+        key_major_ds(dpT, sT, st);
+        wg_fence();
         regs_times_tile(dK, dpT, st.q);
         wg_commit_wait();
-        wg_barrier();
+        __syncthreads();
     }
     cp_async_wait_all();
-    // Warpgroup 1 hands its dK, dV to warpgroup 0 through the (now idle) stage memory.
-    float* partial = reinterpret_cast<float*>(sV + TILE_K * HEAD_DIM);  // [2 * DN * 4][128]
-    const int tid = threadIdx.x % 128;
-    __syncthreads();
-    if (wg == 1) {
+    // Rank 1 adds its dK, dV into rank 0's stage memory (idle in both once both are here).
+    float* partial = reinterpret_cast<float*>(stages);  // [2 * DN * 4][128]
+    const int tid = threadIdx.x;
+    cluster_sync();
+    if (rank == 1) {
 #pragma unroll
         for (int nd = 0; nd < DN; nd++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                partial[(nd * 4 + e) * 128 + tid] = dK[nd][e];
-                partial[((DN + nd) * 4 + e) * 128 + tid] = dV[nd][e];
+                st_cluster(map_shared(partial + (nd * 4 + e) * 128 + tid, 0), dK[nd][e]);
+                st_cluster(map_shared(partial + ((DN + nd) * 4 + e) * 128 + tid, 0), dV[nd][e]);
             }
     }
-    __syncthreads();
-    if (wg == 1) return;
+    cluster_sync();
+    if (rank == 1) return;
 #pragma unroll
     for (int nd = 0; nd < DN; nd++)
 #pragma unroll
@@ -1123,5 +1153,5 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
             dK[nd][e] += partial[(nd * 4 + e) * 128 + tid];
             dV[nd][e] += partial[((DN + nd) * 4 + e) * 128 + tid];
         }
-    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale);
+    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale, false);
 }

@@ -119,15 +119,6 @@ impl KernelVariant {
         }
     }
 
-    /// Threads of a key-major CTA: one warp per 16 keys (mma.sync); two warpgroups, each walking
-    /// half of the tile's rows (wgmma).
-    fn dkdv_threads(self) -> u32 {
-        match self {
-            KernelVariant::MmaSync => 128,
-            KernelVariant::Wgmma => 256,
-        }
-    }
-
     /// Kernel-name suffix in `attention.cu`.
     fn suffix(self) -> &'static str {
         match self {
@@ -161,20 +152,21 @@ pub struct AttentionKernels {
     dkdv_finish: CudaFunction,
 }
 
-/// Dynamic shared memory of the forward: two stages of K and V tiles (wgmma: plus one
-/// 64-row q tile per warpgroup, and 1024 bytes to align the swizzled tiles).
+/// Dynamic shared memory of the forward: two stages of K and V tiles (wgmma: swizzled, plus
+/// 1024 bytes to align them; q stays in registers).
 fn forward_smem(variant: KernelVariant, head_dim: usize) -> usize {
     match variant {
         KernelVariant::MmaSync => 2 * 2 * TILE_K * (head_dim + 8) * 2,
-        KernelVariant::Wgmma => 1024 + (2 * WG_ROWS + 4 * TILE_K) * head_dim * 2,
+        KernelVariant::Wgmma => 1024 + 4 * TILE_K * head_dim * 2,
     }
 }
 
-/// Dynamic shared memory of the dQ pass: the forward's, plus the CTA's dout rows.
+/// Dynamic shared memory of the dQ pass: the forward's, plus the CTA's dout rows (mma.sync;
+/// wgmma keeps them in registers).
 fn dq_smem(variant: KernelVariant, head_dim: usize) -> usize {
     match variant {
         KernelVariant::MmaSync => forward_smem(variant, head_dim) + MAX_CTA_ROWS * (head_dim + 8) * 2,
-        KernelVariant::Wgmma => forward_smem(variant, head_dim) + 2 * WG_ROWS * head_dim * 2,
+        KernelVariant::Wgmma => forward_smem(variant, head_dim),
     }
 }
 
@@ -184,9 +176,8 @@ fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
     let scalars = DKDV_CHUNK * (4 + 4 + 16);
     match variant {
         KernelVariant::MmaSync => 2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + scalars),
-        // Two warpgroups with two stages each.
         KernelVariant::Wgmma => {
-            1024 + 2 * TILE_K * head_dim * 2 + 4 * (2 * DKDV_CHUNK * head_dim * 2 + scalars).next_multiple_of(1024)
+            1024 + 2 * TILE_K * head_dim * 2 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + scalars).next_multiple_of(1024)
         }
     }
 }
@@ -306,9 +297,10 @@ impl AttentionKernels {
 
     /// `dq`, `dk`, `dv` (shaped like q, k, v) from the forward's `out` and `lse` and `dout`;
     /// `dsum [nh, Q]` (fp32) is scratch. With `split` (two fp32 accumulators shaped like k), the
-    /// key-major pass runs each KV tile's work in two halves on two CTAs (the DFlash context
-    /// tiles seen by every block no longer set the critical path) and adds them up there. All
-    /// arguments are device addresses.
+    /// mma.sync key-major pass runs each KV tile's work in two halves on two CTAs (the DFlash
+    /// context tiles seen by every block no longer set the critical path) and adds them up there;
+    /// the wgmma pass always splits, through shared memory, and ignores `split`. All arguments
+    /// are device addresses.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -350,11 +342,14 @@ impl AttentionKernels {
         }
         let tiles = p.num_keys.div_ceil(TILE_K) as u32;
         let kv_len = p.num_keys * shape.num_kv_heads * shape.head_dim;
-        let (splits, (dk_acc, dv_acc)) = match split {
-            Some(acc) => (2, acc),
-            None => (1, (0, 0)),
+        // wgmma: always two CTAs per tile (a cluster pair adding in shared memory, no scratch).
+        let (splits, (dk_acc, dv_acc)) = match (self.variant, split) {
+            (KernelVariant::Wgmma, _) => (2, (0, 0)),
+            (KernelVariant::MmaSync, Some(acc)) => (2, acc),
+            (KernelVariant::MmaSync, None) => (1, (0, 0)),
         };
-        if splits > 1 {
+        let accumulators = dk_acc != 0;
+        if accumulators {
             for acc in [dk_acc, dv_acc] {
                 crate::step::gpu::device::zero_device(stream, acc, kv_len * 4)?;
             }
@@ -362,7 +357,7 @@ impl AttentionKernels {
         if tiles > 0 {
             let cfg = LaunchConfig {
                 grid_dim: (shape.num_kv_heads as u32, tiles, splits),
-                block_dim: (self.variant.dkdv_threads(), 1, 1),
+                block_dim: (128, 1, 1),
                 shared_mem_bytes: dkdv_smem(self.variant, self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
@@ -376,7 +371,7 @@ impl AttentionKernels {
                 || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv")),
             )?;
         }
-        if splits > 1 && kv_len > 0 {
+        if accumulators && kv_len > 0 {
             let n = kv_len as i64;
             let cfg = LaunchConfig {
                 grid_dim: ((kv_len.div_ceil(256) as u32).min(2112), 1, 1),
