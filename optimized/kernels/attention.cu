@@ -416,11 +416,10 @@ extern "C" __global__ void attention_backward_dsum(const bf16* __restrict__ out,
     if (lane == 0) dsum[(size_t)h * num_queries + qi] = sum;
 }
 
-// ds of this lane's two rows over a tile of raw scores s (keys key0..): s becomes
-// p * (dp - dsum) with p = exp2(s * scale_log2 - lse2), zero where the row does not see the key.
-__device__ __forceinline__ void query_major_ds(float s[TILE_K / 8][4], const float dp[TILE_K / 8][4],
-                                               const LaneRows& lr, const float lse2[2], const float ds_row[2],
-                                               int key0, bool full, float scale_log2) {
+// p of this lane's two rows over a tile of raw scores s (keys key0..), in place:
+// p = exp2(s * scale_log2 - lse2), zero where the row does not see the key.
+__device__ __forceinline__ void query_major_probs(float s[TILE_K / 8][4], const LaneRows& lr, const float lse2[2],
+                                                  int key0, bool full, float scale_log2) {
     const int tq = threadIdx.x % 4;
 #pragma unroll
     for (int nt = 0; nt < TILE_K / 8; nt++)
@@ -429,8 +428,17 @@ __device__ __forceinline__ void query_major_ds(float s[TILE_K / 8][4], const flo
             const int key = key0 + nt * 8 + 2 * tq + (e & 1);
             float p = fast_exp2(s[nt][e] * scale_log2 - lse2[e >> 1]);
             if (!full && !sees(lr.b[e >> 1], key)) p = 0.f;
-            s[nt][e] = p * (dp[nt][e] - ds_row[e >> 1]);
+            s[nt][e] = p;
         }
+}
+
+// ds = p (dp - dsum) of this lane's two rows, in place of p.
+__device__ __forceinline__ void query_major_ds(float p[TILE_K / 8][4], const float dp[TILE_K / 8][4],
+                                               const float ds_row[2]) {
+#pragma unroll
+    for (int nt = 0; nt < TILE_K / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) p[nt][e] *= dp[nt][e] - ds_row[e >> 1];
 }
 
 // The dQ pass's epilogue: dq = scale * acc for this lane's two rows.
@@ -497,7 +505,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         rows_times_tile(s, qa, tK);
         shared_rows_times_tile(dp, sDo, warp_row0, tV);
-        query_major_ds(s, dp, lr, lse2, ds_row, t * TILE_K, walk.full(t), scale_log2);
+        query_major_probs(s, lr, lse2, t * TILE_K, walk.full(t), scale_log2);
+        query_major_ds(s, dp, ds_row);
         probs_times_tile(acc, s, tK);
         __syncthreads();
     }
@@ -749,8 +758,15 @@ __device__ __forceinline__ u64 desc_mnmajor(const bf16* tile, int rows, int kk, 
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed wgmma groups of this warpgroup are pending.
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void wg_commit_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wg_commit();
+    wg_wait<0>();
 }
 // Makes this thread's generic-proxy shared writes (cp.async) visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -1002,9 +1018,13 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
             zero_tiles(dp);
             wg_fence();
             frags_times_tile_t(s, qa, tK);
+            wg_commit();
             frags_times_tile_t(dp, da, tV);
-            wg_commit_wait();
-            query_major_ds(s, dp, lr, lse2, ds_row, t * TILE_K, w.own.full(t), scale_log2);
+            wg_commit();
+            wg_wait<1>();  // s; p is computed while dp's matmul runs
+            query_major_probs(s, lr, lse2, t * TILE_K, w.own.full(t), scale_log2);
+            wg_wait<0>();
+            query_major_ds(s, dp, ds_row);
             wg_fence();
             regs_times_tile(acc, s, tK);
             wg_commit_wait();
@@ -1015,32 +1035,91 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
     write_dq_rows(acc, lr, dq, nh, scale, tq);
 }
 
-// One staged chunk of the Hopper key-major pass: swizzled q and dout tiles [CHUNK][HEAD_DIM],
-// then lse2, dsum and bounds as in ChunkStage; stages are 1024-byte aligned.
-#define WG_STAGE_BYTES (((2 * CHUNK * HEAD_DIM * 2 + CHUNK * (4 + 4 + 16)) + 1023) / 1024 * 1024)
+// One staged chunk of the Hopper key-major pass, all loaded with cp.async (no blocking global
+// load per chunk): swizzled q and dout tiles [CHUNK][HEAD_DIM], lse (natural log) and dsum of the
+// rows (zero for padding rows), and the chunk's RowGroup; stages are 1024-byte aligned.
+struct WgChunk {
+    bf16* q;
+    bf16* dout;
+    float* lse;
+    float* dsum;
+    RowGroup* g;
+};
+#define WG_STAGE_BYTES (((2 * CHUNK * HEAD_DIM * 2 + CHUNK * 8 + 32) + 1023) / 1024 * 1024)
 
-__device__ __forceinline__ ChunkStage chunk_stage_wg(unsigned char* base) {
-    ChunkStage c;
+__device__ __forceinline__ WgChunk wg_chunk(unsigned char* base) {
+    WgChunk c;
     c.q = reinterpret_cast<bf16*>(base);
     c.dout = c.q + CHUNK * HEAD_DIM;
-    c.lse2 = reinterpret_cast<float*>(c.dout + CHUNK * HEAD_DIM);
-    c.dsum = c.lse2 + CHUNK;
-    c.bounds = reinterpret_cast<int*>(c.dsum + CHUNK);
+    c.lse = reinterpret_cast<float*>(c.dout + CHUNK * HEAD_DIM);
+    c.dsum = c.lse + CHUNK;
+    c.g = reinterpret_cast<RowGroup*>(c.dsum + CHUNK);
     return c;
 }
 
-__device__ __forceinline__ void load_chunk_async_wg(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
-                                                    int G, int kh, int num_queries, int window, int causal_in_block,
-                                                    const bf16* q, const bf16* dout, const float* lse,
-                                                    const float* dsum, int nh) {
-    const int tid = threadIdx.x % 128;  // of this warpgroup
-    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh, tid);
-    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh, tid);
-    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum, tid, 128);
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    u32 addr = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 4 : 0));
 }
 
-// Barrier of this warpgroup's 128 threads only (named barrier 1 + warpgroup).
-__device__ __forceinline__ void wg_barrier() { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)threadIdx.x / 128) : "memory"); }
+// Starts loading rows c0..c0+CHUNK-1 of `group` into a stage (thread tid of 128).
+__device__ __forceinline__ void load_wg_chunk_async(const WgChunk& st, const RowGroup* groups, int group, int c0,
+                                                    int R, int G, int kh, int num_queries, const bf16* q,
+                                                    const bf16* dout, const float* lse, const float* dsum, int nh) {
+    const int tid = threadIdx.x % 128;
+    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh, tid);
+    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh, tid);
+    const int rows_valid = min(R, num_queries - group * R);
+    if (tid < CHUNK) {
+        const int rho = c0 + tid, hh = rho / R, r = rho % R;
+        const bool ok = hh < G && r < rows_valid;
+        const size_t at = ok ? (size_t)(kh * G + hh) * num_queries + group * R + r : 0;
+        cp_async4(st.lse + tid, lse + at, ok);
+        cp_async4(st.dsum + tid, dsum + at, ok);
+    } else if (tid < CHUNK + 6) {
+        cp_async4(reinterpret_cast<u32*>(st.g) + (tid - CHUNK), reinterpret_cast<const u32*>(groups + group) + (tid - CHUNK), true);
+    }
+}
+
+// p^T of this lane's two keys over a staged chunk (rows c0.. of a group seen through g), from raw
+// scores s^T, in place: p = exp2(s * scale_log2 - lse * log2 e); unless `full` (every row valid
+// and seeing the whole tile), zero where the row is padding or does not see the key.
+__device__ __forceinline__ void key_major_probs_wg(float sT[CHUNK / 8][4], const WgChunk& st, const RowGroup& g,
+                                                   int c0, int rows_valid, int R, int G, int window,
+                                                   int causal_in_block, const int my_key[2], bool full,
+                                                   float scale_log2) {
+    const int tq = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < CHUNK / 8; nt++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int rr = nt * 8 + 2 * tq + c;
+            const float lse2 = st.lse[rr] * LOG2E;
+            bool seen[2] = {true, true};
+            if (!full) {
+                const int rho = c0 + rr, hh = rho / R, r = rho % R;
+                const RowBounds b = row_bounds(g, r, window, causal_in_block);
+                const bool ok = hh < G && r < rows_valid;
+                seen[0] = ok && sees(b, my_key[0]);
+                seen[1] = ok && sees(b, my_key[1]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float p = fast_exp2(fmaf(sT[nt][2 * h + c], scale_log2, -lse2));
+                sT[nt][2 * h + c] = seen[h] ? p : 0.f;
+            }
+        }
+}
+
+// ds^T = p^T (dp^T - dsum) over a staged chunk, in place of dp^T.
+__device__ __forceinline__ void key_major_ds_wg(float dpT[CHUNK / 8][4], const float pT[CHUNK / 8][4],
+                                                const WgChunk& st) {
+    const int tq = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < CHUNK / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dpT[nt][e] = pT[nt][e] * (dpT[nt][e] - st.dsum[nt * 8 + 2 * tq + (e & 1)]);
+}
 
 // Thread-block cluster helpers: this CTA's rank, a shared address of this CTA mapped into CTA
 // `rank`'s shared memory, a store there, and a barrier of the whole cluster that orders shared
@@ -1063,23 +1142,24 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // dK, dV on Hopper, key-major like attention_backward_dkdv: one warpgroup (128 threads) owns a
-// KV tile of 64 keys. The two CTAs of a cluster (blockIdx.z = 0, 1) take one half each of the
-// tile's chunks, halving the critical path of the context tiles that every block sees; rank 1
+// KV tile of 64 keys. PAIR: the two CTAs of a cluster (blockIdx.z = 0, 1) take one half each of
+// the tile's chunks, halving the critical path of the context tiles that every block sees; rank 1
 // then adds its dK, dV into rank 0's shared memory and rank 0 writes the sum (a fixed order, so
-// deterministic; no global scratch). Grid (nkv, kv tiles, 2).
-extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) attention_backward_dkdv_wg(
-    const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
-    int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
-    const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dk_acc,
-    float* __restrict__ dv_acc, int nh, int nkv, float scale) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    bf16* sK = align_1024(smem);           // [TILE_K][HEAD_DIM]
+// deterministic; no global scratch). Grid (nkv, kv tiles, PAIR ? 2 : 1).
+template <bool PAIR>
+__device__ __forceinline__ void dkdv_wg(const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges,
+                                        int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
+                                        const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                        const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                                        const float* __restrict__ lse, const float* __restrict__ dsum,
+                                        bf16* __restrict__ dk, bf16* __restrict__ dv, int nh, int nkv, float scale) {
+    extern __shared__ __align__(1024) unsigned char dkdv_smem[];
+    bf16* sK = align_1024(dkdv_smem);           // [TILE_K][HEAD_DIM]
     bf16* sV = sK + TILE_K * HEAD_DIM;     // [TILE_K][HEAD_DIM]
     unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM);  // [2 stages]
     const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
-    const u32 rank = cluster_rank();
+    const u32 rank = PAIR ? cluster_rank() : 0;
     const float scale_log2 = scale * LOG2E;
 
     load_kv_tiles_async(sK, sV, k, v, tile, num_keys, nkv, kh);
@@ -1093,65 +1173,89 @@ extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) atte
     const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
     const int chunks = (R * G + CHUNK - 1) / CHUNK;
     const int items = (g_end - g_first) * chunks;
-    const int i_begin = items * rank / 2, i_end = items * (rank + 1) / 2;
+    const int i_begin = PAIR ? items * rank / 2 : 0, i_end = PAIR ? items * (rank + 1) / 2 : items;
     const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
     if (i_end > i_begin) {
-        const int group = g_first + i_begin / chunks;
-        load_chunk_async_wg(chunk_stage_wg(stages), groups[group], group, (i_begin % chunks) * CHUNK, R, G, kh,
-                            num_queries, window, causal_in_block, q, dout, lse, dsum, nh);
+        load_wg_chunk_async(wg_chunk(stages), groups, g_first + i_begin / chunks, (i_begin % chunks) * CHUNK, R, G, kh,
+                            num_queries, q, dout, lse, dsum, nh);
     }
     cp_async_commit();
     for (int i = i_begin; i < i_end; i++) {
-        const int group = g_first + i / chunks;
+        const int group = g_first + i / chunks, c0 = (i % chunks) * CHUNK;
         if (i + 1 < i_end) {
-            const int next = g_first + (i + 1) / chunks;
-            load_chunk_async_wg(chunk_stage_wg(stages + ((i + 1 - i_begin) & 1) * WG_STAGE_BYTES), groups[next], next,
-                                ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, window, causal_in_block, q, dout,
+            load_wg_chunk_async(wg_chunk(stages + ((i + 1 - i_begin) & 1) * WG_STAGE_BYTES), groups,
+                                g_first + (i + 1) / chunks, ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, q, dout,
                                 lse, dsum, nh);
             cp_async_commit();
         }
         land_tiles(i + 1 < i_end);
-        const ChunkStage st = chunk_stage_wg(stages + ((i - i_begin) & 1) * WG_STAGE_BYTES);
-        const TileWalk walk = tile_walk(groups[group], min(R, num_queries - group * R), window);
+        const WgChunk st = wg_chunk(stages + ((i - i_begin) & 1) * WG_STAGE_BYTES);
+        const RowGroup g = *st.g;
+        const int rows_valid = min(R, num_queries - group * R);
+        const bool full = tile_walk(g, rows_valid, window).full(tile) && rows_valid == R && c0 + CHUNK <= R * G;
         float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
         zero_tiles(sT);
         zero_tiles(dpT);
         wg_fence();
         tile_times_tile_t(sT, sK, st.q);
+        wg_commit();
         tile_times_tile_t(dpT, sV, st.dout);
-        wg_commit_wait();
-        // p first: dV's matmul runs while ds is computed.
-        key_major_probs(sT, st, my_key, walk.full(tile), scale_log2);
+        wg_commit();
+        wg_wait<1>();  // s^T; p is computed while dp^T's matmul runs
+        key_major_probs_wg(sT, st, g, c0, rows_valid, R, G, window, causal_in_block, my_key, full, scale_log2);
         wg_fence();
         regs_times_tile(dV, sT, st.dout);
-        key_major_ds(dpT, sT, st);
+        wg_commit();
+        wg_wait<1>();  // dp^T; ds is computed while dV's matmul runs
+        key_major_ds_wg(dpT, sT, st);
         wg_fence();
         regs_times_tile(dK, dpT, st.q);
         wg_commit_wait();
         __syncthreads();
     }
     cp_async_wait_all();
-    // Rank 1 adds its dK, dV into rank 0's stage memory (idle in both once both are here).
-    float* partial = reinterpret_cast<float*>(stages);  // [2 * DN * 4][128]
-    const int tid = threadIdx.x;
-    cluster_sync();
-    if (rank == 1) {
+    if (PAIR) {
+        // Rank 1 adds its dK, dV into rank 0's stage memory (idle in both once both are here).
+        float* partial = reinterpret_cast<float*>(stages);  // [2 * DN * 4][128]
+        const int tid = threadIdx.x;
+        cluster_sync();
+        if (rank == 1) {
+#pragma unroll
+            for (int nd = 0; nd < DN; nd++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    st_cluster(map_shared(partial + (nd * 4 + e) * 128 + tid, 0), dK[nd][e]);
+                    st_cluster(map_shared(partial + ((DN + nd) * 4 + e) * 128 + tid, 0), dV[nd][e]);
+                }
+        }
+        cluster_sync();
+        if (rank == 1) return;
 #pragma unroll
         for (int nd = 0; nd < DN; nd++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                st_cluster(map_shared(partial + (nd * 4 + e) * 128 + tid, 0), dK[nd][e]);
-                st_cluster(map_shared(partial + ((DN + nd) * 4 + e) * 128 + tid, 0), dV[nd][e]);
+                dK[nd][e] += partial[(nd * 4 + e) * 128 + tid];
+                dV[nd][e] += partial[((DN + nd) * 4 + e) * 128 + tid];
             }
     }
-    cluster_sync();
-    if (rank == 1) return;
-#pragma unroll
-    for (int nd = 0; nd < DN; nd++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            dK[nd][e] += partial[(nd * 4 + e) * 128 + tid];
-            dV[nd][e] += partial[((DN + nd) * 4 + e) * 128 + tid];
-        }
-    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale, false);
+    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, nullptr, nullptr, scale, false);
+}
+
+#define DKDV_WG_PARAMS                                                                                                 \
+    const RowGroup *__restrict__ groups, const u32 *__restrict__ kv_ranges, int group_rows, int num_queries,           \
+        int num_keys, int window, int causal_in_block, const bf16 *__restrict__ q, const bf16 *__restrict__ k,         \
+        const bf16 *__restrict__ v, const bf16 *__restrict__ dout, const float *__restrict__ lse,                      \
+        const float *__restrict__ dsum, bf16 *__restrict__ dk, bf16 *__restrict__ dv, float *__restrict__ dk_acc,      \
+        float *__restrict__ dv_acc, int nh, int nkv, float scale
+#define DKDV_WG_ARGS \
+    groups, kv_ranges, group_rows, num_queries, num_keys, window, causal_in_block, q, k, v, dout, lse, dsum, dk, dv, nh, nkv, scale
+
+// One CTA per KV tile (dk_acc, dv_acc unused: the launch takes the same arguments as every variant).
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(DKDV_WG_PARAMS) {
+    dkdv_wg<false>(DKDV_WG_ARGS);
+}
+
+// A cluster pair per KV tile, for plans whose longest tile outweighs a fair share of the work.
+extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) attention_backward_dkdv_wg_pair(DKDV_WG_PARAMS) {
+    dkdv_wg<true>(DKDV_WG_ARGS);
 }

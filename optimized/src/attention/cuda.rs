@@ -33,6 +33,8 @@ pub struct DevicePlan {
     pub plan: AttentionPlan,
     groups: CudaSlice<u32>,
     kv_ranges: CudaSlice<u32>,
+    /// The most row groups one KV tile's key-major CTA walks, and their sum over the tiles.
+    kv_tile_groups: (u64, u64),
 }
 
 impl DevicePlan {
@@ -40,12 +42,16 @@ impl DevicePlan {
     pub fn upload(stream: &Arc<CudaStream>, plan: &AttentionPlan) -> Result<Self> {
         let groups: Vec<u32> =
             plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
-        let kv_ranges: Vec<u32> = plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]).collect();
+        let ranges = plan.kv_tile_group_ranges(TILE_K);
+        let walked = ranges.iter().map(|&(first, end)| u64::from(end - first));
+        let kv_tile_groups = (walked.clone().max().unwrap_or(0), walked.sum());
+        let kv_ranges: Vec<u32> = ranges.into_iter().flat_map(|(a, b)| [a, b]).collect();
         let upload = |v: &[u32]| stream.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
         Ok(DevicePlan {
             plan: plan.clone(),
             groups: upload(&groups).map_err(gpu_err("upload plan groups"))?,
             kv_ranges: upload(&kv_ranges).map_err(gpu_err("upload plan KV-tile ranges"))?,
+            kv_tile_groups,
         })
     }
 
@@ -149,7 +155,22 @@ pub struct AttentionKernels {
     dsum: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
+    /// The key-major pass as cluster pairs (wgmma; the same function as `dkdv` for mma.sync).
+    dkdv_pair: CudaFunction,
     dkdv_finish: CudaFunction,
+    sm_count: usize,
+    /// When the wgmma key-major pass runs as cluster pairs.
+    pub pairs: Pairs,
+}
+
+/// When the wgmma key-major pass runs each KV tile on a cluster pair (the conformance run checks
+/// both forms; training and benchmarks use `Auto`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pairs {
+    /// When the longest tile's walk is longer than a fair share of the work per CTA slot.
+    Auto,
+    Always,
+    Never,
 }
 
 /// Dynamic shared memory of the forward: two stages of K and V tiles (wgmma: swizzled, plus
@@ -176,8 +197,10 @@ fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
     let scalars = DKDV_CHUNK * (4 + 4 + 16);
     match variant {
         KernelVariant::MmaSync => 2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + scalars),
+        // lse and dsum per row, and the chunk's row group (32 bytes).
         KernelVariant::Wgmma => {
-            1024 + 2 * TILE_K * head_dim * 2 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + scalars).next_multiple_of(1024)
+            1024 + 2 * TILE_K * head_dim * 2
+                + 2 * (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
         }
     }
 }
@@ -220,6 +243,12 @@ impl AttentionKernels {
             dsum: function("attention_backward_dsum", 0)?,
             dq: function(&format!("attention_backward_dq{sfx}"), dq_smem(variant, head_dim))?,
             dkdv: function(&format!("attention_backward_dkdv{sfx}"), dkdv_smem(variant, head_dim))?,
+            dkdv_pair: match variant {
+                KernelVariant::MmaSync => function("attention_backward_dkdv", dkdv_smem(variant, head_dim))?,
+                KernelVariant::Wgmma => function("attention_backward_dkdv_wg_pair", dkdv_smem(variant, head_dim))?,
+            },
+            sm_count: gpu.sm_count()?,
+            pairs: Pairs::Auto,
             dkdv_finish: function("attention_dkdv_finish", 0)?,
         })
     }
@@ -342,9 +371,16 @@ impl AttentionKernels {
         }
         let tiles = p.num_keys.div_ceil(TILE_K) as u32;
         let kv_len = p.num_keys * shape.num_kv_heads * shape.head_dim;
-        // wgmma: always two CTAs per tile (a cluster pair adding in shared memory, no scratch).
+        // wgmma: a cluster pair per tile (adding in shared memory, no scratch) when the longest
+        // tile's walk is longer than a fair share of all the work per CTA slot (two per SM).
+        let (max_walk, all_walks) = dp.kv_tile_groups;
+        let pair = match self.pairs {
+            Pairs::Auto => max_walk * 2 * self.sm_count as u64 > all_walks * shape.num_kv_heads as u64,
+            Pairs::Always => true,
+            Pairs::Never => false,
+        };
         let (splits, (dk_acc, dv_acc)) = match (self.variant, split) {
-            (KernelVariant::Wgmma, _) => (2, (0, 0)),
+            (KernelVariant::Wgmma, _) => (if pair { 2 } else { 1 }, (0, 0)),
             (KernelVariant::MmaSync, Some(acc)) => (2, acc),
             (KernelVariant::MmaSync, None) => (1, (0, 0)),
         };
@@ -360,7 +396,8 @@ impl AttentionKernels {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: dkdv_smem(self.variant, self.head_dim) as u32,
             };
-            let mut b = stream.launch_builder(&self.dkdv);
+            let dkdv = if self.variant == KernelVariant::Wgmma && pair { &self.dkdv_pair } else { &self.dkdv };
+            let mut b = stream.launch_builder(dkdv);
             b.arg(&dp.groups).arg(&dp.kv_ranges);
             plan_args.push(&mut b);
             b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv).arg(&dk_acc).arg(&dv_acc);
@@ -521,7 +558,8 @@ pub fn conformance_case(gpu: &Gpu, case: &AttnCase, variant: KernelVariant) -> R
     let shape = case_shape(case);
     let host = HostInputs::draw(case, &plan);
     let stream = gpu.stream();
-    let kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
+    let mut kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
+    kernels.pairs = Pairs::Never;
     let dp = DevicePlan::upload(stream, &plan)?;
     let mut run = DeviceRun::new(stream, DeviceRun::upload_inputs(stream, &host)?, &plan, shape)?;
     run.forward(&kernels, stream, &dp, shape)?;
@@ -530,7 +568,9 @@ pub fn conformance_case(gpu: &Gpu, case: &AttnCase, variant: KernelVariant) -> R
         Ok(widen(&stream.clone_dtoh(x).map_err(gpu_err("download results"))?))
     };
     let got = [down(&run.out)?, down(&run.dq)?, down(&run.dk)?, down(&run.dv)?];
-    // The split key-major pass (the training step's) into the same outputs.
+    // The split key-major pass (mma.sync: the training step's, into fp32 accumulators; wgmma:
+    // cluster pairs) into the same outputs.
+    kernels.pairs = Pairs::Always;
     let kv_len = plan.num_keys.max(1) * shape.num_kv_heads * shape.head_dim;
     let acc = || stream.alloc_zeros::<f32>(kv_len).map_err(gpu_err("allocate dK/dV accumulators"));
     let (dk_acc, dv_acc) = (acc()?, acc()?);
