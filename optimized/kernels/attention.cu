@@ -887,16 +887,17 @@ __device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
     return a;
 }
 
-// A CTA of the Hopper query-major kernels (256 threads, two warpgroups): a group of at most 64
-// rows (R * G) takes one warpgroup, two groups per CTA; a group of up to 128 rows takes both.
-// Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later groups see more).
+// A CTA of the Hopper query-major kernels: a group of R * G rows takes ceil(R * G / 64) (at most
+// two) warpgroups, and a CTA holds blockDim.x / 128 warpgroups: one or two groups, which share
+// each K/V tile. Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later
+// groups see more).
 struct WgRows {
     int group, row0;    // this warpgroup's group and its first row in the group
     TileWalk own, all;  // the tiles its group visits; the tiles the CTA visits
 };
 
 __device__ WgRows wg_rows(const RowGroup* groups, int R, int G, int num_queries, int window) {
-    const int wpg = (R * G + WG_ROWS - 1) / WG_ROWS, gpc = 2 / wpg;
+    const int wpg = (R * G + WG_ROWS - 1) / WG_ROWS, gpc = blockDim.x / 128 / wpg;
     const int num_groups = (num_queries + R - 1) / R, first = (gridDim.y - 1 - blockIdx.y) * gpc;
     const int wg = threadIdx.x / 128;
     WgRows w;

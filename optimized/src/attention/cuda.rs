@@ -161,6 +161,9 @@ pub struct AttentionKernels {
     sm_count: usize,
     /// When the wgmma key-major pass runs as cluster pairs.
     pub pairs: Pairs,
+    /// wgmma query-major kernels: two row groups of up to 64 rows per CTA sharing each K/V tile
+    /// (else one group per CTA).
+    pub two_groups: bool,
 }
 
 /// When the wgmma key-major pass runs each KV tile on a cluster pair (the conformance run checks
@@ -206,6 +209,10 @@ fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
 }
 
 impl AttentionKernels {
+    pub fn variant(&self) -> KernelVariant {
+        self.variant
+    }
+
     /// The default variant's kernels ([`DEFAULT_VARIANT`]).
     pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
         Self::load_variant(gpu, head_dim, DEFAULT_VARIANT)
@@ -249,6 +256,7 @@ impl AttentionKernels {
             },
             sm_count: gpu.sm_count()?,
             pairs: Pairs::Auto,
+            two_groups: true,
             dkdv_finish: function("attention_dkdv_finish", 0)?,
         })
     }
@@ -281,8 +289,11 @@ impl AttentionKernels {
         Ok(match self.variant {
             // One group per CTA, one warp per 16 rows.
             KernelVariant::MmaSync => (groups, rows.div_ceil(16) as u32 * 32),
-            // Two warpgroups: two groups of up to 64 rows per CTA, or one of up to 128.
-            KernelVariant::Wgmma => (groups.div_ceil(2 / rows.div_ceil(WG_ROWS) as u32), 256),
+            // A warpgroup per 64 rows of a group, one or two groups per CTA.
+            KernelVariant::Wgmma => {
+                let per_cta = if self.two_groups && rows <= WG_ROWS { 2 } else { 1 };
+                (groups.div_ceil(per_cta), 128 * (rows.div_ceil(WG_ROWS) as u32) * per_cta)
+            }
         })
     }
 
@@ -630,7 +641,7 @@ fn dense_reference(
 pub fn bench_case(
     gpu: &Gpu,
     case: &AttnCase,
-    variant: KernelVariant,
+    kernels: &AttentionKernels,
     warmup: usize,
     iters: usize,
 ) -> Result<BenchTimes> {
@@ -638,19 +649,18 @@ pub fn bench_case(
     let shape = case_shape(case);
     let host = HostInputs::draw(case, &plan);
     let stream = gpu.stream();
-    let kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
     let dp = DevicePlan::upload(stream, &plan)?;
     let inputs = DeviceRun::upload_inputs(stream, &host)?;
     let before = gpu.pool_used()?;
     gpu.reset_pool_high()?;
     let mut run = DeviceRun::new(stream, inputs, &plan, shape)?;
-    run.forward(&kernels, stream, &dp, shape)?;
-    run.backward(&kernels, stream, &dp, shape, None)?;
+    run.forward(kernels, stream, &dp, shape)?;
+    run.backward(kernels, stream, &dp, shape, None)?;
     let extra_bytes = gpu.pool_used_high()?.saturating_sub(before);
-    let fwd_ms = gpu.time_ms(warmup, iters, || run.forward(&kernels, stream, &dp, shape))?;
+    let fwd_ms = gpu.time_ms(warmup, iters, || run.forward(kernels, stream, &dp, shape))?;
     let fwdbwd_ms = gpu.time_ms(warmup, iters, || {
-        run.forward(&kernels, stream, &dp, shape)?;
-        run.backward(&kernels, stream, &dp, shape, None)
+        run.forward(kernels, stream, &dp, shape)?;
+        run.backward(kernels, stream, &dp, shape, None)
     })?;
     Ok(BenchTimes { fwd_ms, fwdbwd_ms, extra_bytes, planned_extra_bytes: planned_extra_bytes(&plan, shape) as u64 })
 }
