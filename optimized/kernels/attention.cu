@@ -822,12 +822,12 @@ __device__ __forceinline__ void regs_times_tile(float acc[DN][4], const float p[
 }
 
 // Starts loading rows row0..row0+63 of `group` (row rho: query group*R + rho % R, head
-// kh*G + rho / R) of x [Q, nh, HEAD_DIM] into a swizzled [64][HEAD_DIM] tile, thread tid of 128;
-// rows past the group's are zero.
+// kh*G + rho / R) of x [Q, nh, HEAD_DIM] into a swizzled [64][HEAD_DIM] tile, all threads of the
+// CTA; rows past the group's are zero.
 __device__ __forceinline__ void load_group_rows_async(bf16* tile, const bf16* x, int group, int row0, int R, int G,
-                                                      int kh, int num_queries, int nh, int tid) {
+                                                      int kh, int num_queries, int nh) {
     const int rows_valid = min(R, num_queries - group * R);
-    for (int c = tid; c < 64 * (HEAD_DIM / 8); c += 128) {
+    for (int c = threadIdx.x; c < 64 * (HEAD_DIM / 8); c += blockDim.x) {
         const int rr = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, rho = row0 + rr;
         const int hh = rho / R, r = rho % R;
         const bool ok = hh < G && r < rows_valid;
@@ -1063,13 +1063,13 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 4 : 0));
 }
 
-// Starts loading rows c0..c0+CHUNK-1 of `group` into a stage (thread tid of 128).
+// Starts loading rows c0..c0+CHUNK-1 of `group` into a stage (all threads of the CTA).
 __device__ __forceinline__ void load_wg_chunk_async(const WgChunk& st, const RowGroup* groups, int group, int c0,
                                                     int R, int G, int kh, int num_queries, const bf16* q,
                                                     const bf16* dout, const float* lse, const float* dsum, int nh) {
-    const int tid = threadIdx.x % 128;
-    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh, tid);
-    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh, tid);
+    const int tid = threadIdx.x;
+    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh);
+    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh);
     const int rows_valid = min(R, num_queries - group * R);
     if (tid < CHUNK) {
         const int rho = c0 + tid, hh = rho / R, r = rho % R;
@@ -1122,48 +1122,28 @@ __device__ __forceinline__ void key_major_ds_wg(float dpT[CHUNK / 8][4], const f
         for (int e = 0; e < 4; e++) dpT[nt][e] = pT[nt][e] * (dpT[nt][e] - st.dsum[nt * 8 + 2 * tq + (e & 1)]);
 }
 
-// Thread-block cluster helpers: this CTA's rank, a shared address of this CTA mapped into CTA
-// `rank`'s shared memory, a store there, and a barrier of the whole cluster that orders shared
-// memory (release / acquire).
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ u32 map_shared(const void* p, u32 rank) {
-    u32 out;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    return out;
-}
-__device__ __forceinline__ void st_cluster(u32 addr, float x) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(x) : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// dK, dV on Hopper, key-major like attention_backward_dkdv: one warpgroup (128 threads) owns a
-// KV tile of 64 keys. PAIR: the two CTAs of a cluster (blockIdx.z = 0, 1) take one half each of
-// the tile's chunks, halving the critical path of the context tiles that every block sees; rank 1
-// then adds its dK, dV into rank 0's shared memory and rank 0 writes the sum (a fixed order, so
-// deterministic; no global scratch). Grid (nkv, kv tiles, PAIR ? 2 : 1).
-template <bool PAIR>
-__device__ __forceinline__ void dkdv_wg(const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges,
-                                        int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
-                                        const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                        const bf16* __restrict__ v, const bf16* __restrict__ dout,
-                                        const float* __restrict__ lse, const float* __restrict__ dsum,
-                                        bf16* __restrict__ dk, bf16* __restrict__ dv, int nh, int nkv, float scale) {
-    extern __shared__ __align__(1024) unsigned char dkdv_smem[];
-    bf16* sK = align_1024(dkdv_smem);           // [TILE_K][HEAD_DIM]
-    bf16* sV = sK + TILE_K * HEAD_DIM;     // [TILE_K][HEAD_DIM]
-    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM);  // [2 stages]
-    const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
-    const u32 rank = PAIR ? cluster_rank() : 0;
+// dK, dV on Hopper, key-major like attention_backward_dkdv: a CTA owns a wide KV tile of
+// 2 * TILE_K keys, warpgroup w its keys w * TILE_K..; both warpgroups share each staged chunk of
+// rows (half the loads per key of a one-warpgroup tile). Grid (nkv, ceil(K / (2 * TILE_K))),
+// 256 threads; kv_ranges per wide tile.
+extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
+    const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
+    int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
+    const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dk_acc,
+    float* __restrict__ dv_acc, int nh, int nkv, float scale) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int wide = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows, wg = threadIdx.x / 128;
+    const int tile = 2 * wide + wg;  // this warpgroup's TILE_K keys
+    bf16* sK = align_1024(smem) + wg * TILE_K * HEAD_DIM;  // [2 warpgroups][TILE_K][HEAD_DIM]
+    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;                  // [2 warpgroups][TILE_K][HEAD_DIM]
+    unsigned char* stages = reinterpret_cast<unsigned char*>(align_1024(smem) + 4 * TILE_K * HEAD_DIM);  // [2]
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, gq = lane / 4;
     const float scale_log2 = scale * LOG2E;
 
-    load_kv_tiles_async(sK, sV, k, v, tile, num_keys, nkv, kh);
+    load_kv_tiles_async(align_1024(smem), align_1024(smem) + 2 * TILE_K * HEAD_DIM, k, v, 2 * wide, num_keys, nkv, kh);
+    load_kv_tiles_async(align_1024(smem) + TILE_K * HEAD_DIM, align_1024(smem) + 3 * TILE_K * HEAD_DIM, k, v,
+                        2 * wide + 1, num_keys, nkv, kh);
 
     float dK[DN][4], dV[DN][4];
 #pragma unroll
@@ -1171,92 +1151,47 @@ __device__ __forceinline__ void dkdv_wg(const RowGroup* __restrict__ groups, con
 #pragma unroll
         for (int e = 0; e < 4; e++) dK[nd][e] = dV[nd][e] = 0.f;
 
-    const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
+    const int g_first = (int)kv_ranges[2 * wide], g_end = (int)kv_ranges[2 * wide + 1];
     const int chunks = (R * G + CHUNK - 1) / CHUNK;
     const int items = (g_end - g_first) * chunks;
-    const int i_begin = PAIR ? items * rank / 2 : 0, i_end = PAIR ? items * (rank + 1) / 2 : items;
     const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
-    if (i_end > i_begin) {
-        load_wg_chunk_async(wg_chunk(stages), groups, g_first + i_begin / chunks, (i_begin % chunks) * CHUNK, R, G, kh,
-                            num_queries, q, dout, lse, dsum, nh);
-    }
+    if (items > 0) load_wg_chunk_async(wg_chunk(stages), groups, g_first, 0, R, G, kh, num_queries, q, dout, lse, dsum, nh);
     cp_async_commit();
-    for (int i = i_begin; i < i_end; i++) {
+    for (int i = 0; i < items; i++) {
         const int group = g_first + i / chunks, c0 = (i % chunks) * CHUNK;
-        if (i + 1 < i_end) {
-            load_wg_chunk_async(wg_chunk(stages + ((i + 1 - i_begin) & 1) * WG_STAGE_BYTES), groups,
-                                g_first + (i + 1) / chunks, ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, q, dout,
-                                lse, dsum, nh);
+        if (i + 1 < items) {
+            load_wg_chunk_async(wg_chunk(stages + ((i + 1) & 1) * WG_STAGE_BYTES), groups, g_first + (i + 1) / chunks,
+                                ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, q, dout, lse, dsum, nh);
             cp_async_commit();
         }
-        land_tiles(i + 1 < i_end);
-        const WgChunk st = wg_chunk(stages + ((i - i_begin) & 1) * WG_STAGE_BYTES);
+        land_tiles(i + 1 < items);
+        const WgChunk st = wg_chunk(stages + (i & 1) * WG_STAGE_BYTES);
         const RowGroup g = *st.g;
         const int rows_valid = min(R, num_queries - group * R);
-        const bool full = tile_walk(g, rows_valid, window).full(tile) && rows_valid == R && c0 + CHUNK <= R * G;
-        float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
-        zero_tiles(sT);
-        zero_tiles(dpT);
-        wg_fence();
-        tile_times_tile_t(sT, sK, st.q);
-        wg_commit();
-        tile_times_tile_t(dpT, sV, st.dout);
-        wg_commit();
-        wg_wait<1>();  // s^T; p is computed while dp^T's matmul runs
-        key_major_probs_wg(sT, st, g, c0, rows_valid, R, G, window, causal_in_block, my_key, full, scale_log2);
-        wg_fence();
-        regs_times_tile(dV, sT, st.dout);
-        wg_commit();
-        wg_wait<1>();  // dp^T; ds is computed while dV's matmul runs
-        key_major_ds_wg(dpT, sT, st);
-        wg_fence();
-        regs_times_tile(dK, dpT, st.q);
-        wg_commit_wait();
+        const TileWalk walk = tile_walk(g, rows_valid, window);
+        if (visits(walk, tile)) {  // uniform across the warpgroup
+            const bool full = walk.full(tile) && rows_valid == R && c0 + CHUNK <= R * G;
+            float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
+            zero_tiles(sT);
+            zero_tiles(dpT);
+            wg_fence();
+            tile_times_tile_t(sT, sK, st.q);
+            wg_commit();
+            tile_times_tile_t(dpT, sV, st.dout);
+            wg_commit();
+            wg_wait<1>();  // s^T; p is computed while dp^T's matmul runs
+            key_major_probs_wg(sT, st, g, c0, rows_valid, R, G, window, causal_in_block, my_key, full, scale_log2);
+            wg_fence();
+            regs_times_tile(dV, sT, st.dout);
+            wg_commit();
+            wg_wait<1>();  // dp^T; ds is computed while dV's matmul runs
+            key_major_ds_wg(dpT, sT, st);
+            wg_fence();
+            regs_times_tile(dK, dpT, st.q);
+            wg_commit_wait();
+        }
         __syncthreads();
     }
     cp_async_wait_all();
-    if (PAIR) {
-        // Rank 1 adds its dK, dV into rank 0's stage memory (idle in both once both are here).
-        float* partial = reinterpret_cast<float*>(stages);  // [2 * DN * 4][128]
-        const int tid = threadIdx.x;
-        cluster_sync();
-        if (rank == 1) {
-#pragma unroll
-            for (int nd = 0; nd < DN; nd++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    st_cluster(map_shared(partial + (nd * 4 + e) * 128 + tid, 0), dK[nd][e]);
-                    st_cluster(map_shared(partial + ((DN + nd) * 4 + e) * 128 + tid, 0), dV[nd][e]);
-                }
-        }
-        cluster_sync();
-        if (rank == 1) return;
-#pragma unroll
-        for (int nd = 0; nd < DN; nd++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                dK[nd][e] += partial[(nd * 4 + e) * 128 + tid];
-                dV[nd][e] += partial[((DN + nd) * 4 + e) * 128 + tid];
-            }
-    }
-    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, nullptr, nullptr, scale, false);
-}
-
-#define DKDV_WG_PARAMS                                                                                                 \
-    const RowGroup *__restrict__ groups, const u32 *__restrict__ kv_ranges, int group_rows, int num_queries,           \
-        int num_keys, int window, int causal_in_block, const bf16 *__restrict__ q, const bf16 *__restrict__ k,         \
-        const bf16 *__restrict__ v, const bf16 *__restrict__ dout, const float *__restrict__ lse,                      \
-        const float *__restrict__ dsum, bf16 *__restrict__ dk, bf16 *__restrict__ dv, float *__restrict__ dk_acc,      \
-        float *__restrict__ dv_acc, int nh, int nkv, float scale
-#define DKDV_WG_ARGS \
-    groups, kv_ranges, group_rows, num_queries, num_keys, window, causal_in_block, q, k, v, dout, lse, dsum, dk, dv, nh, nkv, scale
-
-// One CTA per KV tile (dk_acc, dv_acc unused: the launch takes the same arguments as every variant).
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(DKDV_WG_PARAMS) {
-    dkdv_wg<false>(DKDV_WG_ARGS);
-}
-
-// A cluster pair per KV tile, for plans whose longest tile outweighs a fair share of the work.
-extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) attention_backward_dkdv_wg_pair(DKDV_WG_PARAMS) {
-    dkdv_wg<true>(DKDV_WG_ARGS);
+    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale, false);
 }

@@ -98,15 +98,6 @@ impl Gpu {
         &self.name
     }
 
-    /// Number of streaming multiprocessors (132 on the H200).
-    pub fn sm_count(&self) -> Result<usize> {
-        let n = self
-            .ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| driver_error("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)", e))?;
-        Ok(usize::try_from(n).unwrap_or(1).max(1))
-    }
-
     /// The stream all work of this GPU is queued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use dflash_optimized::attention::cases::{bench_cases, AttnCase, BenchTimes};
-use dflash_optimized::attention::cuda::{bench_case, AttentionKernels, KernelVariant, Pairs, DEFAULT_VARIANT};
+use dflash_optimized::attention::cuda::{bench_case, AttentionKernels, KernelVariant, DEFAULT_VARIANT};
 use dflash_optimized::gpu::Gpu;
 use dflash_reference::config::AttnKind;
 use serde_json::{json, Value};
@@ -127,7 +127,7 @@ fn attention(args: Vec<String>) -> Result<(), String> {
                 Err(e) => println!("ours  {label:<38} error: {e}"),
             }
             if profile {
-                print_kernel_times(&gpu, &case, kernels)?;
+                print_kernel_times(&gpu, &case, &kernels)?;
             }
             measured.push((variant, times));
         }
@@ -301,26 +301,16 @@ pub fn run_python_json(python: &str, script: &Path, input: &Value) -> Result<Val
     })
 }
 
-/// Each kernel's GPU time per call over a few forward+backward runs of `case` (CUDA events),
-/// under each launch shape of the wgmma kernels (one or two row groups per CTA; key-major pass
-/// on single CTAs or cluster pairs).
-fn print_kernel_times(gpu: &Gpu, case: &AttnCase, mut kernels: AttentionKernels) -> Result<(), String> {
+/// Each kernel's GPU time per call over a few forward+backward runs of `case` (CUDA events).
+fn print_kernel_times(gpu: &Gpu, case: &AttnCase, kernels: &AttentionKernels) -> Result<(), String> {
     use dflash_optimized::profile;
-    let shapes: &[(bool, Pairs)] = match kernels.variant() {
-        KernelVariant::MmaSync => &[(true, Pairs::Auto)],
-        KernelVariant::Wgmma => &[(true, Pairs::Never), (false, Pairs::Always)],
-    };
-    for &(two_groups, pairs) in shapes {
-        (kernels.two_groups, kernels.pairs) = (two_groups, pairs);
-        profile::enable(true);
-        let run = bench_case(gpu, case, &kernels, 2, 3);
-        profile::enable(false);
-        let ops = profile::report().map_err(|e| e.to_string())?;
-        run.map_err(|e| e.to_string())?;
-        println!("    two groups per CTA {two_groups}, key-major pairs {pairs:?}:");
-        for (name, ms, count) in ops {
-            println!("      {:>8.3} ms/call  {name}", ms / count as f64);
-        }
+    profile::enable(true);
+    let run = bench_case(gpu, case, kernels, 2, 3);
+    profile::enable(false);
+    let ops = profile::report().map_err(|e| e.to_string())?;
+    run.map_err(|e| e.to_string())?;
+    for (name, ms, count) in ops {
+        println!("      {:>8.3} ms/call  {name}", ms / count as f64);
     }
     Ok(())
 }

@@ -33,8 +33,8 @@ pub struct DevicePlan {
     pub plan: AttentionPlan,
     groups: CudaSlice<u32>,
     kv_ranges: CudaSlice<u32>,
-    /// The most row groups one KV tile's key-major CTA walks, and their sum over the tiles.
-    kv_tile_groups: (u64, u64),
+    /// The same for wide tiles of `2 * TILE_K` keys (the wgmma key-major pass).
+    kv_ranges_wide: CudaSlice<u32>,
 }
 
 impl DevicePlan {
@@ -42,16 +42,15 @@ impl DevicePlan {
     pub fn upload(stream: &Arc<CudaStream>, plan: &AttentionPlan) -> Result<Self> {
         let groups: Vec<u32> =
             plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
-        let ranges = plan.kv_tile_group_ranges(TILE_K);
-        let walked = ranges.iter().map(|&(first, end)| u64::from(end - first));
-        let kv_tile_groups = (walked.clone().max().unwrap_or(0), walked.sum());
-        let kv_ranges: Vec<u32> = ranges.into_iter().flat_map(|(a, b)| [a, b]).collect();
+        let ranges = |tile: usize| -> Vec<u32> {
+            plan.kv_tile_group_ranges(tile).into_iter().flat_map(|(a, b)| [a, b]).collect()
+        };
         let upload = |v: &[u32]| stream.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
         Ok(DevicePlan {
             plan: plan.clone(),
             groups: upload(&groups).map_err(gpu_err("upload plan groups"))?,
-            kv_ranges: upload(&kv_ranges).map_err(gpu_err("upload plan KV-tile ranges"))?,
-            kv_tile_groups,
+            kv_ranges: upload(&ranges(TILE_K)).map_err(gpu_err("upload plan KV-tile ranges"))?,
+            kv_ranges_wide: upload(&ranges(2 * TILE_K)).map_err(gpu_err("upload plan KV-tile ranges"))?,
         })
     }
 
@@ -155,25 +154,7 @@ pub struct AttentionKernels {
     dsum: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
-    /// The key-major pass as cluster pairs (wgmma; the same function as `dkdv` for mma.sync).
-    dkdv_pair: CudaFunction,
     dkdv_finish: CudaFunction,
-    sm_count: usize,
-    /// When the wgmma key-major pass runs as cluster pairs.
-    pub pairs: Pairs,
-    /// wgmma query-major kernels: two row groups of up to 64 rows per CTA sharing each K/V tile
-    /// (else one group per CTA).
-    pub two_groups: bool,
-}
-
-/// When the wgmma key-major pass runs each KV tile on a cluster pair (the conformance run checks
-/// both forms; training and benchmarks use `Auto`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pairs {
-    /// When the longest tile's walk is longer than a fair share of the work per CTA slot.
-    Auto,
-    Always,
-    Never,
 }
 
 /// Dynamic shared memory of the forward: two stages of K and V tiles (wgmma: swizzled, plus
@@ -200,9 +181,9 @@ fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
     let scalars = DKDV_CHUNK * (4 + 4 + 16);
     match variant {
         KernelVariant::MmaSync => 2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + scalars),
-        // lse and dsum per row, and the chunk's row group (32 bytes).
+        // K and V of a wide tile; per stage lse and dsum per row, and the chunk's row group.
         KernelVariant::Wgmma => {
-            1024 + 2 * TILE_K * head_dim * 2
+            1024 + 4 * TILE_K * head_dim * 2
                 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
         }
     }
@@ -250,13 +231,6 @@ impl AttentionKernels {
             dsum: function("attention_backward_dsum", 0)?,
             dq: function(&format!("attention_backward_dq{sfx}"), dq_smem(variant, head_dim))?,
             dkdv: function(&format!("attention_backward_dkdv{sfx}"), dkdv_smem(variant, head_dim))?,
-            dkdv_pair: match variant {
-                KernelVariant::MmaSync => function("attention_backward_dkdv", dkdv_smem(variant, head_dim))?,
-                KernelVariant::Wgmma => function("attention_backward_dkdv_wg_pair", dkdv_smem(variant, head_dim))?,
-            },
-            sm_count: gpu.sm_count()?,
-            pairs: Pairs::Auto,
-            two_groups: true,
             dkdv_finish: function("attention_dkdv_finish", 0)?,
         })
     }
@@ -289,11 +263,8 @@ impl AttentionKernels {
         Ok(match self.variant {
             // One group per CTA, one warp per 16 rows.
             KernelVariant::MmaSync => (groups, rows.div_ceil(16) as u32 * 32),
-            // A warpgroup per 64 rows of a group, one or two groups per CTA.
-            KernelVariant::Wgmma => {
-                let per_cta = if self.two_groups && rows <= WG_ROWS { 2 } else { 1 };
-                (groups.div_ceil(per_cta), 128 * (rows.div_ceil(WG_ROWS) as u32) * per_cta)
-            }
+            // Two warpgroups: two groups of up to 64 rows per CTA, or one of up to 128.
+            KernelVariant::Wgmma => (groups.div_ceil(if rows <= WG_ROWS { 2 } else { 1 }), 256),
         })
     }
 
@@ -339,8 +310,7 @@ impl AttentionKernels {
     /// `dsum [nh, Q]` (fp32) is scratch. With `split` (two fp32 accumulators shaped like k), the
     /// mma.sync key-major pass runs each KV tile's work in two halves on two CTAs (the DFlash
     /// context tiles seen by every block no longer set the critical path) and adds them up there;
-    /// the wgmma pass always splits, through shared memory, and ignores `split`. All arguments
-    /// are device addresses.
+    /// the wgmma pass ignores `split`. All arguments are device addresses.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -380,20 +350,15 @@ impl AttentionKernels {
                 || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq")),
             )?;
         }
-        let tiles = p.num_keys.div_ceil(TILE_K) as u32;
-        let kv_len = p.num_keys * shape.num_kv_heads * shape.head_dim;
-        // wgmma: a cluster pair per tile (adding in shared memory, no scratch) when the longest
-        // tile's walk is longer than a fair share of all the work per CTA slot (two per SM).
-        let (max_walk, all_walks) = dp.kv_tile_groups;
-        let pair = match self.pairs {
-            Pairs::Auto => max_walk * 2 * self.sm_count as u64 > all_walks * shape.num_kv_heads as u64,
-            Pairs::Always => true,
-            Pairs::Never => false,
+        let (tiles, threads, kv_ranges) = match self.variant {
+            KernelVariant::MmaSync => (p.num_keys.div_ceil(TILE_K), 128, &dp.kv_ranges),
+            KernelVariant::Wgmma => (p.num_keys.div_ceil(2 * TILE_K), 256, &dp.kv_ranges_wide),
         };
+        let tiles = tiles as u32;
+        let kv_len = p.num_keys * shape.num_kv_heads * shape.head_dim;
         let (splits, (dk_acc, dv_acc)) = match (self.variant, split) {
-            (KernelVariant::Wgmma, _) => (if pair { 2 } else { 1 }, (0, 0)),
             (KernelVariant::MmaSync, Some(acc)) => (2, acc),
-            (KernelVariant::MmaSync, None) => (1, (0, 0)),
+            _ => (1, (0, 0)),
         };
         let accumulators = dk_acc != 0;
         if accumulators {
@@ -404,12 +369,11 @@ impl AttentionKernels {
         if tiles > 0 {
             let cfg = LaunchConfig {
                 grid_dim: (shape.num_kv_heads as u32, tiles, splits),
-                block_dim: (128, 1, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: dkdv_smem(self.variant, self.head_dim) as u32,
             };
-            let dkdv = if self.variant == KernelVariant::Wgmma && pair { &self.dkdv_pair } else { &self.dkdv };
-            let mut b = stream.launch_builder(dkdv);
-            b.arg(&dp.groups).arg(&dp.kv_ranges);
+            let mut b = stream.launch_builder(&self.dkdv);
+            b.arg(&dp.groups).arg(kv_ranges);
             plan_args.push(&mut b);
             b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv).arg(&dk_acc).arg(&dv_acc);
             head_args.push(&mut b);
@@ -569,8 +533,7 @@ pub fn conformance_case(gpu: &Gpu, case: &AttnCase, variant: KernelVariant) -> R
     let shape = case_shape(case);
     let host = HostInputs::draw(case, &plan);
     let stream = gpu.stream();
-    let mut kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
-    kernels.pairs = Pairs::Never;
+    let kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
     let dp = DevicePlan::upload(stream, &plan)?;
     let mut run = DeviceRun::new(stream, DeviceRun::upload_inputs(stream, &host)?, &plan, shape)?;
     run.forward(&kernels, stream, &dp, shape)?;
@@ -579,9 +542,8 @@ pub fn conformance_case(gpu: &Gpu, case: &AttnCase, variant: KernelVariant) -> R
         Ok(widen(&stream.clone_dtoh(x).map_err(gpu_err("download results"))?))
     };
     let got = [down(&run.out)?, down(&run.dq)?, down(&run.dk)?, down(&run.dv)?];
-    // The split key-major pass (mma.sync: the training step's, into fp32 accumulators; wgmma:
-    // cluster pairs) into the same outputs.
-    kernels.pairs = Pairs::Always;
+    // The split key-major pass (mma.sync: the training step's, into fp32 accumulators; wgmma
+    // ignores the split) into the same outputs.
     let kv_len = plan.num_keys.max(1) * shape.num_kv_heads * shape.head_dim;
     let acc = || stream.alloc_zeros::<f32>(kv_len).map_err(gpu_err("allocate dK/dV accumulators"));
     let (dk_acc, dv_acc) = (acc()?, acc()?);
