@@ -1122,28 +1122,24 @@ __device__ __forceinline__ void key_major_ds_wg(float dpT[CHUNK / 8][4], const f
         for (int e = 0; e < 4; e++) dpT[nt][e] = pT[nt][e] * (dpT[nt][e] - st.dsum[nt * 8 + 2 * tq + (e & 1)]);
 }
 
-// dK, dV on Hopper, key-major like attention_backward_dkdv: a CTA owns a wide KV tile of
-// 2 * TILE_K keys, warpgroup w its keys w * TILE_K..; both warpgroups share each staged chunk of
-// rows (half the loads per key of a one-warpgroup tile). Grid (nkv, ceil(K / (2 * TILE_K))),
-// 256 threads; kv_ranges per wide tile.
-extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
+// dK, dV on Hopper, key-major like attention_backward_dkdv: one warpgroup (128 threads) owns a
+// KV tile of 64 keys (two independent CTAs per SM overlap each other's matmuls and element-wise
+// work; one CTA of two warpgroups, in lock-step on shared chunks, measured slower). Same grid.
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
     const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
     int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
     const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dk_acc,
     float* __restrict__ dv_acc, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const int wide = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows, wg = threadIdx.x / 128;
-    const int tile = 2 * wide + wg;  // this warpgroup's TILE_K keys
-    bf16* sK = align_1024(smem) + wg * TILE_K * HEAD_DIM;  // [2 warpgroups][TILE_K][HEAD_DIM]
-    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;                  // [2 warpgroups][TILE_K][HEAD_DIM]
-    unsigned char* stages = reinterpret_cast<unsigned char*>(align_1024(smem) + 4 * TILE_K * HEAD_DIM);  // [2]
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, gq = lane / 4;
+    bf16* sK = align_1024(smem);           // [TILE_K][HEAD_DIM]
+    bf16* sV = sK + TILE_K * HEAD_DIM;     // [TILE_K][HEAD_DIM]
+    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM);  // [2 stages]
+    const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
     const float scale_log2 = scale * LOG2E;
 
-    load_kv_tiles_async(align_1024(smem), align_1024(smem) + 2 * TILE_K * HEAD_DIM, k, v, 2 * wide, num_keys, nkv, kh);
-    load_kv_tiles_async(align_1024(smem) + TILE_K * HEAD_DIM, align_1024(smem) + 3 * TILE_K * HEAD_DIM, k, v,
-                        2 * wide + 1, num_keys, nkv, kh);
+    load_kv_tiles_async(sK, sV, k, v, tile, num_keys, nkv, kh);
 
     float dK[DN][4], dV[DN][4];
 #pragma unroll
@@ -1151,47 +1147,49 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dkdv_wg(
 #pragma unroll
         for (int e = 0; e < 4; e++) dK[nd][e] = dV[nd][e] = 0.f;
 
-    const int g_first = (int)kv_ranges[2 * wide], g_end = (int)kv_ranges[2 * wide + 1];
+    const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
     const int chunks = (R * G + CHUNK - 1) / CHUNK;
     const int items = (g_end - g_first) * chunks;
     const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
-    if (items > 0) load_wg_chunk_async(wg_chunk(stages), groups, g_first, 0, R, G, kh, num_queries, q, dout, lse, dsum, nh);
+    if (items > 0) {
+        load_wg_chunk_async(wg_chunk(stages), groups, g_first, 0, R, G, kh,
+                            num_queries, q, dout, lse, dsum, nh);
+    }
     cp_async_commit();
     for (int i = 0; i < items; i++) {
         const int group = g_first + i / chunks, c0 = (i % chunks) * CHUNK;
         if (i + 1 < items) {
-            load_wg_chunk_async(wg_chunk(stages + ((i + 1) & 1) * WG_STAGE_BYTES), groups, g_first + (i + 1) / chunks,
-                                ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, q, dout, lse, dsum, nh);
+            load_wg_chunk_async(wg_chunk(stages + ((i + 1) & 1) * WG_STAGE_BYTES), groups,
+                                g_first + (i + 1) / chunks, ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, q, dout,
+                                lse, dsum, nh);
             cp_async_commit();
         }
         land_tiles(i + 1 < items);
         const WgChunk st = wg_chunk(stages + (i & 1) * WG_STAGE_BYTES);
         const RowGroup g = *st.g;
         const int rows_valid = min(R, num_queries - group * R);
-        const TileWalk walk = tile_walk(g, rows_valid, window);
-        if (visits(walk, tile)) {  // uniform across the warpgroup
-            const bool full = walk.full(tile) && rows_valid == R && c0 + CHUNK <= R * G;
-            float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
-            zero_tiles(sT);
-            zero_tiles(dpT);
-            wg_fence();
-            tile_times_tile_t(sT, sK, st.q);
-            wg_commit();
-            tile_times_tile_t(dpT, sV, st.dout);
-            wg_commit();
-            wg_wait<1>();  // s^T; p is computed while dp^T's matmul runs
-            key_major_probs_wg(sT, st, g, c0, rows_valid, R, G, window, causal_in_block, my_key, full, scale_log2);
-            wg_fence();
-            regs_times_tile(dV, sT, st.dout);
-            wg_commit();
-            wg_wait<1>();  // dp^T; ds is computed while dV's matmul runs
-            key_major_ds_wg(dpT, sT, st);
-            wg_fence();
-            regs_times_tile(dK, dpT, st.q);
-            wg_commit_wait();
-        }
+        const bool full = tile_walk(g, rows_valid, window).full(tile) && rows_valid == R && c0 + CHUNK <= R * G;
+        float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
+        zero_tiles(sT);
+        zero_tiles(dpT);
+        wg_fence();
+        tile_times_tile_t(sT, sK, st.q);
+        wg_commit();
+        tile_times_tile_t(dpT, sV, st.dout);
+        wg_commit();
+        wg_wait<1>();  // s^T; p is computed while dp^T's matmul runs
+        key_major_probs_wg(sT, st, g, c0, rows_valid, R, G, window, causal_in_block, my_key, full, scale_log2);
+        wg_fence();
+        regs_times_tile(dV, sT, st.dout);
+        wg_commit();
+        wg_wait<1>();  // dp^T; ds is computed while dV's matmul runs
+        key_major_ds_wg(dpT, sT, st);
+        wg_fence();
+        regs_times_tile(dK, dpT, st.q);
+        wg_commit_wait();
         __syncthreads();
     }
     cp_async_wait_all();
     write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale, false);
 }
+

@@ -33,8 +33,6 @@ pub struct DevicePlan {
     pub plan: AttentionPlan,
     groups: CudaSlice<u32>,
     kv_ranges: CudaSlice<u32>,
-    /// The same for wide tiles of `2 * TILE_K` keys (the wgmma key-major pass).
-    kv_ranges_wide: CudaSlice<u32>,
 }
 
 impl DevicePlan {
@@ -42,15 +40,12 @@ impl DevicePlan {
     pub fn upload(stream: &Arc<CudaStream>, plan: &AttentionPlan) -> Result<Self> {
         let groups: Vec<u32> =
             plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
-        let ranges = |tile: usize| -> Vec<u32> {
-            plan.kv_tile_group_ranges(tile).into_iter().flat_map(|(a, b)| [a, b]).collect()
-        };
+        let kv_ranges: Vec<u32> = plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]).collect();
         let upload = |v: &[u32]| stream.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
         Ok(DevicePlan {
             plan: plan.clone(),
             groups: upload(&groups).map_err(gpu_err("upload plan groups"))?,
-            kv_ranges: upload(&ranges(TILE_K)).map_err(gpu_err("upload plan KV-tile ranges"))?,
-            kv_ranges_wide: upload(&ranges(2 * TILE_K)).map_err(gpu_err("upload plan KV-tile ranges"))?,
+            kv_ranges: upload(&kv_ranges).map_err(gpu_err("upload plan KV-tile ranges"))?,
         })
     }
 
@@ -181,9 +176,9 @@ fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
     let scalars = DKDV_CHUNK * (4 + 4 + 16);
     match variant {
         KernelVariant::MmaSync => 2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + scalars),
-        // K and V of a wide tile; per stage lse and dsum per row, and the chunk's row group.
+        // Per stage: lse and dsum per row, and the chunk's row group.
         KernelVariant::Wgmma => {
-            1024 + 4 * TILE_K * head_dim * 2
+            1024 + 2 * TILE_K * head_dim * 2
                 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
         }
     }
@@ -350,11 +345,7 @@ impl AttentionKernels {
                 || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq")),
             )?;
         }
-        let (tiles, threads, kv_ranges) = match self.variant {
-            KernelVariant::MmaSync => (p.num_keys.div_ceil(TILE_K), 128, &dp.kv_ranges),
-            KernelVariant::Wgmma => (p.num_keys.div_ceil(2 * TILE_K), 256, &dp.kv_ranges_wide),
-        };
-        let tiles = tiles as u32;
+        let tiles = p.num_keys.div_ceil(TILE_K) as u32;
         let kv_len = p.num_keys * shape.num_kv_heads * shape.head_dim;
         let (splits, (dk_acc, dv_acc)) = match (self.variant, split) {
             (KernelVariant::MmaSync, Some(acc)) => (2, acc),
@@ -369,11 +360,11 @@ impl AttentionKernels {
         if tiles > 0 {
             let cfg = LaunchConfig {
                 grid_dim: (shape.num_kv_heads as u32, tiles, splits),
-                block_dim: (threads, 1, 1),
+                block_dim: (128, 1, 1),
                 shared_mem_bytes: dkdv_smem(self.variant, self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
-            b.arg(&dp.groups).arg(kv_ranges);
+            b.arg(&dp.groups).arg(&dp.kv_ranges);
             plan_args.push(&mut b);
             b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv).arg(&dk_acc).arg(&dv_acc);
             head_args.push(&mut b);
