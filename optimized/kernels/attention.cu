@@ -821,27 +821,23 @@ __device__ __forceinline__ void regs_times_tile(float acc[DN][4], const float p[
     }
 }
 
-// Starts loading rows row0..row0+63 of `group` (row rho: query group*R + rho % R, head
-// kh*G + rho / R) of x [Q, nh, HEAD_DIM] into a swizzled [64][HEAD_DIM] tile, all threads of the
-// CTA; rows past the group's are zero.
-__device__ __forceinline__ void load_group_rows_async(bf16* tile, const bf16* x, int group, int row0, int R, int G,
-                                                      int kh, int num_queries, int nh) {
-    const int rows_valid = min(R, num_queries - group * R);
-    for (int c = threadIdx.x; c < 64 * (HEAD_DIM / 8); c += blockDim.x) {
-        const int rr = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, rho = row0 + rr;
-        const int hh = rho / R, r = rho % R;
-        const bool ok = hh < G && r < rows_valid;
-        const size_t at = ok ? ((size_t)(group * R + r) * nh + kh * G + hh) * HEAD_DIM + col : 0;
-        cp_async16(tile + swz(rr, col, 64), x + at, ok);
-    }
+// Row rho of a group as (head hh, row r), rho = hh * R + r, through a float reciprocal of R:
+// exact for rho < 2^20 (the product stays within 0.5 / R of hh + (r + 0.5) / R).
+__device__ __forceinline__ void split_row(int rho, int R, float inv_R, int& hh, int& r) {
+    hh = __float2int_rz(((float)rho + 0.5f) * inv_R);
+    r = rho - hh * R;
 }
 
 // Starts loading KV tile t (keys 64t..64t+63; zero past num_keys) of k and v, KV head kh, into
-// swizzled [64][HEAD_DIM] tiles.
+// swizzled [64][HEAD_DIM] tiles; the CTA's THREADS threads.
+template <int THREADS>
 __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf16* k, const bf16* v, int t,
                                                     int num_keys, int nkv, int kh) {
-    for (int c = threadIdx.x; c < TILE_K * (HEAD_DIM / 8); c += blockDim.x) {
-        const int row = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, key = t * TILE_K + row;
+    constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+    const int col = (threadIdx.x % CPR) * 8;
+#pragma unroll
+    for (int row = threadIdx.x / CPR; row < TILE_K; row += THREADS / CPR) {
+        const int key = t * TILE_K + row;
         const bool valid = key < num_keys;
         const size_t at = ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col;
         cp_async16(tK + swz(row, col, TILE_K), k + at, valid);
@@ -938,12 +934,12 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward_wg(
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     const int n = w.all.count();
-    if (n > 0) load_kv_tiles_async(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
+    if (n > 0) load_kv_tiles_async<256>(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
     cp_async_commit();
     for (int i = 0; i < n; i++) {
         const int stage = i & 1, t = w.all.tile(i);
         if (i + 1 < n) {
-            load_kv_tiles_async(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
+            load_kv_tiles_async<256>(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
                                 w.all.tile(i + 1), num_keys, nkv, kh);
             cp_async_commit();
         }
@@ -1001,12 +997,12 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
     const int n = w.all.count();
-    if (n > 0) load_kv_tiles_async(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
+    if (n > 0) load_kv_tiles_async<256>(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
     cp_async_commit();
     for (int i = 0; i < n; i++) {
         const int stage = i & 1, t = w.all.tile(i);
         if (i + 1 < n) {
-            load_kv_tiles_async(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
+            load_kv_tiles_async<256>(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
                                 w.all.tile(i + 1), num_keys, nkv, kh);
             cp_async_commit();
         }
@@ -1063,16 +1059,29 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 4 : 0));
 }
 
-// Starts loading rows c0..c0+CHUNK-1 of `group` into a stage (all threads of the CTA).
+// Starts loading rows c0..c0+CHUNK-1 of `group` (row rho: query group*R + r, head kh*G + hh) of
+// q and dout into a stage, with their lse and dsum (zero for padding rows) and the group's
+// RowGroup; the CTA's 128 threads.
 __device__ __forceinline__ void load_wg_chunk_async(const WgChunk& st, const RowGroup* groups, int group, int c0,
-                                                    int R, int G, int kh, int num_queries, const bf16* q,
+                                                    int R, float inv_R, int G, int kh, int num_queries, const bf16* q,
                                                     const bf16* dout, const float* lse, const float* dsum, int nh) {
-    const int tid = threadIdx.x;
-    load_group_rows_async(st.q, q, group, c0, R, G, kh, num_queries, nh);
-    load_group_rows_async(st.dout, dout, group, c0, R, G, kh, num_queries, nh);
+    constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+    const int tid = threadIdx.x, col = (tid % CPR) * 8;
     const int rows_valid = min(R, num_queries - group * R);
+    const size_t group_at = (size_t)group * R * nh * HEAD_DIM + col;
+#pragma unroll
+    for (int rr = tid / CPR; rr < CHUNK; rr += 128 / CPR) {
+        int hh, r;
+        split_row(c0 + rr, R, inv_R, hh, r);
+        const bool ok = hh < G && r < rows_valid;
+        const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
+        const int to = swz(rr, col, CHUNK);
+        cp_async16(st.q + to, q + at, ok);
+        cp_async16(st.dout + to, dout + at, ok);
+    }
     if (tid < CHUNK) {
-        const int rho = c0 + tid, hh = rho / R, r = rho % R;
+        int hh, r;
+        split_row(c0 + tid, R, inv_R, hh, r);
         const bool ok = hh < G && r < rows_valid;
         const size_t at = ok ? (size_t)(kh * G + hh) * num_queries + group * R + r : 0;
         cp_async4(st.lse + tid, lse + at, ok);
@@ -1086,7 +1095,7 @@ __device__ __forceinline__ void load_wg_chunk_async(const WgChunk& st, const Row
 // scores s^T, in place: p = exp2(s * scale_log2 - lse * log2 e); unless `full` (every row valid
 // and seeing the whole tile), zero where the row is padding or does not see the key.
 __device__ __forceinline__ void key_major_probs_wg(float sT[CHUNK / 8][4], const WgChunk& st, const RowGroup& g,
-                                                   int c0, int rows_valid, int R, int G, int window,
+                                                   int c0, int rows_valid, int R, float inv_R, int G, int window,
                                                    int causal_in_block, const int my_key[2], bool full,
                                                    float scale_log2) {
     const int tq = threadIdx.x % 4;
@@ -1098,7 +1107,8 @@ __device__ __forceinline__ void key_major_probs_wg(float sT[CHUNK / 8][4], const
             const float lse2 = st.lse[rr] * LOG2E;
             bool seen[2] = {true, true};
             if (!full) {
-                const int rho = c0 + rr, hh = rho / R, r = rho % R;
+                int hh, r;
+                split_row(c0 + rr, R, inv_R, hh, r);
                 const RowBounds b = row_bounds(g, r, window, causal_in_block);
                 const bool ok = hh < G && r < rows_valid;
                 seen[0] = ok && sees(b, my_key[0]);
@@ -1137,9 +1147,9 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
     unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * HEAD_DIM);  // [2 stages]
     const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
-    const float scale_log2 = scale * LOG2E;
+    const float scale_log2 = scale * LOG2E, inv_R = 1.f / (float)R;
 
-    load_kv_tiles_async(sK, sV, k, v, tile, num_keys, nkv, kh);
+    load_kv_tiles_async<128>(sK, sV, k, v, tile, num_keys, nkv, kh);
 
     float dK[DN][4], dV[DN][4];
 #pragma unroll
@@ -1152,7 +1162,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
     const int items = (g_end - g_first) * chunks;
     const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
     if (items > 0) {
-        load_wg_chunk_async(wg_chunk(stages), groups, g_first, 0, R, G, kh,
+        load_wg_chunk_async(wg_chunk(stages), groups, g_first, 0, R, inv_R, G, kh,
                             num_queries, q, dout, lse, dsum, nh);
     }
     cp_async_commit();
@@ -1160,7 +1170,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
         const int group = g_first + i / chunks, c0 = (i % chunks) * CHUNK;
         if (i + 1 < items) {
             load_wg_chunk_async(wg_chunk(stages + ((i + 1) & 1) * WG_STAGE_BYTES), groups,
-                                g_first + (i + 1) / chunks, ((i + 1) % chunks) * CHUNK, R, G, kh, num_queries, q, dout,
+                                g_first + (i + 1) / chunks, ((i + 1) % chunks) * CHUNK, R, inv_R, G, kh, num_queries, q, dout,
                                 lse, dsum, nh);
             cp_async_commit();
         }
@@ -1178,7 +1188,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
         tile_times_tile_t(dpT, sV, st.dout);
         wg_commit();
         wg_wait<1>();  // s^T; p is computed while dp^T's matmul runs
-        key_major_probs_wg(sT, st, g, c0, rows_valid, R, G, window, causal_in_block, my_key, full, scale_log2);
+        key_major_probs_wg(sT, st, g, c0, rows_valid, R, inv_R, G, window, causal_in_block, my_key, full, scale_log2);
         wg_fence();
         regs_times_tile(dV, sT, st.dout);
         wg_commit();

@@ -225,6 +225,12 @@ pub fn conformance_cases() -> Vec<AttnCase> {
         }
         case
     };
+    let causal_groups = |mut case: AttnCase, rows: usize| {
+        if let CaseLayout::Causal { group_rows, .. } = &mut case.layout {
+            *group_rows = rows;
+        }
+        case
+    };
     let mut odd = AttnCase::dflash("odd-sizes", Full, 301, 7, (6, 2), 64);
     odd.seed = 7;
     vec![
@@ -244,6 +250,8 @@ pub fn conformance_cases() -> Vec<AttnCase> {
         AttnCase::dflash("gqa-32-8-d128", Full, 2048, 64, (32, 8), 128),
         AttnCase::causal("causal-full", Full, 1000, (8, 2), 128),
         AttnCase::causal("causal-sliding", Sliding { window: 256 }, 1500, (8, 2), 128),
+        // 24 rows x 4 heads: 96-row groups over two warpgroups, row splits by a non-power of two.
+        causal_groups(AttnCase::causal("causal-96-row-groups", Full, 700, (8, 2), 64), 24),
     ]
 }
 
