@@ -1,13 +1,17 @@
-// Fused attention over an AttentionPlan (optimized/src/attention/plan.rs): bf16 inputs, fp32
-// accumulation, tensor cores through mma.sync m16n8k16. The CPU twin is
+// Fused attention over an AttentionPlan (optimized/src/attention/plan.rs) on Hopper
+// (compute_90a): bf16 inputs, fp32 accumulation, warpgroup MMA (wgmma) with both operands in
+// shared memory, or A (q, dout, the probabilities, ds) in registers. The CPU twin is
 // optimized/src/attention/cpu.rs: the same tiling (KV tiles of TILE_K keys), the same online
 // softmax, the same key-major dK/dV and query-major dQ passes.
 //
 // Layouts: q, out, dout, dq [Q, nh, HEAD_DIM]; k, v, dk, dv [K, nkv, HEAD_DIM]; lse, dsum [nh, Q].
-// A CTA of the query-major kernels owns one row group and one KV head: its rows are the group's
-// rows times the nh/nkv query heads of that KV head (row rho -> head rho / R, row rho % R), so
-// every K/V tile it loads serves all query heads of the GQA group. Warp w owns rows 16w..16w+15.
-// HEAD_DIM is defined by the host before compilation (a multiple of 16).
+// The query-major kernels give each row group of each KV head its rows times the nh/nkv query
+// heads of that KV head (row rho -> head rho / R, row rho % R), so every K/V tile loaded serves
+// all query heads of the GQA group. A warpgroup (4 warps) owns 64 rows, warp w of it rows
+// 16w..16w+15 in the accumulator layout of mma.sync m16n8k16. Shared tiles are 128-byte swizzled: a
+// [rows][HEAD_DIM] tile is stored as PANELS panels [rows][64] (one 128-byte line per row), the
+// 16-byte chunk c of row r at chunk c ^ (r % 8); every tile starts 1024-byte aligned. HEAD_DIM is
+// defined by the host before compilation (a multiple of 64).
 
 #include <cuda_bf16.h>
 
@@ -17,14 +21,12 @@
 
 #define INFINITY __int_as_float(0x7f800000)
 #define TILE_K 64
-#define SROW (HEAD_DIM + 8)  // shared-memory row stride in bf16: +16 bytes against bank conflicts
 #define LOG2E 1.4426950408889634f
 #define DK (HEAD_DIM / 16)   // k-steps over the head dim
 #define DN (HEAD_DIM / 8)    // n-tiles over the head dim
 
 typedef unsigned int u32;
 typedef __nv_bfloat16 bf16;
-
 struct RowGroup {
     u32 ctx_lo, ctx_hi, hi_step, win_base, blk_lo, blk_len;
 };
@@ -50,16 +52,6 @@ __device__ __forceinline__ bool sees(const RowBounds& b, int key) {
     return (key >= b.lo && key < b.hi) || (key >= b.blo && key < b.bhi);
 }
 
-// Not volatile: the tensor-core ops carry no side effects, so the compiler may interleave
-// independent ones to hide their latency.
-__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // 2^x with the hardware approximation (2 ulp; exact 0 for -inf), ample for bf16 probabilities.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -74,27 +66,6 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 __device__ __forceinline__ u32 lds32(const bf16* p) { return *reinterpret_cast<const u32*>(p); }
 
-// B fragments of two k-steps of one n-tile of a row-major [n][k] tile (keys as n, head dim as
-// k): rows n0..n0+7, columns k0..k0+31 -> (b0, b1) of k-step k0 and of k-step k0+16.
-__device__ __forceinline__ void ldsm_x4(u32 b[4], const bf16* tile, int n0, int k0, int lane) {
-    const bf16* p = tile + (n0 + (lane & 7)) * SROW + k0 + 8 * (lane >> 3);
-    u32 addr = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                 : "r"(addr));
-}
-
-// B fragments of two n-tiles of a row-major [k][n] tile read transposed (keys as k, head dim as
-// n): rows k0..k0+15, columns n0..n0+15 -> (b0, b1) of n-tile n0 and of n-tile n0+8.
-__device__ __forceinline__ void ldsm_x4_trans(u32 b[4], const bf16* tile, int k0, int n0, int lane) {
-    const int m = lane >> 3;
-    const bf16* p = tile + (k0 + (m & 1) * 8 + (lane & 7)) * SROW + n0 + (m >> 1) * 8;
-    u32 addr = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                 : "r"(addr));
-}
-
 __device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool valid) {
     u32 addr = (u32)__cvta_generic_to_shared(smem);
     int bytes = valid ? 16 : 0;
@@ -103,19 +74,6 @@ __device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-// Loads TILE_K rows of a [K, nkv, HEAD_DIM] tensor (KV head kh) into a [TILE_K][SROW] tile;
-// rows past num_keys are zero.
-__device__ __forceinline__ void load_kv_tile_async(bf16* tile, const bf16* src, int key0, int num_keys, int nkv, int kh) {
-    const int chunks = TILE_K * (HEAD_DIM / 8);
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        int row = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
-        int key = key0 + row;
-        bool valid = key < num_keys;
-        const bf16* g = src + ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col;
-        cp_async16(tile + row * SROW + col, g, valid);
-    }
-}
 
 // The KV tiles a query-major CTA visits: context tiles [ct0, ct1) then block tiles [bt0, bt1),
 // a tile straddling both visited once; and the context keys every valid row sees ([full_lo, full_hi)).
@@ -149,28 +107,6 @@ __device__ TileWalk tile_walk(const RowGroup& g, int rows_valid, int window) {
     w.full_lo = lo_max;
     w.full_hi = hi_min;
     return w;
-}
-
-// Starts loading the K and V tiles of walk tile i into stage i & 1 of sK and sV.
-__device__ __forceinline__ void load_walk_tile(bf16* sK, bf16* sV, const TileWalk& walk, int i, const bf16* k,
-                                               const bf16* v, int num_keys, int nkv, int kh) {
-    const int stage = i & 1, key0 = walk.tile(i) * TILE_K;
-    load_kv_tile_async(sK + stage * TILE_K * SROW, k, key0, num_keys, nkv, kh);
-    load_kv_tile_async(sV + stage * TILE_K * SROW, v, key0, num_keys, nkv, kh);
-    cp_async_commit();
-}
-
-// Before computing walk tile i of n: starts tile i+1's load into the other stage, then waits
-// until tile i has landed for every thread.
-__device__ __forceinline__ void advance_walk(bf16* sK, bf16* sV, const TileWalk& walk, int i, int n, const bf16* k,
-                                             const bf16* v, int num_keys, int nkv, int kh) {
-    if (i + 1 < n) {
-        load_walk_tile(sK, sV, walk, i + 1, k, v, num_keys, nkv, kh);
-        cp_async_wait_all_but_one();
-    } else {
-        cp_async_wait_all();
-    }
-    __syncthreads();
 }
 
 // This lane's two rows (fragment rows gq and gq+8 of its warp) in a query-major CTA.
@@ -212,58 +148,6 @@ __device__ __forceinline__ void load_row_frags(u32 frag[DK][4], const bf16* x, c
     }
 }
 
-// s[nt] (16 rows x 8 keys of the tile) = A(rows) . tile^T, tile row-major [key][d].
-__device__ __forceinline__ void rows_times_tile(float s[TILE_K / 8][4], const u32 a[DK][4], const bf16* tile) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int nt = 0; nt < TILE_K / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-    // k-steps outer, key tiles inner: consecutive tensor-core ops write different accumulators.
-#pragma unroll
-    for (int kk = 0; kk < DK; kk += 2) {
-        u32 b[TILE_K / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++) {
-            ldsm_x4(b[nt], tile, nt * 8, kk * 16, lane);
-            mma16816(s[nt], a[kk], b[nt][0], b[nt][1]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++) mma16816(s[nt], a[kk + 1], b[nt][2], b[nt][3]);
-    }
-}
-
-// A fragments (16 rows x 16 of the head dim, k-step kk) of rows row0..row0+15 of a row-major
-// [row][d] shared tile.
-__device__ __forceinline__ void ldsm_a(u32 a[4], const bf16* tile, int row0, int kk, int lane) {
-    const int m = lane >> 3;
-    const bf16* p = tile + (row0 + (m & 1) * 8 + (lane & 7)) * SROW + kk * 16 + (m >> 1) * 8;
-    u32 addr = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(addr));
-}
-
-// s[nt] (16 rows x 8 keys) = A . tile^T with the A rows row0..row0+15 read from the shared tile
-// a_tile k-step by k-step (keeps the A operand out of registers).
-__device__ __forceinline__ void shared_rows_times_tile(float s[TILE_K / 8][4], const bf16* a_tile, int row0,
-                                                       const bf16* tile) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int nt = 0; nt < TILE_K / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < DK; kk += 2) {
-        u32 a0[4], a1[4], b[TILE_K / 8][4];
-        ldsm_a(a0, a_tile, row0, kk, lane);
-        ldsm_a(a1, a_tile, row0, kk + 1, lane);
-#pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++) {
-            ldsm_x4(b[nt], tile, nt * 8, kk * 16, lane);
-            mma16816(s[nt], a0, b[nt][0], b[nt][1]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++) mma16816(s[nt], a1, b[nt][2], b[nt][3]);
-    }
-}
-
 // Masks s (scaled scores of this lane's two rows) to -inf where the row does not see the key.
 __device__ __forceinline__ void mask_scores(float s[TILE_K / 8][4], const LaneRows& lr, int key0) {
     const int tq = (threadIdx.x % 32) % 4;
@@ -282,23 +166,6 @@ __device__ __forceinline__ void pack_a(u32 a[4], const float p[][4], int kk) {
     a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
     a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
     a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-}
-
-// acc (16 rows x HEAD_DIM) += P (16 rows x TILE_K, fp32 accumulator layout) . tile (TILE_K x HEAD_DIM).
-__device__ __forceinline__ void probs_times_tile(float acc[DN][4], const float p[TILE_K / 8][4], const bf16* tile) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int kk = 0; kk < TILE_K / 16; kk++) {
-        u32 a[4];
-        pack_a(a, p, kk);
-#pragma unroll
-        for (int nd = 0; nd < DN; nd += 2) {
-            u32 b[4];
-            ldsm_x4_trans(b, tile, kk * 16, nd * 8, lane);
-            mma16816(acc[nd], a, b[0], b[1]);
-            mma16816(acc[nd + 1], a, b[2], b[3]);
-        }
-    }
 }
 
 __device__ __forceinline__ float quad_max(float x) {
@@ -356,52 +223,6 @@ __device__ __forceinline__ void write_forward_rows(const float acc[DN][4], const
     }
 }
 
-// Forward: out and lse (natural log) of every row. Grid (nkv, groups), block 32 * ceil(R*G/16).
-extern "C" __global__ void __launch_bounds__(256) attention_forward(
-    const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
-    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
-    float* __restrict__ lse, int nh, int nkv, float scale) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    bf16* sK = reinterpret_cast<bf16*>(smem);  // [2][TILE_K][SROW]
-    bf16* sV = sK + 2 * TILE_K * SROW;         // [2][TILE_K][SROW]
-    // Grid (nkv, groups), groups launched last-first: later anchors see more keys, so the longest
-    // CTAs start first and the short ones fill the tail.
-    const int group = gridDim.y - 1 - blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
-    const int lane = threadIdx.x % 32, tq = lane % 4;
-    const RowGroup g = groups[group];
-    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block, (threadIdx.x / 32) * 16);
-    const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
-    const float scale_log2 = scale * LOG2E;
-
-    u32 qa[DK][4];
-    load_row_frags(qa, q, lr, nh);
-    float acc[DN][4];
-#pragma unroll
-    for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-    const int n = walk.count();
-    if (n > 0) load_walk_tile(sK, sV, walk, 0, k, v, num_keys, nkv, kh);
-    for (int i = 0; i < n; i++) {
-        const int stage = i & 1, t = walk.tile(i);
-        advance_walk(sK, sV, walk, i, n, k, v, num_keys, nkv, kh);
-        const bf16* tK = sK + stage * TILE_K * SROW;
-        const bf16* tV = sV + stage * TILE_K * SROW;
-        float s[TILE_K / 8][4];
-        rows_times_tile(s, qa, tK);
-#pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[nt][e] *= scale_log2;
-        if (!walk.full(t)) mask_scores(s, lr, t * TILE_K);
-        online_softmax(s, acc, m, l);
-        probs_times_tile(acc, s, tV);
-        __syncthreads();
-    }
-
-    write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
-}
-
 // dsum[h, q] = sum_d dout[q, h, d] * out[q, h, d]. One warp per (q, h).
 extern "C" __global__ void attention_backward_dsum(const bf16* __restrict__ out, const bf16* __restrict__ dout,
                                                    float* __restrict__ dsum, int num_queries, int nh) {
@@ -454,138 +275,12 @@ __device__ __forceinline__ void write_dq_rows(const float acc[DN][4], const Lane
     }
 }
 
-// dQ, query-major like the forward: dq = scale * sum_k ds k, ds = p (dp - dsum), dp = dout . v.
-extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
-    const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
-    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ dsum, bf16* __restrict__ dq, int nh, int nkv, float scale) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    bf16* sK = reinterpret_cast<bf16*>(smem);
-    bf16* sV = sK + 2 * TILE_K * SROW;
-    // Grid (nkv, groups), groups launched last-first: later anchors see more keys, so the longest
-    // CTAs start first and the short ones fill the tail.
-    const int group = gridDim.y - 1 - blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
-    const int lane = threadIdx.x % 32, tq = lane % 4;
-    const RowGroup g = groups[group];
-    const LaneRows lr = lane_rows(g, group, R, G, kh, num_queries, window, causal_in_block, (threadIdx.x / 32) * 16);
-    const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
-    const float scale_log2 = scale * LOG2E;
-
-    // This CTA's dout rows, staged once in shared memory (row rho of the CTA at row rho).
-    bf16* sDo = sV + 2 * TILE_K * SROW;  // [32 * warps / 2][SROW]
-    const int cta_rows = blockDim.x / 2;
-    for (int c = threadIdx.x; c < cta_rows * (HEAD_DIM / 8); c += blockDim.x) {
-        const int rho = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
-        const int hh = rho / R, r = rho % R;
-        const bool ok = hh < G && r < min(R, num_queries - group * R);
-        const size_t at = ok ? ((size_t)(group * R + r) * nh + kh * G + hh) * HEAD_DIM + col : 0;
-        cp_async16(sDo + rho * SROW + col, dout + at, ok);
-    }
-    cp_async_commit();
-    u32 qa[DK][4];
-    load_row_frags(qa, q, lr, nh);
-    const int warp_row0 = (threadIdx.x / 32) * 16;
-    float lse2[2], ds_row[2];
-    for (int i = 0; i < 2; i++) {
-        const size_t at = (size_t)lr.h[i] * num_queries + lr.q[i];
-        lse2[i] = lr.ok[i] ? lse[at] * LOG2E : INFINITY;
-        ds_row[i] = lr.ok[i] ? dsum[at] : 0.f;
-    }
-    float acc[DN][4];
-#pragma unroll
-    for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
-
-    const int n = walk.count();
-    if (n > 0) load_walk_tile(sK, sV, walk, 0, k, v, num_keys, nkv, kh);
-    for (int i = 0; i < n; i++) {
-        const int stage = i & 1, t = walk.tile(i);
-        advance_walk(sK, sV, walk, i, n, k, v, num_keys, nkv, kh);
-        const bf16* tK = sK + stage * TILE_K * SROW;
-        const bf16* tV = sV + stage * TILE_K * SROW;
-        float s[TILE_K / 8][4], dp[TILE_K / 8][4];
-        rows_times_tile(s, qa, tK);
-        shared_rows_times_tile(dp, sDo, warp_row0, tV);
-        query_major_probs(s, lr, lse2, t * TILE_K, walk.full(t), scale_log2);
-        query_major_ds(s, dp, ds_row);
-        probs_times_tile(acc, s, tK);
-        __syncthreads();
-    }
-    write_dq_rows(acc, lr, dq, nh, scale, tq);
-}
-
-// dK, dV, key-major: a CTA owns one KV tile (TILE_K keys; warp w keys 16w..16w+15) of one KV
-// head and walks the row groups that may see it (kv_ranges[tile]), CHUNK rows at a time, the
-// next chunk's rows loading while this one computes: dv += p^T dout, dk += scale * ds^T q.
-// Grid (nkv, kv tiles): the early context tiles, seen by the most groups, start first. Block 128.
+// Query rows staged per step of the key-major pass.
 #define CHUNK 64
 
-// One staged chunk of query rows: q and dout rows, lse (log2 domain), dsum and row bounds.
-struct ChunkStage {
-    bf16* q;       // [CHUNK][SROW]
-    bf16* dout;    // [CHUNK][SROW]
-    float* lse2;   // [CHUNK]
-    float* dsum;   // [CHUNK]
-    int* bounds;   // [CHUNK][4]
-};
-
-__device__ __forceinline__ ChunkStage chunk_stage(unsigned char* base) {
-    ChunkStage c;
-    c.q = reinterpret_cast<bf16*>(base);
-    c.dout = c.q + CHUNK * SROW;
-    c.lse2 = reinterpret_cast<float*>(c.dout + CHUNK * SROW);
-    c.dsum = c.lse2 + CHUNK;
-    c.bounds = reinterpret_cast<int*>(c.dsum + CHUNK);
-    return c;
-}
-#define CHUNK_STAGE_BYTES (2 * CHUNK * SROW * 2 + CHUNK * (4 + 4 + 16))
-
-__device__ __forceinline__ void load_chunk_scalars(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
-                                                   int G, int kh, int num_queries, int window, int causal_in_block,
-                                                   const float* lse, const float* dsum, int tid, int threads);
-
-__device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
-                                                 int G, int kh, int num_queries, int window, int causal_in_block,
-                                                 const bf16* q, const bf16* dout, const float* lse, const float* dsum,
-                                                 int nh) {
-    const int rows_per_group = R * G, rows_valid = min(R, num_queries - group * R);
-    for (int c = threadIdx.x; c < CHUNK * (HEAD_DIM / 8); c += blockDim.x) {
-        const int rr = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8, rho = c0 + rr;
-        const int hh = rho / R, r = rho % R;
-        const bool ok = rho < rows_per_group && r < rows_valid;
-        const size_t at = ok ? ((size_t)(group * R + r) * nh + kh * G + hh) * HEAD_DIM + col : 0;
-        cp_async16(st.q + rr * SROW + col, q + at, ok);
-        cp_async16(st.dout + rr * SROW + col, dout + at, ok);
-    }
-    load_chunk_scalars(st, g, group, c0, R, G, kh, num_queries, window, causal_in_block, lse, dsum, threadIdx.x,
-                       blockDim.x);
-}
-
-// Stages lse (log2 domain; +inf for padding rows), dsum and the row bounds of rows c0..c0+CHUNK-1
-// of `group`, thread tid of `threads` (synchronous stores; the next barrier publishes them).
-__device__ __forceinline__ void load_chunk_scalars(const ChunkStage& st, const RowGroup& g, int group, int c0, int R,
-                                                   int G, int kh, int num_queries, int window, int causal_in_block,
-                                                   const float* lse, const float* dsum, int tid, int threads) {
-    const int rows_per_group = R * G, rows_valid = min(R, num_queries - group * R);
-    for (int rr = tid; rr < CHUNK; rr += threads) {
-        const int rho = c0 + rr, hh = rho / R, r = rho % R;
-        const bool ok = rho < rows_per_group && r < rows_valid;
-        const size_t at = (size_t)(kh * G + hh) * num_queries + group * R + r;
-        st.lse2[rr] = ok ? lse[at] * LOG2E : INFINITY;
-        st.dsum[rr] = ok ? dsum[at] : 0.f;
-        RowBounds b = row_bounds(g, r, window, causal_in_block);
-        if (!ok) b.lo = b.hi = b.blo = b.bhi = 0;
-        st.bounds[4 * rr] = b.lo;
-        st.bounds[4 * rr + 1] = b.hi;
-        st.bounds[4 * rr + 2] = b.blo;
-        st.bounds[4 * rr + 3] = b.bhi;
-    }
-}
-
-// The key-major pass's epilogue for this lane's two keys: dk = scale * dK and dv = dV, or with
-// `accumulate` their fp32 adds onto the accumulators.
+// The key-major pass's epilogue for this lane's two keys: dk = scale * dK and dv = dV.
 __device__ __forceinline__ void write_dkdv_rows(const float dK[DN][4], const float dV[DN][4], const int my_key[2],
-                                                int num_keys, int nkv, int kh, bf16* dk, bf16* dv, float* dk_acc,
-                                                float* dv_acc, float scale, bool accumulate) {
+                                                int num_keys, int nkv, int kh, bf16* dk, bf16* dv, float scale) {
     const int tq = threadIdx.x % 4;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -594,137 +289,11 @@ __device__ __forceinline__ void write_dkdv_rows(const float dK[DN][4], const flo
         const size_t at = ((size_t)key * nkv + kh) * HEAD_DIM + 2 * tq;
 #pragma unroll
         for (int nd = 0; nd < DN; nd++) {
-            if (accumulate) {
-                atomicAdd(dk_acc + at + nd * 8, dK[nd][2 * h] * scale);
-                atomicAdd(dk_acc + at + nd * 8 + 1, dK[nd][2 * h + 1] * scale);
-                atomicAdd(dv_acc + at + nd * 8, dV[nd][2 * h]);
-                atomicAdd(dv_acc + at + nd * 8 + 1, dV[nd][2 * h + 1]);
-            } else {
-                *reinterpret_cast<u32*>(dk + at + nd * 8) = pack_bf16(dK[nd][2 * h] * scale, dK[nd][2 * h + 1] * scale);
-                *reinterpret_cast<u32*>(dv + at + nd * 8) = pack_bf16(dV[nd][2 * h], dV[nd][2 * h + 1]);
-            }
+            *reinterpret_cast<u32*>(dk + at + nd * 8) = pack_bf16(dK[nd][2 * h] * scale, dK[nd][2 * h + 1] * scale);
+            *reinterpret_cast<u32*>(dv + at + nd * 8) = pack_bf16(dV[nd][2 * h], dV[nd][2 * h + 1]);
         }
     }
 }
-
-// p^T of this lane's two keys (my_key) over a staged chunk of rows, from raw scores s^T:
-// p = exp2(s * scale_log2 - lse2), zero where the row does not see the key.
-__device__ __forceinline__ void key_major_probs(float sT[CHUNK / 8][4], const ChunkStage& st, const int my_key[2],
-                                                bool full, float scale_log2) {
-    const int tq = threadIdx.x % 4;
-#pragma unroll
-    for (int nt = 0; nt < CHUNK / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int rr = nt * 8 + 2 * tq + (e & 1);
-            float p = fast_exp2(fmaf(sT[nt][e], scale_log2, -st.lse2[rr]));
-            if (!full) {
-                const int key = my_key[e >> 1];
-                const int* b = st.bounds + 4 * rr;
-                if (!((key >= b[0] && key < b[1]) || (key >= b[2] && key < b[3]))) p = 0.f;
-            }
-            sT[nt][e] = p;
-        }
-}
-
-// ds^T = p^T (dp^T - dsum) over a staged chunk, in place of dp^T.
-__device__ __forceinline__ void key_major_ds(float dpT[CHUNK / 8][4], const float pT[CHUNK / 8][4],
-                                             const ChunkStage& st) {
-    const int tq = threadIdx.x % 4;
-#pragma unroll
-    for (int nt = 0; nt < CHUNK / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dpT[nt][e] = pT[nt][e] * (dpT[nt][e] - st.dsum[nt * 8 + 2 * tq + (e & 1)]);
-}
-
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
-    const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
-    int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
-    const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dk_acc,
-    float* __restrict__ dv_acc, int nh, int nkv, float scale) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    bf16* sK = reinterpret_cast<bf16*>(smem);  // [TILE_K][SROW]
-    bf16* sV = sK + TILE_K * SROW;             // [TILE_K][SROW]
-    unsigned char* stages = reinterpret_cast<unsigned char*>(sV + TILE_K * SROW);
-    const int tile = blockIdx.y, kh = blockIdx.x, G = nh / nkv, R = group_rows;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4;
-    const int key0 = tile * TILE_K;
-    const float scale_log2 = scale * LOG2E;
-
-    load_kv_tile_async(sK, k, key0, num_keys, nkv, kh);
-    load_kv_tile_async(sV, v, key0, num_keys, nkv, kh);
-
-    float dK[DN][4], dV[DN][4];
-#pragma unroll
-    for (int nd = 0; nd < DN; nd++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dK[nd][e] = dV[nd][e] = 0.f;
-
-    const int g_first = (int)kv_ranges[2 * tile], g_end = (int)kv_ranges[2 * tile + 1];
-    const int chunks = (R * G + CHUNK - 1) / CHUNK;
-    // With gridDim.z = 2 splits, CTA z takes its half of the tile's work items and adds its
-    // partial dK, dV to the fp32 accumulators: exactly two additions onto zero per element, which
-    // commute, so the result does not depend on which split finishes first.
-    const int items = (g_end - g_first) * chunks;
-    const int i_begin = items * blockIdx.z / gridDim.z, i_end = items * (blockIdx.z + 1) / gridDim.z;
-    const int my_key[2] = {key0 + warp * 16 + gq, key0 + warp * 16 + gq + 8};
-    if (i_end > i_begin) {
-        const int group = g_first + i_begin / chunks;
-        load_chunk_async(chunk_stage(stages), groups[group], group, (i_begin % chunks) * CHUNK, R, G, kh, num_queries,
-                         window, causal_in_block, q, dout, lse, dsum, nh);
-    }
-    cp_async_commit();
-    for (int i = i_begin; i < i_end; i++) {
-        const int group = g_first + i / chunks;
-        if (i + 1 < i_end) {
-            const int next = g_first + (i + 1) / chunks;
-            load_chunk_async(chunk_stage(stages + ((i + 1 - i_begin) & 1) * CHUNK_STAGE_BYTES), groups[next], next, ((i + 1) % chunks) * CHUNK, R, G, kh,
-                             num_queries, window, causal_in_block, q, dout, lse, dsum, nh);
-            cp_async_commit();
-            cp_async_wait_all_but_one();
-        } else {
-            cp_async_wait_all();
-        }
-        __syncthreads();
-        const ChunkStage st = chunk_stage(stages + ((i - i_begin) & 1) * CHUNK_STAGE_BYTES);
-        const RowGroup g = groups[group];
-        const TileWalk walk = tile_walk(g, min(R, num_queries - group * R), window);
-        // The tile lies inside every valid row's context interval: no per-element test (padding
-        // rows have lse2 = +inf, so their p is 0 anyway).
-        const bool full = walk.full(tile);
-
-        // s^T (16 keys x CHUNK rows) = K q^T; dp^T = V dout^T (this warp's 16 keys of K and V).
-        float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
-        shared_rows_times_tile(sT, sK, warp * 16, st.q);
-        shared_rows_times_tile(dpT, sV, warp * 16, st.dout);
-        key_major_probs(sT, st, my_key, full, scale_log2);
-        key_major_ds(dpT, sT, st);
-        probs_times_tile(dV, sT, st.dout);
-        probs_times_tile(dK, dpT, st.q);
-        __syncthreads();
-    }
-    cp_async_wait_all();
-    if (gridDim.z > 1 && i_end == i_begin) return;  // nothing to add
-    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale, gridDim.z > 1);
-}
-
-// dk, dv [n] = bf16 of the split key-major backward's fp32 accumulators.
-extern "C" __global__ void attention_dkdv_finish(const float* __restrict__ dk_acc, const float* __restrict__ dv_acc,
-                                                 bf16* __restrict__ dk, bf16* __restrict__ dv, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        dk[i] = __float2bfloat16_rn(dk_acc[i]);
-        dv[i] = __float2bfloat16_rn(dv_acc[i]);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Hopper kernels (compute_90a): warpgroup MMA (wgmma), both operands in shared memory or A (the
-// probabilities, ds) in registers. A warpgroup (4 warps) owns 64 rows; warp w of it owns rows
-// 16w..16w+15 in the accumulator layout of mma.sync above, so the masking and softmax code is
-// shared. Shared tiles are 128-byte swizzled: a [rows][HEAD_DIM] tile is stored as PANELS panels
-// [rows][64] (one 128-byte line per row), the 16-byte chunk c of row r at chunk c ^ (r % 8);
-// every tile starts 1024-byte aligned.
 
 #define PANELS (HEAD_DIM / 64)
 #define WG_ROWS 64
@@ -883,7 +452,7 @@ __device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
     return a;
 }
 
-// A CTA of the Hopper query-major kernels: a group of R * G rows takes ceil(R * G / 64) (at most
+// A CTA of the query-major kernels: a group of R * G rows takes ceil(R * G / 64) (at most
 // two) warpgroups, and a CTA holds blockDim.x / 128 warpgroups: one or two groups, which share
 // each K/V tile. Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later
 // groups see more).
@@ -910,8 +479,8 @@ __device__ WgRows wg_rows(const RowGroup* groups, int R, int G, int num_queries,
     return w;
 }
 
-// Forward on Hopper: out and lse of every row, as attention_forward.
-extern "C" __global__ void __launch_bounds__(256) attention_forward_wg(
+// Forward: out and lse (natural log) of every row.
+extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
     float* __restrict__ lse, int nh, int nkv, float scale) {
@@ -968,8 +537,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward_wg(
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
 
-// dQ on Hopper, query-major like attention_forward_wg: dq = scale * sum_k ds k.
-extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
+// dQ, query-major like the forward: dq = scale * sum_k ds k, ds = p (dp - dsum), dp = dout . v.
+extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ dsum, bf16* __restrict__ dq, int nh, int nkv, float scale) {
@@ -1032,20 +601,20 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq_wg(
     write_dq_rows(acc, lr, dq, nh, scale, tq);
 }
 
-// One staged chunk of the Hopper key-major pass, all loaded with cp.async (no blocking global
+// One staged chunk of the key-major pass, all loaded with cp.async (no blocking global
 // load per chunk): swizzled q and dout tiles [CHUNK][HEAD_DIM], lse (natural log) and dsum of the
 // rows (zero for padding rows), and the chunk's RowGroup; stages are 1024-byte aligned.
-struct WgChunk {
+struct ChunkStage {
     bf16* q;
     bf16* dout;
     float* lse;
     float* dsum;
     RowGroup* g;
 };
-#define WG_STAGE_BYTES (((2 * CHUNK * HEAD_DIM * 2 + CHUNK * 8 + 32) + 1023) / 1024 * 1024)
+#define STAGE_BYTES (((2 * CHUNK * HEAD_DIM * 2 + CHUNK * 8 + 32) + 1023) / 1024 * 1024)
 
-__device__ __forceinline__ WgChunk wg_chunk(unsigned char* base) {
-    WgChunk c;
+__device__ __forceinline__ ChunkStage chunk_stage(unsigned char* base) {
+    ChunkStage c;
     c.q = reinterpret_cast<bf16*>(base);
     c.dout = c.q + CHUNK * HEAD_DIM;
     c.lse = reinterpret_cast<float*>(c.dout + CHUNK * HEAD_DIM);
@@ -1062,7 +631,7 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
 // Starts loading rows c0..c0+CHUNK-1 of `group` (row rho: query group*R + r, head kh*G + hh) of
 // q and dout into a stage, with their lse and dsum (zero for padding rows) and the group's
 // RowGroup; the CTA's 128 threads.
-__device__ __forceinline__ void load_wg_chunk_async(const WgChunk& st, const RowGroup* groups, int group, int c0,
+__device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const RowGroup* groups, int group, int c0,
                                                     int R, float inv_R, int G, int kh, int num_queries, const bf16* q,
                                                     const bf16* dout, const float* lse, const float* dsum, int nh) {
     constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
@@ -1094,7 +663,7 @@ __device__ __forceinline__ void load_wg_chunk_async(const WgChunk& st, const Row
 // p^T of this lane's two keys over a staged chunk (rows c0.. of a group seen through g), from raw
 // scores s^T, in place: p = exp2(s * scale_log2 - lse * log2 e); unless `full` (every row valid
 // and seeing the whole tile), zero where the row is padding or does not see the key.
-__device__ __forceinline__ void key_major_probs_wg(float sT[CHUNK / 8][4], const WgChunk& st, const RowGroup& g,
+__device__ __forceinline__ void key_major_probs(float sT[CHUNK / 8][4], const ChunkStage& st, const RowGroup& g,
                                                    int c0, int rows_valid, int R, float inv_R, int G, int window,
                                                    int causal_in_block, const int my_key[2], bool full,
                                                    float scale_log2) {
@@ -1123,8 +692,8 @@ __device__ __forceinline__ void key_major_probs_wg(float sT[CHUNK / 8][4], const
 }
 
 // ds^T = p^T (dp^T - dsum) over a staged chunk, in place of dp^T.
-__device__ __forceinline__ void key_major_ds_wg(float dpT[CHUNK / 8][4], const float pT[CHUNK / 8][4],
-                                                const WgChunk& st) {
+__device__ __forceinline__ void key_major_ds(float dpT[CHUNK / 8][4], const float pT[CHUNK / 8][4],
+                                                const ChunkStage& st) {
     const int tq = threadIdx.x % 4;
 #pragma unroll
     for (int nt = 0; nt < CHUNK / 8; nt++)
@@ -1132,15 +701,17 @@ __device__ __forceinline__ void key_major_ds_wg(float dpT[CHUNK / 8][4], const f
         for (int e = 0; e < 4; e++) dpT[nt][e] = pT[nt][e] * (dpT[nt][e] - st.dsum[nt * 8 + 2 * tq + (e & 1)]);
 }
 
-// dK, dV on Hopper, key-major like attention_backward_dkdv: one warpgroup (128 threads) owns a
-// KV tile of 64 keys (two independent CTAs per SM overlap each other's matmuls and element-wise
-// work; one CTA of two warpgroups, in lock-step on shared chunks, measured slower). Same grid.
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
+// dK, dV, key-major: a CTA (one warpgroup, 128 threads; warp w keys 16w..16w+15) owns one KV
+// tile of TILE_K keys of one KV head and walks the row groups that may see it (kv_ranges[tile]),
+// CHUNK rows at a time, the next chunk loading while this one computes: dv += p^T dout,
+// dk += scale * ds^T q. Grid (nkv, kv tiles): the early context tiles, seen by the most groups,
+// start first. Two independent CTAs per SM overlap each other's matmuls and element-wise work
+// (one CTA of two warpgroups, in lock-step on shared chunks, measured 45% slower).
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
     const RowGroup* __restrict__ groups, const u32* __restrict__ kv_ranges, int group_rows, int num_queries,
     int num_keys, int window, int causal_in_block, const bf16* __restrict__ q, const bf16* __restrict__ k,
     const bf16* __restrict__ v, const bf16* __restrict__ dout, const float* __restrict__ lse,
-    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dk_acc,
-    float* __restrict__ dv_acc, int nh, int nkv, float scale) {
+    const float* __restrict__ dsum, bf16* __restrict__ dk, bf16* __restrict__ dv, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
     bf16* sK = align_1024(smem);           // [TILE_K][HEAD_DIM]
     bf16* sV = sK + TILE_K * HEAD_DIM;     // [TILE_K][HEAD_DIM]
@@ -1162,20 +733,20 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
     const int items = (g_end - g_first) * chunks;
     const int my_key[2] = {tile * TILE_K + warp * 16 + gq, tile * TILE_K + warp * 16 + gq + 8};
     if (items > 0) {
-        load_wg_chunk_async(wg_chunk(stages), groups, g_first, 0, R, inv_R, G, kh,
+        load_chunk_async(chunk_stage(stages), groups, g_first, 0, R, inv_R, G, kh,
                             num_queries, q, dout, lse, dsum, nh);
     }
     cp_async_commit();
     for (int i = 0; i < items; i++) {
         const int group = g_first + i / chunks, c0 = (i % chunks) * CHUNK;
         if (i + 1 < items) {
-            load_wg_chunk_async(wg_chunk(stages + ((i + 1) & 1) * WG_STAGE_BYTES), groups,
+            load_chunk_async(chunk_stage(stages + ((i + 1) & 1) * STAGE_BYTES), groups,
                                 g_first + (i + 1) / chunks, ((i + 1) % chunks) * CHUNK, R, inv_R, G, kh, num_queries, q, dout,
                                 lse, dsum, nh);
             cp_async_commit();
         }
         land_tiles(i + 1 < items);
-        const WgChunk st = wg_chunk(stages + (i & 1) * WG_STAGE_BYTES);
+        const ChunkStage st = chunk_stage(stages + (i & 1) * STAGE_BYTES);
         const RowGroup g = *st.g;
         const int rows_valid = min(R, num_queries - group * R);
         const bool full = tile_walk(g, rows_valid, window).full(tile) && rows_valid == R && c0 + CHUNK <= R * G;
@@ -1188,18 +759,18 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_wg(
         tile_times_tile_t(dpT, sV, st.dout);
         wg_commit();
         wg_wait<1>();  // s^T; p is computed while dp^T's matmul runs
-        key_major_probs_wg(sT, st, g, c0, rows_valid, R, inv_R, G, window, causal_in_block, my_key, full, scale_log2);
+        key_major_probs(sT, st, g, c0, rows_valid, R, inv_R, G, window, causal_in_block, my_key, full, scale_log2);
         wg_fence();
         regs_times_tile(dV, sT, st.dout);
         wg_commit();
         wg_wait<1>();  // dp^T; ds is computed while dV's matmul runs
-        key_major_ds_wg(dpT, sT, st);
+        key_major_ds(dpT, sT, st);
         wg_fence();
         regs_times_tile(dK, dpT, st.q);
         wg_commit_wait();
         __syncthreads();
     }
     cp_async_wait_all();
-    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, dk_acc, dv_acc, scale, false);
+    write_dkdv_rows(dK, dV, my_key, num_keys, nkv, kh, dk, dv, scale);
 }
 

@@ -243,9 +243,6 @@ pub fn step_buffers_of(
     add("dk".into(), grads, Layer, d.k * d.kv_dim * elem);
     add("dv".into(), grads, Layer, d.k * d.kv_dim * elem);
     add("dsum".into(), grads, Layer, d.heads * d.q * F32);
-    // fp32 accumulators of the split key-major attention backward.
-    add("dk_acc".into(), grads, Layer, d.k * d.kv_dim * F32);
-    add("dv_acc".into(), grads, Layer, d.k * d.kv_dim * F32);
     add("dctx".into(), grads, Layer, d.s * d.hidden * elem);
     let reductions = "reduction partials (norm weights, gradient norm)";
     add("dw_partial".into(), reductions, Layer, GRAD_PARTS as u64 * d.hidden.max(d.head_dim) * F32);

@@ -6,14 +6,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use dflash_optimized::attention::cases::{bench_cases, AttnCase, BenchTimes};
-use dflash_optimized::attention::cuda::{bench_case, AttentionKernels, KernelVariant, DEFAULT_VARIANT};
+use dflash_optimized::attention::cuda::bench_case;
 use dflash_optimized::gpu::Gpu;
 use dflash_reference::config::AttnKind;
 use serde_json::{json, Value};
 
 use crate::args::Options;
 use crate::gpu_bundle;
-use crate::gpu_conformance::{open_gpu, parse_variants, utc_now, write_json};
+use crate::gpu_conformance::{open_gpu, utc_now, write_json};
 
 const HELP: &str = "usage: xtask bench attention [options]     (on the GPU machine)
 
@@ -33,12 +33,10 @@ options:
   --script FILE   the baseline script     (default attention_torch.py next to the binary, else
                                            xtask/bench/attention_torch.py)
   --commit SHA    the commit measured                   (default: commit.txt next to the binary)
-  --variant NAME  our kernels: mma-sync, wgmma, or all (each timed; the default variant's times
-                  are the `ours_*` fields, every variant's under `variants`)   (default all)
   --torch yes|no  run the PyTorch baselines             (default yes; no: ours only, no file)
-  --profile yes|no  print each kernel's GPU time per call, per case and variant   (default no)";
+  --profile yes|no  print each kernel's GPU time per call, per case   (default no)";
 
-const OPTIONS: &[&str] = &["out", "warmup", "iters", "python", "script", "commit", "variant", "torch", "profile"];
+const OPTIONS: &[&str] = &["out", "warmup", "iters", "python", "script", "commit", "torch", "profile"];
 
 /// Useful FLOPs of the forward per allowed (query, key) pair and query head, over `head_dim`:
 /// `QK^T` and `PV`, 2 multiply-adds each.
@@ -76,10 +74,7 @@ struct Measured {
     q_len: usize,
     kv_len: usize,
     pairs: u64,
-    /// The reported variant's times: the default variant's when it was measured.
     ours: Result<BenchTimes, String>,
-    /// Every measured variant's times.
-    variants: Vec<(KernelVariant, Result<BenchTimes, String>)>,
 }
 
 fn attention(args: Vec<String>) -> Result<(), String> {
@@ -101,7 +96,6 @@ fn attention(args: Vec<String>) -> Result<(), String> {
     }
     let commit: String = opts.get("commit", String::new())?;
     let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
-    let variants = parse_variants(&opts.get("variant", "all".to_string())?)?;
     let with_torch = opts.yes_no("torch", true)?;
     let profile = opts.yes_no("profile", false)?;
     let gpu = open_gpu()?;
@@ -117,22 +111,14 @@ fn attention(args: Vec<String>) -> Result<(), String> {
         let Some(layout) = layout.filter(|l| l.doc_ids.is_none() && !l.keep.contains(&false)) else {
             return Err(format!("bench case `{name}`: the PyTorch baseline needs one document and no padding block"));
         };
-        let mut measured = Vec::new();
-        for &variant in &variants {
-            let kernels = AttentionKernels::load_variant(&gpu, case.head_dim, variant).map_err(|e| e.to_string())?;
-            let times = bench_case(&gpu, &case, &kernels, warmup, iters).map_err(|e| e.to_string());
-            let label = format!("{} {name}", variant.name());
-            match &times {
-                Ok(t) => println!("ours  {label:<38} fwd {:.3} ms, fwd+bwd {:.3} ms", t.fwd_ms, t.fwdbwd_ms),
-                Err(e) => println!("ours  {label:<38} error: {e}"),
-            }
-            if profile {
-                print_kernel_times(&gpu, &case, &kernels)?;
-            }
-            measured.push((variant, times));
+        let ours = bench_case(&gpu, &case, warmup, iters).map_err(|e| e.to_string());
+        match &ours {
+            Ok(t) => println!("ours  {name:<28} fwd {:.3} ms, fwd+bwd {:.3} ms", t.fwd_ms, t.fwdbwd_ms),
+            Err(e) => println!("ours  {name:<28} error: {e}"),
         }
-        let reported = measured.iter().position(|(v, _)| *v == DEFAULT_VARIANT).unwrap_or(0);
-        let ours = measured[reported].1.clone();
+        if profile {
+            print_kernel_times(&gpu, &case)?;
+        }
         rows.push(Measured {
             window: match case.kind {
                 AttnKind::Full => None,
@@ -146,7 +132,6 @@ fn attention(args: Vec<String>) -> Result<(), String> {
             kv_len: plan.num_keys,
             pairs: plan.allowed_pairs(),
             ours,
-            variants: measured,
         });
     }
     // The baselines get the GPU to themselves.
@@ -246,12 +231,6 @@ fn case_object(row: &Measured, base: &Value, errors: &mut Vec<String>) -> Value 
         "planned_extra_gb": ours.map(|t| gb(t.planned_extra_bytes)),
         "speedup_fwd": ratio(flex_fwd, ours.map(|t| t.fwd_ms)),
         "speedup_fwdbwd": ratio(flex_fwdbwd, ours.map(|t| t.fwdbwd_ms)),
-        "ours_variant": row.variants.iter().find(|(_, t)| t.as_ref().ok() == ours).map(|(v, _)| v.name()),
-        "variants": row.variants.iter().map(|(v, t)| (v.name().to_string(), match t {
-            Ok(t) => json!({ "fwd_ms": t.fwd_ms, "fwdbwd_ms": t.fwdbwd_ms, "extra_gb": gb(t.extra_bytes),
-                             "speedup_fwdbwd": ratio(flex_fwdbwd, Some(t.fwdbwd_ms)) }),
-            Err(e) => json!({ "error": e }),
-        })).collect::<serde_json::Map<String, Value>>(),
         "ours_tflops_fwd": ours.map(|t| tflops(fwd_flops, t.fwd_ms)),
         "ours_tflops_fwdbwd": ours.map(|t| tflops(FWDBWD_FLOPS_FACTOR * fwd_flops, t.fwdbwd_ms)),
         "flex_tflops_fwd": flex_fwd.map(|ms| tflops(fwd_flops, ms)),
@@ -302,10 +281,10 @@ pub fn run_python_json(python: &str, script: &Path, input: &Value) -> Result<Val
 }
 
 /// Each kernel's GPU time per call over a few forward+backward runs of `case` (CUDA events).
-fn print_kernel_times(gpu: &Gpu, case: &AttnCase, kernels: &AttentionKernels) -> Result<(), String> {
+fn print_kernel_times(gpu: &Gpu, case: &AttnCase) -> Result<(), String> {
     use dflash_optimized::profile;
     profile::enable(true);
-    let run = bench_case(gpu, case, kernels, 2, 3);
+    let run = bench_case(gpu, case, 2, 3);
     profile::enable(false);
     let ops = profile::report().map_err(|e| e.to_string())?;
     run.map_err(|e| e.to_string())?;
@@ -373,7 +352,6 @@ mod tests {
             q_len: 1000,
             kv_len: 2000,
             pairs: 1_000_000,
-            variants: vec![(DEFAULT_VARIANT, ours.clone())],
             ours,
         }
     }

@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck};
 use dflash_optimized::attention::cases::{conformance_cases, BF16_TOLERANCE};
-use dflash_optimized::attention::cuda::{conformance_case, KernelVariant};
+use dflash_optimized::attention::cuda::conformance_case;
 use dflash_optimized::gpu::Gpu;
 use dflash_optimized::kernels::{kernel_hash, KERNEL_SOURCES};
 use serde_json::{json, Value};
@@ -31,10 +31,9 @@ writing the file.
 options:
   --out FILE      where the attestation goes       (default fixtures/gpu/attestation.json)
   --commit SHA    the commit under test            (default: commit.txt next to the binary)
-  --variant NAME  attention kernels to check: mma-sync, wgmma or all   (default all)
   --step yes|no   also the step kernels and the GPU step                (default yes)";
 
-const OPTIONS: &[&str] = &["out", "commit", "variant", "step"];
+const OPTIONS: &[&str] = &["out", "commit", "step"];
 
 /// Opens GPU 0, or says why there is none and how to run on the GPU machine.
 pub fn open_gpu() -> Result<Gpu, String> {
@@ -87,7 +86,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let out: PathBuf = opts.get("out", PathBuf::from("fixtures/gpu/attestation.json"))?;
     let commit: String = opts.get("commit", String::new())?;
     let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
-    let variants = parse_variants(&opts.get("variant", "all".to_string())?)?;
     let with_step = opts.yes_no("step", true)?;
     let gpu = open_gpu()?;
     if KERNEL_SOURCES.is_empty() {
@@ -99,10 +97,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     println!("{:<34} {:>10} {:>10} {:>10} {:>10}  {:<6} {:>7}", "case", "out", "dq", "dk", "dv", "result", "time");
 
     let mut cases = Vec::new();
-    for (variant, case) in variants.iter().flat_map(|&v| conformance_cases().into_iter().map(move |c| (v, c))) {
+    for case in conformance_cases() {
         let started = Instant::now();
-        let outcome = conformance_case(&gpu, &case, variant);
-        let name = format!("{}/{}", variant.name(), case.name);
+        let outcome = conformance_case(&gpu, &case);
+        let name = &case.name;
         let secs = started.elapsed().as_secs_f64();
         let entry = match outcome {
             Ok(errors) => {
@@ -156,14 +154,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("GPU conformance failed on: {}", failed.join(", ")))
-    }
-}
-
-/// `all` or one kernel variant's name.
-pub fn parse_variants(arg: &str) -> Result<Vec<KernelVariant>, String> {
-    match arg {
-        "all" => Ok(KernelVariant::ALL.to_vec()),
-        name => Ok(vec![name.parse()?]),
     }
 }
 

@@ -18,10 +18,10 @@ use crate::profile;
 const SOURCE: &str = include_str!("../../kernels/attention.cu");
 /// Query rows staged per step of the key-major backward (`CHUNK` in the kernel).
 const DKDV_CHUNK: usize = 64;
-/// Largest CTA of the query-major kernels: 16 rows per warp, at most 8 warps.
-const MAX_CTA_ROWS: usize = 128;
-/// Rows of a warpgroup in the wgmma kernels (`WG_ROWS`).
+/// Rows of a warpgroup (`WG_ROWS` in the kernels).
 const WG_ROWS: usize = 64;
+/// Largest row group (rows times the query heads of a KV head): the CTA's two warpgroups.
+const MAX_CTA_ROWS: usize = 2 * WG_ROWS;
 
 fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Gpu(format!("{what}: {e:?}"))
@@ -98,114 +98,35 @@ impl HeadArgs {
     }
 }
 
-/// Which kernels run. Both compute the same results over the same plan and take the same
-/// arguments; they differ in tensor-core instructions, shared layout and CTA shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KernelVariant {
-    /// `mma.sync` m16n8k16 on padded shared tiles: 16 rows per warp, one row group per CTA.
-    MmaSync,
-    /// Hopper `wgmma` on 128-byte-swizzled shared tiles: 64 rows per warpgroup, two warpgroups
-    /// per CTA (two row groups of up to 64 rows share each K/V tile); head_dim a multiple of 64.
-    Wgmma,
-}
-
-impl KernelVariant {
-    pub const ALL: [KernelVariant; 2] = [KernelVariant::MmaSync, KernelVariant::Wgmma];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            KernelVariant::MmaSync => "mma-sync",
-            KernelVariant::Wgmma => "wgmma",
-        }
-    }
-
-    /// Kernel-name suffix in `attention.cu`.
-    fn suffix(self) -> &'static str {
-        match self {
-            KernelVariant::MmaSync => "",
-            KernelVariant::Wgmma => "_wg",
-        }
-    }
-}
-
-impl std::str::FromStr for KernelVariant {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|v| v.name() == s)
-            .ok_or_else(|| format!("unknown kernel variant `{s}` (mma-sync or wgmma)"))
-    }
-}
-
-/// The variant the training step and `AttentionKernels::load` use.
-pub const DEFAULT_VARIANT: KernelVariant = KernelVariant::MmaSync;
-
 /// The attention kernels compiled for one head dim.
 pub struct AttentionKernels {
     head_dim: usize,
-    variant: KernelVariant,
     forward: CudaFunction,
     dsum: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
-    dkdv_finish: CudaFunction,
 }
 
-/// Dynamic shared memory of the forward: two stages of K and V tiles (wgmma: swizzled, plus
-/// 1024 bytes to align them; q stays in registers).
-fn forward_smem(variant: KernelVariant, head_dim: usize) -> usize {
-    match variant {
-        KernelVariant::MmaSync => 2 * 2 * TILE_K * (head_dim + 8) * 2,
-        KernelVariant::Wgmma => 1024 + 4 * TILE_K * head_dim * 2,
-    }
+/// Dynamic shared memory of the forward and the dQ pass: two stages of swizzled K and V tiles,
+/// and 1024 bytes to align them (q and dout stay in registers).
+fn query_major_smem(head_dim: usize) -> usize {
+    1024 + 2 * 2 * TILE_K * head_dim * 2
 }
 
-/// Dynamic shared memory of the dQ pass: the forward's, plus the CTA's dout rows (mma.sync;
-/// wgmma keeps them in registers).
-fn dq_smem(variant: KernelVariant, head_dim: usize) -> usize {
-    match variant {
-        KernelVariant::MmaSync => forward_smem(variant, head_dim) + MAX_CTA_ROWS * (head_dim + 8) * 2,
-        KernelVariant::Wgmma => forward_smem(variant, head_dim),
-    }
-}
-
-/// Dynamic shared memory of the key-major backward: K and V tiles, and two stages of q and
-/// dout rows with their lse, dsum and row bounds (wgmma: stages rounded to 1024 bytes).
-fn dkdv_smem(variant: KernelVariant, head_dim: usize) -> usize {
-    let scalars = DKDV_CHUNK * (4 + 4 + 16);
-    match variant {
-        KernelVariant::MmaSync => 2 * TILE_K * (head_dim + 8) * 2 + 2 * (2 * DKDV_CHUNK * (head_dim + 8) * 2 + scalars),
-        // Per stage: lse and dsum per row, and the chunk's row group.
-        KernelVariant::Wgmma => {
-            1024 + 2 * TILE_K * head_dim * 2
-                + 2 * (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
-        }
-    }
+/// Dynamic shared memory of the key-major pass: the K and V tiles and two stages of q and dout
+/// rows with their lse, dsum and row group, each stage rounded to 1024 bytes.
+fn dkdv_smem(head_dim: usize) -> usize {
+    1024 + 2 * TILE_K * head_dim * 2 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
 }
 
 impl AttentionKernels {
-    pub fn variant(&self) -> KernelVariant {
-        self.variant
-    }
-
-    /// The default variant's kernels ([`DEFAULT_VARIANT`]).
+    /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
+    /// multiple of 64 (the 128-byte panels of the swizzled tiles) up to 256.
     pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
-        Self::load_variant(gpu, head_dim, DEFAULT_VARIANT)
-    }
-
-    /// Compiles (once per process and head dim) and loads the kernels of `variant`; `head_dim`
-    /// must be a multiple of 32 (mma.sync: fragments load two k-steps at a time) or of 64 (wgmma:
-    /// 128-byte panels), up to 256.
-    pub fn load_variant(gpu: &Gpu, head_dim: usize, variant: KernelVariant) -> Result<Self> {
-        let granule = match variant {
-            KernelVariant::MmaSync => 32,
-            KernelVariant::Wgmma => 64,
-        };
-        if head_dim == 0 || !head_dim.is_multiple_of(granule) || head_dim > 256 {
+        if head_dim == 0 || !head_dim.is_multiple_of(64) || head_dim > 256 {
             return Err(Error::invalid(
                 "head_dim",
-                format!("{head_dim}: the {} kernels need a multiple of {granule} up to 256", variant.name()),
+                format!("{head_dim}: the CUDA kernels need a multiple of 64 up to 256"),
             ));
         }
         let module: &'static str = Box::leak(format!("attention_d{head_dim}").into_boxed_str());
@@ -218,19 +139,17 @@ impl AttentionKernels {
             }
             Ok(f)
         };
-        let sfx = variant.suffix();
         Ok(AttentionKernels {
             head_dim,
-            variant,
-            forward: function(&format!("attention_forward{sfx}"), forward_smem(variant, head_dim))?,
+            forward: function("attention_forward", query_major_smem(head_dim))?,
             dsum: function("attention_backward_dsum", 0)?,
-            dq: function(&format!("attention_backward_dq{sfx}"), dq_smem(variant, head_dim))?,
-            dkdv: function(&format!("attention_backward_dkdv{sfx}"), dkdv_smem(variant, head_dim))?,
-            dkdv_finish: function("attention_dkdv_finish", 0)?,
+            dq: function("attention_backward_dq", query_major_smem(head_dim))?,
+            dkdv: function("attention_backward_dkdv", dkdv_smem(head_dim))?,
         })
     }
 
-    fn check(&self, plan: &AttentionPlan, shape: AttnShape) -> Result<(u32, u32)> {
+    /// Checks the shapes; the number of query-major CTAs.
+    fn check(&self, plan: &AttentionPlan, shape: AttnShape) -> Result<u32> {
         if shape.head_dim != self.head_dim {
             return Err(Error::invalid(
                 "head_dim",
@@ -254,21 +173,16 @@ impl AttentionKernels {
                 ),
             ));
         }
-        let groups = plan.groups.len() as u32;
-        Ok(match self.variant {
-            // One group per CTA, one warp per 16 rows.
-            KernelVariant::MmaSync => (groups, rows.div_ceil(16) as u32 * 32),
-            // Two warpgroups: two groups of up to 64 rows per CTA, or one of up to 128.
-            KernelVariant::Wgmma => (groups.div_ceil(if rows <= WG_ROWS { 2 } else { 1 }), 256),
-        })
+        // Two warpgroups per CTA: two groups of up to 64 rows, or one of up to 128.
+        Ok((plan.groups.len() as u32).div_ceil(if rows <= WG_ROWS { 2 } else { 1 }))
     }
 
-    /// Grid (KV heads, CTAs of row groups).
-    fn query_major_config(&self, shape: AttnShape, ctas: u32, threads: u32, smem: usize) -> LaunchConfig {
+    /// Grid (KV heads, CTAs of row groups), two warpgroups per CTA.
+    fn query_major_config(&self, shape: AttnShape, ctas: u32) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (shape.num_kv_heads as u32, ctas, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem as u32,
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: query_major_smem(self.head_dim) as u32,
         }
     }
 
@@ -282,12 +196,12 @@ impl AttentionKernels {
         (q, k, v): (u64, u64, u64),
         (out, lse): (u64, u64),
     ) -> Result<()> {
-        let (ctas, threads) = self.check(&dp.plan, shape)?;
+        let ctas = self.check(&dp.plan, shape)?;
         if ctas == 0 {
             return Ok(());
         }
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
-        let cfg = self.query_major_config(shape, ctas, threads, forward_smem(self.variant, self.head_dim));
+        let cfg = self.query_major_config(shape, ctas);
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups);
         plan_args.push(&mut b);
@@ -302,10 +216,7 @@ impl AttentionKernels {
     }
 
     /// `dq`, `dk`, `dv` (shaped like q, k, v) from the forward's `out` and `lse` and `dout`;
-    /// `dsum [nh, Q]` (fp32) is scratch. With `split` (two fp32 accumulators shaped like k), the
-    /// mma.sync key-major pass runs each KV tile's work in two halves on two CTAs (the DFlash
-    /// context tiles seen by every block no longer set the critical path) and adds them up there;
-    /// the wgmma pass ignores `split`. All arguments are device addresses.
+    /// `dsum [nh, Q]` (fp32) is scratch. All arguments are device addresses.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -316,9 +227,8 @@ impl AttentionKernels {
         (out, lse, dout): (u64, u64, u64),
         dsum: u64,
         (dq, dk, dv): (u64, u64, u64),
-        split: Option<(u64, u64)>,
     ) -> Result<()> {
-        let (ctas, threads) = self.check(&dp.plan, shape)?;
+        let ctas = self.check(&dp.plan, shape)?;
         let p = &dp.plan;
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
         let pairs = (p.num_queries * shape.num_heads) as u32;
@@ -333,7 +243,7 @@ impl AttentionKernels {
             )?;
         }
         if ctas > 0 {
-            let cfg = self.query_major_config(shape, ctas, threads, dq_smem(self.variant, self.head_dim));
+            let cfg = self.query_major_config(shape, ctas);
             let mut b = stream.launch_builder(&self.dq);
             b.arg(&dp.groups);
             plan_args.push(&mut b);
@@ -346,47 +256,21 @@ impl AttentionKernels {
             )?;
         }
         let tiles = p.num_keys.div_ceil(TILE_K) as u32;
-        let kv_len = p.num_keys * shape.num_kv_heads * shape.head_dim;
-        let (splits, (dk_acc, dv_acc)) = match (self.variant, split) {
-            (KernelVariant::MmaSync, Some(acc)) => (2, acc),
-            _ => (1, (0, 0)),
-        };
-        let accumulators = dk_acc != 0;
-        if accumulators {
-            for acc in [dk_acc, dv_acc] {
-                crate::step::gpu::device::zero_device(stream, acc, kv_len * 4)?;
-            }
-        }
         if tiles > 0 {
             let cfg = LaunchConfig {
-                grid_dim: (shape.num_kv_heads as u32, tiles, splits),
+                grid_dim: (shape.num_kv_heads as u32, tiles, 1),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: dkdv_smem(self.variant, self.head_dim) as u32,
+                shared_mem_bytes: dkdv_smem(self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
             b.arg(&dp.groups).arg(&dp.kv_ranges);
             plan_args.push(&mut b);
-            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv).arg(&dk_acc).arg(&dv_acc);
+            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv);
             head_args.push(&mut b);
             profile::scope(
                 stream,
                 || "attention_backward_dkdv".to_string(),
                 || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv")),
-            )?;
-        }
-        if accumulators && kv_len > 0 {
-            let n = kv_len as i64;
-            let cfg = LaunchConfig {
-                grid_dim: ((kv_len.div_ceil(256) as u32).min(2112), 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = stream.launch_builder(&self.dkdv_finish);
-            b.arg(&dk_acc).arg(&dv_acc).arg(&dk).arg(&dv).arg(&n);
-            profile::scope(
-                stream,
-                || "attention_dkdv_finish".to_string(),
-                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_dkdv_finish")),
             )?;
         }
         Ok(())
@@ -492,7 +376,6 @@ impl DeviceRun {
         stream: &Arc<CudaStream>,
         dp: &DevicePlan,
         shape: AttnShape,
-        split: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
     ) -> Result<()> {
         let p = |x: &CudaSlice<bf16>| x.device_ptr(stream).0;
         kernels.backward(
@@ -503,7 +386,6 @@ impl DeviceRun {
             (p(&self.out), self.lse.device_ptr(stream).0, p(&self.dout)),
             self.dsum.device_ptr(stream).0,
             (p(&self.dq), p(&self.dk), p(&self.dv)),
-            split.map(|(dk_acc, dv_acc)| (dk_acc.device_ptr(stream).0, dv_acc.device_ptr(stream).0)),
         )
     }
 }
@@ -519,36 +401,25 @@ const DENSE_REFERENCE_LIMIT: usize = 20_000_000;
 
 /// Runs `case` on the GPU and returns the worst relative error of out, dq, dk, dv against the
 /// CPU twin in f64 and, for cases small enough, the reference's dense attention in f64.
-pub fn conformance_case(gpu: &Gpu, case: &AttnCase, variant: KernelVariant) -> Result<CaseErrors> {
+pub fn conformance_case(gpu: &Gpu, case: &AttnCase) -> Result<CaseErrors> {
     let plan = case.plan()?;
     let shape = case_shape(case);
     let host = HostInputs::draw(case, &plan);
     let stream = gpu.stream();
-    let kernels = AttentionKernels::load_variant(gpu, case.head_dim, variant)?;
+    let kernels = AttentionKernels::load(gpu, case.head_dim)?;
     let dp = DevicePlan::upload(stream, &plan)?;
     let mut run = DeviceRun::new(stream, DeviceRun::upload_inputs(stream, &host)?, &plan, shape)?;
     run.forward(&kernels, stream, &dp, shape)?;
-    run.backward(&kernels, stream, &dp, shape, None)?;
+    run.backward(&kernels, stream, &dp, shape)?;
     let down = |x: &CudaSlice<bf16>| -> Result<Vec<f64>> {
         Ok(widen(&stream.clone_dtoh(x).map_err(gpu_err("download results"))?))
     };
     let got = [down(&run.out)?, down(&run.dq)?, down(&run.dk)?, down(&run.dv)?];
-    // The split key-major pass (mma.sync: the training step's, into fp32 accumulators; wgmma
-    // ignores the split) into the same outputs.
-    let kv_len = plan.num_keys.max(1) * shape.num_kv_heads * shape.head_dim;
-    let acc = || stream.alloc_zeros::<f32>(kv_len).map_err(gpu_err("allocate dK/dV accumulators"));
-    let (dk_acc, dv_acc) = (acc()?, acc()?);
-    run.backward(&kernels, stream, &dp, shape, Some((&dk_acc, &dv_acc)))?;
-    let got_split = [down(&run.dk)?, down(&run.dv)?];
-
     let scale = (case.head_dim as f64).powf(-0.5);
     let (q, k, v, dout) = (widen(&host.q), widen(&host.k), widen(&host.v), widen(&host.dout));
     let (out, lse) = attention_forward(&plan, shape, &q, &k, &v, scale)?;
     let (dq, dk, dv) = attention_backward(&plan, shape, &q, &k, &v, &out, &lse, &dout, scale)?;
-    let mut worst =
-        [out, dq, dk.clone(), dv.clone()].iter().zip(&got).map(|(want, got)| rel_error(got, want)).collect::<Vec<_>>();
-    worst[2] = worst[2].max(rel_error(&got_split[0], &dk));
-    worst[3] = worst[3].max(rel_error(&got_split[1], &dv));
+    let mut worst = [out, dq, dk, dv].iter().zip(&got).map(|(want, got)| rel_error(got, want)).collect::<Vec<_>>();
     if plan.num_queries * plan.num_keys * case.num_heads <= DENSE_REFERENCE_LIMIT {
         let dense = dense_reference(case, &plan, shape, [&q, &k, &v, &dout])?;
         for (w, (want, got)) in worst.iter_mut().zip(dense.iter().zip(&got)) {
@@ -591,29 +462,24 @@ fn dense_reference(
 
 /// Times the forward and forward+backward of `case` (CUDA events, median after `warmup`), and
 /// measures the memory-pool growth of one forward+backward against the planned bytes.
-pub fn bench_case(
-    gpu: &Gpu,
-    case: &AttnCase,
-    kernels: &AttentionKernels,
-    warmup: usize,
-    iters: usize,
-) -> Result<BenchTimes> {
+pub fn bench_case(gpu: &Gpu, case: &AttnCase, warmup: usize, iters: usize) -> Result<BenchTimes> {
     let plan = case.plan()?;
     let shape = case_shape(case);
     let host = HostInputs::draw(case, &plan);
     let stream = gpu.stream();
+    let kernels = &AttentionKernels::load(gpu, case.head_dim)?;
     let dp = DevicePlan::upload(stream, &plan)?;
     let inputs = DeviceRun::upload_inputs(stream, &host)?;
     let before = gpu.pool_used()?;
     gpu.reset_pool_high()?;
     let mut run = DeviceRun::new(stream, inputs, &plan, shape)?;
     run.forward(kernels, stream, &dp, shape)?;
-    run.backward(kernels, stream, &dp, shape, None)?;
+    run.backward(kernels, stream, &dp, shape)?;
     let extra_bytes = gpu.pool_used_high()?.saturating_sub(before);
     let fwd_ms = gpu.time_ms(warmup, iters, || run.forward(kernels, stream, &dp, shape))?;
     let fwdbwd_ms = gpu.time_ms(warmup, iters, || {
         run.forward(kernels, stream, &dp, shape)?;
-        run.backward(kernels, stream, &dp, shape, None)
+        run.backward(kernels, stream, &dp, shape)
     })?;
     Ok(BenchTimes { fwd_ms, fwdbwd_ms, extra_bytes, planned_extra_bytes: planned_extra_bytes(&plan, shape) as u64 })
 }

@@ -96,8 +96,7 @@ pub trait Backend {
         qkv: (u64, u64, u64),
         out_lse: (u64, u64),
     ) -> Result<()>;
-    /// dq, dk, dv from q, k, v, out, lse and dout; `dsum [nh, Q]` and `split` (two fp32
-    /// accumulators shaped like k) are scratch the backend may use.
+    /// dq, dk, dv from q, k, v, out, lse and dout; `dsum [nh, Q]` is scratch the backend may use.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -107,7 +106,6 @@ pub trait Backend {
         out_lse_dout: (u64, u64, u64),
         dsum: u64,
         grads: (u64, u64, u64),
-        split: (u64, u64),
     ) -> Result<()>;
 }
 
@@ -215,8 +213,7 @@ impl Backend for Cuda {
         out_lse_dout: (u64, u64, u64),
         dsum: u64,
         grads: (u64, u64, u64),
-        split: (u64, u64),
     ) -> Result<()> {
-        self.attention.backward(&self.stream, plan, shape, qkv, out_lse_dout, dsum, grads, Some(split))
+        self.attention.backward(&self.stream, plan, shape, qkv, out_lse_dout, dsum, grads)
     }
 }

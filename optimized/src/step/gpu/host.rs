@@ -209,7 +209,6 @@ impl<E: Elem> Backend for Host<E> {
         (out, lse, dout): (u64, u64, u64),
         _dsum: u64,
         (dq, dk, dv): (u64, u64, u64),
-        _split: (u64, u64),
     ) -> Result<()> {
         let (nq, nk) = (plan.num_queries, plan.num_keys);
         let (q_len, kv_len) = (nq * shape.num_heads * shape.head_dim, nk * shape.num_kv_heads * shape.head_dim);

@@ -640,7 +640,6 @@ impl<B: Backend> Step<B> {
             (out, lse, dattn),
             b("dsum"),
             (dq, dk, dv),
-            (b("dk_acc"), b("dv_acc")),
         )?;
         // Through RoPE and the head norms, in place.
         self.dev.ops().head_norm_rope_backward(
