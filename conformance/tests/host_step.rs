@@ -1,12 +1,12 @@
-//! The planned training step on the CPU (`step::gpu::host`): the GPU step's driver, buffers and
+//! The planned training step on the CPU (`step::planned::host`): the GPU step's driver, buffers and
 //! bf16 layouts with the CPU twins of its kernels. Against the reference in f64 on bf16-exact
 //! inputs (the GPU step's bound), under every checkpointing policy (identical gradients), with
 //! its heap peak from a counting allocator against the plan.
 
 use dflash_conformance::gpu_step::planned_step_checks;
 use dflash_conformance::heap::{CountingAllocator, HeapMeter};
-use dflash_optimized::step::gpu::backend::Elem;
-use dflash_optimized::step::gpu::host::Host;
+use dflash_optimized::step::planned::backend::Elem;
+use dflash_optimized::step::planned::host::Host;
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
@@ -53,9 +53,9 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     use dflash_conformance::setups::gpu_draft_case;
     use dflash_conformance::tolerance::ADAMW_F32;
     use dflash_optimized::planner::{Policy, StepShape};
-    use dflash_optimized::step::gpu::adamw::GpuAdamW;
-    use dflash_optimized::step::gpu::backend::download;
-    use dflash_optimized::step::gpu::step::Step;
+    use dflash_optimized::step::planned::adamw::GpuAdamW;
+    use dflash_optimized::step::planned::backend::download;
+    use dflash_optimized::step::planned::step::Step;
     use dflash_reference::drafter::DraftInput;
     use dflash_reference::loss::BlockTargets;
     use dflash_reference::optim::{clip_grad_norm, AdamW, AdamWConfig};
@@ -125,8 +125,8 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     use candle_core::{DType, Tensor};
     use dflash_conformance::setups::gpu_draft_case;
     use dflash_optimized::planner::{Policy, StepShape};
-    use dflash_optimized::step::gpu::backend::Backend;
-    use dflash_optimized::step::gpu::step::Step;
+    use dflash_optimized::step::planned::backend::Backend;
+    use dflash_optimized::step::planned::step::Step;
     use dflash_reference::drafter::{DraftInput, Drafter};
     use dflash_reference::loss::BlockTargets;
 

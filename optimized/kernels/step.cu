@@ -1,4 +1,4 @@
-// Elementwise and reduction kernels of the GPU training step (optimized/src/step/gpu/): bf16
+// Elementwise and reduction kernels of the GPU training step (optimized/src/step/planned/): bf16
 // activations and step gradients, fp32 arithmetic, fp32 optimizer state. Each kernel's CPU twin
 // is named above it; `xtask gpu-conformance` checks every kernel against its twin on the H200.
 //
@@ -513,7 +513,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
     return z ^ (z >> 31);
 }
 
-// Twin: step::gpu::kernels::normal_at. dst [n] = bf16(mean + std * z_i), z_i a standard normal
+// Twin: step::planned::kernels::normal_at. dst [n] = bf16(mean + std * z_i), z_i a standard normal
 // (Box-Muller) from the hash of (seed, i): random weights and inputs made on the device.
 extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ dst, long long n, unsigned long long seed, float mean,
                                             float std) {

@@ -8,7 +8,7 @@ use dflash_reference::drafter::param_shapes;
 
 use crate::attention::cpu::TILE_K;
 pub use crate::step::drafter_step::Checkpointing;
-use crate::step::gpu::kernels::GRAD_PARTS;
+use crate::step::planned::kernels::GRAD_PARTS;
 
 /// Bytes of one bf16 value, and of one f32 (or u32) value.
 const BF16: u64 = 2;
@@ -144,7 +144,7 @@ pub const NORM_PARTS: usize = 64;
 
 /// Every device buffer of one GPU training step of `config` at `shape` under `policy`, with
 /// `optimizer` buffers when training (not when only the step is measured). The GPU step
-/// allocates exactly these (`step::gpu`), so the plan is what the step holds.
+/// allocates exactly these (`step::planned`), so the plan is what the step holds.
 pub fn step_buffers(config: &DraftConfig, shape: StepShape, policy: Policy, optimizer: bool) -> Vec<StepBuffer> {
     step_buffers_of(config, shape, policy, optimizer, BF16)
 }

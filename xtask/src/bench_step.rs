@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use dflash_optimized::attention::plan::AttentionPlan;
 use dflash_optimized::planner::{named_plans, Policy, StepShape};
-use dflash_optimized::step::gpu::step::GpuStep;
+use dflash_optimized::step::planned::step::GpuStep;
 use dflash_reference::config::{AttnKind, DraftConfig};
 use dflash_reference::loss::default_gamma;
 use dflash_reference::mask::BlockLayout;

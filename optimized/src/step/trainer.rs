@@ -15,8 +15,8 @@ use dflash_reference::Result;
 use rand_chacha::ChaCha8Rng;
 
 use super::drafter_step::{drafter_step, Checkpointing, StepResult};
-use super::gpu::host::Host;
-use super::gpu::step::Step;
+use super::planned::host::Host;
+use super::planned::step::Step;
 use crate::planner::StepShape;
 
 /// Gradients of [`drafter_step`] under `policy`, the LM head in chunks of `lm_chunk_rows` rows.
