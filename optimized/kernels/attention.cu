@@ -148,7 +148,7 @@ __device__ __forceinline__ void load_row_frags(u32 frag[DK][4], const bf16* x, c
     }
 }
 
-// Masks s (scaled scores of this lane's two rows) to -inf where the row does not see the key.
+// Masks s (scores of this lane's two rows) to -inf where the row does not see the key.
 __device__ __forceinline__ void mask_scores(float s[TILE_K / 8][4], const LaneRows& lr, int key0) {
     const int tq = (threadIdx.x % 32) % 4;
 #pragma unroll
@@ -177,32 +177,38 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// One online-softmax step of this lane's two rows over a tile of scaled (log2-domain) scores s:
-// s becomes the probabilities against the new running max m, l and acc are rescaled to it.
-__device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc[DN][4], float m[2], float l[2]) {
+// One online-softmax step of this lane's two rows over a tile of raw scores s (masked keys at
+// -inf): s becomes the probabilities exp2(s * scale_log2 - m) against the new running max m (log2
+// domain), l is rescaled to it and so is acc, unless no row of the warp moved its max.
+__device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc[DN][4], float m[2], float l[2],
+                                               float scale_log2) {
+    float alpha[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; i2++) {
         float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < TILE_K / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i2], s[nt][2 * i2 + 1]));
-        mx = quad_max(mx);
-        const float m_new = fmaxf(m[i2], mx);
+        const float m_new = fmaxf(m[i2], quad_max(mx) * scale_log2);
         const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = fast_exp2(m[i2] - base);
+        alpha[i2] = fast_exp2(m[i2] - base);
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < TILE_K / 8; nt++) {
-            s[nt][2 * i2] = fast_exp2(s[nt][2 * i2] - base);
-            s[nt][2 * i2 + 1] = fast_exp2(s[nt][2 * i2 + 1] - base);
+            s[nt][2 * i2] = fast_exp2(fmaf(s[nt][2 * i2], scale_log2, -base));
+            s[nt][2 * i2 + 1] = fast_exp2(fmaf(s[nt][2 * i2 + 1], scale_log2, -base));
             sum += s[nt][2 * i2] + s[nt][2 * i2 + 1];
         }
-        l[i2] = l[i2] * alpha + sum;
+        l[i2] = l[i2] * alpha[i2] + sum;
+        m[i2] = m_new;
+    }
+    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int nd = 0; nd < DN; nd++) {
-            acc[nd][2 * i2] *= alpha;
-            acc[nd][2 * i2 + 1] *= alpha;
+            acc[nd][0] *= alpha[0];
+            acc[nd][1] *= alpha[0];
+            acc[nd][2] *= alpha[1];
+            acc[nd][3] *= alpha[1];
         }
-        m[i2] = m_new;
     }
 }
 
@@ -340,11 +346,13 @@ __device__ __forceinline__ void wg_commit_wait() {
 // Makes this thread's generic-proxy shared writes (cp.async) visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d (64 x 64) += A (64 x 16, K-major at a) . B (16 x 64, K-major at b: [n][k] rows).
-__device__ __forceinline__ void wgmma_ss(float d[8][4], u64 a, u64 b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;\n"
+// d (64 x 64) = A (64 x 16, K-major at a) . B (16 x 64, K-major at b: [n][k] rows), plus d when
+// `accumulate` (else d's old values are ignored).
+__device__ __forceinline__ void wgmma_ss(float d[8][4], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                 : "l"(a), "l"(b));
+                 : "l"(a), "l"(b), "r"(accumulate));
 }
 
 // d (64 x 64) += A (64 x 16, this warp's 16 rows in registers) . B (16 x 64, MN-major at b).
@@ -354,29 +362,27 @@ __device__ __forceinline__ void wgmma_rs(float d[8][4], const u32 a[4], u64 b) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-// d (64 x 64) += A (64 x 16, this warp's 16 rows in registers) . B (16 x 64, K-major at b: [n][k] rows).
-__device__ __forceinline__ void wgmma_rs_kmajor(float d[8][4], const u32 a[4], u64 b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+// d (64 x 64) = A (64 x 16, this warp's 16 rows in registers) . B (16 x 64, K-major at b: [n][k]
+// rows), plus d when `accumulate`.
+__device__ __forceinline__ void wgmma_rs_kmajor(float d[8][4], const u32 a[4], u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void zero_tiles(float d[8][4]) {
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
-}
-
-// d (64 x 64) = A . B^T over the head dim, A and B K-major [64][HEAD_DIM] swizzled tiles.
+// d (64 x 64) = A . B^T over the head dim, A and B K-major [64][HEAD_DIM] swizzled tiles (d's
+// old values are ignored).
 __device__ __forceinline__ void tile_times_tile_t(float d[8][4], const bf16* a, const bf16* b) {
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; kk++) wgmma_ss(d, desc_kmajor(a, 64, kk), desc_kmajor(b, 64, kk));
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++) wgmma_ss(d, desc_kmajor(a, 64, kk), desc_kmajor(b, 64, kk), kk > 0);
 }
 
 // d (64 rows x 64 keys) = A . tile^T over the head dim, A in registers (load_row_frags), the
-// tile a K-major [64][HEAD_DIM] swizzled tile.
+// tile a K-major [64][HEAD_DIM] swizzled tile (d's old values are ignored).
 __device__ __forceinline__ void frags_times_tile_t(float d[8][4], const u32 a[DK][4], const bf16* tile) {
 #pragma unroll
-    for (int kk = 0; kk < DK; kk++) wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, 64, kk));
+    for (int kk = 0; kk < DK; kk++) wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, 64, kk), kk > 0);
 }
 
 // acc (64 x HEAD_DIM) += P (64 x 64 in accumulator layout, rounded to bf16) . tile (64 x HEAD_DIM).
@@ -452,6 +458,11 @@ __device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
     return a;
 }
 
+// K/V stages of the query-major kernels. Tile i loads into stage (i + 1) % 3 while tile i is
+// computed; that stage last held tile i - 2, which every thread finished before passing tile
+// i - 1's landing barrier: one barrier per tile, and warpgroups may drift apart by a tile.
+#define KV_STAGES 3
+
 // A CTA of the query-major kernels: a group of R * G rows takes ceil(R * G / 64) (at most
 // two) warpgroups, and a CTA holds blockDim.x / 128 warpgroups: one or two groups, which share
 // each K/V tile. Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later
@@ -485,8 +496,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
     float* __restrict__ lse, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    bf16* sK = align_1024(smem);            // [2 stages][TILE_K][HEAD_DIM]
-    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;  // [2 stages][TILE_K][HEAD_DIM]
+    bf16* sK = align_1024(smem);                    // [KV_STAGES][TILE_K][HEAD_DIM]
+    bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;  // [KV_STAGES][TILE_K][HEAD_DIM]
     const int kh = blockIdx.x, G = nh / nkv, R = group_rows, warp = (threadIdx.x / 32) % 4;
     const int tq = threadIdx.x % 4;
     const WgRows w = wg_rows(groups, R, G, num_queries, window);
@@ -506,9 +517,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     if (n > 0) load_kv_tiles_async<256>(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
     cp_async_commit();
     for (int i = 0; i < n; i++) {
-        const int stage = i & 1, t = w.all.tile(i);
+        const int stage = i % KV_STAGES, t = w.all.tile(i), next = (i + 1) % KV_STAGES;
         if (i + 1 < n) {
-            load_kv_tiles_async<256>(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
+            load_kv_tiles_async<256>(sK + next * TILE_K * HEAD_DIM, sV + next * TILE_K * HEAD_DIM, k, v,
                                 w.all.tile(i + 1), num_keys, nkv, kh);
             cp_async_commit();
         }
@@ -517,21 +528,15 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
             const bf16* tK = sK + stage * TILE_K * HEAD_DIM;
             const bf16* tV = sV + stage * TILE_K * HEAD_DIM;
             float s[TILE_K / 8][4];
-            zero_tiles(s);
             wg_fence();
             frags_times_tile_t(s, qa, tK);
             wg_commit_wait();
-#pragma unroll
-            for (int nt = 0; nt < TILE_K / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[nt][e] *= scale_log2;
             if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
-            online_softmax(s, acc, m, l);
+            online_softmax(s, acc, m, l, scale_log2);
             wg_fence();
             regs_times_tile(acc, s, tV);
             wg_commit_wait();
         }
-        __syncthreads();
     }
     cp_async_wait_all();
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
@@ -543,8 +548,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ dsum, bf16* __restrict__ dq, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    bf16* sK = align_1024(smem);            // [2 stages][TILE_K][HEAD_DIM]
-    bf16* sV = sK + 2 * TILE_K * HEAD_DIM;  // [2 stages][TILE_K][HEAD_DIM]
+    bf16* sK = align_1024(smem);                    // [KV_STAGES][TILE_K][HEAD_DIM]
+    bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;  // [KV_STAGES][TILE_K][HEAD_DIM]
     const int kh = blockIdx.x, G = nh / nkv, R = group_rows, warp = (threadIdx.x / 32) % 4;
     const int tq = threadIdx.x % 4;
     const WgRows w = wg_rows(groups, R, G, num_queries, window);
@@ -569,9 +574,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     if (n > 0) load_kv_tiles_async<256>(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
     cp_async_commit();
     for (int i = 0; i < n; i++) {
-        const int stage = i & 1, t = w.all.tile(i);
+        const int stage = i % KV_STAGES, t = w.all.tile(i), next = (i + 1) % KV_STAGES;
         if (i + 1 < n) {
-            load_kv_tiles_async<256>(sK + (stage ^ 1) * TILE_K * HEAD_DIM, sV + (stage ^ 1) * TILE_K * HEAD_DIM, k, v,
+            load_kv_tiles_async<256>(sK + next * TILE_K * HEAD_DIM, sV + next * TILE_K * HEAD_DIM, k, v,
                                 w.all.tile(i + 1), num_keys, nkv, kh);
             cp_async_commit();
         }
@@ -580,8 +585,6 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
             const bf16* tK = sK + stage * TILE_K * HEAD_DIM;
             const bf16* tV = sV + stage * TILE_K * HEAD_DIM;
             float s[TILE_K / 8][4], dp[TILE_K / 8][4];
-            zero_tiles(s);
-            zero_tiles(dp);
             wg_fence();
             frags_times_tile_t(s, qa, tK);
             wg_commit();
@@ -595,7 +598,6 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
             regs_times_tile(acc, s, tK);
             wg_commit_wait();
         }
-        __syncthreads();
     }
     cp_async_wait_all();
     write_dq_rows(acc, lr, dq, nh, scale, tq);
@@ -751,8 +753,6 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
         const int rows_valid = min(R, num_queries - group * R);
         const bool full = tile_walk(g, rows_valid, window).full(tile) && rows_valid == R && c0 + CHUNK <= R * G;
         float sT[CHUNK / 8][4], dpT[CHUNK / 8][4];
-        zero_tiles(sT);
-        zero_tiles(dpT);
         wg_fence();
         tile_times_tile_t(sT, sK, st.q);
         wg_commit();

@@ -107,10 +107,13 @@ pub struct AttentionKernels {
     dkdv: CudaFunction,
 }
 
-/// Dynamic shared memory of the forward and the dQ pass: two stages of swizzled K and V tiles,
+/// K/V stages of the query-major kernels (`KV_STAGES`).
+const KV_STAGES: usize = 3;
+
+/// Dynamic shared memory of the forward and the dQ pass: the stages of swizzled K and V tiles,
 /// and 1024 bytes to align them (q and dout stay in registers).
 fn query_major_smem(head_dim: usize) -> usize {
-    1024 + 2 * 2 * TILE_K * head_dim * 2
+    1024 + KV_STAGES * 2 * TILE_K * head_dim * 2
 }
 
 /// Dynamic shared memory of the key-major pass: the K and V tiles and two stages of q and dout

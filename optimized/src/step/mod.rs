@@ -2,7 +2,7 @@
 
 pub mod attention;
 pub mod drafter_step;
-pub mod planned;
 pub mod lm_head_ce;
 pub mod ops;
+pub mod planned;
 pub mod trainer;
