@@ -490,6 +490,24 @@ __device__ WgRows wg_rows(const RowGroup* groups, int R, int G, int num_queries,
     return w;
 }
 
+// This lane's two rows in warpgroup rows w (a row group's rows, or none past the last group).
+__device__ __forceinline__ LaneRows wg_lane_rows(const RowGroup* groups, const WgRows& w, int R, int G, int kh,
+                                                 int num_queries, int window, int causal_in_block) {
+    const RowGroup g = groups[w.group < (num_queries + R - 1) / R ? w.group : 0];
+    return lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + (threadIdx.x / 32) % 4 * 16);
+}
+
+// Starts loading walk tile i (of n; nothing past the last) into K/V stage i % KV_STAGES, as one
+// cp.async group.
+__device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk& walk, int i, int n, const bf16* k,
+                                             const bf16* v, int num_keys, int nkv, int kh) {
+    if (i >= n) return;
+    const int stage = i % KV_STAGES;
+    load_kv_tiles_async<256>(sK + stage * TILE_K * HEAD_DIM, sV + stage * TILE_K * HEAD_DIM, k, v, walk.tile(i),
+                             num_keys, nkv, kh);
+    cp_async_commit();
+}
+
 // Forward: out and lse (natural log) of every row.
 extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
@@ -498,12 +516,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     extern __shared__ __align__(1024) unsigned char smem[];
     bf16* sK = align_1024(smem);                    // [KV_STAGES][TILE_K][HEAD_DIM]
     bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;  // [KV_STAGES][TILE_K][HEAD_DIM]
-    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, warp = (threadIdx.x / 32) % 4;
-    const int tq = threadIdx.x % 4;
-    const WgRows w = wg_rows(groups, R, G, num_queries, window);
-    const bool has_rows = w.own.count() > 0;
-    const RowGroup g = groups[has_rows ? w.group : 0];
-    const LaneRows lr = lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + warp * 16);
+    const int kh = blockIdx.x, tq = threadIdx.x % 4;
+    const WgRows w = wg_rows(groups, group_rows, nh / nkv, num_queries, window);
+    const LaneRows lr = wg_lane_rows(groups, w, group_rows, nh / nkv, kh, num_queries, window, causal_in_block);
     const float scale_log2 = scale * LOG2E;
     u32 qa[DK][4];
     load_row_frags(qa, q, lr, nh);
@@ -514,19 +529,14 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     const int n = w.all.count();
-    if (n > 0) load_kv_tiles_async<256>(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
-    cp_async_commit();
+    kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
     for (int i = 0; i < n; i++) {
-        const int stage = i % KV_STAGES, t = w.all.tile(i), next = (i + 1) % KV_STAGES;
-        if (i + 1 < n) {
-            load_kv_tiles_async<256>(sK + next * TILE_K * HEAD_DIM, sV + next * TILE_K * HEAD_DIM, k, v,
-                                w.all.tile(i + 1), num_keys, nkv, kh);
-            cp_async_commit();
-        }
+        const int t = w.all.tile(i);
+        kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
         land_tiles(i + 1 < n);
         if (visits(w.own, t)) {  // uniform across the warpgroup
-            const bf16* tK = sK + stage * TILE_K * HEAD_DIM;
-            const bf16* tV = sV + stage * TILE_K * HEAD_DIM;
+            const bf16* tK = sK + (i % KV_STAGES) * TILE_K * HEAD_DIM;
+            const bf16* tV = sV + (i % KV_STAGES) * TILE_K * HEAD_DIM;
             float s[TILE_K / 8][4];
             wg_fence();
             frags_times_tile_t(s, qa, tK);
@@ -550,12 +560,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     extern __shared__ __align__(1024) unsigned char smem[];
     bf16* sK = align_1024(smem);                    // [KV_STAGES][TILE_K][HEAD_DIM]
     bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;  // [KV_STAGES][TILE_K][HEAD_DIM]
-    const int kh = blockIdx.x, G = nh / nkv, R = group_rows, warp = (threadIdx.x / 32) % 4;
-    const int tq = threadIdx.x % 4;
-    const WgRows w = wg_rows(groups, R, G, num_queries, window);
-    const bool has_rows = w.own.count() > 0;
-    const RowGroup g = groups[has_rows ? w.group : 0];
-    const LaneRows lr = lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + warp * 16);
+    const int kh = blockIdx.x, tq = threadIdx.x % 4;
+    const WgRows w = wg_rows(groups, group_rows, nh / nkv, num_queries, window);
+    const LaneRows lr = wg_lane_rows(groups, w, group_rows, nh / nkv, kh, num_queries, window, causal_in_block);
     const float scale_log2 = scale * LOG2E;
     u32 qa[DK][4], da[DK][4];
     load_row_frags(qa, q, lr, nh);
@@ -571,19 +578,14 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
     const int n = w.all.count();
-    if (n > 0) load_kv_tiles_async<256>(sK, sV, k, v, w.all.tile(0), num_keys, nkv, kh);
-    cp_async_commit();
+    kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
     for (int i = 0; i < n; i++) {
-        const int stage = i % KV_STAGES, t = w.all.tile(i), next = (i + 1) % KV_STAGES;
-        if (i + 1 < n) {
-            load_kv_tiles_async<256>(sK + next * TILE_K * HEAD_DIM, sV + next * TILE_K * HEAD_DIM, k, v,
-                                w.all.tile(i + 1), num_keys, nkv, kh);
-            cp_async_commit();
-        }
+        const int t = w.all.tile(i);
+        kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
         land_tiles(i + 1 < n);
         if (visits(w.own, t)) {  // uniform across the warpgroup
-            const bf16* tK = sK + stage * TILE_K * HEAD_DIM;
-            const bf16* tV = sV + stage * TILE_K * HEAD_DIM;
+            const bf16* tK = sK + (i % KV_STAGES) * TILE_K * HEAD_DIM;
+            const bf16* tV = sV + (i % KV_STAGES) * TILE_K * HEAD_DIM;
             float s[TILE_K / 8][4], dp[TILE_K / 8][4];
             wg_fence();
             frags_times_tile_t(s, qa, tK);
