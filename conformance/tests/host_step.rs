@@ -11,6 +11,14 @@ use dflash_optimized::step::planned::host::Host;
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
+/// The counting allocator sees every thread's heap: tests of this binary run one at a time, so a
+/// measured peak is one step's even under `cargo test` (nextest already gives each its process).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Heap the step holds besides its planned buffers: the names, addresses and parameter slots of
 /// about a hundred buffers (a few kB), and the attention plans' host copies; 64 KiB bounds them.
 const BOOKKEEPING_BYTES: u64 = 64 << 10;
@@ -36,11 +44,13 @@ fn check_planned_step<E: Elem>(label: &str) {
 
 #[test]
 fn planned_step_on_the_cpu_in_bf16_matches_the_reference_within_its_plan() {
+    let _serial = one_at_a_time();
     check_planned_step::<half::bf16>("cpu bf16 step");
 }
 
 #[test]
 fn planned_step_on_the_cpu_in_f32_matches_the_reference_within_its_plan() {
+    let _serial = one_at_a_time();
     check_planned_step::<f32>("cpu f32 step");
 }
 
@@ -48,6 +58,7 @@ fn planned_step_on_the_cpu_in_f32_matches_the_reference_within_its_plan() {
 /// weights, equal the reference's clipping and AdamW on the same gradients.
 #[test]
 fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
+    let _serial = one_at_a_time();
     use candle_core::{DType, Device, Tensor, Var};
     use dflash_conformance::gpu_step::rel_error;
     use dflash_conformance::setups::gpu_draft_case;
@@ -122,6 +133,7 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
 /// the weight gradients) is reported naming the step and the parameter.
 #[test]
 fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
+    let _serial = one_at_a_time();
     use candle_core::{DType, Tensor};
     use dflash_conformance::setups::gpu_draft_case;
     use dflash_optimized::planner::{Policy, StepShape};
