@@ -508,6 +508,23 @@ __device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk&
     cp_async_commit();
 }
 
+// Walks the CTA's K/V tiles through the stage ring: body(t, tK, tV) for every tile t of this
+// warpgroup's own walk, once tile t has landed for the whole CTA; then waits for every load.
+template <typename Body>
+__device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* sV, const bf16* k, const bf16* v,
+                                              int num_keys, int nkv, int kh, Body body) {
+    const int n = w.all.count();
+    kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
+    for (int i = 0; i < n; i++) {
+        const int t = w.all.tile(i);
+        kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
+        land_tiles(i + 1 < n);
+        if (visits(w.own, t))  // uniform across the warpgroup
+            body(t, sK + (i % KV_STAGES) * TILE_K * HEAD_DIM, sV + (i % KV_STAGES) * TILE_K * HEAD_DIM);
+    }
+    cp_async_wait_all();
+}
+
 // Forward: out and lse (natural log) of every row.
 extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
@@ -528,27 +545,17 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    const int n = w.all.count();
-    kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
-    for (int i = 0; i < n; i++) {
-        const int t = w.all.tile(i);
-        kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
-        land_tiles(i + 1 < n);
-        if (visits(w.own, t)) {  // uniform across the warpgroup
-            const bf16* tK = sK + (i % KV_STAGES) * TILE_K * HEAD_DIM;
-            const bf16* tV = sV + (i % KV_STAGES) * TILE_K * HEAD_DIM;
-            float s[TILE_K / 8][4];
-            wg_fence();
-            frags_times_tile_t(s, qa, tK);
-            wg_commit_wait();
-            if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
-            online_softmax(s, acc, m, l, scale_log2);
-            wg_fence();
-            regs_times_tile(acc, s, tV);
-            wg_commit_wait();
-        }
-    }
-    cp_async_wait_all();
+    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV) {
+        float s[TILE_K / 8][4];
+        wg_fence();
+        frags_times_tile_t(s, qa, tK);
+        wg_commit_wait();
+        if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
+        online_softmax(s, acc, m, l, scale_log2);
+        wg_fence();
+        regs_times_tile(acc, s, tV);
+        wg_commit_wait();
+    });
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
 
@@ -577,31 +584,21 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
 #pragma unroll
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
-    const int n = w.all.count();
-    kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
-    for (int i = 0; i < n; i++) {
-        const int t = w.all.tile(i);
-        kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
-        land_tiles(i + 1 < n);
-        if (visits(w.own, t)) {  // uniform across the warpgroup
-            const bf16* tK = sK + (i % KV_STAGES) * TILE_K * HEAD_DIM;
-            const bf16* tV = sV + (i % KV_STAGES) * TILE_K * HEAD_DIM;
-            float s[TILE_K / 8][4], dp[TILE_K / 8][4];
-            wg_fence();
-            frags_times_tile_t(s, qa, tK);
-            wg_commit();
-            frags_times_tile_t(dp, da, tV);
-            wg_commit();
-            wg_wait<1>();  // s; p is computed while dp's matmul runs
-            query_major_probs(s, lr, lse2, t * TILE_K, w.own.full(t), scale_log2);
-            wg_wait<0>();
-            query_major_ds(s, dp, ds_row);
-            wg_fence();
-            regs_times_tile(acc, s, tK);
-            wg_commit_wait();
-        }
-    }
-    cp_async_wait_all();
+    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV) {
+        float s[TILE_K / 8][4], dp[TILE_K / 8][4];
+        wg_fence();
+        frags_times_tile_t(s, qa, tK);
+        wg_commit();
+        frags_times_tile_t(dp, da, tV);
+        wg_commit();
+        wg_wait<1>();  // s; p is computed while dp's matmul runs
+        query_major_probs(s, lr, lse2, t * TILE_K, w.own.full(t), scale_log2);
+        wg_wait<0>();
+        query_major_ds(s, dp, ds_row);
+        wg_fence();
+        regs_times_tile(acc, s, tK);
+        wg_commit_wait();
+    });
     write_dq_rows(acc, lr, dq, nh, scale, tq);
 }
 
