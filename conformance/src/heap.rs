@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use dflash_reference::Result;
+use dflash_optimized::Result;
 
 use crate::gpu_step::PeakMeter;
 

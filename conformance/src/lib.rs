@@ -1,10 +1,15 @@
-//! Shared helpers of the conformance suite: named tolerances, relative errors, fixture paths
-//! and random tiny setups. The tests themselves live in `tests/`.
+//! The conformance suite's harnesses: named tolerances, relative errors, fixture paths, random
+//! tiny setups, the attention cases, the counting allocator, and the GPU checks that
+//! `xtask gpu-conformance` runs on the H200. The tests themselves live in `tests/`.
 
+pub mod attention_cases;
+pub mod gpu_attention;
 pub mod gpu_step;
 pub mod heap;
+pub mod op_cases;
 pub mod setups;
 pub mod tolerance;
+pub mod twin_tensors;
 
 use std::path::PathBuf;
 

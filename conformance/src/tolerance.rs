@@ -114,7 +114,14 @@ pub const STEP_OP_F32: Tolerance = Tolerance {
              differently; measured <= 1e-6 over 20000 random cases per op",
 };
 
-/// The optimized CPU step in f32 against the reference in f32 (issue 4's bound).
+/// The drafter step on the CPU twins storing f64 against the reference in f64: the same
+/// operations in another order (chunked LM head, tiled online softmax), so f64 rounding only.
+pub const STEP_F64: Tolerance = Tolerance {
+    rel: 1e-10,
+    reason: "f64 twins and the f64 reference differ only in summation order and the online softmax (~1e-14)",
+};
+
+/// The drafter step on the CPU twins storing f32 against the reference in f64.
 pub const STEP_F32: Tolerance = Tolerance {
     rel: 1e-4,
     reason: "two f32 computations of ~100 ops in different orders (fused attention with online softmax vs dense, chunked CE vs full), rounding ~6e-8 per op amplified by the attention backward's cancellation in p*(dp - D)",

@@ -8,14 +8,17 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use candle_core::{DType, Device, Tensor, Var};
 use dflash_conformance::setups::randn;
 use dflash_conformance::tolerance::{Tolerance, TWIN_F32, TWIN_F32_GRAD_TERMS, TWIN_F64};
-use dflash_optimized::attention::cpu::{
-    attention_backward, attention_forward, group_tiles, tile_kind, AttnShape, Real, TileKind, TILE_K,
+use dflash_optimized::ops::attention::ranges::KeyRanges;
+use dflash_optimized::ops::attention::twin::{
+    attention_backward, attention_forward, group_tiles, tile_kind, AttnShape, TileKind,
 };
-use dflash_optimized::attention::plan::AttentionPlan;
+use dflash_optimized::ops::constants::TILE_K;
+use dflash_optimized::ops::Real;
+use dflash_optimized::Error;
 use dflash_reference::attention::dense_attention;
 use dflash_reference::config::AttnKind;
 use dflash_reference::mask::{causal_allow, causal_dense, BlockLayout};
-use dflash_reference::Error;
+use dflash_reference::Error as RefError;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -75,17 +78,17 @@ fn random_layout(rng: &mut ChaCha8Rng) -> BlockLayout {
 
 /// A random plan with its dense reference mask and a label: a DFlash layer over a random layout,
 /// or a causal sequence of random length in random groups of 1..=70 rows.
-fn random_plan(causal: bool, rng: &mut ChaCha8Rng) -> (AttentionPlan, Vec<bool>, String) {
+fn random_plan(causal: bool, rng: &mut ChaCha8Rng) -> (KeyRanges, Vec<bool>, String) {
     if causal {
         let t = random_len(rng);
         let kind = random_kind(t, rng);
         let group_rows = rng.random_range(1..=70);
-        let plan = AttentionPlan::causal(t, kind, group_rows).expect("causal plan");
+        let plan = KeyRanges::causal(t, kind, group_rows).expect("causal plan");
         (plan, causal_dense(kind, t), format!("causal T={t} {kind:?} group_rows={group_rows}"))
     } else {
         let layout = random_layout(rng);
         let kind = random_kind(layout.context_len, rng);
-        let plan = AttentionPlan::dflash(&layout, kind).expect("dflash plan");
+        let plan = KeyRanges::dflash(&layout, kind).expect("dflash plan");
         (plan, layout.dense(kind), format!("{layout:?} {kind:?}"))
     }
 }
@@ -93,7 +96,7 @@ fn random_plan(causal: bool, rng: &mut ChaCha8Rng) -> (AttentionPlan, Vec<bool>,
 /// One attention problem: plan, dense mask, shape, and standard normal q (times a random gain
 /// that sharpens or flattens the softmax), k, v and output gradient.
 struct Problem {
-    plan: AttentionPlan,
+    plan: KeyRanges,
     mask: Vec<bool>,
     label: String,
     shape: AttnShape,
@@ -372,7 +375,7 @@ fn twin_matches_dense_attention_on_causal_plans() {
 /// Checks `plan` against the reference predicate `allow`: elementwise, the allowed-pair count,
 /// the inverse ranges of `kv_tile_group_ranges` (for `TILE_K` and `tile_k`), and each group's
 /// tile kinds and visited tiles against the allowed pairs of its rows in each tile.
-fn check_plan(plan: &AttentionPlan, allow: impl Fn(usize, usize) -> bool, tile_k: usize, label: &str) -> usize {
+fn check_plan(plan: &KeyRanges, allow: impl Fn(usize, usize) -> bool, tile_k: usize, label: &str) -> usize {
     let (nq, nk) = (plan.num_queries, plan.num_keys);
     let mut pairs = 0;
     for q in 0..nq {
@@ -424,12 +427,12 @@ fn plan_encodes_the_reference_mask() {
             let t = random_len(&mut rng);
             let kind = random_kind(t, &mut rng);
             let group_rows = rng.random_range(1..=70);
-            let plan = AttentionPlan::causal(t, kind, group_rows).expect("causal plan");
+            let plan = KeyRanges::causal(t, kind, group_rows).expect("causal plan");
             check_plan(&plan, |q, k| causal_allow(kind, q, k), tile_k, &format!("causal T={t} {kind:?} {group_rows}"))
         } else {
             let layout = random_layout(&mut rng);
             let kind = random_kind(layout.context_len, &mut rng);
-            let plan = AttentionPlan::dflash(&layout, kind).expect("dflash plan");
+            let plan = KeyRanges::dflash(&layout, kind).expect("dflash plan");
             check_plan(&plan, |q, k| layout.allow(kind, q, k), tile_k, &format!("{layout:?} {kind:?}"))
         };
         cases.fetch_add(1, Ordering::Relaxed);
@@ -452,8 +455,8 @@ fn non_contiguous_documents_are_refused() {
         docs[back] = 0;
         let layout = BlockLayout::new(s, 4, vec![0, s - 1], vec![true, true], Some(docs.clone())).expect("layout");
         for kind in [AttnKind::Full, AttnKind::Sliding { window: 8 }] {
-            match AttentionPlan::dflash(&layout, kind) {
-                Err(Error::Invalid { what, .. }) => prop_assert_eq!(what, "doc_ids"),
+            match KeyRanges::dflash(&layout, kind) {
+                Err(Error::Reference(RefError::Invalid { what, .. })) => prop_assert_eq!(what, "doc_ids"),
                 other => prop_assert!(false, "{docs:?}: {other:?}"),
             }
         }
@@ -472,7 +475,7 @@ fn wrong_lengths_are_refused_naming_the_tensor() {
         args[i].pop();
         let [q, k, v, out, lse, dout] = &args;
         let want_name = |r: Result<(), Error>| match r {
-            Err(Error::Invalid { what, .. }) => assert_eq!(what, *name),
+            Err(Error::Reference(RefError::Invalid { what, .. })) => assert_eq!(what, *name),
             other => panic!("{name} one short: {other:?}"),
         };
         want_name(attention_backward(&p.plan, p.shape, q, k, v, out, lse, dout, scale).map(|_| ()));
@@ -482,7 +485,7 @@ fn wrong_lengths_are_refused_naming_the_tensor() {
     }
     let bad = AttnShape { num_heads: 3, num_kv_heads: 2, ..p.shape };
     match attention_forward(&p.plan, bad, &p.q, &p.k, &p.v, scale) {
-        Err(Error::Invalid { what, .. }) => assert_eq!(what, "shape"),
+        Err(Error::Reference(RefError::Invalid { what, .. })) => assert_eq!(what, "shape"),
         other => panic!("3 heads over 2 KV heads: {other:?}"),
     }
 }

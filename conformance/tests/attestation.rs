@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use dflash_optimized::kernels::{kernel_hash, KERNEL_SOURCES};
+use dflash_optimized::ops::sources::{kernel_hash, KERNEL_SOURCES};
 use serde_json::Value;
 
 const HOW: &str = "run `cargo xtask gpu-bundle`, then on the H200 the gpu-conformance command it prints, and \

@@ -1,12 +1,13 @@
-//! The planned training step on the CPU (`step::planned::host`): the GPU step's driver, buffers and
-//! bf16 layouts with the CPU twins of its kernels. Against the reference in f64 on bf16-exact
-//! inputs (the GPU step's bound), under every checkpointing policy (identical gradients), with
-//! its heap peak from a counting allocator against the plan.
+//! The drafter step on the CPU (`backend::host::Host`): the GPU step's driver and typed layout
+//! with the CPU twins of its kernels, storing bf16 (the GPU step's twin, its bound), f32 or f64
+//! (1e-10), against the reference in f64 on inputs exact in the stored type, under every
+//! checkpointing policy (identical gradients), with its heap peak from a counting allocator
+//! against its layout.
 
-use dflash_conformance::gpu_step::planned_step_checks;
+use dflash_conformance::gpu_step::drafter_step_checks;
 use dflash_conformance::heap::{CountingAllocator, HeapMeter};
-use dflash_optimized::step::planned::backend::Elem;
-use dflash_optimized::step::planned::host::Host;
+use dflash_optimized::backend::host::Host;
+use dflash_optimized::backend::Elem;
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
@@ -19,15 +20,16 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Heap the step holds besides its planned buffers: the names, addresses and parameter slots of
-/// about a hundred buffers (a few kB), and the attention plans' host copies; 64 KiB bounds them.
+/// Heap the step holds besides its layout's allocation: the layout's per-layer regions and items,
+/// the parameter slots and addresses (a few kB), and the key ranges' host copies; 64 KiB bounds
+/// them.
 const BOOKKEEPING_BYTES: u64 = 64 << 10;
 
-fn check_planned_step<E: Elem>(label: &str) {
+fn check_drafter_step<E: Elem>(label: &str) {
     for seed in [1u64, 2, 3] {
         let checks =
-            planned_step_checks(seed, label, || Ok(Host::<E>::default()), &mut HeapMeter::default(), BOOKKEEPING_BYTES)
-                .expect("the planned step on the CPU");
+            drafter_step_checks(seed, label, || Ok(Host::<E>::default()), &mut HeapMeter::default(), BOOKKEEPING_BYTES)
+                .expect("the drafter step on the CPU");
         for c in &checks {
             println!("{} errors {:?} memory {:?}", c.name, c.errors, c.memory);
             assert!(
@@ -43,18 +45,24 @@ fn check_planned_step<E: Elem>(label: &str) {
 }
 
 #[test]
-fn planned_step_on_the_cpu_in_bf16_matches_the_reference_within_its_plan() {
+fn drafter_step_on_the_cpu_in_bf16_matches_the_reference_within_its_layout() {
     let _serial = one_at_a_time();
-    check_planned_step::<half::bf16>("cpu bf16 step");
+    check_drafter_step::<half::bf16>("cpu bf16 step");
 }
 
 #[test]
-fn planned_step_on_the_cpu_in_f32_matches_the_reference_within_its_plan() {
+fn drafter_step_on_the_cpu_in_f32_matches_the_reference_within_its_layout() {
     let _serial = one_at_a_time();
-    check_planned_step::<f32>("cpu f32 step");
+    check_drafter_step::<f32>("cpu f32 step");
 }
 
-/// `GpuAdamW` on the CPU backend: two accumulated steps, clipped and applied to the fp32 master
+#[test]
+fn drafter_step_on_the_cpu_in_f64_matches_the_reference_within_its_layout() {
+    let _serial = one_at_a_time();
+    check_drafter_step::<f64>("cpu f64 step");
+}
+
+/// `DeviceAdamW` on the CPU backend: two accumulated steps, clipped and applied to the fp32 master
 /// weights, equal the reference's clipping and AdamW on the same gradients.
 #[test]
 fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
@@ -63,10 +71,10 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     use dflash_conformance::gpu_step::rel_error;
     use dflash_conformance::setups::gpu_draft_case;
     use dflash_conformance::tolerance::ADAMW_F32;
-    use dflash_optimized::planner::{Policy, StepShape};
-    use dflash_optimized::step::planned::adamw::GpuAdamW;
-    use dflash_optimized::step::planned::backend::download;
-    use dflash_optimized::step::planned::step::Step;
+    use dflash_optimized::backend::download;
+    use dflash_optimized::memory::step::{Checkpointing, StepShape};
+    use dflash_optimized::model::drafter_step::DrafterStep;
+    use dflash_optimized::train::adamw::DeviceAdamW;
     use dflash_reference::drafter::DraftInput;
     use dflash_reference::loss::BlockTargets;
     use dflash_reference::optim::{clip_grad_norm, AdamW, AdamWConfig};
@@ -78,14 +86,14 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
     let shape = StepShape { context_len: case.row.len(), num_anchors: case.anchors.positions.len(), lm_chunk_rows: 16 };
     let mut step =
-        Step::with_backend(Host::<half::bf16>::default(), config, shape, Policy::PerLayer, true).expect("step");
+        DrafterStep::new(Host::<half::bf16>::default(), config, shape, Checkpointing::PerLayer, true).expect("step");
     step.load_weights(&case.drafter).expect("weights");
     step.load_lm_head(&case.head).expect("lm head");
     step.set_input(&input, &case.head, &targets).expect("input");
     let adam_config = AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() };
-    let mut adam = GpuAdamW::new(&step, adam_config.clone()).expect("optimizer");
+    let mut adam = DeviceAdamW::new(&step, adam_config.clone()).expect("optimizer");
     // Two micro-steps accumulate (the second at half scale), as gradient accumulation does.
-    let mut summed: Vec<Vec<f32>> = Vec::new();
+    let mut summed: Vec<Vec<f64>> = Vec::new();
     for scale in [1.0, 0.5] {
         step.step(scale / targets.total_weight()).expect("step");
         adam.accumulate(&step).expect("accumulate");
@@ -110,7 +118,7 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     let mut grads: Vec<Tensor> = summed
         .iter()
         .zip(&params)
-        .map(|(g, (_, v))| Tensor::from_vec(g.clone(), v.dims(), &Device::Cpu).unwrap())
+        .map(|(g, (_, v))| Tensor::from_vec(g.clone(), v.dims(), &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap())
         .collect();
     let want_norm = clip_grad_norm(&params, &mut grads, max_norm).expect("clip");
     assert!(want_norm > max_norm, "the test must exercise clipping");
@@ -118,7 +126,8 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     let mut reference = AdamW::new(&params, adam_config).expect("reference optimizer");
     reference.step(&params, &grads, 2e-3).expect("reference step");
 
-    let master: Vec<f32> = download(step.backend(), step.buffer("master"), step.num_params()).expect("master");
+    let master_region = step.layout.optimizer.expect("optimizer regions").master;
+    let master: Vec<f32> = download(step.backend(), step.addr(master_region), step.num_params()).expect("master");
     for (slot, (p0, (name, after))) in step.slots().iter().zip(before.iter().zip(&params)) {
         let want = flat(after.as_tensor());
         let got = &master[slot.offset..slot.offset + slot.len];
@@ -136,9 +145,9 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     let _serial = one_at_a_time();
     use candle_core::{DType, Tensor};
     use dflash_conformance::setups::gpu_draft_case;
-    use dflash_optimized::planner::{Policy, StepShape};
-    use dflash_optimized::step::planned::backend::Backend;
-    use dflash_optimized::step::planned::step::Step;
+    use dflash_optimized::backend::Backend;
+    use dflash_optimized::memory::step::{Checkpointing, StepShape};
+    use dflash_optimized::model::drafter_step::{DrafterStep, Grads};
     use dflash_reference::drafter::{DraftInput, Drafter};
     use dflash_reference::loss::BlockTargets;
 
@@ -152,7 +161,8 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &anchors, b, case.gamma);
     let shape = StepShape { context_len: case.row.len(), num_anchors: anchors.positions.len(), lm_chunk_rows: 8 };
     let new_step = |drafter: &Drafter| {
-        let mut step = Step::with_backend(Host::<half::bf16>::default(), &config, shape, Policy::None, false).unwrap();
+        let mut step =
+            DrafterStep::new(Host::<half::bf16>::default(), &config, shape, Checkpointing::None, false).unwrap();
         step.load_weights(drafter).unwrap();
         step.load_lm_head(&case.head).unwrap();
         step.set_input(&input, &case.head, &targets).unwrap();
@@ -178,9 +188,9 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     let nan_rows = vec![half::bf16::NAN; b * h];
     // SAFETY: plain-old-data values viewed as their bytes.
     let bytes = unsafe { std::slice::from_raw_parts(nan_rows.as_ptr() as *const u8, nan_rows.len() * 2) };
-    step.backend().upload(step.buffer("residual.0") + (dropped * b * h * 2) as u64, bytes).unwrap();
+    step.backend().upload(step.addr(step.layout.residual[0]) + (dropped * b * h * 2) as u64, bytes).unwrap();
     step.step(1.0).expect("the dropped block does not reach the loss");
     step.step(1.0).expect("nor in a second step");
-    let err = step.grad_sum_squares("grads").expect_err("NaN gradients").to_string();
+    let err = step.grad_sum_squares(Grads::Step).expect_err("NaN gradients").to_string();
     assert!(err.contains("gradient of ") && err.contains("after step 2") && err.contains("NaN"), "{err}");
 }

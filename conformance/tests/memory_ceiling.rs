@@ -2,12 +2,11 @@
 //! with a counting allocator: never above the plan, and the plan within 10% of the measurement
 //! (a dense `[Q, K]` buffer or expanded K/V would blow through both).
 
+use dflash_conformance::attention_cases::AttnCase;
 use dflash_conformance::heap::{measure, CountingAllocator};
 use dflash_conformance::setups::randn;
-use dflash_optimized::attention::cases::AttnCase;
-use dflash_optimized::attention::cpu::{
-    attention_backward, attention_backward_bytes, attention_forward, attention_forward_bytes, AttnShape,
-};
+use dflash_optimized::memory::attention::{twin_backward_bytes, twin_forward_bytes};
+use dflash_optimized::ops::attention::twin::{attention_backward, attention_forward, AttnShape};
 use dflash_reference::config::AttnKind;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -19,7 +18,7 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 const PLAN_SLACK: f64 = 1.10;
 
 fn check(case: &AttnCase) {
-    let plan = case.plan().expect("plan");
+    let plan = case.ranges().expect("plan");
     let shape = AttnShape { num_heads: case.num_heads, num_kv_heads: case.num_kv_heads, head_dim: case.head_dim };
     let mut rng = ChaCha8Rng::seed_from_u64(case.seed);
     let flat = |rows: usize, heads: usize, rng: &mut ChaCha8Rng| -> Vec<f32> {
@@ -39,9 +38,9 @@ fn check(case: &AttnCase) {
     let scale = (case.head_dim as f64).powf(-0.5);
 
     let ((out, lse), fwd_peak) = measure(|| attention_forward(&plan, shape, &q, &k, &v, scale).unwrap());
-    let fwd_plan = attention_forward_bytes(&plan, shape, 4);
+    let fwd_plan = twin_forward_bytes(&plan, shape, 4);
     let (_, bwd_peak) = measure(|| attention_backward(&plan, shape, &q, &k, &v, &out, &lse, &dout, scale).unwrap());
-    let bwd_plan = attention_backward_bytes(&plan, shape, 4);
+    let bwd_plan = twin_backward_bytes(&plan, shape, 4);
     for (what, peak, planned) in [("forward", fwd_peak, fwd_plan), ("backward", bwd_peak, bwd_plan)] {
         println!("{} {what}: measured {peak} bytes, planned {planned}", case.name);
         assert!(peak <= planned, "{} {what}: measured {peak} bytes above the plan {planned}", case.name);

@@ -1,25 +1,30 @@
-//! The memory planner: snapshots of the itemised plans of the named configs, and properties
-//! that hold for any config (items add up to the peak, checkpointing never raises the saved
-//! activations, the failure modes reproduce the spec's figure).
+//! The memory module: snapshots of the itemised plans of the named configs, properties that hold
+//! for any config (items add up to the peak, checkpointing never raises the saved activations,
+//! the overlaid phases stay inside the allocation, the failure modes reproduce the spec's
+//! figure), and absurd configs refused with a clear error instead of an overflow.
 
-use dflash_optimized::planner::{check_fits, failure_modes, named_plans, plan_step, step_buffers, Policy, StepShape};
+use dflash_optimized::memory::failure::failure_modes;
+use dflash_optimized::memory::named::named_configs;
+use dflash_optimized::memory::step::{plan_step, Checkpointing, StepLayout, StepShape};
+use dflash_optimized::memory::{Lifetime, Region, ALIGN, BF16, F32};
+use rstest::rstest;
 
 /// One H200's usable memory, 139.8 GiB (shared/GPU.md).
 fn device_bytes() -> u64 {
     (139.8 * (1u64 << 30) as f64) as u64
 }
 
-/// The rendered plans of issue 4's named configs, per policy, with the failure modes.
+/// The rendered plans of the named configs, per policy, with the failure modes.
 #[test]
 fn named_plans_snapshot() {
     let mut out = String::new();
-    for p in named_plans() {
+    for p in named_configs() {
         out.push_str(&format!("== {}\n", p.name));
-        for policy in Policy::ALL {
+        for policy in Checkpointing::ALL {
             out.push_str(&format!("-- {}\n", policy.name()));
-            out.push_str(&plan_step(&p.config, p.shape, policy).render(device_bytes()));
+            out.push_str(&plan_step(&p.config, p.shape, policy).expect("plan").render(device_bytes()));
         }
-        let fm = failure_modes(&p.config, p.shape, 256);
+        let fm = failure_modes(&p.config, p.shape, 256).expect("failure modes");
         out.push_str(&format!(
             "-- failure modes: unfused attention one layer {} bytes; chunked attention all layers {} bytes\n",
             fm.unfused_attention_one_layer, fm.chunked_attention_all_layers
@@ -28,15 +33,18 @@ fn named_plans_snapshot() {
     insta::assert_snapshot!(out);
 }
 
-/// The peak is the sum of the items; the peak without optimizer drops exactly the fp32 master
-/// copy and both AdamW moments; more checkpointing never saves more activations.
+/// The peak is the sum of the items (the larger overlaid phase counted once); the peak without
+/// optimizer drops exactly the fp32 master copy, the accumulator and both AdamW moments; more
+/// checkpointing never saves more activations.
 #[test]
 fn plan_items_add_up_and_policies_order() {
-    for p in named_plans() {
-        let plans: Vec<_> = Policy::ALL.iter().map(|&policy| plan_step(&p.config, p.shape, policy)).collect();
+    for p in named_configs() {
+        let plans: Vec<_> =
+            Checkpointing::ALL.iter().map(|&policy| plan_step(&p.config, p.shape, policy).expect("plan")).collect();
         for plan in &plans {
-            let sum: u64 = plan.persistent.iter().chain(&plan.saved).chain(&plan.transient).map(|i| i.bytes).sum();
-            assert_eq!(sum, plan.peak, "{}", p.name);
+            let outside: u64 = plan.persistent.iter().chain(&plan.saved).chain(&plan.transient).map(|i| i.bytes).sum();
+            let phase = |items: &[dflash_optimized::memory::Item]| items.iter().map(|i| i.bytes).sum::<u64>();
+            assert_eq!(outside + phase(&plan.layer_scratch).max(phase(&plan.head_scratch)), plan.peak, "{}", p.name);
             let optimizer: u64 = plan
                 .persistent
                 .iter()
@@ -54,57 +62,131 @@ fn plan_items_add_up_and_policies_order() {
 /// K/V needs about 128 GB at seq 8000 with 1024 anchors (Qwen3-8B drafter, 256-row chunks).
 #[test]
 fn chunked_attention_failure_mode_matches_the_spec_figure() {
-    let qwen = named_plans().into_iter().next().expect("named plans").config;
+    let qwen = named_configs().into_iter().next().expect("named configs").config;
     let shape = StepShape { context_len: 8000, num_anchors: 1024, lm_chunk_rows: 1024 };
-    let gb = failure_modes(&qwen, shape, 256).chunked_attention_all_layers as f64 / 1e9;
+    let gb = failure_modes(&qwen, shape, 256).expect("failure modes").chunked_attention_all_layers as f64 / 1e9;
     assert!((gb - 128.0).abs() / 128.0 < 0.05, "chunked attention peak {gb:.1} GB, the spec says about 128 GB");
 }
 
 /// A step that does not fit is refused with an error naming what it needs, the device, what is
-/// available and its largest buffers; one that fits passes. The GPU step calls this before it
+/// available and its largest items; one that fits passes. The step calls this before it
 /// allocates anything.
 #[test]
-fn a_step_that_cannot_fit_is_refused_naming_its_largest_buffers() {
-    let p = named_plans().into_iter().next().expect("named plans");
-    let buffers = step_buffers(&p.config, p.shape, Policy::None, true);
-    let peak = plan_step(&p.config, p.shape, Policy::None).peak;
-    assert!(check_fits(&buffers, peak, "GPU 0").is_ok(), "exactly the plan fits");
-    let err = check_fits(&buffers, peak - 1, "GPU 0").expect_err("one byte short must be refused");
-    for needle in ["needs 27.", "GPU 0", "available", "adam_m", "master"] {
+fn a_step_that_cannot_fit_is_refused_naming_its_largest_items() {
+    let p = named_configs().into_iter().next().expect("named configs");
+    let layout = StepLayout::new(&p.config, p.shape, Checkpointing::None, true, (BF16, F32)).expect("layout");
+    let peak = layout.total_bytes();
+    assert!(layout.check_fits(peak, "GPU 0").is_ok(), "exactly the plan fits");
+    let err = layout.check_fits(peak - 1, "GPU 0").expect_err("one byte short must be refused").to_string();
+    for needle in ["needs 27.", "GPU 0", "available", "AdamW moments", "master weights"] {
         assert!(err.contains(needle), "`{needle}` missing from: {err}");
     }
 }
 
-/// The scratch region's layout: every buffer of a phase inside the region, 256-byte aligned and
-/// disjoint from the other buffers of its phase (the two phases never run at the same time).
+/// Every region of every layout is aligned and inside the allocation; the regions of one phase
+/// are disjoint from each other and from every region outside the overlaid phases.
 #[test]
-fn scratch_buffers_are_aligned_disjoint_and_inside_the_region() {
-    use dflash_optimized::planner::{Lifetime, SCRATCH};
-    for p in named_plans() {
-        for policy in Policy::ALL {
-            let buffers = step_buffers(&p.config, p.shape, policy, false);
-            let region = buffers.iter().find(|b| b.key == SCRATCH).expect("a scratch region").bytes;
-            for phase in [Lifetime::Layer, Lifetime::Head] {
-                let mut spans: Vec<(u64, u64, &str)> = buffers
-                    .iter()
-                    .filter(|b| b.lifetime == phase)
-                    .map(|b| {
-                        let offset = b.scratch_offset.expect("scratch buffers have an offset");
-                        (offset, offset + b.bytes, b.key.as_str())
-                    })
-                    .collect();
-                assert!(!spans.is_empty(), "{} {policy:?}: no {phase:?} buffers", p.name);
+fn regions_are_aligned_disjoint_and_inside_the_allocation() {
+    for p in named_configs() {
+        for policy in Checkpointing::ALL {
+            let l = StepLayout::new(&p.config, p.shape, policy, true, (BF16, F32)).expect("layout");
+            let opt = l.optimizer.expect("optimizer regions");
+            let i = l.input;
+            let mut outside: Vec<Region> =
+                vec![l.weights, l.grads, l.lm_head, opt.master, opt.grad_acc, opt.adam_m, opt.adam_v];
+            outside.extend([
+                i.features,
+                i.cos_q,
+                i.sin_q,
+                i.cos_k,
+                i.sin_k,
+                i.labels,
+                i.weights_ce,
+                i.rows_ce,
+                i.loss_rows,
+            ]);
+            outside.extend([l.ctx_pre, l.ctx, l.inv_hidden, l.hf, l.inv_final, l.grad_b]);
+            outside.extend(l.residual.iter().copied());
+            let acts = |a: &dflash_optimized::memory::step::LayerActs| {
+                vec![a.kv_in, a.inv_in, a.q_pre, a.inv_q, a.k_pre, a.inv_k, a.v, a.x_mid, a.inv_post, a.gate_up]
+            };
+            let s = l.scratch;
+            let mut layer_phase = vec![
+                s.q,
+                s.k,
+                s.xn2,
+                s.h,
+                s.grad_a,
+                s.grad_c,
+                s.dq,
+                s.dk,
+                s.dv,
+                s.dsum,
+                s.dctx,
+                s.dw_partial,
+                s.norm_partial,
+            ];
+            // Saved sets (one per layer) lie outside the phases; a recompute set is in the layer phase.
+            match policy {
+                Checkpointing::None => l.acts.iter().for_each(|a| outside.extend(acts(a))),
+                _ => layer_phase.extend(acts(&l.acts[0])),
+            }
+            match policy {
+                Checkpointing::PerLayer => layer_phase.extend([l.attn[0].out, l.attn[0].lse]),
+                _ => l.attn.iter().for_each(|t| outside.extend([t.out, t.lse])),
+            }
+            let head_phase = vec![l.head.rows, l.head.logits, l.head.drows];
+            let all = outside.iter().chain(&layer_phase).chain(&head_phase);
+            for r in all {
+                assert!(
+                    r.offset % ALIGN == 0 && r.offset + r.bytes <= l.bytes,
+                    "{} {policy:?}: {r:?} of {}",
+                    p.name,
+                    l.bytes
+                );
+            }
+            for set in [[&outside[..], &layer_phase[..]].concat(), [&outside[..], &head_phase[..]].concat()] {
+                let mut spans: Vec<(u64, u64)> = set.iter().map(|r| (r.offset, r.offset + r.bytes)).collect();
                 spans.sort();
-                for (lo, hi, key) in &spans {
-                    assert!(lo % 256 == 0 && *hi <= region, "{} {policy:?}: {key} at {lo}..{hi} of {region}", p.name);
-                }
                 for w in spans.windows(2) {
-                    assert!(w[0].1 <= w[1].0, "{} {policy:?}: {} overlaps {}", p.name, w[0].2, w[1].2);
+                    assert!(w[0].1 <= w[1].0, "{} {policy:?}: {:?} overlaps {:?}", p.name, w[0], w[1]);
                 }
             }
-            for b in buffers.iter().filter(|b| !matches!(b.lifetime, Lifetime::Layer | Lifetime::Head)) {
-                assert!(b.scratch_offset.is_none(), "{}: {} is outside the scratch region", p.name, b.key);
-            }
+            assert!(l.items.iter().any(|i| i.lifetime == Lifetime::Input), "the key ranges are itemised");
         }
+    }
+}
+
+/// Absurd configs and shapes are refused with an error naming the field, never a wrapped size or
+/// an overflow panic (debug builds check overflow: this test runs in one).
+#[rstest]
+#[case::hidden_2_pow_62("hidden_size", 1 << 62, 0, 3072, 512, "fit in")]
+#[case::hidden_1e9("hidden_size", 1_000_000_000, 0, 3072, 512, "fit in")]
+#[case::vocab_2_pow_40("vocab_size", 0, 1 << 40, 3072, 512, "vocab_size")]
+#[case::seq_max("seq", 0, 0, usize::MAX, 512, "fit in")]
+#[case::anchors_above_seq("anchors", 0, 0, 80, 1000, "anchors")]
+#[case::anchors_0("anchors", 0, 0, 80, 0, "anchors")]
+#[case::seq_0("seq", 0, 0, 0, 512, "seq")]
+fn absurd_configs_are_clear_errors(
+    #[case] what: &str,
+    #[case] hidden: usize,
+    #[case] vocab: usize,
+    #[case] seq: usize,
+    #[case] anchors: usize,
+    #[case] needle: &str,
+) {
+    let mut config = named_configs().into_iter().next().expect("named configs").config;
+    if hidden > 0 {
+        config.dims.hidden_size = hidden;
+    }
+    if vocab > 0 {
+        config.dims.vocab_size = vocab;
+    }
+    let shape = StepShape { context_len: seq, num_anchors: anchors, lm_chunk_rows: 1024 };
+    for policy in Checkpointing::ALL {
+        let err = plan_step(&config, shape, policy).expect_err(what).to_string();
+        assert!(err.contains(needle), "{what}: `{needle}` missing from: {err}");
+        // The failure modes are computed in checked arithmetic too: an error or a value, never a panic.
+        let _ = failure_modes(&config, shape, 256);
     }
 }

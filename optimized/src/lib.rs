@@ -1,15 +1,23 @@
-//! The production DFlash training path: manual forward/backward per layer, fused attention
-//! kernels (CUDA through cudarc and NVRTC, each with a CPU twin), activation checkpointing, the
-//! memory planner, mixed precision and the trainer (DESIGN.md, "optimized/").
+//! The production DFlash training path (DESIGN.md, "optimized/"): each concept has one home.
 //!
-//! Each piece is proven equal to `dflash-reference` by the conformance suite before it is used:
-//! the fused attention ([`attention`]: plan, CPU twin, CUDA kernels), the training step with its
-//! manual backward ([`step`], CPU for now), and the memory planner ([`planner`]).
+//! - [`ops`]: every operation with its API, its CPU twin, its CUDA launcher and its kernel
+//!   source side by side: the fused block-sparse attention, the elementwise and reduction ops,
+//!   the matmul; the constants Rust and CUDA share; the kernels' hash.
+//! - [`backend`]: where ops run on raw addresses: [`backend::host::Host`] (the CPU twins, storing
+//!   bf16, f32 or f64) and [`backend::cuda::Cuda`] (cuBLAS and the kernels, bf16); the GPU itself
+//!   ([`backend::gpu`]: NVRTC, memory pool, CUDA events).
+//! - [`memory`]: every byte formula, in checked arithmetic; the typed layout of a step.
+//! - [`model`]: the drafter's training step, one driver over any backend.
+//! - [`train`]: what a training loop takes from the step: the AdamW on the step's backend and
+//!   the step's gradients for the reference loop.
+//!
+//! Each piece is proven equal to `dflash-reference` by the conformance suite before it is used.
 
-pub mod attention;
-pub mod blas;
-pub mod gpu;
-pub mod kernels;
-pub mod planner;
-pub mod profile;
-pub mod step;
+pub mod backend;
+pub mod error;
+pub mod memory;
+pub mod model;
+pub mod ops;
+pub mod train;
+
+pub use error::{Error, Result};

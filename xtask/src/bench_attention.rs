@@ -5,9 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use dflash_optimized::attention::cases::{bench_cases, AttnCase, BenchTimes};
-use dflash_optimized::attention::cuda::bench_case;
-use dflash_optimized::gpu::Gpu;
+use dflash_conformance::attention_cases::{bench_cases, AttnCase};
+use dflash_conformance::gpu_attention::{case_shape, DeviceRun, HostInputs};
+use dflash_optimized::backend::gpu::Gpu;
+use dflash_optimized::memory::attention::cuda_extra_bytes;
+use dflash_optimized::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use dflash_reference::config::AttnKind;
 use serde_json::{json, Value};
 
@@ -50,20 +52,6 @@ const MEMORY_CONVENTION: &str = "extra memory: peak allocated during one forward
                                  allocated before it (inputs q, k, v, dO and the mask or plan), so O, \
                                  logsumexp, dQ, dK, dV and temporaries count; GB = 1e9 bytes";
 
-pub fn run(args: Vec<String>) -> Result<(), String> {
-    let mut args = args.into_iter();
-    match args.next().as_deref() {
-        Some("attention") => attention(args.collect()),
-        Some("gemm") => crate::bench_gemm::run(args.collect()),
-        Some("step") => crate::bench_step::run(args.collect()),
-        Some("-h" | "--help") | None => {
-            println!("{HELP}");
-            Ok(())
-        }
-        Some(other) => Err(format!("unknown benchmark `{other}` (known: attention, gemm, step)\n\n{HELP}")),
-    }
-}
-
 /// One benchmark case with what is known about it before the PyTorch run.
 struct Measured {
     case: AttnCase,
@@ -77,7 +65,7 @@ struct Measured {
     ours: Result<BenchTimes, String>,
 }
 
-fn attention(args: Vec<String>) -> Result<(), String> {
+pub fn run(args: Vec<String>) -> Result<(), String> {
     let Some(opts) = Options::parse(args, OPTIONS)? else {
         println!("{HELP}");
         return Ok(());
@@ -106,7 +94,7 @@ fn attention(args: Vec<String>) -> Result<(), String> {
     let mut rows = Vec::new();
     for case in bench_cases() {
         let name = case.name.clone();
-        let plan = case.plan().map_err(|e| e.to_string())?;
+        let plan = case.ranges().map_err(|e| e.to_string())?;
         let layout = case.block_layout().map_err(|e| e.to_string())?;
         let Some(layout) = layout.filter(|l| l.doc_ids.is_none() && !l.keep.contains(&false)) else {
             return Err(format!("bench case `{name}`: the PyTorch baseline needs one document and no padding block"));
@@ -282,7 +270,7 @@ pub fn run_python_json(python: &str, script: &Path, input: &Value) -> Result<Val
 
 /// Each kernel's GPU time per call over a few forward+backward runs of `case` (CUDA events).
 fn print_kernel_times(gpu: &Gpu, case: &AttnCase) -> Result<(), String> {
-    use dflash_optimized::profile;
+    use dflash_optimized::backend::profile;
     profile::enable(true);
     let run = bench_case(gpu, case, 2, 3);
     profile::enable(false);
@@ -404,4 +392,43 @@ mod tests {
         std::fs::write(&failing, "exit 2\n").unwrap();
         assert!(run_torch("sh", &failing, &rows, 1, 1).unwrap_err().contains("failed"));
     }
+}
+
+/// Times and memory of the CUDA attention on one case (CUDA events after warm-up, median).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BenchTimes {
+    /// Forward (O and logsumexp), ms.
+    pub fwd_ms: f64,
+    /// Forward then backward (dQ, dK, dV), ms.
+    pub fwdbwd_ms: f64,
+    /// Memory-pool high-water mark of one forward+backward minus the memory in use before it
+    /// (the inputs q, k, v, dO and the plan on the device): O, logsumexp, dQ, dK, dV and every
+    /// temporary, in bytes; the same convention as the PyTorch baselines of the benchmark.
+    pub extra_bytes: u64,
+    /// The planner's bound for the same quantity, bytes.
+    pub planned_extra_bytes: u64,
+}
+
+/// Times the forward and forward+backward of `case` (CUDA events, median after `warmup`), and
+/// measures the memory-pool growth of one forward+backward against the planned bytes.
+fn bench_case(gpu: &Gpu, case: &AttnCase, warmup: usize, iters: usize) -> dflash_optimized::Result<BenchTimes> {
+    let ranges = case.ranges()?;
+    let shape = case_shape(case);
+    let host = HostInputs::draw(case, &ranges);
+    let stream = gpu.stream();
+    let kernels = &AttentionKernels::load(gpu, case.head_dim)?;
+    let dr = DeviceKeyRanges::upload(stream, &ranges)?;
+    let inputs = DeviceRun::upload_inputs(stream, &host)?;
+    let before = gpu.pool_used()?;
+    gpu.reset_pool_high()?;
+    let mut run = DeviceRun::new(stream, inputs, &ranges, shape)?;
+    run.forward(kernels, stream, &dr, shape)?;
+    run.backward(kernels, stream, &dr, shape)?;
+    let extra_bytes = gpu.pool_used_high()?.saturating_sub(before);
+    let fwd_ms = gpu.time_ms(warmup, iters, || run.forward(kernels, stream, &dr, shape))?;
+    let fwdbwd_ms = gpu.time_ms(warmup, iters, || {
+        run.forward(kernels, stream, &dr, shape)?;
+        run.backward(kernels, stream, &dr, shape)
+    })?;
+    Ok(BenchTimes { fwd_ms, fwdbwd_ms, extra_bytes, planned_extra_bytes: cuda_extra_bytes(&ranges, shape) })
 }

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
-use dflash_optimized::blas::Blas;
+use dflash_optimized::ops::matmul::cuda::Blas;
 use half::bf16;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -56,7 +56,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let gpu = open_gpu()?;
     let blas = Blas::new(&gpu).map_err(|e| e.to_string())?;
     let stream = gpu.stream();
-    let err = |e: dflash_reference::Error| e.to_string();
+    let err = |e: dflash_optimized::Error| e.to_string();
     let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let mut rng = ChaCha8Rng::seed_from_u64(0);
 
@@ -74,12 +74,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         &widen(&x, m, k).map_err(|e| e.to_string())?,
         &widen(&w, n, k).map_err(|e| e.to_string())?,
     )
-    .map_err(err)?
+    .map_err(|e| e.to_string())?
     .flatten_all()
     .and_then(|t| t.to_dtype(candle_core::DType::F64))
     .and_then(|t| t.to_vec1::<f64>())
     .map_err(|e| e.to_string())?;
-    let rel = dflash_optimized::attention::cases::rel_error(&got, &want);
+    let rel = dflash_conformance::attention_cases::rel_error(&got, &want);
     println!("cuBLAS linear {m}x{n}x{k} vs CPU f32: relative error {rel:.2e} (bound {GEMM_BF16_TOLERANCE:.0e})");
 
     let (gpu_name, date) = (gpu.name().to_string(), utc_now());

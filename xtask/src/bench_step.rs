@@ -5,9 +5,14 @@
 
 use std::path::PathBuf;
 
-use dflash_optimized::attention::plan::AttentionPlan;
-use dflash_optimized::planner::{named_plans, Policy, StepShape};
-use dflash_optimized::step::planned::step::GpuStep;
+use dflash_optimized::backend::cuda::Cuda;
+use dflash_optimized::backend::gpu::Gpu;
+use dflash_optimized::backend::Backend;
+use dflash_optimized::memory::named::named_configs;
+use dflash_optimized::memory::step::{Checkpointing as Policy, StepShape};
+use dflash_optimized::model::drafter_step::{DrafterStep, Grads};
+use dflash_optimized::ops::attention::ranges::KeyRanges;
+use dflash_optimized::ops::elementwise::ElementwiseOps;
 use dflash_reference::config::{AttnKind, DraftConfig};
 use dflash_reference::loss::default_gamma;
 use dflash_reference::mask::BlockLayout;
@@ -98,8 +103,32 @@ struct Ours {
     planned_bytes: u64,
 }
 
+/// A random input made on the device for `anchors` of one document of `S` tokens: features and
+/// block embeddings normal(0, 1), random labels, every anchor kept.
+fn set_random_input(
+    step: &mut DrafterStep<Cuda>,
+    anchors: &[usize],
+    gamma: f64,
+    seed: u64,
+) -> dflash_optimized::Result<()> {
+    use rand::{Rng, SeedableRng};
+    let (z, b) = (step.layout.dims, step.config.block_size);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let tokens: Vec<u32> = (0..z.s).map(|_| rng.random_range(0..z.v as u32)).collect();
+    let keep = vec![true; anchors.len()];
+    let layout = dflash_reference::mask::BlockLayout::new(z.s, b, anchors.to_vec(), keep.clone(), None)?;
+    let anchor_set = dflash_reference::anchors::Anchors { positions: anchors.to_vec(), keep };
+    let targets = dflash_reference::loss::BlockTargets::new(&tokens, &vec![true; z.s], &anchor_set, b, gamma);
+    let (features, x0) = (step.addr(step.layout.input.features), step.addr(step.layout.residual[0]));
+    step.backend().ops().fill_normal(features, z.s * z.fw, seed ^ 1, 0.0, 1.0)?;
+    step.backend().ops().fill_normal(x0, z.q * z.h, seed ^ 2, 0.0, 1.0)?;
+    let queries: Vec<usize> = anchors.iter().flat_map(|&a| (0..b).map(move |o| a + o)).collect();
+    let keys: Vec<usize> = (0..z.s).chain(queries.iter().copied()).collect();
+    step.set_blocks(&layout, &queries, &keys, &targets)
+}
+
 fn measure_ours(
-    gpu: &dflash_optimized::gpu::Gpu,
+    gpu: &Gpu,
     config: &DraftConfig,
     shape: StepShape,
     policy: Policy,
@@ -107,26 +136,27 @@ fn measure_ours(
     (warmup, iters, seed): (usize, usize, u64),
     profile: bool,
 ) -> Result<Ours, String> {
-    let err = |e: dflash_reference::Error| e.to_string();
+    let err = |e: dflash_optimized::Error| e.to_string();
     let before = gpu.pool_used().map_err(err)?;
     gpu.reset_pool_high().map_err(err)?;
-    let mut step = GpuStep::new(gpu, config, shape, policy, false).map_err(err)?;
+    let cuda = Cuda::new(gpu, config.dims.head_dim).map_err(err)?;
+    let mut step = DrafterStep::new(cuda, config, shape, policy, false).map_err(err)?;
     step.randomize_weights(seed).map_err(err)?;
-    step.set_random_input(anchors, default_gamma(config.block_size), seed).map_err(err)?;
+    set_random_input(&mut step, anchors, default_gamma(config.block_size), seed).map_err(err)?;
     let first = step.step(1.0).map_err(err)?;
     let scale = 1.0 / first.total_weight;
     let loss = step.step(scale).map_err(err)?.loss;
-    step.grad_sum_squares("grads").map_err(err)?;
+    step.grad_sum_squares(Grads::Step).map_err(err)?;
     let peak_bytes = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
     let step_ms = gpu.time_ms(warmup, iters, || step.step(scale).map(|_| ())).map_err(err)?;
     if profile {
-        dflash_optimized::profile::enable(true);
+        dflash_optimized::backend::profile::enable(true);
         let result = step.step(scale);
-        dflash_optimized::profile::enable(false);
+        dflash_optimized::backend::profile::enable(false);
         result.map_err(err)?;
-        print_profile(policy, &dflash_optimized::profile::report().map_err(err)?);
+        print_profile(policy, &dflash_optimized::backend::profile::report().map_err(err)?);
     }
-    Ok(Ours { step_ms, loss, peak_bytes, planned_bytes: step.planned_bytes })
+    Ok(Ours { step_ms, loss, peak_bytes, planned_bytes: step.planned_peak() })
 }
 
 /// One step's operations by total GPU time, the longest first, and totals per kind.
@@ -163,10 +193,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
     let out: PathBuf = opts.get("out", PathBuf::from("results/step-h200.json"))?;
     let wanted: String = opts.get("config", "qwen3-8b-drafter".to_string())?;
-    let plans = named_plans();
+    let plans = named_configs();
     let known: Vec<&str> = plans.iter().filter_map(|p| p.name.split_whitespace().next()).collect::<Vec<_>>();
     let known = known.join(", ");
-    let named = named_plans()
+    let named = named_configs()
         .into_iter()
         .find(|p| p.name.split_whitespace().next() == Some(wanted.as_str()))
         .ok_or_else(|| format!("option `--config`: unknown `{wanted}` (known: {known})"))?;
@@ -198,7 +228,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         .dims
         .layer_kinds
         .iter()
-        .map(|&kind| AttentionPlan::dflash(&layout, kind).map(|p| p.allowed_pairs()))
+        .map(|&kind| KeyRanges::dflash(&layout, kind).map(|p| p.allowed_pairs()))
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
     // Rows with CE weight: offsets 1..B of each block whose position is inside the row.
@@ -387,7 +417,7 @@ mod tests {
     /// (S=3072, N=512, LM head over all 8192 rows, attention at its anchor table's density).
     #[test]
     fn model_flops_of_the_named_step_match_gpu_md() {
-        let named = named_plans().into_iter().next().unwrap();
+        let named = named_configs().into_iter().next().unwrap();
         let q = named.shape.num_anchors * named.config.block_size;
         // Allowed pairs of the S=3072 N=512 anchor case: density 0.138 of 8192 x 11264 (GPU.md).
         let pairs = (0.138 * (q * (named.shape.context_len + q)) as f64) as u64;

@@ -1,16 +1,16 @@
-//! `xtask gpu-conformance` (on the H200): the CUDA attention kernels against the reference on the
-//! conformance cases, the step kernels against their CPU twins and the GPU step against the
-//! reference, written as the attestation `fixtures/gpu/attestation.json` that the CI test
+//! `xtask gpu-conformance` (on the H200): the CUDA attention kernels against their CPU twin and
+//! the reference on the conformance cases, every elementwise kernel and the matmul against the one
+//! set of CPU twins, and the GPU step against the reference, written as the attestation `fixtures/gpu/attestation.json` that the CI test
 //! `conformance/tests/attestation.rs` checks against the current kernel sources.
 
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use dflash_conformance::attention_cases::{conformance_cases, BF16_TOLERANCE};
+use dflash_conformance::gpu_attention::conformance_case;
 use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck};
-use dflash_optimized::attention::cases::{conformance_cases, BF16_TOLERANCE};
-use dflash_optimized::attention::cuda::conformance_case;
-use dflash_optimized::gpu::Gpu;
-use dflash_optimized::kernels::{kernel_hash, KERNEL_SOURCES};
+use dflash_optimized::backend::gpu::Gpu;
+use dflash_optimized::ops::sources::{kernel_hash, KERNEL_SOURCES};
 use serde_json::{json, Value};
 
 use crate::args::Options;
@@ -20,18 +20,19 @@ const HELP: &str = "usage: xtask gpu-conformance [options]     (on the GPU machi
 
 Runs the CUDA attention kernels on the conformance cases (odd sizes, N=1, a padding block, S not a
 multiple of 64, a window larger than S, several documents, GQA 32/8 d=128, causal full and
-sliding) against the reference (relative errors below 1e-2); every step.cu kernel against its CPU
-twin (below 1e-2); and the GPU training step of random drafters (sliding + full layer, packed
+sliding) against their CPU twin and the reference (relative errors below 1e-2); every
+elementwise.cu kernel and the cuBLAS matmul against the same CPU twins CI runs, in f64 (below
+1e-2); and the GPU training step of random drafters (sliding + full layer, packed
 documents, keep=false blocks) under every checkpointing policy against the reference in f64 (loss
 and every parameter gradient below 2e-2, policies equal, measured memory-pool peak at most the plan
-and within 15% of it). Writes the attestation: the SHA-256 of the kernel sources, the GPU, the
+and within 15% of it). Writes the attestation: the SHA-256 of the kernel sources with the constants prelude, the GPU, the
 date, the commit, each case's errors and the verdict. Exits with an error when a case fails, after
 writing the file.
 
 options:
   --out FILE      where the attestation goes       (default fixtures/gpu/attestation.json)
   --commit SHA    the commit under test            (default: commit.txt next to the binary)
-  --step yes|no   also the step kernels and the GPU step                (default yes)";
+  --step yes|no   also the elementwise kernels and the GPU step         (default yes)";
 
 const OPTIONS: &[&str] = &["out", "commit", "step"];
 
@@ -89,7 +90,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let with_step = opts.yes_no("step", true)?;
     let gpu = open_gpu()?;
     if KERNEL_SOURCES.is_empty() {
-        return Err("no kernel sources are embedded (optimized/kernels/*.cu): nothing to attest".to_string());
+        return Err("no kernel sources are embedded (optimized/src/ops/*/*.cu): nothing to attest".to_string());
     }
     let hash = kernel_hash();
     let files: Vec<&str> = KERNEL_SOURCES.iter().map(|&(name, _)| name).collect();
@@ -162,12 +163,12 @@ const STEP_SEEDS: [u64; 3] = [1, 2, 3];
 /// Seed of the kernel-twin checks' inputs.
 const KERNEL_SEED: u64 = 7;
 
-/// The `step.cu` kernels against their CPU twins and the GPU step against the reference, as
-/// attestation cases (printed as they finish).
+/// The elementwise kernels and the matmul against the CPU twins and the GPU step against the
+/// reference, as attestation cases (printed as they finish).
 fn step_checks(gpu: &Gpu) -> Result<Vec<Value>, String> {
     println!("{:<72} {:>10} {:>9}  {:<6}", "step check", "worst", "bound", "result");
     let mut entries = Vec::new();
-    let mut record = |name: String, outcome: dflash_reference::Result<Vec<GpuCheck>>, secs: f64| match outcome {
+    let mut record = |name: String, outcome: dflash_optimized::Result<Vec<GpuCheck>>, secs: f64| match outcome {
         Ok(checks) => {
             for c in checks {
                 let pass = c.pass();

@@ -9,6 +9,7 @@
 //! - `bench step` (GPU machine): the GPU training step against PyTorch; MFU and memory peaks.
 
 mod args;
+mod bench;
 mod bench_attention;
 mod bench_gemm;
 mod bench_step;
@@ -39,7 +40,7 @@ fn main() -> ExitCode {
         Some("plan") => plan::run(argv.collect()),
         Some("gpu-bundle") => gpu_bundle::run(argv.collect()),
         Some("gpu-conformance") => gpu_conformance::run(argv.collect()),
-        Some("bench") => bench_attention::run(argv.collect()),
+        Some("bench") => bench::run(argv.collect()),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

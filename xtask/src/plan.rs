@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
-use dflash_optimized::planner::{failure_modes, gb, named_plans, plan_step, Policy, StepShape, DEFAULT_LM_CHUNK_ROWS};
+use dflash_optimized::memory::failure::failure_modes;
+use dflash_optimized::memory::gb;
+use dflash_optimized::memory::named::{named_configs, DEFAULT_LM_CHUNK_ROWS};
+use dflash_optimized::memory::step::{plan_step, Checkpointing, StepShape};
 use dflash_reference::config::DraftConfig;
 
 use crate::args::Options;
@@ -15,7 +18,7 @@ AdamW state) for each checkpointing policy, whether it fits the device, and the 
 known failure modes (unfused attention backward; chunked attention without checkpointing).
 
 options:
-  --config FILE     a drafter config.json (default: the named configs of issue 4)
+  --config FILE     a drafter config.json (default: the two named configs)
   --seq N           context length S with --config            (default 3072)
   --anchors N       anchors per row N with --config           (default 512)
   --lm-chunk N      LM-head rows per chunk                    (default 1024)
@@ -37,7 +40,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     let device_bytes = (device_gib * (1u64 << 30) as f64) as u64;
     let configs: Vec<(String, DraftConfig, StepShape)> = match opts.get::<PathBuf>("config", PathBuf::new())? {
-        path if path.as_os_str().is_empty() => named_plans()
+        path if path.as_os_str().is_empty() => named_configs()
             .into_iter()
             .map(|p| (p.name.to_string(), p.config, StepShape { lm_chunk_rows, ..p.shape }))
             .collect(),
@@ -56,11 +59,17 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "== {name}: S={} N={} B={}; the GPU step (bf16 weights, activations and step gradients) ==",
             shape.context_len, shape.num_anchors, config.block_size
         );
-        for policy in Policy::ALL {
+        // Every size is checked: an absurd config is an error naming its field, before any output.
+        let plans = Checkpointing::ALL
+            .iter()
+            .map(|&policy| Ok((policy, plan_step(&config, shape, policy)?)))
+            .collect::<dflash_optimized::Result<Vec<_>>>()
+            .map_err(|e| format!("{name}: {e}"))?;
+        let fm = failure_modes(&config, shape, chunk_rows).map_err(|e| format!("{name}: {e}"))?;
+        for (policy, plan) in plans {
             println!("-- checkpointing: {}", policy.name());
-            print!("{}", plan_step(&config, shape, policy).render(device_bytes));
+            print!("{}", plan.render(device_bytes));
         }
-        let fm = failure_modes(&config, shape, chunk_rows);
         println!("-- known failure modes (why they run out of memory):");
         println!(
             "  unfused attention backward, scores materialised, one layer: at least {}",

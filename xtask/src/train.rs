@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::DType;
-use dflash_optimized::step::drafter_step::Checkpointing;
-use dflash_optimized::step::trainer::{ManualStep, PlannedCpuStep};
+use dflash_optimized::memory::step::Checkpointing;
+use dflash_optimized::train::gradients::HostGradients;
 use dflash_reference::builtin::{generate_rows, random_prompt, target_entropy, tiny_draft_config, tiny_target};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::eval::evaluate;
@@ -32,9 +32,8 @@ options:
   --lr X             peak learning rate                    (default 3e-3)
   --rows N           training rows generated               (default 64)
   --temperature X    sampling temperature of the data      (default 0.5)
-  --step NAME        gradients: `reference` (candle autograd), `optimized` (manual
-                     backward, fused attention, chunked LM head) or `planned` (the
-                     GPU step's driver and memory plan on the CPU in f32) (default reference)
+  --step NAME        gradients: `reference` (candle autograd) or `host` (the GPU
+                     step's driver and layout on the CPU twins, f32)  (default reference)
   --seed N           seed of everything                    (default 0)
   --out DIR          where the trained drafter is saved    (default runs/tiny-drafter)";
 
@@ -61,8 +60,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let n_rows: usize = opts.get("rows", 64)?;
     let temperature: f64 = opts.get("temperature", 0.5)?;
     let step_kind: String = opts.get("step", "reference".to_string())?;
-    if !["reference", "optimized", "planned"].contains(&step_kind.as_str()) {
-        return Err(format!("option `--step`: unknown step `{step_kind}` (reference, optimized or planned)"));
+    if !["reference", "host"].contains(&step_kind.as_str()) {
+        return Err(format!("option `--step`: unknown step `{step_kind}` (reference or host)"));
     }
     let seed: u64 = opts.get("seed", 0)?;
     let out: PathBuf = opts.get("out", PathBuf::from("runs/tiny-drafter"))?;
@@ -130,13 +129,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let head = target.frozen_head();
     let reports = match step_kind.as_str() {
         "reference" => train_with(&drafter, &head, &data, &train_opts, &mut Autograd, on_step),
-        "optimized" => {
-            let mut manual = ManualStep { policy: Checkpointing::PerLayer, lm_chunk_rows: 256 };
-            train_with(&drafter, &head, &data, &train_opts, &mut manual, on_step)
-        }
         _ => {
-            let mut planned = PlannedCpuStep::new(Checkpointing::PerLayer, 256);
-            train_with(&drafter, &head, &data, &train_opts, &mut planned, on_step)
+            let mut host = HostGradients::<f32>::new(Checkpointing::PerLayer, 256);
+            train_with(&drafter, &head, &data, &train_opts, &mut host, on_step)
         }
     }
     .map_err(err)?;

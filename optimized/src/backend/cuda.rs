@@ -1,0 +1,123 @@
+//! The GPU as a backend: the device's memory pool, cuBLAS, the attention kernels and
+//! `elementwise.cu`, all on the GPU's one stream.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::device::{copy_device, download_device, zero_device, Buf};
+use super::gpu::Gpu;
+use super::{Allocation, Backend};
+use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
+use crate::ops::attention::ranges::KeyRanges;
+use crate::ops::attention::AttnShape;
+use crate::ops::elementwise::cuda::ElementwiseKernels;
+use crate::ops::matmul::cuda::{Blas, Out};
+use crate::ops::matmul::Mat;
+use crate::Result;
+
+impl Allocation for Buf<u8> {
+    fn ptr(&self) -> u64 {
+        Buf::ptr(self)
+    }
+}
+
+/// The H200 (or any CUDA GPU): the memory pool, cuBLAS, the attention kernels and `step.cu`.
+pub struct Cuda {
+    name: String,
+    stream: Arc<CudaStream>,
+    kernels: ElementwiseKernels,
+    attention: AttentionKernels,
+    blas: Blas,
+    available: u64,
+}
+
+impl Cuda {
+    /// Loads the kernels of `gpu` for heads of `head_dim`.
+    pub fn new(gpu: &Gpu, head_dim: usize) -> Result<Self> {
+        ElementwiseKernels::check_head_dim(head_dim)?;
+        Ok(Cuda {
+            name: gpu.name().to_string(),
+            stream: gpu.stream().clone(),
+            kernels: ElementwiseKernels::load(gpu)?,
+            attention: AttentionKernels::load(gpu, head_dim)?,
+            blas: Blas::new(gpu)?,
+            available: gpu.available_bytes()?,
+        })
+    }
+}
+
+impl Backend for Cuda {
+    type Elem = half::bf16;
+    type Ops = ElementwiseKernels;
+    type Alloc = Buf<u8>;
+    type Ranges = DeviceKeyRanges;
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn available_bytes(&self) -> Result<u64> {
+        Ok(self.available)
+    }
+
+    fn alloc(&self, name: &str, bytes: usize) -> Result<Buf<u8>> {
+        Buf::zeros(&self.stream, name, bytes)
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: callers pass an allocation of at least `src.len()` bytes; the copy from pageable
+        // memory completes before the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| crate::Error::Gpu(format!("upload of {} bytes: {e}", src.len())))
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        let bytes = download_device::<u8>(&self.stream, src, dst.len())?;
+        dst.copy_from_slice(&bytes);
+        Ok(())
+    }
+
+    fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+        zero_device(&self.stream, ptr, bytes)
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        copy_device::<u8>(&self.stream, dst, src, bytes)
+    }
+
+    fn ops(&self) -> &ElementwiseKernels {
+        &self.kernels
+    }
+
+    fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()> {
+        self.blas.matmul(a, b, c, Out::Bf16, 1.0, beta)
+    }
+
+    fn upload_ranges(&self, ranges: &KeyRanges) -> Result<DeviceKeyRanges> {
+        DeviceKeyRanges::upload(&self.stream, ranges)
+    }
+
+    fn attention_forward(
+        &self,
+        ranges: &DeviceKeyRanges,
+        shape: AttnShape,
+        qkv: (u64, u64, u64),
+        out_lse: (u64, u64),
+    ) -> Result<()> {
+        self.attention.forward(&self.stream, ranges, shape, qkv, out_lse)
+    }
+
+    fn attention_backward(
+        &self,
+        ranges: &DeviceKeyRanges,
+        shape: AttnShape,
+        qkv: (u64, u64, u64),
+        out_lse_dout: (u64, u64, u64),
+        dsum: u64,
+        grads: (u64, u64, u64),
+    ) -> Result<()> {
+        self.attention.backward(&self.stream, ranges, shape, qkv, out_lse_dout, dsum, grads)
+    }
+}

@@ -1,0 +1,81 @@
+//! Where the step runs: memory, copies, matmuls, attention and the elementwise ops on raw
+//! addresses. [`cuda::Cuda`] is the GPU (cuBLAS, the attention kernels, `elementwise.cu`);
+//! [`host::Host`] runs the same step on the CPU with the kernels' twins, so CI exercises the step
+//! driver, its layout and its heap.
+
+pub mod cuda;
+pub mod device;
+pub mod gpu;
+pub mod host;
+pub mod profile;
+
+use crate::ops::attention::ranges::KeyRanges;
+use crate::ops::attention::AttnShape;
+use crate::ops::elementwise::ElementwiseOps;
+use crate::ops::matmul::Mat;
+pub use crate::ops::Elem;
+use crate::Result;
+
+/// An allocation of a backend, freed on drop.
+pub trait Allocation {
+    /// The address of byte 0.
+    fn ptr(&self) -> u64;
+}
+
+/// Memory and operations of the step (values stored as [`Backend::Elem`] unless
+/// stated).
+pub trait Backend {
+    type Elem: Elem;
+    type Ops: ElementwiseOps;
+    type Alloc: Allocation;
+    /// Key ranges where the backend's attention reads them.
+    type Ranges;
+
+    /// What runs the step, e.g. `NVIDIA H200`.
+    fn name(&self) -> &str;
+    /// Bytes a new allocation can get.
+    fn available_bytes(&self) -> Result<u64>;
+    /// `bytes` zeroed bytes, named `name` in errors.
+    fn alloc(&self, name: &str, bytes: usize) -> Result<Self::Alloc>;
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()>;
+    /// Fills `dst` from address `src` (waits for queued work).
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<()>;
+    fn zero(&self, ptr: u64, bytes: usize) -> Result<()>;
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+    fn ops(&self) -> &Self::Ops;
+    /// `c [m, n] = a @ b + beta * c`, accumulating in the arithmetic type.
+    fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()>;
+    fn upload_ranges(&self, ranges: &KeyRanges) -> Result<Self::Ranges>;
+    /// Memory the attention takes beyond the step's layout under `ranges` (none on the GPU).
+    fn attention_scratch_bytes(&self, _ranges: &Self::Ranges, _shape: AttnShape) -> u64 {
+        0
+    }
+    /// `out [Q, nh, d]` and `lse [nh, Q]` (fp32) from q, k, v.
+    fn attention_forward(
+        &self,
+        ranges: &Self::Ranges,
+        shape: AttnShape,
+        qkv: (u64, u64, u64),
+        out_lse: (u64, u64),
+    ) -> Result<()>;
+    /// dq, dk, dv from q, k, v, out, lse and dout; `dsum [nh, Q]` is scratch the backend may use.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        ranges: &Self::Ranges,
+        shape: AttnShape,
+        qkv: (u64, u64, u64),
+        out_lse_dout: (u64, u64, u64),
+        dsum: u64,
+        grads: (u64, u64, u64),
+    ) -> Result<()>;
+}
+
+/// `len` values of `T` from address `src` of `backend`.
+pub fn download<T: Copy + Default, B: Backend>(backend: &B, src: u64, len: usize) -> Result<Vec<T>> {
+    let mut out = vec![T::default(); len];
+    // SAFETY: plain-old-data values viewed as their bytes.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
+    backend.download(src, bytes)?;
+    Ok(out)
+}

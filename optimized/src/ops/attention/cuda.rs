@@ -1,0 +1,272 @@
+//! The launcher of the CUDA attention kernels (`attention.cu`): the key ranges on the device and
+//! the launches, each checking the shapes its kernel relies on.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+
+use super::ranges::KeyRanges;
+use super::AttnShape;
+use crate::backend::gpu::Gpu;
+use crate::backend::profile;
+use crate::ops::constants::{DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
+use crate::ops::sources::ATTENTION_CU;
+use crate::{Error, Result};
+
+/// Largest row group (rows times the query heads of a KV head): the CTA's two warpgroups.
+const MAX_CTA_ROWS: usize = 2 * WG_ROWS;
+
+fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Gpu(format!("{what}: {e:?}"))
+}
+
+/// An attention plan uploaded to the device: the row groups (6 u32 each) and the KV-tile
+/// group ranges (2 u32 each) of the key-major backward.
+pub struct DeviceKeyRanges {
+    pub plan: KeyRanges,
+    groups: CudaSlice<u32>,
+    kv_ranges: CudaSlice<u32>,
+}
+
+impl DeviceKeyRanges {
+    /// Uploads `plan`.
+    pub fn upload(stream: &Arc<CudaStream>, plan: &KeyRanges) -> Result<Self> {
+        let groups: Vec<u32> =
+            plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
+        let kv_ranges: Vec<u32> = plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]).collect();
+        let upload = |v: &[u32]| stream.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
+        Ok(DeviceKeyRanges {
+            plan: plan.clone(),
+            groups: upload(&groups).map_err(gpu_err("upload plan groups"))?,
+            kv_ranges: upload(&kv_ranges).map_err(gpu_err("upload plan KV-tile ranges"))?,
+        })
+    }
+
+    /// The plan's scalar kernel arguments.
+    fn args(&self) -> PlanArgs {
+        let p = &self.plan;
+        PlanArgs {
+            group_rows: p.group_rows as i32,
+            num_queries: p.num_queries as i32,
+            num_keys: p.num_keys as i32,
+            window: p.window.map_or(0, |w| w as i32),
+            causal_in_block: i32::from(p.causal_in_block),
+        }
+    }
+}
+
+/// The scalar plan arguments every attention kernel takes after its plan arrays, in order.
+struct PlanArgs {
+    group_rows: i32,
+    num_queries: i32,
+    num_keys: i32,
+    window: i32,
+    causal_in_block: i32,
+}
+
+impl PlanArgs {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.group_rows).arg(&self.num_queries).arg(&self.num_keys).arg(&self.window).arg(&self.causal_in_block);
+    }
+}
+
+/// Head arguments every attention kernel ends with: `nh`, `nkv` and the score scale `d^-0.5`.
+struct HeadArgs {
+    num_heads: i32,
+    num_kv_heads: i32,
+    scale: f32,
+}
+
+impl HeadArgs {
+    fn new(shape: AttnShape) -> Self {
+        HeadArgs {
+            num_heads: shape.num_heads as i32,
+            num_kv_heads: shape.num_kv_heads as i32,
+            scale: (shape.head_dim as f32).powf(-0.5),
+        }
+    }
+
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.num_heads).arg(&self.num_kv_heads).arg(&self.scale);
+    }
+}
+
+/// The attention kernels compiled for one head dim.
+pub struct AttentionKernels {
+    head_dim: usize,
+    forward: CudaFunction,
+    dsum: CudaFunction,
+    dq: CudaFunction,
+    dkdv: CudaFunction,
+}
+
+/// Dynamic shared memory of the forward and the dQ pass: the stages of swizzled K and V tiles,
+/// and 1024 bytes to align them (q and dout stay in registers).
+fn query_major_smem(head_dim: usize) -> usize {
+    1024 + KV_STAGES * 2 * TILE_K * head_dim * 2
+}
+
+/// Dynamic shared memory of the key-major pass: the K and V tiles and two stages of q and dout
+/// rows with their lse, dsum and row group, each stage rounded to 1024 bytes.
+fn dkdv_smem(head_dim: usize) -> usize {
+    1024 + 2 * TILE_K * head_dim * 2 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
+}
+
+impl AttentionKernels {
+    /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
+    /// multiple of 64 (the 128-byte panels of the swizzled tiles) up to 256.
+    pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
+        if head_dim == 0 || !head_dim.is_multiple_of(64) || head_dim > 256 {
+            return Err(Error::invalid(
+                "head_dim",
+                format!("{head_dim}: the CUDA kernels need a multiple of 64 up to 256"),
+            ));
+        }
+        let module: &'static str = Box::leak(format!("attention_d{head_dim}").into_boxed_str());
+        let source: &'static str = Box::leak(format!("#define HEAD_DIM {head_dim}\n{ATTENTION_CU}").into_boxed_str());
+        let function = |name: &str, smem: usize| -> Result<CudaFunction> {
+            let f = gpu.function(module, source, name)?;
+            if smem > 48 * 1024 {
+                f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                    .map_err(gpu_err("raise the dynamic shared memory limit"))?;
+            }
+            Ok(f)
+        };
+        Ok(AttentionKernels {
+            head_dim,
+            forward: function("attention_forward", query_major_smem(head_dim))?,
+            dsum: function("attention_backward_dsum", 0)?,
+            dq: function("attention_backward_dq", query_major_smem(head_dim))?,
+            dkdv: function("attention_backward_dkdv", dkdv_smem(head_dim))?,
+        })
+    }
+
+    /// Checks the shapes; the number of query-major CTAs.
+    fn check(&self, plan: &KeyRanges, shape: AttnShape) -> Result<u32> {
+        if shape.head_dim != self.head_dim {
+            return Err(Error::invalid(
+                "head_dim",
+                format!("{} but the kernels were built for {}", shape.head_dim, self.head_dim),
+            ));
+        }
+        if shape.num_kv_heads == 0 || !shape.num_heads.is_multiple_of(shape.num_kv_heads) {
+            return Err(Error::invalid(
+                "num_kv_heads",
+                format!("{} does not divide {} query heads", shape.num_kv_heads, shape.num_heads),
+            ));
+        }
+        let rows = plan.group_rows * (shape.num_heads / shape.num_kv_heads);
+        if rows > MAX_CTA_ROWS {
+            return Err(Error::invalid(
+                "group_rows",
+                format!(
+                    "{} rows x {} heads per KV head exceed the kernels' {MAX_CTA_ROWS} rows per CTA",
+                    plan.group_rows,
+                    shape.num_heads / shape.num_kv_heads
+                ),
+            ));
+        }
+        // Two warpgroups per CTA: two groups of up to 64 rows, or one of up to 128.
+        Ok((plan.groups.len() as u32).div_ceil(if rows <= WG_ROWS { 2 } else { 1 }))
+    }
+
+    /// Grid (KV heads, CTAs of row groups), two warpgroups per CTA.
+    fn query_major_config(&self, shape: AttnShape, ctas: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (shape.num_kv_heads as u32, ctas, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: query_major_smem(self.head_dim) as u32,
+        }
+    }
+
+    /// `out [Q, nh, d]` and `lse [nh, Q]` (natural log; -inf for rows that see nothing), all
+    /// arguments device addresses: q `[Q, nh, d]`, k and v `[K, nkv, d]` bf16.
+    pub fn forward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dp: &DeviceKeyRanges,
+        shape: AttnShape,
+        (q, k, v): (u64, u64, u64),
+        (out, lse): (u64, u64),
+    ) -> Result<()> {
+        let ctas = self.check(&dp.plan, shape)?;
+        if ctas == 0 {
+            return Ok(());
+        }
+        let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
+        let cfg = self.query_major_config(shape, ctas);
+        let mut b = stream.launch_builder(&self.forward);
+        b.arg(&dp.groups);
+        plan_args.push(&mut b);
+        b.arg(&q).arg(&k).arg(&v).arg(&out).arg(&lse);
+        head_args.push(&mut b);
+        profile::scope(
+            stream,
+            || "attention_forward".to_string(),
+            || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_forward")),
+        )?;
+        Ok(())
+    }
+
+    /// `dq`, `dk`, `dv` (shaped like q, k, v) from the forward's `out` and `lse` and `dout`;
+    /// `dsum [nh, Q]` (fp32) is scratch. All arguments are device addresses.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dp: &DeviceKeyRanges,
+        shape: AttnShape,
+        (q, k, v): (u64, u64, u64),
+        (out, lse, dout): (u64, u64, u64),
+        dsum: u64,
+        (dq, dk, dv): (u64, u64, u64),
+    ) -> Result<()> {
+        let ctas = self.check(&dp.plan, shape)?;
+        let p = &dp.plan;
+        let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
+        let pairs = (p.num_queries * shape.num_heads) as u32;
+        if pairs > 0 {
+            let cfg = LaunchConfig { grid_dim: (pairs.div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let mut b = stream.launch_builder(&self.dsum);
+            b.arg(&out).arg(&dout).arg(&dsum).arg(&plan_args.num_queries).arg(&head_args.num_heads);
+            profile::scope(
+                stream,
+                || "attention_backward_dsum".to_string(),
+                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dsum")),
+            )?;
+        }
+        if ctas > 0 {
+            let cfg = self.query_major_config(shape, ctas);
+            let mut b = stream.launch_builder(&self.dq);
+            b.arg(&dp.groups);
+            plan_args.push(&mut b);
+            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dq);
+            head_args.push(&mut b);
+            profile::scope(
+                stream,
+                || "attention_backward_dq".to_string(),
+                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dq")),
+            )?;
+        }
+        let tiles = p.num_keys.div_ceil(TILE_K) as u32;
+        if tiles > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (shape.num_kv_heads as u32, tiles, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: dkdv_smem(self.head_dim) as u32,
+            };
+            let mut b = stream.launch_builder(&self.dkdv);
+            b.arg(&dp.groups).arg(&dp.kv_ranges);
+            plan_args.push(&mut b);
+            b.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&dsum).arg(&dk).arg(&dv);
+            head_args.push(&mut b);
+            profile::scope(
+                stream,
+                || "attention_backward_dkdv".to_string(),
+                || unsafe { b.launch(cfg) }.map_err(gpu_err("launch attention_backward_dkdv")),
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,310 @@
+//! Launchers of the elementwise and reduction kernels (`elementwise.cu`) on raw device addresses.
+//! Each launcher checks the sizes the kernel relies on and names the kernel in errors; the CPU
+//! twins are `super::twin`, and `xtask gpu-conformance` checks each kernel against its twin.
+
+use std::sync::Arc;
+
+use super::{AdamWArgs, AdamWBuffers, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
+use crate::backend::gpu::Gpu;
+use crate::backend::profile;
+use crate::ops::constants::{
+    ELEMENTWISE_CTAS, GRAD_PARTS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
+};
+use crate::ops::sources::ELEMENTWISE_CU;
+use crate::{Error, Result};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+
+/// Columns one thread of `rms_norm_backward` holds: rows of at most this many x `ROW_THREADS`.
+const MAX_COLS_PER_THREAD: usize = MAX_CHUNKS_PER_THREAD * VEC;
+
+fn launch_err(kernel: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Gpu(format!("launch {kernel}: {e}"))
+}
+
+fn i32_of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid(what, format!("{v} exceeds i32")))
+}
+
+/// The compiled kernels of `elementwise.cu`.
+pub struct ElementwiseKernels {
+    stream: Arc<CudaStream>,
+    rms_norm_forward: CudaFunction,
+    rms_norm_backward: CudaFunction,
+    column_sum: CudaFunction,
+    head_norm_rope_forward: CudaFunction,
+    head_norm_rope_backward: CudaFunction,
+    swiglu_forward: CudaFunction,
+    swiglu_backward: CudaFunction,
+    ce_grad_rows: CudaFunction,
+    gather_rows: CudaFunction,
+    scatter_rows: CudaFunction,
+    sum_squares_f32: CudaFunction,
+    sum_squares_bf16: CudaFunction,
+    accumulate_bf16: CudaFunction,
+    adamw_update: CudaFunction,
+    fill_normal_bf16: CudaFunction,
+}
+
+fn grid(n: usize, per: u32) -> u32 {
+    (n.div_ceil(per as usize) as u32).max(1)
+}
+
+impl ElementwiseKernels {
+    /// Compiles `elementwise.cu` (once per process) and loads its kernels.
+    pub fn load(gpu: &Gpu) -> Result<Self> {
+        let f = |name: &str| gpu.function("elementwise", ELEMENTWISE_CU, name);
+        Ok(ElementwiseKernels {
+            stream: gpu.stream().clone(),
+            rms_norm_forward: f("rms_norm_forward")?,
+            rms_norm_backward: f("rms_norm_backward")?,
+            column_sum: f("column_sum")?,
+            head_norm_rope_forward: f("head_norm_rope_forward")?,
+            head_norm_rope_backward: f("head_norm_rope_backward")?,
+            swiglu_forward: f("swiglu_forward")?,
+            swiglu_backward: f("swiglu_backward")?,
+            ce_grad_rows: f("ce_grad_rows")?,
+            gather_rows: f("gather_rows")?,
+            scatter_rows: f("scatter_rows")?,
+            sum_squares_f32: f("sum_squares_f32")?,
+            sum_squares_bf16: f("sum_squares_bf16")?,
+            accumulate_bf16: f("accumulate_bf16")?,
+            adamw_update: f("adamw_update")?,
+            fill_normal_bf16: f("fill_normal_bf16")?,
+        })
+    }
+
+    fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+        LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    fn elementwise_cfg(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (grid(n, ROW_THREADS).min(ELEMENTWISE_CTAS), 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Grid (chunks of a row, rows) of the SwiGLU kernels: 8-value chunks when `inter % 8 == 0`.
+    fn row_chunks_cfg(rows: usize, inter: usize) -> LaunchConfig {
+        let per_row = if inter.is_multiple_of(8) { inter / 8 } else { inter };
+        LaunchConfig {
+            grid_dim: (grid(per_row, ROW_THREADS), rows.clamp(1, 65_535) as u32, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn check_cols(n: usize) -> Result<()> {
+        let max = MAX_COLS_PER_THREAD * ROW_THREADS as usize;
+        if n == 0 || !n.is_multiple_of(8) || n > max {
+            return Err(Error::invalid(
+                "hidden size",
+                format!("{n}: the norm kernels take a multiple of 8 up to {max}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Launches a kernel with its arguments, under `name` in errors and profiles.
+    fn launch(&self, name: &str, mut b: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+        // SAFETY: every launcher checks the sizes its kernel relies on before building `b`.
+        profile::scope(&self.stream, || name.to_string(), || unsafe { b.launch(cfg) }.map_err(launch_err(name)))?;
+        Ok(())
+    }
+
+    /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).
+    fn check_aligned(kernel: &str, ptrs: &[u64]) -> Result<()> {
+        match ptrs.iter().find(|&&p| p % 16 != 0) {
+            Some(p) => Err(Error::Gpu(format!("{kernel}: device address {p:#x} is not 16-byte aligned"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks a head dim for the head kernels: a multiple of 64 (RoPE partners in one lane) up
+    /// to 256.
+    pub fn check_head_dim(d: usize) -> Result<()> {
+        if d == 0 || !d.is_multiple_of(64) || d > MAX_HEAD_LANE_ELEMS * 32 {
+            return Err(Error::invalid(
+                "head_dim",
+                format!("{d}: the GPU step needs a multiple of 64 up to {}", MAX_HEAD_LANE_ELEMS * 32),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `out [n] = bf16(sum_p partial [parts, n])`.
+    fn column_sum(&self, partial: u64, out: u64, parts: usize, n: usize) -> Result<()> {
+        let (p, c) = (i32_of("parts", parts)?, i32_of("n", n)?);
+        let mut b = self.stream.launch_builder(&self.column_sum);
+        b.arg(&partial).arg(&out).arg(&p).arg(&c);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, ROW_THREADS), 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("column_sum", b, cfg)
+    }
+}
+
+impl ElementwiseOps for ElementwiseKernels {
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_forward(&self, x: u64, w: u64, y: u64, inv: u64, rows: usize, n: usize, eps: f64) -> Result<()> {
+        let eps = eps as f32;
+        Self::check_cols(n)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r, c) = (i32_of("rows", rows)?, i32_of("n", n)?);
+        let mut b = self.stream.launch_builder(&self.rms_norm_forward);
+        b.arg(&x).arg(&w).arg(&y).arg(&inv).arg(&r).arg(&c).arg(&eps);
+        self.launch("rms_norm_forward", b, Self::rows_cfg(rows, ROW_THREADS))
+    }
+
+    fn rms_norm_backward(&self, g: RmsNormGrad, dx: u64, dw: u64, partial: u64, rows: usize, n: usize) -> Result<()> {
+        let RmsNormGrad { dy, x, w, inv, dres } = g;
+        let dres = dres.unwrap_or(0);
+        Self::check_cols(n)?;
+        Self::check_aligned("rms_norm_backward", &[dy, x, w, dres, dx])?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r, c) = (i32_of("rows", rows)?, i32_of("n", n)?);
+        let mut b = self.stream.launch_builder(&self.rms_norm_backward);
+        b.arg(&dy).arg(&x).arg(&w).arg(&inv).arg(&dres).arg(&dx).arg(&partial).arg(&r).arg(&c);
+        let cfg =
+            LaunchConfig { grid_dim: (GRAD_PARTS as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.launch("rms_norm_backward", b, cfg)?;
+        self.column_sum(partial, dw, GRAD_PARTS, n)
+    }
+
+    fn head_norm_rope_forward(&self, f: HeadNormRope, y: u64, inv: u64, dims: Heads, eps: f64) -> Result<()> {
+        let eps = eps as f32;
+        let (HeadNormRope { x, w, cos, sin }, Heads { tokens, heads, head_dim: d }) = (f, dims);
+        Self::check_head_dim(d)?;
+        let rows = tokens * heads;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (t, h, dd) = (i32_of("tokens", tokens)?, i32_of("heads", heads)?, i32_of("head_dim", d)?);
+        let mut b = self.stream.launch_builder(&self.head_norm_rope_forward);
+        b.arg(&x).arg(&w).arg(&cos).arg(&sin).arg(&y).arg(&inv).arg(&t).arg(&h).arg(&dd).arg(&eps);
+        let warps = ROW_THREADS / 32;
+        let cfg =
+            LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.launch("head_norm_rope_forward", b, cfg)
+    }
+
+    fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()> {
+        let HeadNormRopeGrad { dy, fwd: HeadNormRope { x, w, cos, sin }, inv } = g;
+        let Heads { tokens, heads, head_dim: d } = dims;
+        Self::check_head_dim(d)?;
+        if tokens * heads == 0 {
+            return Ok(());
+        }
+        let (t, h, dd) = (i32_of("tokens", tokens)?, i32_of("heads", heads)?, i32_of("head_dim", d)?);
+        let mut b = self.stream.launch_builder(&self.head_norm_rope_backward);
+        b.arg(&dy).arg(&x).arg(&w).arg(&inv).arg(&cos).arg(&sin).arg(&dx).arg(&partial).arg(&t).arg(&h).arg(&dd);
+        let cfg =
+            LaunchConfig { grid_dim: (GRAD_PARTS as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.launch("head_norm_rope_backward", b, cfg)?;
+        self.column_sum(partial, dw, GRAD_PARTS, d)
+    }
+
+    fn swiglu_forward(&self, gu: u64, h: u64, rows: usize, inter: usize) -> Result<()> {
+        if inter.is_multiple_of(8) {
+            Self::check_aligned("swiglu_forward", &[gu, h])?;
+        }
+        let (r, i) = (i32_of("rows", rows)?, i32_of("intermediate size", inter)?);
+        let mut b = self.stream.launch_builder(&self.swiglu_forward);
+        b.arg(&gu).arg(&h).arg(&r).arg(&i);
+        let cfg = Self::row_chunks_cfg(rows, inter);
+        self.launch("swiglu_forward", b, cfg)
+    }
+
+    fn swiglu_backward(&self, dh: u64, gu: u64, rows: usize, inter: usize) -> Result<()> {
+        if inter.is_multiple_of(8) {
+            Self::check_aligned("swiglu_backward", &[dh, gu])?;
+        }
+        let (r, i) = (i32_of("rows", rows)?, i32_of("intermediate size", inter)?);
+        let mut b = self.stream.launch_builder(&self.swiglu_backward);
+        b.arg(&dh).arg(&gu).arg(&r).arg(&i);
+        let cfg = Self::row_chunks_cfg(rows, inter);
+        self.launch("swiglu_backward", b, cfg)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn ce_grad_rows(
+        &self,
+        z: u64,
+        labels: u64,
+        weights: u64,
+        loss: u64,
+        rows: usize,
+        vocab: usize,
+        scale: f64,
+    ) -> Result<()> {
+        let scale = scale as f32;
+        if vocab.is_multiple_of(8) {
+            Self::check_aligned("ce_grad_rows", &[z])?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r, v) = (i32_of("rows", rows)?, i32_of("vocab", vocab)?);
+        let mut b = self.stream.launch_builder(&self.ce_grad_rows);
+        b.arg(&z).arg(&labels).arg(&weights).arg(&loss).arg(&r).arg(&v).arg(&scale);
+        self.launch("ce_grad_rows", b, Self::rows_cfg(rows, 1024))
+    }
+
+    fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let (n, c) = (i32_of("rows", count)?, i32_of("cols", cols)?);
+        let (f, name) = if scatter { (&self.scatter_rows, "scatter_rows") } else { (&self.gather_rows, "gather_rows") };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&src).arg(&idx).arg(&dst).arg(&n).arg(&c);
+        self.launch(name, b, Self::rows_cfg(count, ROW_THREADS))
+    }
+
+    fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
+        let nn = n as i64;
+        let (f, name) = if stored {
+            (&self.sum_squares_bf16, "sum_squares_bf16")
+        } else {
+            (&self.sum_squares_f32, "sum_squares_f32")
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&x).arg(&partial).arg(&nn);
+        let cfg = LaunchConfig { grid_dim: (parts as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.launch(name, b, cfg)
+    }
+
+    fn accumulate(&self, acc: u64, g: u64, n: usize) -> Result<()> {
+        let nn = n as i64;
+        let mut b = self.stream.launch_builder(&self.accumulate_bf16);
+        b.arg(&acc).arg(&g).arg(&nn);
+        self.launch("accumulate_bf16", b, Self::elementwise_cfg(n))
+    }
+
+    fn adamw_update(&self, buffers: AdamWBuffers, n: usize, a: AdamWArgs) -> Result<()> {
+        let AdamWBuffers { p, g, m, v, p_stored } = buffers;
+        let nn = n as i64;
+        // The kernel's hyper-parameters are fp32, as its arithmetic.
+        let h = [a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.bc1, a.bc2, a.grad_scale].map(|x| x as f32);
+        let mut b = self.stream.launch_builder(&self.adamw_update);
+        b.arg(&p).arg(&g).arg(&m).arg(&v).arg(&p_stored).arg(&nn);
+        for x in &h {
+            b.arg(x);
+        }
+        self.launch("adamw_update", b, Self::elementwise_cfg(n))
+    }
+
+    fn fill_normal(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {
+        let nn = n as i64;
+        let mut b = self.stream.launch_builder(&self.fill_normal_bf16);
+        b.arg(&dst).arg(&nn).arg(&seed).arg(&mean).arg(&std);
+        self.launch("fill_normal_bf16", b, Self::elementwise_cfg(n))
+    }
+}

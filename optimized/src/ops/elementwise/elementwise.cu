@@ -1,0 +1,525 @@
+// Elementwise and reduction kernels of the GPU training step (optimized/src/model/drafter_step.rs):
+// bf16 activations and step gradients, fp32 arithmetic, fp32 optimizer state. Their CPU twins are
+// optimized/src/ops/elementwise/twin.rs, by the same names; `xtask gpu-conformance` checks every
+// kernel against its twin on the H200. VEC and MAX_* come from the host's prelude
+// (optimized/src/ops/constants.rs).
+//
+// Conventions: row-major tensors, shapes in comments; `rows` is the leading dim. Norm-weight
+// gradients are reduced deterministically: a kernel writes one fp32 partial per CTA
+// (`dw_partial [gridDim.x, n]`) and `column_sum` adds the partials in a fixed order (no atomics,
+// bit-identical from run to run).
+
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define WARP 32
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ bf16 to_bf(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum of `v` over the CTA (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+// `scratch` holds 32 floats; the call synchronises the CTA twice.
+__device__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}
+
+// Twin: step::ops::rms_norm_forward. One CTA per row.
+// x [rows, n], w [n] -> y [rows, n] (bf16), inv [rows] = 1/sqrt(mean(x^2) + eps).
+extern "C" __global__ void rms_norm_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                            bf16* __restrict__ y, float* __restrict__ inv, int rows, int n,
+                                            float eps) {
+    __shared__ float scratch[WARP];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const bf16* xr = x + (size_t)row * n;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+    }
+    const float r = 1.f / sqrtf(block_sum(ss, scratch) / n + eps);
+    bf16* yr = y + (size_t)row * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = to_bf(to_f(xr[i]) * r * to_f(w[i]));
+    if (threadIdx.x == 0) inv[row] = r;
+}
+
+// VEC (8) bf16 values moved as one 16-byte load or store.
+union Bf16x8 {
+    uint4 raw;
+    __nv_bfloat162 h2[4];
+};
+
+__device__ __forceinline__ void load8(const bf16* p, float* out) {
+    Bf16x8 v;
+    v.raw = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(v.h2[k]);
+        out[2 * k] = f.x;
+        out[2 * k + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void store8(bf16* p, const float* in) {
+    Bf16x8 v;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v.h2[k] = __floats2bfloat162_rn(in[2 * k], in[2 * k + 1]);
+    *reinterpret_cast<uint4*>(p) = v.raw;
+}
+
+// rms_norm_backward: n <= MAX_CHUNKS_PER_THREAD * VEC * blockDim.x (both from the prelude).
+
+// Twin: step::ops::rms_norm_backward (+ the residual gradient `dres`, may be null). Each CTA
+// takes a contiguous range of rows; thread t holds 8-column chunks t, t + blockDim.x, ... of a
+// row in registers (one read of dy and x per row; n a multiple of 8, rows 16-byte aligned);
+// dx may alias dy or dres.
+// dy, x [rows, n], w [n], inv [rows] -> dx [rows, n] = r*(g - x*r^2*mean(g*x)) + dres with g = dy*w,
+// dw_partial [gridDim.x, n] = this CTA's sum over its rows of dy*x*r.
+extern "C" __global__ void rms_norm_backward(const bf16* dy, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                             const float* __restrict__ inv, const bf16* dres, bf16* dx,
+                                             float* __restrict__ dw_partial, int rows, int n) {
+    __shared__ float scratch[WARP];
+    float acc[MAX_CHUNKS_PER_THREAD][VEC];
+#pragma unroll
+    for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[c][e] = 0.f;
+    const int chunks = n / VEC;
+    const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * per_cta, hi = min(rows, lo + per_cta);
+    for (int row = lo; row < hi; ++row) {
+        const size_t base = (size_t)row * n;
+        const float r = inv[row];
+        float g[MAX_CHUNKS_PER_THREAD][VEC], xv[MAX_CHUNKS_PER_THREAD][VEC];
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c) {
+            const int chunk = threadIdx.x + c * blockDim.x;
+            if (chunk < chunks) {
+                float wv[VEC];
+                load8(dy + base + chunk * VEC, g[c]);
+                load8(x + base + chunk * VEC, xv[c]);
+                load8(w + chunk * VEC, wv);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) dot += g[c][e] * wv[e] * xv[c][e];
+            }
+        }
+        const float coeff = r * r * r * block_sum(dot, scratch) / n;
+#pragma unroll
+        for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c) {
+            const int chunk = threadIdx.x + c * blockDim.x;
+            if (chunk < chunks) {
+                float wv[VEC], d[VEC], res[VEC];
+                load8(w + chunk * VEC, wv);
+                if (dres != nullptr) {
+                    load8(dres + base + chunk * VEC, res);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) res[e] = 0.f;
+                }
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    acc[c][e] += g[c][e] * xv[c][e] * r;
+                    d[e] = r * g[c][e] * wv[e] - xv[c][e] * coeff + res[e];
+                }
+                store8(dx + base + chunk * VEC, d);
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < MAX_CHUNKS_PER_THREAD; ++c) {
+        const int chunk = threadIdx.x + c * blockDim.x;
+        if (chunk < chunks)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) dw_partial[(size_t)blockIdx.x * n + chunk * VEC + e] = acc[c][e];
+    }
+}
+
+// out [n] = bf16(sum over p of partial [parts, n]), in order p = 0, 1, ... (deterministic).
+extern "C" __global__ void column_sum(const float* __restrict__ partial, bf16* __restrict__ out, int parts, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float s = 0.f;
+    for (int p = 0; p < parts; ++p) s += partial[(size_t)p * n + i];
+    out[i] = to_bf(s);
+}
+
+// Lane `lane` of a head row holds its `per_lane = d / 32` contiguous elements from `lane * per_lane`:
+// loaded and stored as bf16 pairs (d a multiple of 64, so per_lane is even); the RoPE partner of
+// element i (i +- d/2) sits in lane `lane ^ 16` at the same position.
+__device__ __forceinline__ void load_lane(const bf16* row, int lane, int per_lane, float* v) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(row + lane * per_lane);
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS / 2; ++k)
+        if (2 * k < per_lane) {
+            const float2 f = __bfloat1622float2(p[k]);
+            v[2 * k] = f.x;
+            v[2 * k + 1] = f.y;
+        }
+}
+
+__device__ __forceinline__ void store_lane(bf16* row, int lane, int per_lane, const float* v) {
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(row + lane * per_lane);
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS / 2; ++k)
+        if (2 * k < per_lane) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+}
+
+// Twin: step::ops::rms_norm_forward over the head dim, then step::ops::rope_forward. One warp
+// per (token, head) row.
+// x [T, heads, d], w [d], cos/sin [T, d] (fp32) -> y [T, heads, d], inv [T*heads].
+extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                  const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                  bf16* __restrict__ y, float* __restrict__ inv, int tokens, int heads,
+                                                  int d, float eps) {
+    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (row >= tokens * heads) return;
+    const int t = row / heads, per_lane = d / WARP, first = lane * per_lane;
+    float v[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
+    load_lane(x + (size_t)row * d, lane, per_lane, v);
+    load_lane(w, lane, per_lane, wv);
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+        if (k < per_lane) ss += v[k] * v[k];
+    const float r = 1.f / sqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+        if (k < per_lane) v[k] *= r * wv[k];
+    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
+        const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
+        if (k < per_lane) {
+            const size_t at = (size_t)t * d + first + k;
+            out[k] = v[k] * cos_t[at] + sign * partner * sin_t[at];
+        }
+    }
+    store_lane(y + (size_t)row * d, lane, per_lane, out);
+    if (lane == 0) inv[row] = r;
+}
+
+// Twin: step::ops::rope_backward, then step::ops::rms_norm_backward over the head dim. Warps
+// take rows in a grid-stride loop; dx may alias dy.
+// dy, x [T, heads, d] (x before the norm), w [d], inv [T*heads], cos/sin [T, d]
+// -> dx [T, heads, d], dw_partial [gridDim.x, d].
+extern "C" __global__ void head_norm_rope_backward(const bf16* dy, const bf16* __restrict__ x,
+                                                   const bf16* __restrict__ w, const float* __restrict__ inv,
+                                                   const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                   bf16* dx, float* __restrict__ dw_partial, int tokens, int heads,
+                                                   int d) {
+    __shared__ float cta_dw[MAX_HEAD_LANE_ELEMS * WARP];
+    const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+    const int per_lane = d / WARP, first = lane * per_lane;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) cta_dw[i] = 0.f;
+    __syncthreads();
+    float acc[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS];
+    load_lane(w, lane, per_lane, wv);
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) acc[k] = 0.f;
+    const float sign = lane < WARP / 2 ? 1.f : -1.f;  // rotate_half^T: [u2, -u1]
+    for (int row = blockIdx.x * warps + threadIdx.x / WARP; row < tokens * heads; row += gridDim.x * warps) {
+        const int t = row / heads;
+        float g[MAX_HEAD_LANE_ELEMS], xv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
+        load_lane(dy + (size_t)row * d, lane, per_lane, g);
+        load_lane(x + (size_t)row * d, lane, per_lane, xv);
+        // dxn = dy*cos + rotate_half^T(dy*sin): the gradient of the normed, pre-RoPE values.
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
+            const size_t at = (size_t)t * d + first + (k < per_lane ? k : 0);
+            const float u = g[k] * sin_t[at];
+            const float partner = __shfl_xor_sync(0xffffffffu, u, WARP / 2);
+            if (k < per_lane) {
+                g[k] = g[k] * cos_t[at] + sign * partner;
+                dot += g[k] * wv[k] * xv[k];
+            }
+        }
+        const float r = inv[row];
+        const float coeff = r * r * r * warp_sum(dot) / d;
+#pragma unroll
+        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+            if (k < per_lane) {
+                acc[k] += g[k] * xv[k] * r;
+                out[k] = r * g[k] * wv[k] - xv[k] * coeff;
+            }
+        store_lane(dx + (size_t)row * d, lane, per_lane, out);
+    }
+    // Lanes of different warps hold the same columns: add them in shared memory in warp order.
+    for (int wi = 0; wi < warps; ++wi) {
+        if (threadIdx.x / WARP == wi) {
+#pragma unroll
+            for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+                if (k < per_lane) cta_dw[first + k] += acc[k];
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dw_partial[(size_t)blockIdx.x * d + i] = cta_dw[i];
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+
+__device__ __forceinline__ float silu_of(float g) { return g * sigmoid(g); }
+
+// `V` values at `p` (V = 8: one 16-byte load; V = 1: one value).
+template <int V>
+__device__ __forceinline__ void load_v(const bf16* p, float* out) {
+    if (V == VEC) {
+        load8(p, out);
+    } else {
+        out[0] = to_f(p[0]);
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_v(bf16* p, const float* in) {
+    if (V == VEC) {
+        store8(p, in);
+    } else {
+        p[0] = to_bf(in[0]);
+    }
+}
+
+template <int V>
+__device__ void swiglu_forward_rows(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y)
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < inter / V; c += gridDim.x * blockDim.x) {
+            const long long col = (long long)c * V;
+            float g[V], u[V], out[V];
+            load_v<V>(gu + r * 2 * inter + col, g);
+            load_v<V>(gu + r * 2 * inter + inter + col, u);
+#pragma unroll
+            for (int e = 0; e < V; ++e) out[e] = silu_of(g[e]) * u[e];
+            store_v<V>(h + r * inter + col, out);
+        }
+}
+
+// Twin: step::ops::swiglu_forward. gu [rows, 2I] holds each row's gate then up (one matmul
+// with the stacked weight [W_gate; W_up]) -> h [rows, I] = silu(gate) * up. Grid (chunks of a
+// row, rows); 8-value chunks when I % 8 == 0 (16-byte loads), else single values.
+extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
+    if (inter % VEC == 0) {
+        swiglu_forward_rows<VEC>(gu, h, rows, inter);
+    } else {
+        swiglu_forward_rows<1>(gu, h, rows, inter);
+    }
+}
+
+// dgate = dh*up*silu'(g), dup = dh*silu(g) with s = sigmoid(g), silu' = s*(1 + g*(1 - s)).
+__device__ __forceinline__ void swiglu_grad(float d, float g, float u, float* dg, float* du) {
+    const float s = sigmoid(g);
+    *dg = d * u * s * (1.f + g * (1.f - s));
+    *du = d * g * s;
+}
+
+template <int V>
+__device__ void swiglu_backward_rows(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y)
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < inter / V; c += gridDim.x * blockDim.x) {
+            const long long col = (long long)c * V;
+            bf16* g_ptr = gu + r * 2 * inter + col;
+            float d[V], g[V], u[V], dg[V], du[V];
+            load_v<V>(dh + r * inter + col, d);
+            load_v<V>(g_ptr, g);
+            load_v<V>(g_ptr + inter, u);
+#pragma unroll
+            for (int e = 0; e < V; ++e) swiglu_grad(d[e], g[e], u[e], &dg[e], &du[e]);
+            store_v<V>(g_ptr, dg);
+            store_v<V>(g_ptr + inter, du);
+        }
+}
+
+// Twin: step::ops::swiglu_backward. dh [rows, I], gu [rows, 2I] -> gu := [dgate | dup] per row,
+// in place (grid and chunks as forward).
+extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
+    if (inter % VEC == 0) {
+        swiglu_backward_rows<VEC>(dh, gu, rows, inter);
+    } else {
+        swiglu_backward_rows<1>(dh, gu, rows, inter);
+    }
+}
+
+// Online max and sum of exp over a row of logits, `V` at a time; merged over the CTA.
+template <int V>
+__device__ void row_max_sum(const bf16* zr, int vocab, float* m_out, float* s_out) {
+    float m = NEG_INF, s = 0.f;
+    for (int c = threadIdx.x; c < vocab / V; c += blockDim.x) {
+        float v[V];
+        load_v<V>(zr + c * V, v);
+        float cm = v[0];
+#pragma unroll
+        for (int e = 1; e < V; ++e) cm = fmaxf(cm, v[e]);
+        const float mm = fmaxf(m, cm);
+        float cs = 0.f;
+#pragma unroll
+        for (int e = 0; e < V; ++e) cs += expf(v[e] - mm);
+        s = (m == NEG_INF ? 0.f : s * expf(m - mm)) + cs;
+        m = mm;
+    }
+    *m_out = m;
+    *s_out = s;
+}
+
+// z := sw * (exp(z - lse) - onehot(y)), `V` at a time.
+template <int V>
+__device__ void row_ce_grad(bf16* zr, int vocab, float lse, unsigned y, float sw) {
+    for (int c = threadIdx.x; c < vocab / V; c += blockDim.x) {
+        float v[V];
+        load_v<V>(zr + c * V, v);
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[e] = sw * (expf(v[e] - lse) - (c * V + e == (int)y ? 1.f : 0.f));
+        store_v<V>(zr + c * V, v);
+    }
+}
+
+// Twin: step::lm_head_ce's per-row CE gradient. One CTA per row; z is overwritten in place, 8
+// logits per load when vocab % 8 == 0 (rows 16-byte aligned), else one at a time.
+// z [rows, vocab] logits, labels [rows], weights [rows] -> z := scale*w*(softmax(z) - onehot(y)),
+// loss [rows] = w*(logsumexp(z) - z[y]) (unscaled).
+extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __restrict__ labels,
+                                        const float* __restrict__ weights, float* __restrict__ loss, int rows,
+                                        int vocab, float scale) {
+    __shared__ float scratch_m[WARP], scratch_s[WARP];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    bf16* zr = z + (size_t)row * vocab;
+    const bool vec = vocab % VEC == 0;
+    float m, s;
+    if (vec) {
+        row_max_sum<VEC>(zr, vocab, &m, &s);
+    } else {
+        row_max_sum<1>(zr, vocab, &m, &s);
+    }
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        const float mm = fmaxf(m, m2);
+        s = (m == NEG_INF ? 0.f : s * expf(m - mm)) + (m2 == NEG_INF ? 0.f : s2 * expf(m2 - mm));
+        m = mm;
+    }
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    if (lane == 0) {
+        scratch_m[warp] = m;
+        scratch_s[warp] = s;
+    }
+    __syncthreads();
+    float gm = NEG_INF;
+    for (int wi = 0; wi < warps; ++wi) gm = fmaxf(gm, scratch_m[wi]);
+    float gs = 0.f;
+    for (int wi = 0; wi < warps; ++wi)
+        if (scratch_m[wi] != NEG_INF) gs += scratch_s[wi] * expf(scratch_m[wi] - gm);
+    const float lse = gm + logf(gs);
+    const unsigned y = labels[row];
+    const float w = weights[row], zy = to_f(zr[y]);
+    __syncthreads();
+    if (vec) {
+        row_ce_grad<VEC>(zr, vocab, lse, y, scale * w);
+    } else {
+        row_ce_grad<1>(zr, vocab, lse, y, scale * w);
+    }
+    if (threadIdx.x == 0) loss[row] = w * (lse - zy);
+}
+
+// dst [count, cols] = src [idx[r], cols] for r < count.
+extern "C" __global__ void gather_rows(const bf16* __restrict__ src, const unsigned* __restrict__ idx,
+                                       bf16* __restrict__ dst, int count, int cols) {
+    const int r = blockIdx.x;
+    if (r >= count) return;
+    const bf16* s = src + (size_t)idx[r] * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[(size_t)r * cols + i] = s[i];
+}
+
+// dst [idx[r], cols] = src [r, cols] for r < count.
+extern "C" __global__ void scatter_rows(const bf16* __restrict__ src, const unsigned* __restrict__ idx,
+                                        bf16* __restrict__ dst, int count, int cols) {
+    const int r = blockIdx.x;
+    if (r >= count) return;
+    bf16* d = dst + (size_t)idx[r] * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) d[i] = src[(size_t)r * cols + i];
+}
+
+__device__ __forceinline__ float as_float(float x) { return x; }
+__device__ __forceinline__ float as_float(bf16 x) { return to_f(x); }
+
+// partial [gridDim.x] = this CTA's share of sum(x^2) over x [n] (NaN and Inf propagate).
+template <typename T>
+__device__ void sum_squares(const T* __restrict__ x, float* __restrict__ partial, long long n) {
+    __shared__ float scratch[WARP];
+    float s = 0.f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float v = as_float(x[i]);
+        s += v * v;
+    }
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+extern "C" __global__ void sum_squares_f32(const float* __restrict__ x, float* __restrict__ partial, long long n) {
+    sum_squares(x, partial, n);
+}
+
+extern "C" __global__ void sum_squares_bf16(const bf16* __restrict__ x, float* __restrict__ partial, long long n) {
+    sum_squares(x, partial, n);
+}
+
+// acc [n] += g [n]: a step's bf16 gradients into the optimizer's fp32 accumulator.
+extern "C" __global__ void accumulate_bf16(float* __restrict__ acc, const bf16* __restrict__ g, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        acc[i] += to_f(g[i]);
+}
+
+// Twin: dflash_reference::optim::AdamW::step on one parameter, its gradient first scaled by
+// `grad_scale` (global-norm clipping). p, g, m, v [n] fp32 -> updated p, m, v and p_bf16 = bf16(p).
+// m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2; p -= lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*p).
+extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                        float* __restrict__ v, bf16* __restrict__ p_bf16, long long n, float lr,
+                                        float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
+                                        float grad_scale) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float gi = g[i] * grad_scale;
+        const float mi = beta1 * m[i] + (1.f - beta1) * gi;
+        const float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
+        const float pi = p[i] - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        p_bf16[i] = to_bf(pi);
+    }
+}
+
+// splitmix64: a well-mixed 64-bit hash of `z`.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Twin: step::planned::kernels::normal_at. dst [n] = bf16(mean + std * z_i), z_i a standard normal
+// (Box-Muller) from the hash of (seed, i): random weights and inputs made on the device.
+extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ dst, long long n, unsigned long long seed, float mean,
+                                            float std) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const unsigned long long h = mix64(seed ^ mix64((unsigned long long)i));
+        const float u1 = (float)((h >> 40) + 1) * 5.9604645e-8f;  // (0, 1]
+        const float u2 = (float)(h & 0xffffffull) * 5.9604645e-8f;  // [0, 1)
+        dst[i] = to_bf(mean + std * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+    }
+}

@@ -1,0 +1,70 @@
+//! The CUDA kernel sources (`optimized/src/ops/*/*.cu`), embedded in the binary for NVRTC with the
+//! shared constants' prelude, and their hash: the GPU conformance run attests a hash, and a CI test
+//! fails when the sources or the constants no longer match it (DESIGN.md, "Conformance strategy").
+
+use sha2::{Digest, Sha256};
+
+use super::constants::prelude;
+
+/// `elementwise.cu`, as written.
+pub const ELEMENTWISE_CU: &str = include_str!("elementwise/elementwise.cu");
+/// `attention.cu`, as written (compiled per head dim).
+pub const ATTENTION_CU: &str = include_str!("attention/attention.cu");
+
+/// `(path under optimized/src/ops, source)` of every kernel file, sorted by path. A unit test
+/// checks that this list matches the folders, so a new kernel file cannot be left out.
+pub const KERNEL_SOURCES: &[(&str, &str)] =
+    &[("attention/attention.cu", ATTENTION_CU), ("elementwise/elementwise.cu", ELEMENTWISE_CU)];
+
+/// What NVRTC compiles for `source`: the constants' prelude, then the source.
+pub fn with_prelude(source: &str) -> String {
+    format!("{}{source}", prelude())
+}
+
+/// SHA-256 (lower-case hex) of the prelude followed by the kernel sources in path order.
+pub fn kernel_hash() -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(prelude().as_bytes());
+    for (_, source) in KERNEL_SOURCES {
+        hasher.update(source.as_bytes());
+    }
+    hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_sources_list_every_cu_file_of_the_ops_folders() {
+        let ops = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ops");
+        let mut on_disk: Vec<(String, String)> = Vec::new();
+        for op in std::fs::read_dir(&ops).unwrap_or_else(|e| panic!("{}: {e}", ops.display())) {
+            let dir = op.unwrap().path();
+            if !dir.is_dir() {
+                continue;
+            }
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.extension().is_some_and(|ext| ext == "cu") {
+                    let name = path.strip_prefix(&ops).unwrap().to_string_lossy().into_owned();
+                    on_disk.push((name, std::fs::read_to_string(&path).unwrap()));
+                }
+            }
+        }
+        on_disk.sort();
+        let listed: Vec<(String, String)> =
+            KERNEL_SOURCES.iter().map(|&(n, s)| (n.to_string(), s.to_string())).collect();
+        let names = |v: &[(String, String)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&listed), names(&on_disk), "KERNEL_SOURCES must list every ops/*/*.cu, sorted");
+        assert!(listed == on_disk, "KERNEL_SOURCES differ from the files on disk");
+    }
+
+    #[test]
+    fn hash_covers_the_prelude_and_every_source() {
+        let all: String = prelude() + &KERNEL_SOURCES.iter().map(|&(_, s)| s).collect::<String>();
+        let expected: String = Sha256::digest(all.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(kernel_hash(), expected);
+        assert_eq!(kernel_hash().len(), 64);
+    }
+}

@@ -1,0 +1,68 @@
+//! AdamW on the step's backend (spec section 3): a step's stored gradients are accumulated in
+//! the arithmetic type (gradient accumulation), then clipped by their global norm and applied to
+//! the master weights, which are written back as the stored compute weights. The reference is
+//! `dflash_reference::optim` (`AdamW::step`, `clip_grad_norm`); the kernels' twins are checked
+//! by `xtask gpu-conformance`.
+
+use dflash_reference::optim::AdamWConfig;
+
+use crate::backend::Backend;
+use crate::memory::step::OptimizerRegions;
+use crate::model::drafter_step::{DrafterStep, Grads};
+use crate::ops::elementwise::{AdamWArgs, AdamWBuffers, ElementwiseOps};
+use crate::{Error, Result};
+
+/// AdamW state on the backend: the step count (the moments live in the step's optimizer regions).
+pub struct DeviceAdamW {
+    pub config: AdamWConfig,
+    regions: OptimizerRegions,
+    t: i32,
+}
+
+impl DeviceAdamW {
+    /// A fresh optimizer for `step`, which must have been made with its optimizer regions.
+    pub fn new<B: Backend>(step: &DrafterStep<B>, config: AdamWConfig) -> Result<Self> {
+        let regions = step
+            .layout
+            .optimizer
+            .ok_or_else(|| Error::invalid("optimizer", "the step was made without its optimizer regions"))?;
+        Ok(DeviceAdamW { config, regions, t: 0 })
+    }
+
+    /// Adds the last step's gradients to the accumulator.
+    pub fn accumulate<B: Backend>(&self, step: &DrafterStep<B>) -> Result<()> {
+        let (acc, grads) = (step.addr(self.regions.grad_acc), step.addr(step.layout.grads));
+        step.backend().ops().accumulate(acc, grads, step.num_params())
+    }
+
+    /// One update with learning rate `lr` from the accumulated gradients, clipped to global norm
+    /// `max_norm` (`max_norm / (norm + 1e-6)`, as the reference); zeroes the accumulator and
+    /// returns the norm before clipping. Fails naming a gradient that holds NaN or Inf.
+    pub fn update<B: Backend>(&mut self, step: &DrafterStep<B>, lr: f64, max_norm: f64) -> Result<f64> {
+        let norm = step.grad_sum_squares(Grads::Accumulated)?.iter().sum::<f64>().sqrt();
+        let grad_scale = if norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
+        self.t += 1;
+        let c = &self.config;
+        let args = AdamWArgs {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            bc1: 1.0 - c.beta1.powi(self.t),
+            bc2: 1.0 - c.beta2.powi(self.t),
+            grad_scale,
+        };
+        let r = self.regions;
+        let buffers = AdamWBuffers {
+            p: step.addr(r.master),
+            g: step.addr(r.grad_acc),
+            m: step.addr(r.adam_m),
+            v: step.addr(r.adam_v),
+            p_stored: step.addr(step.layout.weights),
+        };
+        step.backend().ops().adamw_update(buffers, step.num_params(), args)?;
+        step.zero(r.grad_acc)?;
+        Ok(norm)
+    }
+}

@@ -1,0 +1,25 @@
+//! `cargo xtask bench <name>`: the benchmarks, each in its own file, each measured on the device
+//! against its baseline in the same run and written to `results/*.json`.
+
+const HELP: &str = "usage: xtask bench <benchmark> [options]     (on the GPU machine)
+
+benchmarks:
+  attention   our attention vs PyTorch flex_attention and SDPA         (results/attention-h200.json)
+  gemm        the cuBLAS bf16 linear: checked against the CPU, timed   (results/gemm-h200.json)
+  step        the GPU training step per policy vs PyTorch, MFU, peaks  (results/step-h200.json)
+
+run `xtask bench <benchmark> --help` for its options";
+
+pub fn run(args: Vec<String>) -> Result<(), String> {
+    let mut args = args.into_iter();
+    match args.next().as_deref() {
+        Some("attention") => crate::bench_attention::run(args.collect()),
+        Some("gemm") => crate::bench_gemm::run(args.collect()),
+        Some("step") => crate::bench_step::run(args.collect()),
+        Some("-h" | "--help") | None => {
+            println!("{HELP}");
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown benchmark `{other}`\n\n{HELP}")),
+    }
+}
