@@ -1,6 +1,6 @@
 //! The GPU attestation gate (DESIGN.md, "Conformance strategy"): CI cannot run CUDA, so a GPU
 //! conformance run on the H200 attests the kernel sources it tested; this test fails when the
-//! current sources (`optimized/kernels/*.cu`) no longer match `fixtures/gpu/attestation.json`, or
+//! current sources (`optimized/src/ops/*/*.cu` with the constants' prelude) no longer match `fixtures/gpu/attestation.json`, or
 //! when that run did not pass. No kernel change lands without a passing GPU run.
 //!
 //! With no kernel sources at all there is nothing to attest, and the test passes.
@@ -44,9 +44,20 @@ fn kernel_sources_match_a_passing_gpu_attestation() {
     for case in cases {
         assert_eq!(case["pass"], Value::Bool(true), "{}: case {} did not pass: {HOW}", file.display(), case["name"]);
     }
-    // The run covered the step kernels against their twins and the GPU step under every policy.
+    // The run covered every elementwise kernel and the matmul against the CPU twins, and the GPU
+    // step under every policy.
     let names: Vec<&str> = cases.iter().filter_map(|c| c["name"].as_str()).collect();
-    for prefix in ["kernel rms_norm", "kernel head_norm_rope", "kernel swiglu", "kernel ce_grad_rows", "kernel adamw"] {
+    for prefix in [
+        "op rms_norm_forward",
+        "op rms_norm_backward",
+        "op head_norm_rope_forward",
+        "op head_norm_rope_backward",
+        "op swiglu",
+        "op ce_grad_rows",
+        "op adamw",
+        "op fill_normal, gather/scatter, sum_squares, accumulate",
+        "op matmul",
+    ] {
         assert!(names.iter().any(|n| n.starts_with(prefix)), "{}: no `{prefix}` case: {HOW}", file.display());
     }
     for policy in ["none", "selective", "per-layer"] {
