@@ -240,7 +240,7 @@ pub fn conformance_cases() -> Vec<AttnCase> {
     ]
 }
 
-/// The four cases of the anchor table in shared/GPU.md: bf16, 32 query heads, 8 KV heads,
+/// The four cases of the anchor table in GPU.md (the project's H200 notes): bf16, 32 query heads, 8 KV heads,
 /// d = 128, B = 16, random sorted anchors.
 pub fn bench_cases() -> Vec<AttnCase> {
     use AttnKind::{Full, Sliding};

@@ -9,7 +9,7 @@ use dflash_optimized::memory::step::{plan_step, Checkpointing, StepLayout, StepS
 use dflash_optimized::memory::{Lifetime, Region, ALIGN, BF16, F32};
 use rstest::rstest;
 
-/// One H200's usable memory, 139.8 GiB (shared/GPU.md).
+/// One H200's usable memory, 139.8 GiB (GPU.md, the project's H200 notes).
 fn device_bytes() -> u64 {
     (139.8 * (1u64 << 30) as f64) as u64
 }

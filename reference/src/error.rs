@@ -20,9 +20,6 @@ pub enum Error {
     /// An argument of a reference function is out of its domain (names the argument).
     #[error("invalid `{what}`: {message}")]
     Invalid { what: String, message: String },
-    /// A GPU driver, compiler or launch error (names the operation).
-    #[error("GPU: {0}")]
-    Gpu(String),
     /// An error of the tensor library.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

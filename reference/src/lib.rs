@@ -1,4 +1,4 @@
-//! The DFlash specification in code (shared/spec/dflash.md): candle-core on the CPU, f32 or f64,
+//! The DFlash specification in code (the project's spec, dflash.md): candle-core on the CPU, f32 or f64,
 //! autograd, dense attention with an explicit boolean mask. No cleverness: each module reads
 //! next to its section of the spec.
 //!

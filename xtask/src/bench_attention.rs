@@ -1,6 +1,6 @@
 //! `xtask bench attention` (on the H200): our CUDA attention next to PyTorch's flex_attention
 //! (under torch.compile) and SDPA with a dense mask, measured in the same run on the four cases of
-//! the anchor table in shared/GPU.md; writes `results/attention-h200.json` and prints a table.
+//! the anchor table in GPU.md (the project's H200 notes); writes `results/attention-h200.json` and prints a table.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -19,7 +19,7 @@ use crate::gpu_conformance::{open_gpu, utc_now, write_json};
 
 const HELP: &str = "usage: xtask bench attention [options]     (on the GPU machine)
 
-For the four cases of the anchor table in shared/GPU.md (bf16, 32 query heads, 8 KV heads, d 128,
+For the four cases of the anchor table in GPU.md (the project's H200 notes) (bf16, 32 query heads, 8 KV heads, d 128,
 B 16, random sorted anchors: S=8192 N=128; S=3072 N=512; S=8000 N=512; sliding W=2048 S=8192
 N=128), times our CUDA attention forward and forward+backward, then runs the PyTorch baselines
 (flex_attention under torch.compile, SDPA with a dense boolean mask) through python3 in the same
@@ -44,7 +44,7 @@ const OPTIONS: &[&str] = &["out", "warmup", "iters", "python", "script", "commit
 /// `QK^T` and `PV`, 2 multiply-adds each.
 const FWD_FLOPS_PER_PAIR_DIM: f64 = 4.0;
 /// Forward+backward FLOPs over forward FLOPs: the backward counts 2.5x the forward (5 matmuls
-/// against 2), the FlashAttention convention the TFLOP/s of shared/GPU.md follow.
+/// against 2), the FlashAttention convention the TFLOP/s of GPU.md (the project's H200 notes) follow.
 const FWDBWD_FLOPS_FACTOR: f64 = 3.5;
 const FLOP_CONVENTION: &str = "useful FLOPs: forward 4*head_dim*num_heads*allowed_pairs; forward+backward 3.5x \
                                the forward (backward = 2.5x forward, FlashAttention convention)";

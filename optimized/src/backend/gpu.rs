@@ -1,4 +1,4 @@
-//! One CUDA GPU through cudarc (shared/GPU.md): context and stream, NVRTC-compiled kernel modules
+//! One CUDA GPU through cudarc (GPU.md, the project's H200 notes): context and stream, NVRTC-compiled kernel modules
 //! (compiled once per module per process), the memory pool's high-water mark, and CUDA-event
 //! timing.
 //!

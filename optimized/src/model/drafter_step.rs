@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use dflash_reference::config::{AttnKind, DraftConfig};
-use dflash_reference::drafter::{is_norm, param_shapes, DraftInput, Drafter, FrozenHead};
+use dflash_reference::drafter::{param_shapes, DraftInput, Drafter, FrozenHead};
 use dflash_reference::loss::BlockTargets;
 use dflash_reference::mask::BlockLayout;
 use dflash_reference::ops::rope_tables;
@@ -651,18 +651,6 @@ impl<B: Backend> DrafterStep<B> {
                 Ok(sq)
             })
             .collect()
-    }
-
-    /// Random weights made on the backend (the spec's init: normal(0, 0.02) for linears, ones for
-    /// norms) and a random LM head (normal(0, 0.02)).
-    pub fn randomize_weights(&mut self, seed: u64) -> Result<()> {
-        for (n, slot) in self.slots.iter().enumerate() {
-            let (mean, std) = if is_norm(&slot.name) { (1.0, 0.0) } else { (0.0, 0.02) };
-            let ptr = self.addr(self.layout.weights) + (slot.offset * B::Elem::BYTES) as u64;
-            self.dev.ops().fill_normal(ptr, slot.len, seed.wrapping_add(n as u64), mean, std)?;
-        }
-        let z = self.layout.dims;
-        self.dev.ops().fill_normal(self.addr(self.layout.lm_head), z.v * z.h, seed ^ 0x5eed_1e4d, 0.0, 0.02)
     }
 }
 

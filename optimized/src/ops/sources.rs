@@ -16,15 +16,32 @@ pub const ATTENTION_CU: &str = include_str!("attention/attention.cu");
 pub const KERNEL_SOURCES: &[(&str, &str)] =
     &[("attention/attention.cu", ATTENTION_CU), ("elementwise/elementwise.cu", ELEMENTWISE_CU)];
 
+/// Head dims the attention kernels are built for (multiples of 64 up to 256).
+pub const ATTENTION_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
+
+/// The per-head-dim `#define`s of `attention.cu`: `HEAD_DIM` and the key-major stage size.
+pub fn attention_defines(head_dim: usize) -> String {
+    format!(
+        "#define HEAD_DIM {head_dim}\n#define DKDV_STAGE_BYTES {}\n",
+        crate::memory::attention::dkdv_stage_bytes(head_dim)
+    )
+}
+
 /// What NVRTC compiles for `source`: the constants' prelude, then the source.
 pub fn with_prelude(source: &str) -> String {
     format!("{}{source}", prelude())
 }
 
-/// SHA-256 (lower-case hex) of the prelude followed by the kernel sources in path order.
+/// Everything the kernels are compiled with besides their sources: the prelude and the attention
+/// kernels' per-head-dim defines.
+fn defines() -> String {
+    prelude() + &ATTENTION_HEAD_DIMS.map(attention_defines).concat()
+}
+
+/// SHA-256 (lower-case hex) of the defines followed by the kernel sources in path order.
 pub fn kernel_hash() -> String {
     let mut hasher = Sha256::new();
-    hasher.update(prelude().as_bytes());
+    hasher.update(defines().as_bytes());
     for (_, source) in KERNEL_SOURCES {
         hasher.update(source.as_bytes());
     }
@@ -61,8 +78,8 @@ mod tests {
     }
 
     #[test]
-    fn hash_covers_the_prelude_and_every_source() {
-        let all: String = prelude() + &KERNEL_SOURCES.iter().map(|&(_, s)| s).collect::<String>();
+    fn hash_covers_the_defines_and_every_source() {
+        let all: String = defines() + &KERNEL_SOURCES.iter().map(|&(_, s)| s).collect::<String>();
         let expected: String = Sha256::digest(all.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(kernel_hash(), expected);
         assert_eq!(kernel_hash().len(), 64);

@@ -11,8 +11,9 @@
 // 16w..16w+15 in the accumulator layout of mma.sync m16n8k16. Shared tiles are 128-byte swizzled: a
 // [rows][HEAD_DIM] tile is stored as PANELS panels [rows][64] (one 128-byte line per row), the
 // 16-byte chunk c of row r at chunk c ^ (r % 8); every tile starts 1024-byte aligned. HEAD_DIM (a
-// multiple of 64) and the shared constants (TILE_K, WG_ROWS, DKDV_CHUNK, KV_STAGES) are defined by
-// the host before compilation (optimized/src/ops/constants.rs).
+// multiple of 64) and DKDV_STAGE_BYTES are defined per head dim, and the shared constants (TILE_K,
+// WG_ROWS, DKDV_CHUNK, KV_STAGES) for every kernel, by the host before compilation
+// (optimized/src/ops/sources.rs, constants.rs).
 
 #include <cuda_bf16.h>
 
@@ -31,7 +32,7 @@ struct RowGroup {
     u32 ctx_lo, ctx_hi, hi_step, win_base, blk_lo, blk_len;
 };
 
-// The two key intervals [lo, hi) and [blo, bhi) that row r of group g sees (plan.rs row_intervals).
+// The two key intervals [lo, hi) and [blo, bhi) that row r of group g sees (ranges.rs row_intervals).
 struct RowBounds {
     int lo, hi, blo, bhi;
 };
@@ -597,9 +598,10 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     write_dq_rows(acc, lr, dq, nh, scale, tq);
 }
 
-// One staged chunk of the key-major pass, all loaded with cp.async (no blocking global
-// load per chunk): swizzled q and dout tiles [DKDV_CHUNK][HEAD_DIM], lse (natural log) and dsum of the
-// rows (zero for padding rows), and the chunk's RowGroup; stages are 1024-byte aligned.
+// One staged chunk of the key-major pass, all loaded with cp.async (no blocking global load
+// per chunk): swizzled q and dout tiles [DKDV_CHUNK][HEAD_DIM], lse (natural log) and dsum of
+// the rows (zero for padding rows), and the chunk's RowGroup; stages of DKDV_STAGE_BYTES, 1024-byte
+// aligned.
 struct ChunkStage {
     bf16* q;
     bf16* dout;
@@ -607,7 +609,6 @@ struct ChunkStage {
     float* dsum;
     RowGroup* g;
 };
-#define STAGE_BYTES (((2 * DKDV_CHUNK * HEAD_DIM * 2 + DKDV_CHUNK * 8 + 32) + 1023) / 1024 * 1024)
 
 __device__ __forceinline__ ChunkStage chunk_stage(unsigned char* base) {
     ChunkStage c;
@@ -736,13 +737,13 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
     for (int i = 0; i < items; i++) {
         const int group = g_first + i / chunks, c0 = (i % chunks) * DKDV_CHUNK;
         if (i + 1 < items) {
-            load_chunk_async(chunk_stage(stages + ((i + 1) & 1) * STAGE_BYTES), groups,
+            load_chunk_async(chunk_stage(stages + ((i + 1) & 1) * DKDV_STAGE_BYTES), groups,
                                 g_first + (i + 1) / chunks, ((i + 1) % chunks) * DKDV_CHUNK, R, inv_R, G, kh, num_queries, q, dout,
                                 lse, dsum, nh);
             cp_async_commit();
         }
         land_tiles(i + 1 < items);
-        const ChunkStage st = chunk_stage(stages + (i & 1) * STAGE_BYTES);
+        const ChunkStage st = chunk_stage(stages + (i & 1) * DKDV_STAGE_BYTES);
         const RowGroup g = *st.g;
         const int rows_valid = min(R, num_queries - group * R);
         const bool full = tile_walk(g, rows_valid, window).full(tile) && rows_valid == R && c0 + DKDV_CHUNK <= R * G;

@@ -10,8 +10,9 @@ use super::ranges::KeyRanges;
 use super::AttnShape;
 use crate::backend::gpu::Gpu;
 use crate::backend::profile;
-use crate::ops::constants::{DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
-use crate::ops::sources::ATTENTION_CU;
+use crate::memory::attention::{dkdv_shared_bytes, query_major_shared_bytes};
+use crate::ops::constants::{TILE_K, WG_ROWS};
+use crate::ops::sources::{attention_defines, ATTENTION_CU, ATTENTION_HEAD_DIMS};
 use crate::{Error, Result};
 
 /// Largest row group (rows times the query heads of a KV head): the CTA's two warpgroups.
@@ -101,30 +102,18 @@ pub struct AttentionKernels {
     dkdv: CudaFunction,
 }
 
-/// Dynamic shared memory of the forward and the dQ pass: the stages of swizzled K and V tiles,
-/// and 1024 bytes to align them (q and dout stay in registers).
-fn query_major_smem(head_dim: usize) -> usize {
-    1024 + KV_STAGES * 2 * TILE_K * head_dim * 2
-}
-
-/// Dynamic shared memory of the key-major pass: the K and V tiles and two stages of q and dout
-/// rows with their lse, dsum and row group, each stage rounded to 1024 bytes.
-fn dkdv_smem(head_dim: usize) -> usize {
-    1024 + 2 * TILE_K * head_dim * 2 + 2 * (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
-}
-
 impl AttentionKernels {
     /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
     /// multiple of 64 (the 128-byte panels of the swizzled tiles) up to 256.
     pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Self> {
-        if head_dim == 0 || !head_dim.is_multiple_of(64) || head_dim > 256 {
+        if !ATTENTION_HEAD_DIMS.contains(&head_dim) {
             return Err(Error::invalid(
                 "head_dim",
-                format!("{head_dim}: the CUDA kernels need a multiple of 64 up to 256"),
+                format!("{head_dim}: the CUDA kernels are built for {ATTENTION_HEAD_DIMS:?}"),
             ));
         }
         let module: &'static str = Box::leak(format!("attention_d{head_dim}").into_boxed_str());
-        let source: &'static str = Box::leak(format!("#define HEAD_DIM {head_dim}\n{ATTENTION_CU}").into_boxed_str());
+        let source: &'static str = Box::leak(format!("{}{ATTENTION_CU}", attention_defines(head_dim)).into_boxed_str());
         let function = |name: &str, smem: usize| -> Result<CudaFunction> {
             let f = gpu.function(module, source, name)?;
             if smem > 48 * 1024 {
@@ -135,10 +124,10 @@ impl AttentionKernels {
         };
         Ok(AttentionKernels {
             head_dim,
-            forward: function("attention_forward", query_major_smem(head_dim))?,
+            forward: function("attention_forward", query_major_shared_bytes(head_dim))?,
             dsum: function("attention_backward_dsum", 0)?,
-            dq: function("attention_backward_dq", query_major_smem(head_dim))?,
-            dkdv: function("attention_backward_dkdv", dkdv_smem(head_dim))?,
+            dq: function("attention_backward_dq", query_major_shared_bytes(head_dim))?,
+            dkdv: function("attention_backward_dkdv", dkdv_shared_bytes(head_dim))?,
         })
     }
 
@@ -176,7 +165,7 @@ impl AttentionKernels {
         LaunchConfig {
             grid_dim: (shape.num_kv_heads as u32, ctas, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: query_major_smem(self.head_dim) as u32,
+            shared_mem_bytes: query_major_shared_bytes(self.head_dim) as u32,
         }
     }
 
@@ -254,7 +243,7 @@ impl AttentionKernels {
             let cfg = LaunchConfig {
                 grid_dim: (shape.num_kv_heads as u32, tiles, 1),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: dkdv_smem(self.head_dim) as u32,
+                shared_mem_bytes: dkdv_shared_bytes(self.head_dim) as u32,
             };
             let mut b = stream.launch_builder(&self.dkdv);
             b.arg(&dp.groups).arg(&dp.kv_ranges);

@@ -38,7 +38,7 @@ __device__ float block_sum(float v, float* scratch) {
     return total;
 }
 
-// Twin: step::ops::rms_norm_forward. One CTA per row.
+// Twin: twin.rs rms_norm_forward. One CTA per row.
 // x [rows, n], w [n] -> y [rows, n] (bf16), inv [rows] = 1/sqrt(mean(x^2) + eps).
 extern "C" __global__ void rms_norm_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                             bf16* __restrict__ y, float* __restrict__ inv, int rows, int n,
@@ -84,7 +84,7 @@ __device__ __forceinline__ void store8(bf16* p, const float* in) {
 
 // rms_norm_backward: n <= MAX_CHUNKS_PER_THREAD * VEC * blockDim.x (both from the prelude).
 
-// Twin: step::ops::rms_norm_backward (+ the residual gradient `dres`, may be null). Each CTA
+// Twin: twin.rs rms_norm_backward (+ the residual gradient `dres`, may be null). Each CTA
 // takes a contiguous range of rows; thread t holds 8-column chunks t, t + blockDim.x, ... of a
 // row in registers (one read of dy and x per row; n a multiple of 8, rows 16-byte aligned);
 // dx may alias dy or dres.
@@ -180,7 +180,7 @@ __device__ __forceinline__ void store_lane(bf16* row, int lane, int per_lane, co
         if (2 * k < per_lane) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
 }
 
-// Twin: step::ops::rms_norm_forward over the head dim, then step::ops::rope_forward. One warp
+// Twin: twin.rs head_norm_rope_forward (RMSNorm over the head dim, then RoPE). One warp
 // per (token, head) row.
 // x [T, heads, d], w [d], cos/sin [T, d] (fp32) -> y [T, heads, d], inv [T*heads].
 extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
@@ -214,7 +214,7 @@ extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, co
     if (lane == 0) inv[row] = r;
 }
 
-// Twin: step::ops::rope_backward, then step::ops::rms_norm_backward over the head dim. Warps
+// Twin: twin.rs head_norm_rope_backward (through RoPE, then the head RMSNorm). Warps
 // take rows in a grid-stride loop; dx may alias dy.
 // dy, x [T, heads, d] (x before the norm), w [d], inv [T*heads], cos/sin [T, d]
 // -> dx [T, heads, d], dw_partial [gridDim.x, d].
@@ -309,7 +309,7 @@ __device__ void swiglu_forward_rows(const bf16* __restrict__ gu, bf16* __restric
         }
 }
 
-// Twin: step::ops::swiglu_forward. gu [rows, 2I] holds each row's gate then up (one matmul
+// Twin: twin.rs swiglu_forward. gu [rows, 2I] holds each row's gate then up (one matmul
 // with the stacked weight [W_gate; W_up]) -> h [rows, I] = silu(gate) * up. Grid (chunks of a
 // row, rows); 8-value chunks when I % 8 == 0 (16-byte loads), else single values.
 extern "C" __global__ void swiglu_forward(const bf16* __restrict__ gu, bf16* __restrict__ h, int rows, int inter) {
@@ -344,7 +344,7 @@ __device__ void swiglu_backward_rows(const bf16* __restrict__ dh, bf16* __restri
         }
 }
 
-// Twin: step::ops::swiglu_backward. dh [rows, I], gu [rows, 2I] -> gu := [dgate | dup] per row,
+// Twin: twin.rs swiglu_backward. dh [rows, I], gu [rows, 2I] -> gu := [dgate | dup] per row,
 // in place (grid and chunks as forward).
 extern "C" __global__ void swiglu_backward(const bf16* __restrict__ dh, bf16* __restrict__ gu, int rows, int inter) {
     if (inter % VEC == 0) {
@@ -387,7 +387,7 @@ __device__ void row_ce_grad(bf16* zr, int vocab, float lse, unsigned y, float sw
     }
 }
 
-// Twin: step::lm_head_ce's per-row CE gradient. One CTA per row; z is overwritten in place, 8
+// Twin: twin.rs ce_grad_rows. One CTA per row; z is overwritten in place, 8
 // logits per load when vocab % 8 == 0 (rows 16-byte aligned), else one at a time.
 // z [rows, vocab] logits, labels [rows], weights [rows] -> z := scale*w*(softmax(z) - onehot(y)),
 // loss [rows] = w*(logsumexp(z) - z[y]) (unscaled).
@@ -483,8 +483,8 @@ extern "C" __global__ void accumulate_bf16(float* __restrict__ acc, const bf16* 
         acc[i] += to_f(g[i]);
 }
 
-// Twin: dflash_reference::optim::AdamW::step on one parameter, its gradient first scaled by
-// `grad_scale` (global-norm clipping). p, g, m, v [n] fp32 -> updated p, m, v and p_bf16 = bf16(p).
+// Twin: twin.rs adamw_update (dflash_reference::optim::AdamW::step on one parameter), its
+// gradient first scaled by `grad_scale` (global-norm clipping). p, g, m, v [n] fp32 -> updated p, m, v and p_bf16 = bf16(p).
 // m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2; p -= lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*p).
 extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                                         float* __restrict__ v, bf16* __restrict__ p_bf16, long long n, float lr,
@@ -511,7 +511,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
     return z ^ (z >> 31);
 }
 
-// Twin: step::planned::kernels::normal_at. dst [n] = bf16(mean + std * z_i), z_i a standard normal
+// Twin: twin.rs fill_normal (normal_at). dst [n] = bf16(mean + std * z_i), z_i a standard normal
 // (Box-Muller) from the hash of (seed, i): random weights and inputs made on the device.
 extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ dst, long long n, unsigned long long seed, float mean,
                                             float std) {
