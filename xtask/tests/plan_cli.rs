@@ -1,0 +1,52 @@
+//! `cargo xtask plan` through the binary: absurd configs and shapes end with a clear error naming
+//! the field, never a panic or a wrapped size (this binary is built with overflow checks; the
+//! release build runs the same checked arithmetic).
+
+use std::process::Command;
+
+use dflash_optimized::memory::named::named_configs;
+
+fn plan(config: &std::path::Path, seq: &str, anchors: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["plan", "--config", config.to_str().unwrap(), "--seq", seq, "--anchors", anchors])
+        .output()
+        .expect("run xtask")
+}
+
+#[test]
+fn absurd_configs_are_clear_errors() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let base = named_configs().into_iter().next().expect("named configs").config;
+    let cases: [(&str, usize, usize, &str, &str, &str); 6] = [
+        ("hidden 2^62", 1 << 62, 0, "3072", "512", "does not fit"),
+        ("hidden 1e9", 1_000_000_000, 0, "3072", "512", "does not fit"),
+        ("vocab 2^40", 0, 1 << 40, "3072", "512", "vocab_size"),
+        ("seq 2^64-1", 0, 0, "18446744073709551615", "512", "does not fit"),
+        ("anchors above seq", 0, 0, "80", "1000", "anchors"),
+        ("seq 0", 0, 0, "0", "512", "seq"),
+    ];
+    for (name, hidden, vocab, seq, anchors, needle) in cases {
+        let mut config = base.clone();
+        if hidden > 0 {
+            config.dims.hidden_size = hidden;
+        }
+        if vocab > 0 {
+            config.dims.vocab_size = vocab;
+        }
+        let file = dir.path().join(format!("{}.json", name.replace(' ', "_")));
+        config.save(&file).expect("save config");
+        let out = plan(&file, seq, anchors);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name}: plan succeeded:\n{}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            stderr.contains(needle) && !stderr.contains("panicked"),
+            "{name}: `{needle}` missing or a panic:\n{stderr}"
+        );
+    }
+    // A sane config still plans.
+    let file = dir.path().join("sane.json");
+    base.save(&file).expect("save config");
+    let out = plan(&file, "3072", "512");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("predicted peak"));
+}
