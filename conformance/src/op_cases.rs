@@ -7,7 +7,7 @@
 use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::ops::constants::{GRAD_PARTS, NORM_PARTS};
 use dflash_optimized::ops::elementwise::{
-    AdamWArgs, AdamWBuffers, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad,
+    AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad,
 };
 use dflash_optimized::ops::matmul::Mat;
 use dflash_optimized::ops::{Elem, Real};
@@ -201,7 +201,7 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         let scale = f64::from(rng.random_range(0.01f32..1.0));
         let (zb, lb, wb) = (buf.put(s, &z)?, buf.put(u, &labels)?, buf.put(a, &weights)?);
         let loss = buf.zeros(a, ce_rows)?;
-        ops.ce_grad_rows(zb, lb, wb, loss, ce_rows, vocab, scale)?;
+        ops.ce_grad_rows(CeRows { z: zb, labels: lb, weights: wb, loss }, ce_rows, vocab, scale)?;
         out.push(OpOutputs {
             op: format!("ce_grad_rows [{ce_rows}, {vocab}]"),
             outputs: vec![("dz", buf.get(s, zb, ce_rows * vocab)?), ("loss", buf.get(a, loss, ce_rows)?)],

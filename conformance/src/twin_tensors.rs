@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::ops::constants::GRAD_PARTS;
-use dflash_optimized::ops::elementwise::{ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
+use dflash_optimized::ops::elementwise::{CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
 use dflash_optimized::ops::matmul::Mat;
 use dflash_optimized::{Error, Result};
 
@@ -181,7 +181,7 @@ pub fn head_norm_rope_backward(
 
 /// `[gate | up]` rows `[rows, 2I]`, as the step holds them.
 fn gate_up(gate: &Tensor, up: &Tensor) -> Result<Vec<f64>> {
-    Ok(values(&Tensor::cat(&[gate, up], 1)?)?)
+    values(&Tensor::cat(&[gate, up], 1)?)
 }
 
 /// `silu(gate) * up`, all `[rows, I]`.
@@ -216,7 +216,7 @@ pub fn ce_grad_rows(z: &Tensor, labels: &[u32], weights: &[f64], scale: f64) -> 
         let zp = b.put(Kind::Stored, &values(z)?)?;
         let lp = b.put(Kind::U32, &labels.iter().map(|&y| f64::from(y)).collect::<Vec<_>>())?;
         let (wp, loss) = (b.put(Kind::Acc, weights)?, b.zeros(Kind::Acc, rows)?);
-        dev.ops().ce_grad_rows(zp, lp, wp, loss, rows, vocab, scale)?;
+        dev.ops().ce_grad_rows(CeRows { z: zp, labels: lp, weights: wp, loss }, rows, vocab, scale)?;
         Ok((tensor(b.get(Kind::Stored, zp, rows * vocab)?, &[rows, vocab], z.dtype())?, b.get(Kind::Acc, loss, rows)?))
     })
 }

@@ -115,10 +115,11 @@ impl Arena {
     ) -> Result<Region> {
         let bytes = bytes_of(what, dims, elem_bytes)?;
         let offset = self.end;
-        self.end = add(what, offset, bytes.div_ceil(ALIGN).checked_mul(ALIGN).unwrap_or(u64::MAX))?;
-        if self.end == u64::MAX {
-            return Err(Error::invalid(what, format!("{bytes} bytes do not fit in 64 bits once aligned")));
-        }
+        let aligned = bytes
+            .div_ceil(ALIGN)
+            .checked_mul(ALIGN)
+            .ok_or_else(|| Error::invalid(what, format!("{bytes} bytes do not fit in 64 bits once aligned")))?;
+        self.end = add(what, offset, aligned)?;
         self.count(item, lifetime, bytes);
         Ok(Region { offset, bytes })
     }

@@ -25,7 +25,7 @@ use crate::memory::Region;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::constants::NORM_PARTS;
-use crate::ops::elementwise::{ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
+use crate::ops::elementwise::{CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
 use crate::ops::matmul::Mat;
 use crate::ops::{Elem, Real};
 use crate::{Error, Result};
@@ -566,7 +566,7 @@ impl<B: Backend> DrafterStep<B> {
                 at(i.weights_ce) + acc * start as u64,
                 at(i.loss_rows) + acc * start as u64,
             );
-            ops.ce_grad_rows(at(hd.logits), labels, weights, loss, n, z.v, grad_scale)?;
+            ops.ce_grad_rows(CeRows { z: at(hd.logits), labels, weights, loss }, n, z.v, grad_scale)?;
             self.input_grad(at(hd.logits), n, z.v, at(lay.lm_head), z.h, at(hd.drows), 0.0)?;
             ops.copy_rows(true, at(hd.drows), rows, at(lay.grad_b), n, z.h)?;
             start += n;

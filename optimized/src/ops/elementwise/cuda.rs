@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{AdamWArgs, AdamWBuffers, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
+use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
 use crate::backend::gpu::Gpu;
 use crate::backend::profile;
 use crate::ops::constants::{
@@ -233,17 +233,8 @@ impl ElementwiseOps for ElementwiseKernels {
         self.launch("swiglu_backward", b, cfg)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn ce_grad_rows(
-        &self,
-        z: u64,
-        labels: u64,
-        weights: u64,
-        loss: u64,
-        rows: usize,
-        vocab: usize,
-        scale: f64,
-    ) -> Result<()> {
+    fn ce_grad_rows(&self, ce: CeRows, rows: usize, vocab: usize, scale: f64) -> Result<()> {
+        let CeRows { z, labels, weights, loss } = ce;
         let scale = scale as f32;
         if vocab.is_multiple_of(8) {
             Self::check_aligned("ce_grad_rows", &[z])?;

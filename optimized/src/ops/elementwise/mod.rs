@@ -51,6 +51,16 @@ pub struct AdamWBuffers {
     pub p_stored: u64,
 }
 
+/// Buffers of [`ElementwiseOps::ce_grad_rows`]: logits `z [rows, V]` (stored, overwritten by
+/// their gradient), labels (u32), weights and the per-row weighted CE it writes (arithmetic type).
+#[derive(Clone, Copy, Debug)]
+pub struct CeRows {
+    pub z: u64,
+    pub labels: u64,
+    pub weights: u64,
+    pub loss: u64,
+}
+
 /// Hyper-parameters of one AdamW update of one parameter (`adamw_update`).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWArgs {
@@ -98,19 +108,8 @@ pub trait ElementwiseOps {
     /// `gu [rows, 2I]` := each row's `[dgate | dup]` from `dh [rows, I]` and its gate and up.
     fn swiglu_backward(&self, dh: u64, gu: u64, rows: usize, inter: usize) -> Result<()>;
 
-    /// Logits `z [rows, vocab]` := `scale * w * (softmax(z) - onehot(y))`, `loss [rows] = w * CE`
-    /// (labels u32).
-    #[allow(clippy::too_many_arguments)]
-    fn ce_grad_rows(
-        &self,
-        z: u64,
-        labels: u64,
-        weights: u64,
-        loss: u64,
-        rows: usize,
-        vocab: usize,
-        scale: f64,
-    ) -> Result<()>;
+    /// Logits `z [rows, vocab]` := `scale * w * (softmax(z) - onehot(y))`, `loss [rows] = w * CE`.
+    fn ce_grad_rows(&self, ce: CeRows, rows: usize, vocab: usize, scale: f64) -> Result<()>;
 
     /// `dst [count, cols] = src [idx[r], cols]` (`scatter`: `dst [idx[r]] = src [r]`), idx u32.
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()>;

@@ -6,7 +6,7 @@
 
 use std::marker::PhantomData;
 
-use super::{AdamWArgs, AdamWBuffers, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
+use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
 use crate::ops::{Elem, Real};
 use crate::Result;
 
@@ -191,16 +191,8 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
         Ok(())
     }
 
-    fn ce_grad_rows(
-        &self,
-        z: u64,
-        labels: u64,
-        weights: u64,
-        loss: u64,
-        rows: usize,
-        vocab: usize,
-        scale: f64,
-    ) -> Result<()> {
+    fn ce_grad_rows(&self, ce: CeRows, rows: usize, vocab: usize, scale: f64) -> Result<()> {
+        let CeRows { z, labels, weights, loss } = ce;
         for r in 0..rows {
             let base = r * vocab;
             let zf = |i: usize| ld::<E>(z, base + i).to_f64();
