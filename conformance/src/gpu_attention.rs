@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use dflash_optimized::backend::gpu::Gpu;
+use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use dflash_optimized::ops::attention::ranges::KeyRanges;
 use dflash_optimized::ops::attention::twin::{attention_backward, attention_forward};

@@ -6,9 +6,9 @@
 
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::cuda::Cuda;
-use dflash_optimized::backend::gpu::Gpu;
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::backend::{Backend, Elem};
+use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::memory::step::{Checkpointing, StepShape};
 use dflash_optimized::model::drafter_step::{DrafterStep, Grads};
 use dflash_optimized::Result;

@@ -3,9 +3,9 @@
 //! - [`ops`]: every operation with its API, its CPU twin, its CUDA launcher and its kernel
 //!   source side by side: the fused block-sparse attention, the elementwise and reduction ops,
 //!   the matmul; the constants Rust and CUDA share; the kernels' hash.
+//! - [`device`]: the CUDA device under everything (NVRTC, memory pool, CUDA events, buffers).
 //! - [`backend`]: where ops run on raw addresses: [`backend::host::Host`] (the CPU twins, storing
-//!   bf16, f32 or f64) and [`backend::cuda::Cuda`] (cuBLAS and the kernels, bf16); the GPU itself
-//!   ([`backend::gpu`]: NVRTC, memory pool, CUDA events).
+//!   bf16, f32 or f64) and [`backend::cuda::Cuda`] (cuBLAS and the kernels, bf16).
 //! - [`memory`]: every byte formula, in checked arithmetic; the typed layout of a step.
 //! - [`model`]: the drafter's training step, one driver over any backend.
 //! - [`train`]: what a training loop takes from the step: the AdamW on the step's backend and
@@ -14,6 +14,7 @@
 //! Each piece is proven equal to `dflash-reference` by the conformance suite before it is used.
 
 pub mod backend;
+pub mod device;
 pub mod error;
 pub mod memory;
 pub mod model;

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 
 use dflash_conformance::attention_cases::{bench_cases, AttnCase};
 use dflash_conformance::gpu_attention::{case_shape, DeviceRun, HostInputs};
-use dflash_optimized::backend::gpu::Gpu;
+use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::memory::attention::cuda_extra_bytes;
 use dflash_optimized::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use dflash_reference::config::AttnKind;
@@ -270,7 +270,7 @@ pub fn run_python_json(python: &str, script: &Path, input: &Value) -> Result<Val
 
 /// Each kernel's GPU time per call over a few forward+backward runs of `case` (CUDA events).
 fn print_kernel_times(gpu: &Gpu, case: &AttnCase) -> Result<(), String> {
-    use dflash_optimized::backend::profile;
+    use dflash_optimized::device::profile;
     profile::enable(true);
     let run = bench_case(gpu, case, 2, 3);
     profile::enable(false);

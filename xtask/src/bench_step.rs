@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 
 use dflash_optimized::backend::cuda::Cuda;
-use dflash_optimized::backend::gpu::Gpu;
 use dflash_optimized::backend::Backend;
+use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::memory::named::named_configs;
 use dflash_optimized::memory::step::{Checkpointing as Policy, StepShape};
 use dflash_optimized::model::drafter_step::{DrafterStep, Grads};
@@ -163,11 +163,11 @@ fn measure_ours(
     let peak_bytes = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
     let step_ms = gpu.time_ms(warmup, iters, || step.step(scale).map(|_| ())).map_err(err)?;
     if profile {
-        dflash_optimized::backend::profile::enable(true);
+        dflash_optimized::device::profile::enable(true);
         let result = step.step(scale);
-        dflash_optimized::backend::profile::enable(false);
+        dflash_optimized::device::profile::enable(false);
         result.map_err(err)?;
-        print_profile(policy, &dflash_optimized::backend::profile::report().map_err(err)?);
+        print_profile(policy, &dflash_optimized::device::profile::report().map_err(err)?);
     }
     Ok(Ours { step_ms, loss, peak_bytes, planned_bytes: step.planned_peak() })
 }

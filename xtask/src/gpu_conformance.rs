@@ -9,7 +9,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use dflash_conformance::attention_cases::{conformance_cases, BF16_TOLERANCE};
 use dflash_conformance::gpu_attention::conformance_case;
 use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck};
-use dflash_optimized::backend::gpu::Gpu;
+use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::sources::{kernel_hash, KERNEL_SOURCES};
 use serde_json::{json, Value};
 

@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::device::{copy_device, download_device, zero_device, Buf};
-use super::gpu::Gpu;
 use super::{Allocation, Backend};
+use crate::device::buffer::{copy_device, download_device, zero_device, Buf};
+use crate::device::gpu::Gpu;
 use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;

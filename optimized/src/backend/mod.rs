@@ -4,10 +4,7 @@
 //! driver, its layout and its heap.
 
 pub mod cuda;
-pub mod device;
-pub mod gpu;
 pub mod host;
-pub mod profile;
 
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;

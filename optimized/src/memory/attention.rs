@@ -1,11 +1,11 @@
 //! Bytes of the fused attention: its key ranges on the device, what one forward + backward
-//! allocates beyond its inputs on the GPU, the kernels' shared memory per CTA, and the CPU twin's
-//! heap ceilings.
+//! allocates beyond its inputs on the GPU, and the CPU twin's heap ceilings. (The kernels' shared
+//! memory per CTA is part of their launch: `ops::attention::cuda`.)
 
 use super::{bytes_of, F32};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::twin::AttnShape;
-use crate::ops::constants::{DKDV_CHUNK, KV_STAGES, TILE_K};
+use crate::ops::constants::TILE_K;
 use crate::Result;
 
 /// Bytes of one layer kind's key ranges on the device: a 6-u32 row group per block and a 2-u32
@@ -51,23 +51,4 @@ pub fn host_attention_bytes(ranges: &KeyRanges, shape: AttnShape, acc_bytes: usi
     let forward = acc_bytes * (q + 2 * kv) + twin_forward_bytes(ranges, shape, acc_bytes);
     let backward = acc_bytes * (3 * q + 2 * kv) + twin_backward_bytes(ranges, shape, acc_bytes);
     forward.max(backward) as u64
-}
-
-/// Dynamic shared memory of the forward and the dQ pass: `KV_STAGES` stages of swizzled K and V
-/// tiles of `head_dim`, and 1024 bytes to align them (q and dout stay in registers).
-pub fn query_major_shared_bytes(head_dim: usize) -> usize {
-    1024 + KV_STAGES * 2 * TILE_K * head_dim * 2
-}
-
-/// One stage of the key-major pass: swizzled q and dout rows (`DKDV_CHUNK` x `head_dim` bf16
-/// each), their lse and dsum (fp32) and the row group (32 bytes), rounded to 1024 bytes. Injected
-/// into the kernel as `DKDV_STAGE_BYTES`.
-pub fn dkdv_stage_bytes(head_dim: usize) -> usize {
-    (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
-}
-
-/// Dynamic shared memory of the key-major pass: the K and V tiles and two stages, and 1024 bytes
-/// to align them.
-pub fn dkdv_shared_bytes(head_dim: usize) -> usize {
-    1024 + 2 * TILE_K * head_dim * 2 + 2 * dkdv_stage_bytes(head_dim)
 }

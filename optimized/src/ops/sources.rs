@@ -23,13 +23,21 @@ pub const ATTENTION_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
 pub fn attention_defines(head_dim: usize) -> String {
     format!(
         "#define HEAD_DIM {head_dim}\n#define DKDV_STAGE_BYTES {}\n",
-        crate::memory::attention::dkdv_stage_bytes(head_dim)
+        super::attention::cuda::dkdv_stage_bytes(head_dim)
     )
 }
 
-/// What NVRTC compiles for `source`: the constants' prelude, then the source.
-pub fn with_prelude(source: &str) -> String {
-    format!("{}{source}", prelude())
+/// What NVRTC compiles for `elementwise.cu`: the constants' prelude, then the source (made once
+/// per process).
+pub fn elementwise_source() -> &'static str {
+    static SOURCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SOURCE.get_or_init(|| format!("{}{ELEMENTWISE_CU}", prelude()))
+}
+
+/// What NVRTC compiles for `attention.cu` at `head_dim`: the prelude, the head dim's defines, the
+/// source.
+pub fn attention_source(head_dim: usize) -> String {
+    format!("{}{}{ATTENTION_CU}", prelude(), attention_defines(head_dim))
 }
 
 /// Everything the kernels are compiled with besides their sources: the prelude and the attention

@@ -8,11 +8,10 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConf
 
 use super::ranges::KeyRanges;
 use super::AttnShape;
-use crate::backend::gpu::Gpu;
-use crate::backend::profile;
-use crate::memory::attention::{dkdv_shared_bytes, query_major_shared_bytes};
-use crate::ops::constants::{TILE_K, WG_ROWS};
-use crate::ops::sources::{attention_defines, ATTENTION_CU, ATTENTION_HEAD_DIMS};
+use crate::device::gpu::Gpu;
+use crate::device::profile;
+use crate::ops::constants::{DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
+use crate::ops::sources::{attention_source, ATTENTION_HEAD_DIMS};
 use crate::{Error, Result};
 
 /// Largest row group (rows times the query heads of a KV head): the CTA's two warpgroups.
@@ -102,6 +101,25 @@ pub struct AttentionKernels {
     dkdv: CudaFunction,
 }
 
+/// Dynamic shared memory of the forward and the dQ pass: `KV_STAGES` stages of swizzled K and V
+/// tiles of `head_dim`, and 1024 bytes to align them (q and dout stay in registers).
+pub fn query_major_shared_bytes(head_dim: usize) -> usize {
+    1024 + KV_STAGES * 2 * TILE_K * head_dim * 2
+}
+
+/// One stage of the key-major pass: swizzled q and dout rows (`DKDV_CHUNK` x `head_dim` bf16
+/// each), their lse and dsum (fp32) and the row group (32 bytes), rounded to 1024 bytes. Injected
+/// into the kernel as `DKDV_STAGE_BYTES`.
+pub fn dkdv_stage_bytes(head_dim: usize) -> usize {
+    (2 * DKDV_CHUNK * head_dim * 2 + DKDV_CHUNK * 8 + 32).next_multiple_of(1024)
+}
+
+/// Dynamic shared memory of the key-major pass: the K and V tiles and two stages, and 1024 bytes
+/// to align them.
+pub fn dkdv_shared_bytes(head_dim: usize) -> usize {
+    1024 + 2 * TILE_K * head_dim * 2 + 2 * dkdv_stage_bytes(head_dim)
+}
+
 impl AttentionKernels {
     /// Compiles (once per process and head dim) and loads the kernels; `head_dim` must be a
     /// multiple of 64 (the 128-byte panels of the swizzled tiles) up to 256.
@@ -113,7 +131,7 @@ impl AttentionKernels {
             ));
         }
         let module: &'static str = Box::leak(format!("attention_d{head_dim}").into_boxed_str());
-        let source: &'static str = Box::leak(format!("{}{ATTENTION_CU}", attention_defines(head_dim)).into_boxed_str());
+        let source: &'static str = Box::leak(attention_source(head_dim).into_boxed_str());
         let function = |name: &str, smem: usize| -> Result<CudaFunction> {
             let f = gpu.function(module, source, name)?;
             if smem > 48 * 1024 {

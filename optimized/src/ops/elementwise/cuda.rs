@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
-use crate::backend::gpu::Gpu;
-use crate::backend::profile;
+use crate::device::gpu::Gpu;
+use crate::device::profile;
 use crate::ops::constants::{
     ELEMENTWISE_CTAS, GRAD_PARTS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
-use crate::ops::sources::ELEMENTWISE_CU;
+use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 
@@ -52,7 +52,7 @@ fn grid(n: usize, per: u32) -> u32 {
 impl ElementwiseKernels {
     /// Compiles `elementwise.cu` (once per process) and loads its kernels.
     pub fn load(gpu: &Gpu) -> Result<Self> {
-        let f = |name: &str| gpu.function("elementwise", ELEMENTWISE_CU, name);
+        let f = |name: &str| gpu.function("elementwise", elementwise_source(), name);
         Ok(ElementwiseKernels {
             stream: gpu.stream().clone(),
             rms_norm_forward: f("rms_norm_forward")?,

@@ -10,8 +10,8 @@ use cudarc::cublas::{result, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::backend::gpu::Gpu;
-use crate::backend::profile;
+use crate::device::gpu::Gpu;
+use crate::device::profile;
 use crate::{Error, Result};
 
 use super::Mat;

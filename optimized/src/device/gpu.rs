@@ -128,7 +128,7 @@ impl Gpu {
             }
             return Err(Error::Gpu(format!("module `{module}` was already compiled from a different source")));
         }
-        let ptx = compile(module, &crate::ops::sources::with_prelude(source))?;
+        let ptx = compile(module, source)?;
         let loaded = self.ctx.load_module(ptx).map_err(|e| driver_error(&format!("loading module `{module}`"), e))?;
         modules.insert(module, LoadedModule { source, module: loaded.clone() });
         Ok(loaded)
