@@ -1,0 +1,131 @@
+//! The data pipeline against HF transformers + tokenizers (fixtures/scripts/make_data_goldens.py):
+//! for 50 conversations under a Qwen3-style template (thinking off and on) and a Llama-3-style
+//! one, the rendered text, the token ids, the loss mask and the row layout (one row, or one row
+//! per assistant turn when the template rewrites earlier turns) are equal, token for token.
+
+use std::path::PathBuf;
+
+use dflash_conformance::fixtures_dir;
+use dflash_data::format::{parse_record, prepare_messages, role, Record};
+use dflash_data::mask::{documents, Layout, RenderOptions};
+use dflash_data::target::TargetTokenizer;
+use serde_json::Value;
+
+fn data_dir() -> PathBuf {
+    fixtures_dir().join("data")
+}
+
+struct Golden {
+    template: String,
+    thinking: bool,
+    conversation: usize,
+    layout: Layout,
+    /// Per row: rendered text, ids, mask.
+    rows: Vec<(String, Vec<u32>, Vec<bool>)>,
+}
+
+fn goldens() -> Vec<Golden> {
+    let text = std::fs::read_to_string(data_dir().join("goldens.json")).expect("goldens.json");
+    let json: Value = serde_json::from_str(&text).expect("goldens JSON");
+    json["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| Golden {
+            template: c["template"].as_str().unwrap().to_owned(),
+            thinking: c["thinking"].as_bool().unwrap(),
+            conversation: c["conversation"].as_u64().unwrap() as usize,
+            layout: match c["layout"].as_str().unwrap() {
+                "whole" => Layout::Whole,
+                "per_turn" => Layout::PerTurn,
+                other => panic!("layout {other}"),
+            },
+            rows: c["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    let ids = r["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+                    let mask = r["loss_mask"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() == 1).collect();
+                    (r["text"].as_str().unwrap().to_owned(), ids, mask)
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn conversations() -> Vec<String> {
+    std::fs::read_to_string(data_dir().join("conversations.jsonl"))
+        .expect("conversations")
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The texts the goldens' rows were encoded from: the whole render, or each turn's render.
+fn rendered(tok: &TargetTokenizer, record: &Record, layout: Layout, thinking: bool) -> Vec<String> {
+    let Record::Chat { messages, tools } = record else { panic!("golden conversations are chats") };
+    let messages = prepare_messages(messages, None, thinking);
+    let template = tok.template.as_ref().expect("template");
+    let render = |n: usize| template.render(&messages[..n], tools.as_ref(), false, thinking).expect("render");
+    match layout {
+        Layout::Whole => vec![render(messages.len())],
+        Layout::PerTurn => {
+            (0..messages.len()).filter(|&i| role(&messages[i]) == Some("assistant")).map(|i| render(i + 1)).collect()
+        }
+    }
+}
+
+#[test]
+fn pipeline_equals_transformers_token_for_token() {
+    let qwen = TargetTokenizer::load(&data_dir().join("tokenizer-qwen")).expect("qwen tokenizer");
+    let llama = TargetTokenizer::load(&data_dir().join("tokenizer-llama")).expect("llama tokenizer");
+    assert!(
+        qwen.template.as_ref().unwrap().file.ends_with("tokenizer_config.json"),
+        "qwen: template inside the config"
+    );
+    assert!(llama.template.as_ref().unwrap().file.ends_with("chat_template.jinja"), "llama: template in its own file");
+    let lines = conversations();
+    let cases = goldens();
+    assert_eq!(cases.len(), 150, "50 conversations x (qwen off, qwen on, llama)");
+    let (mut rows, mut tokens) = (0, 0);
+    let mut layouts = std::collections::HashSet::new();
+    for g in &cases {
+        let name = format!("{} thinking={} conversation {}", g.template, g.thinking, g.conversation);
+        let tok = if g.template == "qwen" { &qwen } else { &llama };
+        let record = parse_record(&lines[g.conversation]).expect("golden line parses");
+        let texts = rendered(tok, &record, g.layout, g.thinking);
+        let opts = RenderOptions { thinking: g.thinking, system_prompt: None };
+        let (layout, docs) = documents(tok, record, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(layout, g.layout, "{name}: layout");
+        assert_eq!(docs.len(), g.rows.len(), "{name}: rows");
+        for (k, ((text, ids, mask), doc)) in g.rows.iter().zip(&docs).enumerate() {
+            assert_eq!(&texts[k], text, "{name} row {k}: rendered text");
+            assert_eq!(&doc.tokens, ids, "{name} row {k}: token ids");
+            assert_eq!(&doc.loss_mask, mask, "{name} row {k}: loss mask");
+            tokens += ids.len();
+        }
+        rows += docs.len();
+        layouts.insert((g.template.clone(), g.layout));
+    }
+    assert!(layouts.contains(&("qwen".into(), Layout::PerTurn)), "the Qwen3-style template rewrites earlier turns");
+    assert!(layouts.contains(&("qwen".into(), Layout::Whole)), "single-turn Qwen3-style conversations are one row");
+    assert!(layouts.contains(&("llama".into(), Layout::Whole)));
+    println!("{} cases, {rows} rows, {tokens} tokens equal to transformers", cases.len());
+}
+
+/// Literal special-token text inside user content encodes to the special token's id, as the
+/// HF tokenizer does (conversation 13 asks for `<|im_end|>` literally).
+#[test]
+fn special_token_text_in_content_is_the_special_token() {
+    let qwen = TargetTokenizer::load(&data_dir().join("tokenizer-qwen")).expect("qwen tokenizer");
+    let im_end = qwen.tokenizer.token_to_id("<|im_end|>").expect("<|im_end|> id");
+    let ids = qwen.encode("say <|im_end|> now").unwrap();
+    assert!(ids.contains(&im_end), "{ids:?}");
+    let found = goldens().iter().any(|g| {
+        g.rows.iter().any(|(text, ids, _)| {
+            text.contains("Write <|im_end|> literally") && ids.iter().filter(|&&t| t == im_end).count() >= 3
+        })
+    });
+    assert!(found, "a golden conversation carries <|im_end|> inside its user content");
+}
