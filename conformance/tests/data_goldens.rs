@@ -129,3 +129,56 @@ fn special_token_text_in_content_is_the_special_token() {
     });
     assert!(found, "a golden conversation carries <|im_end|> inside its user content");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+
+    /// Encoding piece by piece between the added tokens (with reuse) equals encoding the whole
+    /// text, on texts mixing special tokens, their fragments, whitespace runs, combining marks
+    /// and non-ASCII text.
+    #[test]
+    fn piecewise_encoding_equals_whole_encoding(parts in proptest::collection::vec(0usize..FRAGMENTS.len(), 0..40)) {
+        let text: String = parts.iter().map(|&i| FRAGMENTS[i]).collect();
+        for tok in tokenizers() {
+            let mut memo = std::collections::HashMap::new();
+            let want = tok.encode(&text).unwrap();
+            proptest::prop_assert_eq!(tok.encode_with(&text, &mut memo).unwrap(), want.clone(), "{:?}", text);
+            proptest::prop_assert_eq!(tok.encode_with(&text, &mut memo).unwrap(), want, "again, from the memo");
+        }
+    }
+}
+
+const FRAGMENTS: &[&str] = &[
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<|eot_id|>",
+    "<|begin_of_text|>",
+    "<|im_",
+    "end|>",
+    "<",
+    ">",
+    "\n",
+    "\n\n",
+    " ",
+    "   ",
+    "\t",
+    "user",
+    "assistant",
+    "Hello",
+    " world",
+    "é",
+    "e\u{301}",
+    "\u{301}",
+    "東京",
+    "🙂",
+    "12",
+    "3.5",
+    "'s",
+    "don't",
+];
+
+fn tokenizers() -> [TargetTokenizer; 2] {
+    ["tokenizer-qwen", "tokenizer-llama"].map(|n| TargetTokenizer::load(&data_dir().join(n)).expect("tokenizer"))
+}

@@ -8,6 +8,8 @@
 //! assistant turn, each the render up to and including that turn, supervised on that turn only
 //! ([`Layout::PerTurn`]).
 
+use std::collections::HashMap;
+
 use minijinja::Value;
 
 use crate::error::{Skip, SkipReason};
@@ -87,9 +89,10 @@ fn chat_documents(
     if turns.is_empty() {
         return Err(Skip::new(SkipReason::NoAssistantTurn, "no message with role `assistant`"));
     }
-    let encode_render = |upto: usize, generation: bool| {
+    let mut memo = HashMap::new();
+    let mut encode_render = |upto: usize, generation: bool| {
         let text = template.render(&messages[..upto], tools, generation, opts.thinking).map_err(template_error)?;
-        tok.encode(&text).map_err(template_error)
+        tok.encode_with(&text, &mut memo).map_err(template_error)
     };
     let whole = encode_render(messages.len(), false)?;
     let mut per_turn = Vec::with_capacity(turns.len());

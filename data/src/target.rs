@@ -3,8 +3,10 @@
 //! `chat_template.jinja` next to it, transformers 5's layout), and the vocabulary size of
 //! `config.json` when present (else the tokenizer's).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
@@ -25,6 +27,36 @@ pub struct TargetTokenizer {
     pub pad_id: u32,
     /// `tokenizer.json`'s bytes hash (part of the cache key).
     pub tokenizer_hash: [u8; 32],
+    splitter: Option<Splitter>,
+}
+
+/// The added tokens the tokenizer matches before normalizing, found leftmost-longest as it finds
+/// them. The tokenizer encodes the pieces between them independently of each other, so
+/// `encode(text)` is the concatenation of the pieces' ids and those tokens' ids; a piece that
+/// recurs (a message in each prefix render of a conversation) is encoded once.
+struct Splitter {
+    matcher: AhoCorasick,
+    ids: Vec<u32>,
+}
+
+impl Splitter {
+    /// `None` when a piece-wise encoding could differ: an added token that strips spaces or must
+    /// be a single word, or special tokens encoded as text.
+    fn new(tokenizer: &Tokenizer) -> Option<Self> {
+        if tokenizer.get_encode_special_tokens() {
+            return None;
+        }
+        let tokens: Vec<(u32, tokenizers::AddedToken)> =
+            tokenizer.get_added_tokens_decoder().into_iter().filter(|(_, t)| !t.normalized).collect();
+        if tokens.is_empty() || tokens.iter().any(|(_, t)| t.lstrip || t.rstrip || t.single_word) {
+            return None;
+        }
+        let matcher = AhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(tokens.iter().map(|(_, t)| t.content.as_str()))
+            .ok()?;
+        Some(Splitter { matcher, ids: tokens.iter().map(|(id, _)| *id).collect() })
+    }
 }
 
 fn read(file: &Path) -> Result<Vec<u8>> {
@@ -89,7 +121,15 @@ impl TargetTokenizer {
         let id_of =
             |name: &str| special_tokens.iter().find(|(n, _)| n == name).and_then(|(_, t)| tokenizer.token_to_id(t));
         let pad_id = id_of("pad_token").or_else(|| id_of("eos_token")).unwrap_or(0);
-        Ok(TargetTokenizer { tokenizer, template, vocab_size, pad_id, tokenizer_hash: crate::cache::sha256(&bytes) })
+        let splitter = Splitter::new(&tokenizer);
+        Ok(TargetTokenizer {
+            tokenizer,
+            template,
+            vocab_size,
+            pad_id,
+            tokenizer_hash: crate::cache::sha256(&bytes),
+            splitter,
+        })
     }
 
     /// The chat template: `chat_template` of the config (a string, or a list of named templates
@@ -118,6 +158,40 @@ impl TargetTokenizer {
     /// The ids of `text`, special-token text included, without adding special tokens.
     pub fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
         self.tokenizer.encode_fast(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
+    }
+
+    /// [`TargetTokenizer::encode`], reusing the ids of pieces (between added tokens) already in
+    /// `memo`; equal to it token for token.
+    pub fn encode_with(
+        &self,
+        text: &str,
+        memo: &mut HashMap<String, Vec<u32>>,
+    ) -> std::result::Result<Vec<u32>, String> {
+        let Some(splitter) = &self.splitter else { return self.encode(text) };
+        let mut ids = Vec::new();
+        let mut piece = |piece: &str, ids: &mut Vec<u32>| -> std::result::Result<(), String> {
+            match memo.get(piece) {
+                Some(known) => ids.extend(known),
+                None => {
+                    let new = self.encode(piece)?;
+                    ids.extend(&new);
+                    memo.insert(piece.to_owned(), new);
+                }
+            }
+            Ok(())
+        };
+        let mut start = 0;
+        for m in splitter.matcher.find_iter(text) {
+            if m.start() > start {
+                piece(&text[start..m.start()], &mut ids)?;
+            }
+            ids.push(splitter.ids[m.pattern().as_usize()]);
+            start = m.end();
+        }
+        if start < text.len() {
+            piece(&text[start..], &mut ids)?;
+        }
+        Ok(ids)
     }
 
     /// The text of `ids` (special tokens shown).

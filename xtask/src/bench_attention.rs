@@ -56,6 +56,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Some("attention") => attention(args.collect()),
         Some("gemm") => crate::bench_gemm::run(args.collect()),
         Some("step") => crate::bench_step::run(args.collect()),
+        Some("data") => crate::bench_data::run(args.collect()),
         Some("-h" | "--help") | None => {
             println!("{HELP}");
             Ok(())
