@@ -182,3 +182,24 @@ const FRAGMENTS: &[&str] = &[
 fn tokenizers() -> [TargetTokenizer; 2] {
     ["tokenizer-qwen", "tokenizer-llama"].map(|n| TargetTokenizer::load(&data_dir().join(n)).expect("tokenizer"))
 }
+
+/// `tojson` is Python's `json.dumps(x, ensure_ascii=False, indent=...)` (the expected strings are
+/// Python 3's output for the same JSON), keys in input order; booleans and none print as Python
+/// prints them; Python string methods work.
+#[test]
+fn tojson_and_printing_follow_python() {
+    use dflash_data::format::parse_json;
+    use dflash_data::template::ChatTemplate;
+    let source = "{{ messages[0].x | tojson }}|{{ messages[0].x | tojson(indent=2) }}|{{ true }} {{ none }} \
+                  {{ '  a b '.strip().split(' ') | tojson }}";
+    let template = ChatTemplate::new(source.into(), std::path::Path::new("test"), vec![]).expect("template");
+    let message = parse_json(
+        r#"{"x": {"z": 1.5e-07, "b": [1, 2.0, "é<&>'\"\n\u0001"], "c": {}, "d": [], "e": null, "f": true, "g": 1e16, "h": 123456789012, "i": 0.1}}"#,
+    )
+    .expect("JSON");
+    let got = template.render(&[message], None, false, false).expect("render");
+    let compact = r#"{"z": 1.5e-07, "b": [1, 2.0, "é<&>'\"\n\u0001"], "c": {}, "d": [], "e": null, "f": true, "g": 1e+16, "h": 123456789012, "i": 0.1}"#;
+    let indented = "{\n  \"z\": 1.5e-07,\n  \"b\": [\n    1,\n    2.0,\n    \"é<&>'\\\"\\n\\u0001\"\n  ],\n  \"c\": {},\n  \"d\": [],\n  \
+                    \"e\": null,\n  \"f\": true,\n  \"g\": 1e+16,\n  \"h\": 123456789012,\n  \"i\": 0.1\n}";
+    assert_eq!(got, format!("{compact}|{indented}|True None [\"a\", \"b\"]"));
+}

@@ -113,41 +113,28 @@ fn dumps(
             _ => out.push_str(&python_float(f64::try_from(v.clone())?)),
         },
         ValueKind::String => quote(v.as_str().unwrap_or_default(), out),
-        ValueKind::Seq | ValueKind::Iterable => {
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+            let is_map = v.kind() == ValueKind::Map;
+            let (open, close) = if is_map { ('{', '}') } else { ('[', ']') };
             let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
-            }
-            out.push('[');
+            out.push(open);
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                dumps(item, indent, depth + 1, out)?;
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        ValueKind::Map => {
-            let keys: Vec<Value> = v.try_iter()?.collect();
-            if keys.is_empty() {
-                out.push_str("{}");
-                return Ok(());
-            }
-            out.push('{');
-            for (i, key) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
+                if is_map {
+                    quote(&item.to_string(), out);
+                    out.push_str(": ");
+                    dumps(&v.get_item(item)?, indent, depth + 1, out)?;
+                } else {
+                    dumps(item, indent, depth + 1, out)?;
                 }
-                newline(out, depth + 1);
-                quote(&key.to_string(), out);
-                out.push_str(": ");
-                dumps(&v.get_item(key)?, indent, depth + 1, out)?;
             }
-            newline(out, depth);
-            out.push('}');
+            if !items.is_empty() {
+                newline(out, depth);
+            }
+            out.push(close);
         }
         _ => quote(&v.to_string(), out),
     }
