@@ -255,9 +255,8 @@ pub fn prepare_messages(messages: &[Value], system_prompt: Option<&str>, thinkin
     system.into_iter().chain(messages.iter().map(strip)).collect()
 }
 
-/// A message's role.
-pub fn role(message: &Value) -> Option<&str> {
-    // `get_attr` returns an owned value; roles are read from the known list to borrow statically.
+/// A message's role, if it is one of [`ROLES`].
+pub fn role(message: &Value) -> Option<&'static str> {
     let r = message.get_attr("role").ok()?;
     ROLES.iter().copied().find(|known| r.as_str() == Some(known))
 }
