@@ -203,3 +203,22 @@ fn tojson_and_printing_follow_python() {
                     \"e\": null,\n  \"f\": true,\n  \"g\": 1e+16,\n  \"h\": 123456789012,\n  \"i\": 0.1\n}";
     assert_eq!(got, format!("{compact}|{indented}|True None [\"a\", \"b\"]"));
 }
+
+/// A Metaspace pre-tokenizer that prepends `▁` to the text's first piece only would encode a
+/// piece after an added token differently on its own: such tokenizers are encoded whole.
+#[test]
+fn piecewise_encoding_is_off_for_a_first_piece_pre_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = r#"{"version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"<s>": 0, "▁a": 1, "a": 2, "▁b": 3, "b": 4, "<unk>": 5}, "unk_token": "<unk>"}}"#;
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer).unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{}").unwrap();
+    let tok = TargetTokenizer::load(dir.path()).expect("tokenizer");
+    let want = tok.encode("a<s>b").unwrap();
+    assert_eq!(want, vec![1, 0, 4], "only the first piece gets the prefix");
+    assert_eq!(tok.encode_with("a<s>b", &mut std::collections::HashMap::new()).unwrap(), want);
+}

@@ -41,9 +41,10 @@ struct Splitter {
 
 impl Splitter {
     /// `None` when a piece-wise encoding could differ: an added token that strips spaces or must
-    /// be a single word, or special tokens encoded as text.
-    fn new(tokenizer: &Tokenizer) -> Option<Self> {
-        if tokenizer.get_encode_special_tokens() {
+    /// be a single word, special tokens encoded as text, or a pre-tokenizer that treats the
+    /// text's first piece alone (Metaspace with `prepend_scheme: first`, in `tokenizer_json`).
+    fn new(tokenizer: &Tokenizer, tokenizer_json: &Json) -> Option<Self> {
+        if tokenizer.get_encode_special_tokens() || tokenizer_json.get("pre_tokenizer").is_some_and(prepends_first) {
             return None;
         }
         let tokens: Vec<(u32, tokenizers::AddedToken)> =
@@ -75,6 +76,19 @@ fn token_text(v: &Json) -> Option<String> {
         Json::String(s) => Some(s.clone()),
         Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_owned),
         _ => None,
+    }
+}
+
+/// Whether a pre-tokenizer config holds a Metaspace that prepends to the first piece only.
+fn prepends_first(config: &Json) -> bool {
+    match config {
+        Json::Object(o) => {
+            (o.get("type").and_then(Json::as_str) == Some("Metaspace")
+                && o.get("prepend_scheme").and_then(Json::as_str) == Some("first"))
+                || o.values().any(prepends_first)
+        }
+        Json::Array(a) => a.iter().any(prepends_first),
+        _ => false,
     }
 }
 
@@ -121,7 +135,8 @@ impl TargetTokenizer {
         let id_of =
             |name: &str| special_tokens.iter().find(|(n, _)| n == name).and_then(|(_, t)| tokenizer.token_to_id(t));
         let pad_id = id_of("pad_token").or_else(|| id_of("eos_token")).unwrap_or(0);
-        let splitter = Splitter::new(&tokenizer);
+        let json: Json = serde_json::from_slice(&bytes).map_err(|e| Error::field(&tok_file, "JSON", e.to_string()))?;
+        let splitter = Splitter::new(&tokenizer, &json);
         Ok(TargetTokenizer {
             tokenizer,
             template,
