@@ -329,6 +329,27 @@ mod pipeline {
         assert_eq!((data.train.len(), data.held_out.len()), (3, 1));
     }
 
+    /// The held-out fraction is of conversations: the documents of a conversation made one per
+    /// turn (which share their prefixes) are all on one side.
+    #[test]
+    fn a_conversation_is_held_out_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = fixtures_dir().join("data/conversations.jsonl");
+        for seed in 0..4 {
+            let opts =
+                DataOptions { seed, held_out: HeldOut::Fraction(0.3), ..DataOptions::new(tmp.path().join("cache")) };
+            let data = Dataset::prepare(&tokenizer(), std::slice::from_ref(&file), &opts).expect("prepare");
+            let side = |docs: &[usize]| {
+                docs.iter().map(|&d| data.cache.conversation_of(d)).collect::<std::collections::BTreeSet<_>>()
+            };
+            let (train, held) = (side(&data.train), side(&data.held_out));
+            assert_eq!(held.len(), 15, "30% of 50 conversations");
+            assert_eq!(train.len() + held.len(), 50);
+            assert!(train.is_disjoint(&held), "seed {seed}: a conversation on both sides");
+            assert!(data.held_out.len() > held.len(), "some held-out conversations are one row per turn");
+        }
+    }
+
     /// The second run opens the cache (no tokenizing) and gives the same rows; a changed data
     /// file or option rebuilds it.
     #[test]

@@ -1,6 +1,7 @@
 //! The tokenized form of a data set, cached in one file so that later epochs and resumed runs
 //! never tokenize again. Layout: magic, the 32-byte key, each document's tokens (`u32` LE) and
-//! loss mask (bits), the index (per document: offset `u64`, length `u32`, file `u32`), the
+//! loss mask (bits), the index (per document: offset `u64`, length `u32`, file `u32`,
+//! conversation `u32`), the
 //! stats (JSON), and a footer (index offset, document count, stats offset and length as `u64`,
 //! magic). Written to a temporary name, synced, then renamed; opened only when its key (the
 //! tokenizer, template, options and data files) matches, else rebuilt.
@@ -18,7 +19,7 @@ use crate::stats::Stats;
 
 const MAGIC: &[u8; 8] = b"DFTOK\x00\x00\x01";
 const FOOTER: usize = 4 * 8 + 8;
-const ENTRY: usize = 16;
+const ENTRY: usize = 20;
 
 /// sha256 of `bytes`.
 pub fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -83,11 +84,13 @@ impl CacheWriter {
         Ok(())
     }
 
-    /// Appends one document of data file number `file`.
-    pub fn push(&mut self, doc: &Document, file: u32) -> Result<()> {
+    /// Appends one document of data file number `file` and conversation number
+    /// `conversation` (one conversation may give several documents, one per turn).
+    pub fn push(&mut self, doc: &Document, file: u32, conversation: u32) -> Result<()> {
         self.index.extend(self.offset.to_le_bytes());
         self.index.extend((doc.tokens.len() as u32).to_le_bytes());
         self.index.extend(file.to_le_bytes());
+        self.index.extend(conversation.to_le_bytes());
         let mut bytes = Vec::with_capacity(doc.tokens.len() * 4 + doc.tokens.len().div_ceil(8));
         bytes.extend(doc.tokens.iter().flat_map(|t| t.to_le_bytes()));
         bytes.extend(
@@ -125,8 +128,8 @@ impl CacheWriter {
 pub struct Cache {
     path: PathBuf,
     file: File,
-    /// Per document: offset, length, data file number.
-    index: Vec<(u64, u32, u32)>,
+    /// Per document: offset, length, data file number, conversation number.
+    index: Vec<(u64, u32, u32, u32)>,
     pub stats: Stats,
 }
 
@@ -163,7 +166,7 @@ impl Cache {
             .chunks(ENTRY)
             .map(|e| {
                 let u32_at = |i: usize| u32::from_le_bytes(e[i..i + 4].try_into().expect("4 bytes"));
-                (u64::from_le_bytes(e[..8].try_into().expect("8 bytes")), u32_at(8), u32_at(12))
+                (u64::from_le_bytes(e[..8].try_into().expect("8 bytes")), u32_at(8), u32_at(12), u32_at(16))
             })
             .collect();
         let stats =
@@ -185,14 +188,14 @@ impl Cache {
         self.index[i].2
     }
 
-    /// The length in tokens of document `i`.
-    pub fn doc_len(&self, i: usize) -> usize {
-        self.index[i].1 as usize
+    /// The conversation number of document `i`.
+    pub fn conversation_of(&self, i: usize) -> usize {
+        self.index[i].3 as usize
     }
 
     /// Reads document `i`.
     pub fn document(&self, i: usize) -> Result<Document> {
-        let (offset, n, _) = self.index[i];
+        let (offset, n, _, _) = self.index[i];
         let n = n as usize;
         let mut buf = vec![0; n * 4 + n.div_ceil(8)];
         self.file.read_exact_at(&mut buf, offset).map_err(|e| Error::io(&self.path, e))?;

@@ -9,7 +9,7 @@ use rand_chacha::ChaCha8Rng;
 /// of another generator).
 const SPLIT_STREAM: u64 = u64::MAX;
 
-/// `(train, held_out)` document indices, each ascending: `round(fraction * n)` documents drawn
+/// `(train, held_out)` indices (of conversations), each ascending: `round(fraction * n)` drawn
 /// without replacement from `0..n` by `seed`.
 pub fn split(n: usize, fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
     let mut order: Vec<usize> = (0..n).collect();

@@ -27,12 +27,13 @@ use crate::target::TargetTokenizer;
 const CHUNK_LINES: usize = 1024;
 
 /// Bumped when the cache's content or layout changes.
-const CACHE_VERSION: &str = "1";
+const CACHE_VERSION: &str = "2";
 
 /// Where the held-out documents come from.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HeldOut {
-    /// This fraction of the documents, drawn by the seed.
+    /// This fraction of the conversations, drawn by the seed; a conversation's documents (one
+    /// per turn) all go to one side, so no held-out turn shares a prefix with a training one.
     Fraction(f64),
     /// Every document of these files (and none of the training files).
     Files(Vec<PathBuf>),
@@ -46,7 +47,7 @@ pub struct DataOptions {
     pub max_len: usize,
     /// Pack documents into rows of `max_len` tokens (default) or one per row.
     pub packing: bool,
-    /// 5% of the documents by default.
+    /// 5% of the conversations by default (all documents of a conversation on one side).
     pub held_out: HeldOut,
     /// Seeds the split and each epoch's order.
     pub seed: u64,
@@ -131,8 +132,14 @@ impl Dataset {
         if cache.is_empty() {
             return Err(Error::NoRows(format!("every line was skipped or filtered ({})", cache.stats.skip_summary())));
         }
-        let (train, held_out) = match &opts.held_out {
-            HeldOut::Fraction(f) => split(cache.len(), *f, opts.seed),
+        let (train, held_out): (Vec<usize>, Vec<usize>) = match &opts.held_out {
+            HeldOut::Fraction(f) => {
+                let mut held = vec![false; cache.stats.conversations];
+                for c in split(cache.stats.conversations, *f, opts.seed).1 {
+                    held[c] = true;
+                }
+                (0..cache.len()).partition(|&i| !held[cache.conversation_of(i)])
+            }
             HeldOut::Files(_) => (0..cache.len()).partition(|&i| (cache.file_of(i) as usize) < files.len()),
         };
         if train.is_empty() {
@@ -226,6 +233,7 @@ fn tokenize_all(
                 match result {
                     Err(skip) => stats.skip(&name, line.number, &skip),
                     Ok((layout, docs)) => {
+                        let conversation = stats.conversations as u32;
                         let mut kept = false;
                         for mut doc in docs {
                             stats.truncated += usize::from(truncate(&mut doc, opts.max_len));
@@ -239,7 +247,7 @@ fn tokenize_all(
                             stats.documents += 1;
                             stats.tokens += doc.tokens.len();
                             stats.supervised_tokens += doc.loss_mask.iter().filter(|&&m| m).count();
-                            writer.push(&doc, file_no as u32)?;
+                            writer.push(&doc, file_no as u32, conversation)?;
                         }
                         stats.conversations += usize::from(kept);
                         stats.per_turn_conversations += usize::from(kept && layout == Layout::PerTurn);

@@ -28,7 +28,7 @@ options:
   --packing yes|no     pack documents into rows (no: one per row)      (default yes)
   --thinking yes|no    enable_thinking (no also drops reasoning)       (default no)
   --system-prompt T    system message for conversations without one   (default none)
-  --held-out X         a fraction of the documents, or a jsonl file    (default 0.05)
+  --held-out X         a fraction of the conversations, or a jsonl file (default 0.05)
   --seed N             seed of the split and the epoch order           (default 0)
   --cache DIR          where the tokenized cache is kept               (default runs/data-cache)";
 
