@@ -67,7 +67,7 @@ proptest! {
         let mut seen = vec![];
         for row in &rows {
             row.validate().expect("valid row");
-            prop_assert_eq!(row.len(), seq_len);
+            prop_assert_eq!(row.tokens.len(), seq_len);
             for (d, start, end) in spans(row) {
                 prop_assert!(row.positions[start..end].iter().enumerate().all(|(k, &p)| p == k), "positions restart in doc {}", d);
                 let doc = docs.iter().position(|doc| doc.tokens[0] == row.tokens[start]).expect("a known document");
@@ -104,12 +104,12 @@ proptest! {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         for row in build(&docs, &order, Packing::Packed { seq_len, pad_id: 0 }) {
             let anchors = sample_anchors_per_document(&row.loss_mask, &row.doc_ids, n_max, &mut rng);
-            let layout = BlockLayout::new(row.len(), block, anchors.positions.clone(), anchors.keep.clone(), Some(row.doc_ids.clone()))
+            let layout = BlockLayout::new(row.tokens.len(), block, anchors.positions.clone(), anchors.keep.clone(), Some(row.doc_ids.clone()))
                 .expect("layout");
             for kind in [AttnKind::Full, AttnKind::Sliding { window: 5 }] {
                 for q in 0..layout.num_queries() {
                     let a = layout.anchors[q / block];
-                    for k in 0..row.len() {
+                    for k in 0..row.tokens.len() {
                         if layout.allow(kind, q, k) {
                             prop_assert!(row.doc_ids[k] == row.doc_ids[a] && row.doc_ids[k] != -1, "query {} sees key {} of another document", q, k);
                         }
@@ -237,7 +237,7 @@ mod pipeline {
         let mut docs = vec![];
         for row in rows {
             let mut current: Option<i64> = None;
-            for i in 0..row.len() {
+            for i in 0..row.tokens.len() {
                 if row.doc_ids[i] != current.unwrap_or(-2) && row.doc_ids[i] >= 0 {
                     docs.push(vec![]);
                     current = Some(row.doc_ids[i]);
@@ -281,7 +281,7 @@ mod pipeline {
                     let rows = all_rows(&data, epoch);
                     for row in &rows {
                         row.validate().expect("valid row");
-                        prop_assert_eq!(row.len(), max_len);
+                        prop_assert_eq!(row.tokens.len(), max_len);
                     }
                     prop_assert_eq!(supervised(&rows), want);
                 }

@@ -64,12 +64,12 @@ impl<E, I: Iterator<Item = Result<Document, E>>> Iterator for RowBuilder<I> {
         if let Packing::Packed { seq_len, pad_id } = self.packing {
             let mut id = 1;
             while let Some(Ok(doc)) =
-                self.docs.next_if(|d| d.as_ref().is_ok_and(|d| row.len() + d.tokens.len() <= seq_len))
+                self.docs.next_if(|d| d.as_ref().is_ok_and(|d| row.tokens.len() + d.tokens.len() <= seq_len))
             {
                 push_doc(&mut row, doc, id);
                 id += 1;
             }
-            let pad = seq_len.saturating_sub(row.len());
+            let pad = seq_len.saturating_sub(row.tokens.len());
             row.tokens.extend(std::iter::repeat_n(pad_id, pad));
             row.loss_mask.extend(std::iter::repeat_n(false, pad));
             row.doc_ids.extend(std::iter::repeat_n(-1, pad));

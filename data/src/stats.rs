@@ -95,7 +95,7 @@ impl RowCounts {
         self.rows += 1;
         self.tokens += row.doc_ids.iter().filter(|&&d| d >= 0).count();
         self.supervised_tokens += row.loss_mask.iter().filter(|&&m| m).count();
-        self.slots += row.len();
+        self.slots += row.tokens.len();
     }
 
     /// Packing efficiency: document tokens / token slots.

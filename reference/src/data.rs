@@ -20,21 +20,11 @@ pub struct Row {
 }
 
 impl Row {
-    /// `S`.
-    pub fn len(&self) -> usize {
-        self.tokens.len()
-    }
-
-    /// Whether the row has no tokens.
-    pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-
     /// Checks the layout: every per-token field has `S` entries, document ids count up from 0
     /// in runs with padding only at the end, positions restart at 0 in each document, and
     /// padding is never supervised.
     pub fn validate(&self) -> Result<()> {
-        let s = self.len();
+        let s = self.tokens.len();
         for (what, n) in
             [("loss_mask", self.loss_mask.len()), ("doc_ids", self.doc_ids.len()), ("positions", self.positions.len())]
         {

@@ -127,14 +127,16 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 fn render_row(target: &TargetTokenizer, row: &Row, index: usize, colour: bool) -> String {
     let docs = row.doc_ids.iter().filter(|&&d| d >= 0).max().map_or(0, |&d| d + 1);
     let supervised = row.loss_mask.iter().filter(|&&m| m).count();
-    let mut out = format!("── row {index}: {} tokens, {docs} documents, {supervised} supervised ──", row.len());
+    let mut out = format!("── row {index}: {} tokens, {docs} documents, {supervised} supervised ──", row.tokens.len());
     let mut start = 0;
-    while start < row.len() {
+    while start < row.tokens.len() {
         let (doc, mask) = (row.doc_ids[start], row.loss_mask[start]);
-        let end = (start..row.len()).find(|&i| row.doc_ids[i] != doc || row.loss_mask[i] != mask).unwrap_or(row.len());
+        let end = (start..row.tokens.len())
+            .find(|&i| row.doc_ids[i] != doc || row.loss_mask[i] != mask)
+            .unwrap_or(row.tokens.len());
         if start == 0 || row.doc_ids[start - 1] != doc {
             out += &if doc < 0 {
-                format!("\n[padding: {} tokens]", row.len() - start)
+                format!("\n[padding: {} tokens]", row.tokens.len() - start)
             } else {
                 format!("\n[document {doc}]\n")
             };
