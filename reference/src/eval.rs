@@ -4,12 +4,12 @@ use candle_core::DType;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::anchors::sample_anchors;
 use crate::data::TrainRow;
-use crate::drafter::{DraftInput, Drafter, FrozenHead};
+use crate::drafter::{Drafter, FrozenHead};
 use crate::error::Result;
-use crate::loss::{weighted_ce_sum, BlockTargets};
+use crate::loss::weighted_ce_sum;
 use crate::speculative::argmax_rows;
+use crate::train::PreparedRow;
 
 /// What [`evaluate`] measured.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,9 +35,8 @@ pub fn evaluate(
     let (mut sum, mut total) = (0.0, 0.0);
     let (mut hits, mut counts) = (vec![0usize; b], vec![0usize; b]);
     for row in rows {
-        let anchors = sample_anchors(&row.loss_mask, max_anchors, &mut rng);
-        let targets = BlockTargets::new(&row.tokens, &row.loss_mask, &anchors, b, gamma);
-        let logits = drafter.forward(head, &DraftInput::training(row, &anchors, b)?)?;
+        let PreparedRow { targets, input, .. } = PreparedRow::new(row, max_anchors, b, gamma, &mut rng)?;
+        let logits = drafter.forward(head, &input)?;
         sum += weighted_ce_sum(&logits, &targets)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         total += targets.total_weight();
         for (r, predicted) in argmax_rows(&logits)?.into_iter().enumerate() {

@@ -3,7 +3,8 @@
 //! next to its section of the spec.
 //!
 //! - [`config`]: drafter and target `config.json` (spec 1); [`mask`]: the training mask (spec 2);
-//! - [`anchors`], [`loss`], [`optim`], [`train`]: training (spec 3);
+//! - [`anchors`], [`loss`], [`optim`], [`train`]: training (spec 3); [`data`]: the training row
+//!   (spec 6: tokens, loss mask, packed documents, positions) and a row with its features;
 //! - [`drafter`], [`target`], [`attention`], [`ops`]: the models (spec 1);
 //! - [`speculative`]: greedy speculative decoding and tau (spec 4);
 //! - [`builtin`]: the tiny built-in target, drafter and data of `cargo xtask train`.

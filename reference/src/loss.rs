@@ -43,6 +43,19 @@ impl BlockTargets {
         BlockTargets { labels, weights }
     }
 
+    /// Zeroes the weight of the block rows whose label lies in another document than their
+    /// anchor (`doc_ids` per token of a packed row): the next conversation, which the block
+    /// cannot see, is not a target.
+    pub fn restrict_to_documents(&mut self, doc_ids: &[i64], anchors: &Anchors, block_size: usize) {
+        for (j, &a) in anchors.positions.iter().enumerate() {
+            for o in 0..block_size {
+                if doc_ids.get(a + o).is_some_and(|&d| d != doc_ids[a]) {
+                    self.weights[j * block_size + o] = 0.0;
+                }
+            }
+        }
+    }
+
     /// `sum w`.
     pub fn total_weight(&self) -> f64 {
         self.weights.iter().sum()

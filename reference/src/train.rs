@@ -6,7 +6,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::anchors::sample_anchors;
+use crate::anchors::{sample_anchors, sample_anchors_per_document, Anchors};
 use crate::data::TrainRow;
 use crate::drafter::{DraftInput, Drafter, FrozenHead};
 use crate::error::{Error, Result};
@@ -55,6 +55,37 @@ pub struct StepReport {
     pub weight: f64,
 }
 
+/// One row's share of a step: its anchors, the labels and loss weights of its blocks, and the
+/// drafter's input. Packed rows (with document ids) draw their anchors per document
+/// ([`sample_anchors_per_document`]) and weigh no label of another document.
+pub struct PreparedRow {
+    pub anchors: Anchors,
+    pub targets: BlockTargets,
+    pub input: DraftInput,
+}
+
+impl PreparedRow {
+    /// Draws `row`'s anchors (up to `max_anchors`) from `rng` and builds its targets and input.
+    pub fn new(
+        row: &TrainRow,
+        max_anchors: usize,
+        block_size: usize,
+        gamma: f64,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Self> {
+        let anchors = match &row.doc_ids {
+            Some(docs) => sample_anchors_per_document(&row.loss_mask, docs, max_anchors, rng),
+            None => sample_anchors(&row.loss_mask, max_anchors, rng),
+        };
+        let mut targets = BlockTargets::new(&row.tokens, &row.loss_mask, &anchors, block_size, gamma);
+        if let Some(docs) = &row.doc_ids {
+            targets.restrict_to_documents(docs, &anchors, block_size);
+        }
+        let input = DraftInput::training(row, &anchors, block_size)?;
+        Ok(PreparedRow { anchors, targets, input })
+    }
+}
+
 /// The batch loss `sum_rows sum w*CE / sum_rows sum w` of `rows`, with their anchors drawn from
 /// `rng`; returns the loss tensor and the total weight.
 pub fn batch_loss(
@@ -69,9 +100,8 @@ pub fn batch_loss(
     let mut sum: Option<Tensor> = None;
     let mut total = 0.0;
     for row in rows {
-        let anchors = sample_anchors(&row.loss_mask, max_anchors, rng);
-        let targets = BlockTargets::new(&row.tokens, &row.loss_mask, &anchors, b, gamma);
-        let logits = drafter.forward(head, &DraftInput::training(row, &anchors, b)?)?;
+        let PreparedRow { targets, input, .. } = PreparedRow::new(row, max_anchors, b, gamma, rng)?;
+        let logits = drafter.forward(head, &input)?;
         let row_sum = weighted_ce_sum(&logits, &targets)?;
         total += targets.total_weight();
         sum = Some(match sum {

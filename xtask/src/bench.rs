@@ -1,12 +1,13 @@
-//! `cargo xtask bench <name>`: the benchmarks, each in its own file, each measured on the device
-//! against its baseline in the same run and written to `results/*.json`.
+//! `cargo xtask bench <name>`: the benchmarks, each in its own file, each measured against its
+//! baseline in the same run and written to `results/*.json` (the GPU ones on the H200).
 
-const HELP: &str = "usage: xtask bench <benchmark> [options]     (on the GPU machine)
+const HELP: &str = "usage: xtask bench <benchmark> [options]
 
 benchmarks:
   attention   our attention vs PyTorch flex_attention and SDPA         (results/attention-h200.json)
   gemm        the cuBLAS bf16 linear: checked against the CPU, timed   (results/gemm-h200.json)
   step        the GPU training step per policy vs PyTorch, MFU, peaks  (results/step-h200.json)
+  data        (this machine) render + tokenize + mask + pack vs Python  (results/data-cpu.json)
 
 run `xtask bench <benchmark> --help` for its options";
 
@@ -16,6 +17,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Some("attention") => crate::bench_attention::run(args.collect()),
         Some("gemm") => crate::bench_gemm::run(args.collect()),
         Some("step") => crate::bench_step::run(args.collect()),
+        Some("data") => crate::bench_data::run(args.collect()),
         Some("-h" | "--help") | None => {
             println!("{HELP}");
             Ok(())

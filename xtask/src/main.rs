@@ -3,16 +3,20 @@
 //! - `train`: train a drafter; with no arguments, a tiny drafter against the tiny built-in
 //!   target on the CPU (a few minutes), printing the falling loss and tau before and after.
 //! - `plan`: the memory planner's itemised peak for the named configs, per policy.
+//! - `data`: a user's conversations and the target's tokenizer to packed rows; statistics.
 //! - `gpu-bundle`: the release binary and baseline scripts in `gpu-bundle/`, for the GPU machine.
 //! - `gpu-conformance` (GPU machine): the CUDA kernels against the reference; the attestation.
 //! - `bench attention` (GPU machine): our attention against PyTorch flex_attention and SDPA.
 //! - `bench step` (GPU machine): the GPU training step against PyTorch; MFU and memory peaks.
+//! - `bench data`: the data pipeline against Python transformers on the CPU; peak memory.
 
 mod args;
 mod bench;
 mod bench_attention;
+mod bench_data;
 mod bench_gemm;
 mod bench_step;
+mod data;
 mod gpu_bundle;
 mod gpu_conformance;
 mod plan;
@@ -25,11 +29,13 @@ const USAGE: &str = "usage: cargo xtask <command> [options]
 commands:
   train              train a drafter (no options: the tiny built-in default on the CPU)
   plan               the memory planner: itemised peak per checkpointing policy
+  data               conversations + the target's tokenizer -> packed rows; stats, samples
   gpu-bundle         build the release binary into gpu-bundle/ for the GPU machine
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
   bench gemm         (GPU machine) the cuBLAS bf16 linear: checked against the CPU, timed
   bench step         (GPU machine) the GPU training step per policy vs PyTorch, MFU, peaks
+  bench data         the data pipeline vs Python transformers on the CPU; peak memory
 
 run `cargo xtask <command> --help` for a command's options";
 
@@ -38,6 +44,7 @@ fn main() -> ExitCode {
     let result = match argv.next().as_deref() {
         Some("train") => train::run(argv.collect()),
         Some("plan") => plan::run(argv.collect()),
+        Some("data") => data::run(argv.collect()),
         Some("gpu-bundle") => gpu_bundle::run(argv.collect()),
         Some("gpu-conformance") => gpu_conformance::run(argv.collect()),
         Some("bench") => bench::run(argv.collect()),

@@ -5,11 +5,10 @@
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
-use dflash_reference::anchors::sample_anchors;
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{DraftInput, Drafter, FrozenHead};
 use dflash_reference::loss::BlockTargets;
-use dflash_reference::train::{BatchGradients, GradientSource};
+use dflash_reference::train::{BatchGradients, GradientSource, PreparedRow};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::host::Host;
@@ -78,9 +77,7 @@ impl<E: Elem> GradientSource for HostGradients<E> {
         let b = drafter.config.block_size;
         let mut per_row = Vec::with_capacity(rows.len());
         for r in rows {
-            let anchors = sample_anchors(&r.loss_mask, max_anchors, rng);
-            let targets = BlockTargets::new(&r.tokens, &r.loss_mask, &anchors, b, gamma);
-            let input = DraftInput::training(r, &anchors, b)?;
+            let PreparedRow { targets, input, .. } = PreparedRow::new(r, max_anchors, b, gamma, rng)?;
             let weight = targets.total_weight();
             if weight > 0.0 {
                 per_row.push((weight, self.row(drafter, head, &input, &targets)?));

@@ -1,0 +1,168 @@
+//! Bad data gives a clear outcome, never a panic: a line that cannot become a document is a
+//! counted skip whose example in the summary names the file, the line and the field (or the
+//! template's own message); a missing or corrupt file, a broken template or a data set with
+//! nothing left is a `dflash_data::Error` naming the file or the filter.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use dflash_conformance::fixtures_dir;
+use dflash_data::target::TargetTokenizer;
+use dflash_data::{DataOptions, Dataset, Error, SkipReason};
+use rstest::rstest;
+use tempfile::TempDir;
+
+const GOOD: &str = r#"{"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help you today?"}]}"#;
+
+fn tokenizer(name: &str) -> TargetTokenizer {
+    TargetTokenizer::load(&fixtures_dir().join("data").join(name)).expect("fixture tokenizer")
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::File::create(&path).and_then(|mut f| f.write_all(bytes)).expect("write");
+    path
+}
+
+/// A copy of a fixture tokenizer folder.
+fn copy_tokenizer(name: &str) -> TempDir {
+    let tmp = tempfile::tempdir().expect("temporary folder");
+    for entry in std::fs::read_dir(fixtures_dir().join("data").join(name)).expect("fixture") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).expect("copy");
+    }
+    tmp
+}
+
+fn options(dir: &Path) -> DataOptions {
+    DataOptions { held_out: dflash_data::HeldOut::Fraction(0.0), ..DataOptions::new(dir.join("cache")) }
+}
+
+/// One bad line between two good ones is skipped and counted under its reason; the summary's
+/// example names the file, line 2 and each of `names`.
+#[rstest]
+#[case::malformed_json("tokenizer-qwen", br#"{"messages": [{"role": "user""#.to_vec(), SkipReason::MalformedLine, &["invalid JSON", "column"]) ]
+#[case::not_an_object("tokenizer-qwen", b"[1, 2]".to_vec(), SkipReason::MalformedLine, &["not a JSON object"])]
+#[case::not_utf8("tokenizer-qwen", b"{\"text\": \"\xff\xfe\"}".to_vec(), SkipReason::MalformedLine, &["not UTF-8"])]
+#[case::unknown_role("tokenizer-qwen", br#"{"messages": [{"role": "wizard", "content": "x"}]}"#.to_vec(), SkipReason::UnknownRole, &["messages[0].role", "wizard"])]
+#[case::unknown_sharegpt_from("tokenizer-qwen", br#"{"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}"#.to_vec(), SkipReason::UnknownRole, &["conversations[1].from", "bot"])]
+#[case::missing_role("tokenizer-qwen", br#"{"messages": [{"content": "x"}]}"#.to_vec(), SkipReason::MalformedLine, &["messages[0].role"])]
+#[case::empty_conversation("tokenizer-qwen", br#"{"messages": []}"#.to_vec(), SkipReason::EmptyConversation, &["messages"])]
+#[case::no_assistant_turn("tokenizer-qwen", br#"{"messages": [{"role": "user", "content": "anyone?"}]}"#.to_vec(), SkipReason::NoAssistantTurn, &["assistant"])]
+#[case::template_raises("tokenizer-llama", br#"{"messages": [{"role": "assistant", "content": "I start"}, {"role": "user", "content": "ok"}]}"#.to_vec(), SkipReason::TemplateError, &["must not start with an assistant turn"])]
+#[case::token_out_of_vocab("tokenizer-qwen", br#"{"input_ids": [5, 6, 99999], "loss_mask": [1, 1, 1]}"#.to_vec(), SkipReason::TokenOutOfVocab, &["input_ids[2]", "99999"])]
+#[case::mask_length("tokenizer-qwen", br#"{"input_ids": [5, 6, 7], "loss_mask": [1, 1]}"#.to_vec(), SkipReason::MalformedLine, &["loss_mask", "2 entries for 3"])]
+#[case::bad_mask_value("tokenizer-qwen", br#"{"input_ids": [5, 6], "loss_mask": [1, 7]}"#.to_vec(), SkipReason::MalformedLine, &["loss_mask[1]"])]
+#[case::negative_id("tokenizer-qwen", br#"{"input_ids": [5, -6], "loss_mask": [1, 1]}"#.to_vec(), SkipReason::MalformedLine, &["input_ids[1]"])]
+#[case::unknown_format("tokenizer-qwen", br#"{"prompt": "x", "completion": "y"}"#.to_vec(), SkipReason::UnknownFormat, &["messages"])]
+#[case::no_anchor_candidate("tokenizer-qwen", br#"{"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 0]}"#.to_vec(), SkipReason::NoAnchorCandidate, &["2 consecutive supervised"])]
+fn a_bad_line_is_a_counted_skip_naming_file_and_line(
+    #[case] tok: &str,
+    #[case] line: Vec<u8>,
+    #[case] reason: SkipReason,
+    #[case] names: &[&str],
+) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut bytes = format!("{GOOD}\n").into_bytes();
+    bytes.extend(&line);
+    bytes.extend(format!("\n{GOOD}\n").as_bytes());
+    let file = write(tmp.path(), "data.jsonl", &bytes);
+    let data =
+        Dataset::prepare(&tokenizer(tok), std::slice::from_ref(&file), &options(tmp.path())).expect("two good lines");
+    let stats = data.stats();
+    assert_eq!(stats.skipped.get(&reason), Some(&1), "{reason:?} counted once: {stats}");
+    assert_eq!(stats.total_skipped(), 1, "{stats}");
+    assert_eq!(stats.documents, 2);
+    let example = &stats.examples[0];
+    assert!(example.starts_with(&format!("{}:2: ", file.display())), "`{example}` names the file and line 2");
+    for name in names {
+        assert!(example.contains(name), "`{example}` does not name {name}");
+    }
+    assert!(stats.to_string().contains(example.as_str()), "the summary lists the example");
+}
+
+fn expect_error(result: dflash_data::Result<impl Sized>) -> Error {
+    match result {
+        Ok(_) => panic!("bad input accepted"),
+        Err(e) => e,
+    }
+}
+
+fn assert_names(err: &Error, names: &[&str]) {
+    let text = err.to_string();
+    for name in names {
+        assert!(text.contains(name), "`{text}` does not name {name}");
+    }
+}
+
+#[test]
+fn a_missing_data_file_is_an_error_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("nope.jsonl");
+    let err = expect_error(Dataset::prepare(&tokenizer("tokenizer-qwen"), &[missing], &options(tmp.path())));
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    assert_names(&err, &["nope.jsonl"]);
+}
+
+/// Every line skipped or filtered: an error naming each reason and its count.
+#[test]
+fn a_data_set_with_every_row_filtered_is_an_error_naming_the_filter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lines = "{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 0]}\n{\"messages\": []}\n";
+    let file = write(tmp.path(), "data.jsonl", lines.as_bytes());
+    let err = expect_error(Dataset::prepare(&tokenizer("tokenizer-qwen"), &[file], &options(tmp.path())));
+    assert!(matches!(err, Error::NoRows(_)), "{err:?}");
+    assert_names(&err, &["fewer than 2 consecutive supervised tokens: 1", "empty conversation: 1"]);
+}
+
+/// Breaks one file of a copied tokenizer folder; loading names that file.
+#[rstest]
+#[case::missing_tokenizer("tokenizer.json", None, &["tokenizer.json", "No such file"])]
+#[case::corrupt_tokenizer("tokenizer.json", Some(&b"{\"version\": \"1.0\", \"model\": "[..]), &["tokenizer.json", "tokenizer"])]
+#[case::missing_config("tokenizer_config.json", None, &["tokenizer_config.json"])]
+#[case::corrupt_config("tokenizer_config.json", Some(&b"{\"bos_token\": "[..]), &["tokenizer_config.json", "invalid at line 1"])]
+#[case::template_syntax("chat_template.jinja", Some(&b"{% for m in messages %}{{ m.content }"[..]), &["chat_template.jinja", "chat template"])]
+#[case::vocab_smaller_than_tokenizer("config.json", Some(&b"{\"vocab_size\": 100}"[..]), &["tokenizer.json", "vocab_size 100", "config.json"])]
+#[case::config_without_vocab("config.json", Some(&b"{\"hidden_size\": 8}"[..]), &["config.json", "vocab_size"])]
+fn a_broken_target_folder_is_an_error_naming_the_file(
+    #[case] file: &str,
+    #[case] content: Option<&[u8]>,
+    #[case] names: &[&str],
+) {
+    let dir = copy_tokenizer("tokenizer-llama");
+    match content {
+        Some(bytes) => {
+            write(dir.path(), file, bytes);
+        }
+        None => std::fs::remove_file(dir.path().join(file)).expect("remove"),
+    }
+    let err = expect_error(TargetTokenizer::load(dir.path()));
+    assert_names(&err, names);
+}
+
+#[rstest]
+#[case::held_out_fraction(DataOptions { held_out: dflash_data::HeldOut::Fraction(1.5), ..DataOptions::new("unused") }, &["held_out", "1.5"])]
+#[case::max_len(DataOptions { max_len: 1, ..DataOptions::new("unused") }, &["max_len"])]
+fn a_bad_option_is_an_error_naming_it(#[case] opts: DataOptions, #[case] names: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = write(tmp.path(), "data.jsonl", GOOD.as_bytes());
+    let err = expect_error(Dataset::prepare(&tokenizer("tokenizer-qwen"), &[file], &opts));
+    assert!(matches!(err, Error::Option { .. }), "{err:?}");
+    assert_names(&err, names);
+}
+
+/// A cache whose end was cut off (not a file this crate wrote: it writes atomically) is an
+/// error naming it, never a panic or a silent partial data set.
+#[test]
+fn a_cut_cache_is_an_error_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = write(tmp.path(), "data.jsonl", format!("{GOOD}\n{GOOD}\n").as_bytes());
+    let opts = options(tmp.path());
+    let tok = tokenizer("tokenizer-qwen");
+    Dataset::prepare(&tok, std::slice::from_ref(&file), &opts).expect("first run");
+    let cache = opts.cache_dir.join("tokenized.bin");
+    let len = std::fs::metadata(&cache).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&cache).unwrap().set_len(len - 5).unwrap();
+    let err = expect_error(Dataset::prepare(&tok, &[file], &opts));
+    assert_names(&err, &["tokenized.bin", "cache"]);
+}

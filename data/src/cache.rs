@@ -1,0 +1,206 @@
+//! The tokenized form of a data set, cached in one file so that later epochs and resumed runs
+//! never tokenize again. Layout: magic, the 32-byte key, each document's tokens (`u32` LE) and
+//! loss mask (bits), the index (per document: offset `u64`, length `u32`, file `u32`,
+//! conversation `u32`), the
+//! stats (JSON), and a footer (index offset, document count, stats offset and length as `u64`,
+//! magic). Written to a temporary name, synced, then renamed; opened only when its key (the
+//! tokenizer, template, options and data files) matches, else rebuilt.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::mask::Document;
+use crate::stats::Stats;
+
+const MAGIC: &[u8; 8] = b"DFTOK\x00\x00\x01";
+const FOOTER: usize = 4 * 8 + 8;
+const ENTRY: usize = 20;
+
+/// sha256 of `bytes`.
+pub fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// The key of a cache: a hash of everything its documents depend on.
+#[derive(Default)]
+pub struct KeyBuilder(Sha256);
+
+impl KeyBuilder {
+    /// Adds one named part.
+    pub fn add(&mut self, name: &str, value: &[u8]) -> &mut Self {
+        for part in [name.as_bytes(), value] {
+            self.0.update((part.len() as u64).to_le_bytes());
+            self.0.update(part);
+        }
+        self
+    }
+
+    /// Adds a data file by path, size and modification time.
+    pub fn add_file(&mut self, file: &Path) -> Result<&mut Self> {
+        let meta = std::fs::metadata(file).map_err(|e| Error::io(file, e))?;
+        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        let stamp = format!("{} {} {:?}", file.display(), meta.len(), mtime);
+        Ok(self.add("file", stamp.as_bytes()))
+    }
+
+    pub fn finish(&self) -> [u8; 32] {
+        self.0.clone().finalize().into()
+    }
+}
+
+/// Writes a cache: documents streamed in, then [`CacheWriter::finish`] renames it into place.
+pub struct CacheWriter {
+    path: PathBuf,
+    tmp: PathBuf,
+    out: BufWriter<File>,
+    offset: u64,
+    index: Vec<u8>,
+}
+
+impl CacheWriter {
+    pub fn create(path: &Path, key: &[u8; 32]) -> Result<Self> {
+        let tmp = path.with_extension("tmp");
+        let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let mut w = CacheWriter {
+            path: path.to_owned(),
+            tmp,
+            out: BufWriter::with_capacity(1 << 20, file),
+            offset: 0,
+            index: vec![],
+        };
+        w.write(MAGIC)?;
+        w.write(key)?;
+        Ok(w)
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.out.write_all(bytes).map_err(|e| Error::io(&self.tmp, e))?;
+        self.offset += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Appends one document of data file number `file` and conversation number
+    /// `conversation` (one conversation may give several documents, one per turn).
+    pub fn push(&mut self, doc: &Document, file: u32, conversation: u32) -> Result<()> {
+        self.index.extend(self.offset.to_le_bytes());
+        self.index.extend((doc.tokens.len() as u32).to_le_bytes());
+        self.index.extend(file.to_le_bytes());
+        self.index.extend(conversation.to_le_bytes());
+        let mut bytes = Vec::with_capacity(doc.tokens.len() * 4 + doc.tokens.len().div_ceil(8));
+        bytes.extend(doc.tokens.iter().flat_map(|t| t.to_le_bytes()));
+        bytes.extend(
+            doc.loss_mask.chunks(8).map(|c| c.iter().enumerate().fold(0u8, |b, (i, &m)| b | (u8::from(m) << i))),
+        );
+        self.write(&bytes)
+    }
+
+    /// Writes the index, stats and footer, syncs and renames the file into place.
+    pub fn finish(mut self, stats: &Stats) -> Result<()> {
+        let index_offset = self.offset;
+        let n_docs = (self.index.len() / ENTRY) as u64;
+        let index = std::mem::take(&mut self.index);
+        self.write(&index)?;
+        let stats_json = serde_json::to_vec(stats).expect("stats serialise");
+        let stats_offset = self.offset;
+        self.write(&stats_json)?;
+        let mut footer = Vec::with_capacity(FOOTER);
+        for v in [index_offset, n_docs, stats_offset, stats_json.len() as u64] {
+            footer.extend(v.to_le_bytes());
+        }
+        footer.extend(MAGIC);
+        self.write(&footer)?;
+        let file = self.out.into_inner().map_err(|e| Error::io(&self.tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| Error::io(&self.tmp, e))?;
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
+        if let Some(dir) = self.path.parent() {
+            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// An opened cache: the index in memory, documents read on demand.
+pub struct Cache {
+    path: PathBuf,
+    file: File,
+    /// Per document: offset, length, data file number, conversation number.
+    index: Vec<(u64, u32, u32, u32)>,
+    pub stats: Stats,
+}
+
+impl Cache {
+    /// Opens `path` if it exists and carries `key`; `Ok(None)` when it must be rebuilt.
+    pub fn open(path: &Path, key: &[u8; 32]) -> Result<Option<Self>> {
+        let Ok(file) = File::open(path) else { return Ok(None) };
+        let corrupt = |what: &str| Error::field(path, "cache", format!("{what}; delete the file to rebuild it"));
+        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        if len < (MAGIC.len() + 32 + FOOTER) as u64 {
+            return Ok(None);
+        }
+        let read = |offset: u64, n: usize| -> Result<Vec<u8>> {
+            let mut buf = vec![0; n];
+            file.read_exact_at(&mut buf, offset).map_err(|e| Error::io(path, e))?;
+            Ok(buf)
+        };
+        let head = read(0, MAGIC.len() + 32)?;
+        if &head[..8] != MAGIC || head[8..] != key[..] {
+            return Ok(None);
+        }
+        let footer = read(len - FOOTER as u64, FOOTER)?;
+        if &footer[32..] != MAGIC {
+            return Err(corrupt("no footer (a partial write?)"));
+        }
+        let word = |i: usize| u64::from_le_bytes(footer[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        let (index_offset, n_docs, stats_offset, stats_len) = (word(0), word(1), word(2), word(3));
+        if index_offset.checked_add(n_docs * ENTRY as u64) != Some(stats_offset)
+            || stats_offset + stats_len + FOOTER as u64 != len
+        {
+            return Err(corrupt("inconsistent footer"));
+        }
+        let index = read(index_offset, n_docs as usize * ENTRY)?
+            .chunks(ENTRY)
+            .map(|e| {
+                let u32_at = |i: usize| u32::from_le_bytes(e[i..i + 4].try_into().expect("4 bytes"));
+                (u64::from_le_bytes(e[..8].try_into().expect("8 bytes")), u32_at(8), u32_at(12), u32_at(16))
+            })
+            .collect();
+        let stats =
+            serde_json::from_slice(&read(stats_offset, stats_len as usize)?).map_err(|e| corrupt(&e.to_string()))?;
+        Ok(Some(Cache { path: path.to_owned(), file, index, stats }))
+    }
+
+    /// Number of documents.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// The data file number of document `i`.
+    pub fn file_of(&self, i: usize) -> u32 {
+        self.index[i].2
+    }
+
+    /// The conversation number of document `i`.
+    pub fn conversation_of(&self, i: usize) -> usize {
+        self.index[i].3 as usize
+    }
+
+    /// Reads document `i`.
+    pub fn document(&self, i: usize) -> Result<Document> {
+        let (offset, n, _, _) = self.index[i];
+        let n = n as usize;
+        let mut buf = vec![0; n * 4 + n.div_ceil(8)];
+        self.file.read_exact_at(&mut buf, offset).map_err(|e| Error::io(&self.path, e))?;
+        let tokens = buf[..n * 4].chunks(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+        let loss_mask = (0..n).map(|k| buf[n * 4 + k / 8] >> (k % 8) & 1 == 1).collect();
+        Ok(Document { tokens, loss_mask })
+    }
+}

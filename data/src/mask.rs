@@ -1,0 +1,122 @@
+//! Records to documents with their loss mask (spec section 6). A conversation is rendered up to
+//! each assistant turn with the generation prompt, then with the turn; the turn's tokens from
+//! the first one that differs from the generation prompt's are supervised (token-level diff).
+//! When each such render is a token prefix of the whole conversation's render, the
+//! conversation is one document supervised on all its assistant turns ([`Layout::Whole`]).
+//! Templates that rewrite earlier turns (Qwen3 drops earlier reasoning and adds a `<think>`
+//! block to the last turn only) break that; the conversation then gives one document per
+//! assistant turn, each the render up to and including that turn, supervised on that turn only
+//! ([`Layout::PerTurn`]).
+
+use std::collections::HashMap;
+
+use minijinja::Value;
+
+use crate::error::{Skip, SkipReason};
+use crate::format::{prepare_messages, role, Record};
+use crate::target::TargetTokenizer;
+
+/// One tokenized conversation (or one of its turns): tokens and loss mask of the same length.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Document {
+    pub tokens: Vec<u32>,
+    pub loss_mask: Vec<bool>,
+}
+
+/// How a conversation became documents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// One document; every assistant turn supervised. Also `text` and `input_ids` records.
+    Whole,
+    /// One document per assistant turn (the template rewrites earlier turns).
+    PerTurn,
+}
+
+/// How records are rendered.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct RenderOptions {
+    /// `enable_thinking`; off also drops the messages' reasoning fields.
+    pub thinking: bool,
+    /// Put first when a conversation has no system message.
+    pub system_prompt: Option<String>,
+}
+
+fn template_error(message: String) -> Skip {
+    Skip::new(SkipReason::TemplateError, message)
+}
+
+/// The documents of one record.
+pub fn documents(tok: &TargetTokenizer, record: Record, opts: &RenderOptions) -> Result<(Layout, Vec<Document>), Skip> {
+    match record {
+        Record::Text(text) => {
+            let tokens = tok.encode(&text).map_err(template_error)?;
+            let loss_mask = vec![true; tokens.len()];
+            Ok((Layout::Whole, vec![Document { tokens, loss_mask }]))
+        }
+        Record::Tokens { ids, loss_mask } => {
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= tok.vocab_size) {
+                return Err(Skip::new(
+                    SkipReason::TokenOutOfVocab,
+                    format!("field `input_ids[{i}]`: {id} >= vocab size {}", tok.vocab_size),
+                ));
+            }
+            Ok((Layout::Whole, vec![Document { tokens: ids, loss_mask }]))
+        }
+        Record::Chat { messages, tools } => chat_documents(tok, &messages, tools.as_ref(), opts),
+    }
+}
+
+/// Length of the common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn chat_documents(
+    tok: &TargetTokenizer,
+    messages: &[Value],
+    tools: Option<&Value>,
+    opts: &RenderOptions,
+) -> Result<(Layout, Vec<Document>), Skip> {
+    if messages.is_empty() {
+        return Err(Skip::new(SkipReason::EmptyConversation, "field `messages`: no messages"));
+    }
+    let template = tok
+        .template
+        .as_ref()
+        .ok_or_else(|| template_error("the target folder has no chat template for a conversation".into()))?;
+    let messages = prepare_messages(messages, opts.system_prompt.as_deref(), opts.thinking);
+    let turns: Vec<usize> = (0..messages.len()).filter(|&i| role(&messages[i]) == Some("assistant")).collect();
+    if turns.is_empty() {
+        return Err(Skip::new(SkipReason::NoAssistantTurn, "no message with role `assistant`"));
+    }
+    let mut memo = HashMap::new();
+    let mut encode_render = |upto: usize, generation: bool| {
+        let text = template.render(&messages[..upto], tools, generation, opts.thinking).map_err(template_error)?;
+        tok.encode_with(&text, &mut memo).map_err(template_error)
+    };
+    let whole = encode_render(messages.len(), false)?;
+    let mut per_turn = Vec::with_capacity(turns.len());
+    let mut is_prefix = true;
+    for &i in &turns {
+        let prompt = encode_render(i, true)?;
+        let full = encode_render(i + 1, false)?;
+        let start = common_prefix(&prompt, &full);
+        is_prefix &= whole.len() >= full.len() && whole[..full.len()] == full[..];
+        per_turn.push((full, start));
+    }
+    if is_prefix {
+        let mut loss_mask = vec![false; whole.len()];
+        for (full, start) in &per_turn {
+            loss_mask[*start..full.len()].fill(true);
+        }
+        return Ok((Layout::Whole, vec![Document { tokens: whole, loss_mask }]));
+    }
+    let docs = per_turn
+        .into_iter()
+        .map(|(tokens, start)| {
+            let loss_mask = (0..tokens.len()).map(|k| k >= start).collect();
+            Document { tokens, loss_mask }
+        })
+        .collect();
+    Ok((Layout::PerTurn, docs))
+}
