@@ -21,7 +21,7 @@ use rand_chacha::ChaCha8Rng;
 pub use crate::attention_cases::rel_error;
 use crate::op_cases::{run_ops, OpOutputs};
 use crate::setups::{gpu_draft_case, DraftCase};
-use crate::tolerance::{Tolerance, GPU_KERNEL_BF16, GPU_STEP_BF16, STEP_F32, STEP_F64};
+use crate::tolerance::{Tolerance, GPU_STEP_BF16, STEP_F32, STEP_F64};
 
 /// Gradients of the same step under two checkpointing policies.
 pub const POLICIES_AGREE: Tolerance = Tolerance {
@@ -227,23 +227,29 @@ fn rounded_to(case: DraftCase, storage: DType) -> Result<DraftCase> {
 pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let got = run_ops(&Cuda::new(gpu, 64)?, seed)?;
     let want = run_ops(&Host::<f64>::default(), seed)?;
-    Ok(compare_ops(&got, &want, GPU_KERNEL_BF16))
+    Ok(compare_ops(&got, &want))
 }
 
-/// Each op of `got` against the same op of `want`, output by output, under `tol`.
-pub fn compare_ops(got: &[OpOutputs], want: &[OpOutputs], tol: Tolerance) -> Vec<GpuCheck> {
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| GpuCheck {
-            name: format!("op {}", g.op),
-            errors: g
-                .outputs
-                .iter()
-                .zip(&w.outputs)
-                .map(|((name, a), (_, b))| (name.to_string(), rel_error(a, b)))
-                .collect(),
-            tolerance: tol.rel,
-            memory: None,
-        })
-        .collect()
+/// Each output of each op of `got` against the same output of `want`, under the output's
+/// tolerance: one check per op and kind of output.
+pub fn compare_ops(got: &[OpOutputs], want: &[OpOutputs]) -> Vec<GpuCheck> {
+    let mut checks: Vec<GpuCheck> = Vec::new();
+    for (g, w) in got.iter().zip(want) {
+        for ((name, a, tol), (_, b, _)) in g.outputs.iter().zip(&w.outputs) {
+            let kind = if tol.rel == 0.0 {
+                " (exact)"
+            } else if tol.rel < 1e-3 {
+                " (fp32)"
+            } else {
+                ""
+            };
+            let label = format!("op {}{kind}", g.op);
+            let error = (name.to_string(), rel_error(a, b));
+            match checks.iter_mut().find(|c| c.name == label) {
+                Some(c) => c.errors.push(error),
+                None => checks.push(GpuCheck { name: label, errors: vec![error], tolerance: tol.rel, memory: None }),
+            }
+        }
+    }
+    checks
 }

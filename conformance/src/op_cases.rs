@@ -12,6 +12,8 @@ use dflash_optimized::ops::elementwise::{
 use dflash_optimized::ops::matmul::Mat;
 use dflash_optimized::ops::{Elem, Real};
 use dflash_optimized::Result;
+
+use crate::tolerance::{Tolerance, ADAMW_F32, EXACT, GPU_KERNEL_BF16, KERNEL_F32};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
@@ -99,10 +101,11 @@ fn inv_rms(x: &[f64], n: usize, eps: f64) -> Vec<f64> {
     x.chunks(n).map(|r| f32_exact(1.0 / (r.iter().map(|v| v * v).sum::<f64>() / n as f64 + eps).sqrt())).collect()
 }
 
-/// One op's outputs by name.
+/// One op's outputs by name, each with the tolerance its kind of value allows against the f64
+/// twin: stored bf16 values, arithmetic (fp32) values, exact copies.
 pub struct OpOutputs {
     pub op: String,
-    pub outputs: Vec<(&'static str, Vec<f64>)>,
+    pub outputs: Vec<(&'static str, Vec<f64>, Tolerance)>,
 }
 
 /// Runs every elementwise op and the matmul of backend `dev` on the inputs of `seed`.
@@ -123,7 +126,7 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     ops.rms_norm_forward(xb, wb, y, inv, rows, n, eps)?;
     out.push(OpOutputs {
         op: format!("rms_norm_forward [{rows}, {n}]"),
-        outputs: vec![("y", buf.get(s, y, rows * n)?), ("inv", buf.get(a, inv, rows)?)],
+        outputs: vec![("y", buf.get(s, y, rows * n)?, GPU_KERNEL_BF16), ("inv", buf.get(a, inv, rows)?, KERNEL_F32)],
     });
     let (dy, dres) = (draw_bf16(rows * n, 0.0, 1.0, &mut rng), draw_bf16(rows * n, 0.0, 1.0, &mut rng));
     let g = RmsNormGrad {
@@ -137,7 +140,7 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     ops.rms_norm_backward(g, dx, dw, partial, rows, n)?;
     out.push(OpOutputs {
         op: format!("rms_norm_backward [{rows}, {n}]"),
-        outputs: vec![("dx", buf.get(s, dx, rows * n)?), ("dw", buf.get(s, dw, n)?)],
+        outputs: vec![("dx", buf.get(s, dx, rows * n)?, GPU_KERNEL_BF16), ("dw", buf.get(s, dw, n)?, GPU_KERNEL_BF16)],
     });
 
     // Head norm + RoPE forward and backward.
@@ -161,7 +164,10 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     let label = format!("[{t}, {}, {d}]", dims.heads);
     out.push(OpOutputs {
         op: format!("head_norm_rope_forward {label}"),
-        outputs: vec![("y", buf.get(s, hy, m)?), ("inv", buf.get(a, hinv, t * dims.heads)?)],
+        outputs: vec![
+            ("y", buf.get(s, hy, m)?, GPU_KERNEL_BF16),
+            ("inv", buf.get(a, hinv, t * dims.heads)?, KERNEL_F32),
+        ],
     });
     let hdy = draw_bf16(m, 0.0, 1.0, &mut rng);
     let g = HeadNormRopeGrad { dy: buf.put(s, &hdy)?, fwd: f, inv: buf.put(a, &inv_rms(&hx, d, eps))? };
@@ -169,7 +175,7 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     ops.head_norm_rope_backward(g, hdx, hdw, hpartial, dims)?;
     out.push(OpOutputs {
         op: format!("head_norm_rope_backward {label}"),
-        outputs: vec![("dx", buf.get(s, hdx, m)?), ("dw", buf.get(s, hdw, d)?)],
+        outputs: vec![("dx", buf.get(s, hdx, m)?, GPU_KERNEL_BF16), ("dw", buf.get(s, hdw, d)?, GPU_KERNEL_BF16)],
     });
 
     // SwiGLU over [gate | up] rows, in place as the step runs it; an intermediate size of a
@@ -187,7 +193,10 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         ops.swiglu_backward(dhb, gub, rows, inter)?;
         out.push(OpOutputs {
             op: format!("swiglu forward/backward [{rows}, 2 x {inter}]"),
-            outputs: vec![("h", h_out), ("dgate | dup", buf.get(s, gub, 2 * rows * inter)?)],
+            outputs: vec![
+                ("h", h_out, GPU_KERNEL_BF16),
+                ("dgate | dup", buf.get(s, gub, 2 * rows * inter)?, GPU_KERNEL_BF16),
+            ],
         });
     }
 
@@ -204,7 +213,10 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         ops.ce_grad_rows(CeRows { z: zb, labels: lb, weights: wb, loss }, ce_rows, vocab, scale)?;
         out.push(OpOutputs {
             op: format!("ce_grad_rows [{ce_rows}, {vocab}]"),
-            outputs: vec![("dz", buf.get(s, zb, ce_rows * vocab)?), ("loss", buf.get(a, loss, ce_rows)?)],
+            outputs: vec![
+                ("dz", buf.get(s, zb, ce_rows * vocab)?, GPU_KERNEL_BF16),
+                ("loss", buf.get(a, loss, ce_rows)?, KERNEL_F32),
+            ],
         });
     }
 
@@ -236,8 +248,8 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     out.push(OpOutputs {
         op: format!("adamw_update x2 [{pn}]"),
         outputs: vec![
-            ("update", p.iter().zip(&p0).map(|(x, y)| x - y).collect()),
-            ("p_stored", buf.get(s, b.p_stored, pn)?),
+            ("update", p.iter().zip(&p0).map(|(x, y)| x - y).collect(), ADAMW_F32),
+            ("p_stored", buf.get(s, b.p_stored, pn)?, GPU_KERNEL_BF16),
         ],
     });
 
@@ -264,12 +276,12 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     out.push(OpOutputs {
         op: format!("fill_normal, gather/scatter, sum_squares, accumulate [{n}]"),
         outputs: vec![
-            ("fill", buf.get(s, fill, n)?),
-            ("gather", buf.get(s, gathered, idx.len() * cols)?),
-            ("scatter", buf.get(s, scattered, src_rows * cols)?),
-            ("sum_squares", vec![sq_acc]),
-            ("sum_squares stored", vec![sq_stored]),
-            ("accumulate", buf.get(a, acc, n)?),
+            ("fill", buf.get(s, fill, n)?, GPU_KERNEL_BF16),
+            ("gather", buf.get(s, gathered, idx.len() * cols)?, EXACT),
+            ("scatter", buf.get(s, scattered, src_rows * cols)?, EXACT),
+            ("sum_squares", vec![sq_acc], KERNEL_F32),
+            ("sum_squares stored", vec![sq_stored], KERNEL_F32),
+            ("accumulate", buf.get(a, acc, n)?, KERNEL_F32),
         ],
     });
 
@@ -288,9 +300,9 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     out.push(OpOutputs {
         op: format!("matmul [{mm}, {kk}] x [{nn}, {kk}]^T, input and weight gradients"),
         outputs: vec![
-            ("linear", buf.get(s, lin, mm * nn)?),
-            ("input grad + beta", buf.get(s, dxo, mm * kk)?),
-            ("weight grad", buf.get(s, dw, nn * kk)?),
+            ("linear", buf.get(s, lin, mm * nn)?, GPU_KERNEL_BF16),
+            ("input grad + beta", buf.get(s, dxo, mm * kk)?, GPU_KERNEL_BF16),
+            ("weight grad", buf.get(s, dw, nn * kk)?, GPU_KERNEL_BF16),
         ],
     });
     Ok(out)

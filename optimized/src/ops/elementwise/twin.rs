@@ -217,10 +217,12 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
         Ok(())
     }
 
+    /// Summed in f64 (the kernel's tree of partials is as accurate; a sequential fp32 sum over
+    /// a billion-parameter gradient would not be).
     fn sum_squares(&self, stored: bool, x: u64, partial: u64, n: usize, parts: usize) -> Result<()> {
-        let value = |i: usize| if stored { ld::<E>(x, i) } else { lda::<E::Acc>(x, i) };
-        let sum = (0..n).fold(E::Acc::ZERO, |s, i| s + value(i) * value(i));
-        (0..parts).for_each(|p| sta(partial, p, if p == 0 { sum } else { E::Acc::ZERO }));
+        let value = |i: usize| if stored { ld::<E>(x, i) } else { lda::<E::Acc>(x, i) }.to_f64();
+        let sum: f64 = (0..n).map(|i| value(i) * value(i)).sum();
+        (0..parts).for_each(|p| sta(partial, p, E::Acc::from_f64(if p == 0 { sum } else { 0.0 })));
         Ok(())
     }
 
