@@ -325,7 +325,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "date": utc_now(),
         "machine": machine(),
         "commit": commit(None)?,
-        "tokenizer": target_dir.display().to_string(),
+        "tokenizer": target_dir.strip_prefix(&root).unwrap_or(&target_dir).display().to_string(),
         "conversations": ours.conversations,
         "file_mb": size as f64 / 1e6,
         "documents": ours.documents,
