@@ -441,31 +441,23 @@ impl<B: Backend> DrafterStep<B> {
         self.linear(h, z.q, z.i, w.down.w, z.h, x_out, 1.0)
     }
 
-    /// The RoPE tables and head shapes of `side`.
-    fn side(&self, side: Side) -> (HeadNormRope, Heads) {
-        let (z, i) = (self.layout.dims, self.layout.input);
+    /// One side (queries or keys) of layer `l`'s head norm + RoPE: its inputs (the pre-norm
+    /// projection, the norm weight, the RoPE tables), shapes, norm parameter, inverse RMS and
+    /// output (the shared scratch).
+    fn side(&self, l: usize, a: &LayerActs, side: Side) -> (HeadNormRope, Heads, Param, u64, u64) {
+        let (z, i, w, s) = (self.layout.dims, self.layout.input, &self.layers[l], &self.layout.scratch);
         let at = |r: Region| r.at(self.base);
-        let (cos, sin, tokens, heads) = match side {
-            Side::Q => (i.cos_q, i.sin_q, z.q, z.nh),
-            Side::K => (i.cos_k, i.sin_k, z.k, z.nkv),
+        let (x, norm, inv, y, cos, sin, tokens, heads) = match side {
+            Side::Q => (a.q_pre, w.q_norm, a.inv_q, s.q, i.cos_q, i.sin_q, z.q, z.nh),
+            Side::K => (a.k_pre, w.k_norm, a.inv_k, s.k, i.cos_k, i.sin_k, z.k, z.nkv),
         };
-        (HeadNormRope { x: 0, w: 0, cos: at(cos), sin: at(sin) }, Heads { tokens, heads, head_dim: z.d })
-    }
-
-    /// The pre-norm input, head norm weight, inverse RMS and output of `side` of layer `l`.
-    fn side_buffers(&self, l: usize, a: &LayerActs, side: Side) -> (u64, Param, u64, u64) {
-        let (w, s) = (&self.layers[l], &self.layout.scratch);
-        match side {
-            Side::Q => (a.q_pre.at(self.base), w.q_norm, a.inv_q.at(self.base), s.q.at(self.base)),
-            Side::K => (a.k_pre.at(self.base), w.k_norm, a.inv_k.at(self.base), s.k.at(self.base)),
-        }
+        let f = HeadNormRope { x: at(x), w: norm.w, cos: at(cos), sin: at(sin) };
+        (f, Heads { tokens, heads, head_dim: z.d }, norm, at(inv), at(y))
     }
 
     /// q (or k) = rope(head_norm(pre-norm)) of layer `l`, into the shared scratch.
     fn head_norm_rope_forward(&self, l: usize, a: &LayerActs, side: Side) -> Result<()> {
-        let (mut f, dims) = self.side(side);
-        let (x, norm, inv, y) = self.side_buffers(l, a, side);
-        (f.x, f.w) = (x, norm.w);
+        let (f, dims, _, inv, y) = self.side(l, a, side);
         self.dev.ops().head_norm_rope_forward(f, y, inv, dims, self.config.dims.rms_norm_eps)
     }
 
@@ -527,9 +519,7 @@ impl<B: Backend> DrafterStep<B> {
         )?;
         // Through RoPE and the head norms, in place.
         for (side, d) in [(Side::Q, dq), (Side::K, dk)] {
-            let (mut fwd, dims) = self.side(side);
-            let (x, norm, inv, _) = self.side_buffers(l, &a, side);
-            (fwd.x, fwd.w) = (x, norm.w);
+            let (fwd, dims, norm, inv, _) = self.side(l, &a, side);
             ops.head_norm_rope_backward(HeadNormRopeGrad { dy: d, fwd, inv }, d, norm.g, dw_partial, dims)?;
         }
         // Projections: dxn = dq @ Wq + (dk @ Wk + dv @ Wv)[S..]; dctx += (dk @ Wk + dv @ Wv)[..S].
