@@ -214,7 +214,7 @@ pub fn drafter_step_checks<B: Backend>(
 /// `case` with every weight, frozen table and feature rounded to `storage` (kept in f64): the
 /// step computes on exactly these values, so the reference sees the same inputs and only the
 /// step's own arithmetic is measured.
-fn rounded_to(case: DraftCase, storage: DType) -> Result<DraftCase> {
+pub fn rounded_to(case: DraftCase, storage: DType) -> Result<DraftCase> {
     let round = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(storage)?.to_dtype(DType::F64)?) };
     let drafter = Drafter::from_fn(case.drafter.config.clone(), |name, _| Ok(round(case.drafter.param(name))?))?;
     let head = FrozenHead { embed: round(&case.head.embed)?, lm_head: round(&case.head.lm_head)? };
