@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use dflash_reference::anchors::Anchors;
-use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, TargetArch, TargetConfig};
+use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{random_normal, Drafter, FrozenHead};
 use dflash_reference::Result;
@@ -49,6 +49,7 @@ pub fn random_target_config(rng: &mut ChaCha8Rng) -> TargetConfig {
         arch: if rng.random_bool(0.5) { TargetArch::Qwen3 } else { TargetArch::Llama },
         dims: random_dims(rng),
         tie_word_embeddings: rng.random_bool(0.5),
+        rope_scaling: RopeScaling::Default,
     }
 }
 

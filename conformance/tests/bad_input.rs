@@ -17,11 +17,14 @@ use rstest::rstest;
 use serde_json::{json, Value};
 use tempfile::TempDir;
 
-/// A temporary copy of `fixtures/<fixture>`.
+/// A temporary copy of the files of `fixtures/<fixture>` (not its sub-folders).
 fn copy_fixture(fixture: &str) -> TempDir {
     let tmp = tempfile::tempdir().expect("temporary folder");
     for entry in std::fs::read_dir(fixtures_dir().join(fixture)).expect("fixture folder") {
         let path = entry.expect("fixture entry").path();
+        if path.is_dir() {
+            continue;
+        }
         std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).expect("copy fixture");
     }
     tmp
@@ -104,8 +107,12 @@ fn edit_safetensors(dir: &Path, file: &str, edit: impl FnOnce(&mut HashMap<Strin
 #[case::unknown_layer_type("drafter", "/layer_types", Some(json!(["sliding_attention", "chunked_attention"])), "layer_types[1]")]
 #[case::sliding_without_window("drafter", "/sliding_window", None, "sliding_window")]
 #[case::sliding_window_zero("drafter", "/sliding_window", Some(json!(0)), "sliding_window")]
-#[case::rope_yarn("target-qwen3", "/rope_parameters/rope_type", Some(json!("yarn")), "rope_parameters.rope_type")]
-#[case::rope_scaling_linear("target-llama", "/rope_scaling", Some(json!({"type": "linear", "factor": 2.0})), "rope_scaling.type")]
+#[case::rope_longrope("target-qwen3", "/rope_parameters/rope_type", Some(json!("longrope")), "rope_parameters.rope_type")]
+#[case::rope_yarn_negative_factor("target-qwen3", "/rope_parameters", Some(json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": -2.0})), "rope_parameters.factor")]
+#[case::rope_partial_rotary("target-qwen3", "/rope_parameters/partial_rotary_factor", Some(json!(0.5)), "rope_parameters.partial_rotary_factor")]
+#[case::rope_scaling_linear_without_factor("target-llama", "/rope_scaling", Some(json!({"type": "linear"})), "rope_scaling.factor")]
+#[case::rope_llama3_bands_inverted("target-llama", "/rope_scaling", Some(json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0})), "rope_scaling.high_freq_factor")]
+#[case::drafter_rope_scaled("drafter", "/rope_scaling", Some(json!({"rope_type": "linear", "factor": 2.0})), "rope_scaling")]
 #[case::rope_scaling_dynamic("drafter", "/rope_scaling", Some(json!({"rope_type": "dynamic", "factor": 2.0})), "rope_scaling.rope_type")]
 fn bad_config_field_is_named(
     #[case] fixture: &str,

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use dflash_conformance::fixtures_dir;
 use dflash_conformance::tolerance::{assert_close, rel_error, Tolerance, ORACLE_F32, ORACLE_F64};
 use dflash_reference::anchors::Anchors;
+use dflash_reference::config::{RopeScaling, TargetConfig};
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{DraftInput, Drafter, FrozenHead};
 use dflash_reference::io::WeightSet;
@@ -63,6 +64,37 @@ fn target_matches_transformers(#[case] fixture: &str) -> TestResult {
     for (l, ours) in out.hidden.iter().enumerate() {
         let want = layer_outputs.get(l)?;
         check(&format!("{fixture} layer {l} output"), ours, &want, ORACLE_F32);
+    }
+    Ok(())
+}
+
+/// The scaled RoPE variants (linear and yarn on the Qwen3 fixture, Llama 3.1's `llama3` on the
+/// Llama one) against transformers: the config as transformers saved it parses to the same
+/// inverse frequencies and cos/sin scale, and every layer output matches.
+#[rstest]
+#[case::qwen3_linear("target-qwen3", "rope-linear")]
+#[case::qwen3_yarn("target-qwen3", "rope-yarn")]
+#[case::llama_llama3("target-llama", "rope-llama3")]
+fn scaled_rope_matches_transformers(#[case] fixture: &str, #[case] variant: &str) -> TestResult {
+    let dir = fixtures_dir().join(fixture);
+    let golden = load(&dir.join(variant).join("golden.safetensors"))?;
+    let config = TargetConfig::from_file(&dir.join(variant).join("config.json"))?;
+    assert_ne!(config.rope_scaling, RopeScaling::Default, "{variant}: the config's scaling was read");
+    let c = &config.dims;
+    let inv_freq = Tensor::new(config.rope_scaling.inv_freq(c.head_dim, c.rope_theta), &Device::Cpu)?;
+    // transformers computes the frequencies in f32.
+    check(&format!("{variant} inv_freq"), &inv_freq.to_dtype(DType::F32)?, get(&golden, "inv_freq"), ORACLE_F32);
+    let scale = get(&golden, "attention_scaling").to_vec1::<f32>()?[0] as f64;
+    assert!((config.rope_scaling.attention_factor() - scale).abs() < 1e-6, "{variant} attention factor vs {scale}");
+    let weights = WeightSet::load_dir(&dir)?;
+    let model = TargetModel::from_fn(config, |name, shape| weights.get(name, shape, DType::F32))?;
+    let tokens: Vec<u32> =
+        ints(get(&golden, "input_ids"))?.into_iter().map(|t| u32::try_from(t).expect("token id fits u32")).collect();
+    let layers: Vec<usize> = (0..model.config.dims.num_layers()).collect();
+    let out = model.forward(&tokens, &layers)?;
+    let want = get(&golden, "layer_outputs");
+    for (l, ours) in out.hidden.iter().enumerate() {
+        check(&format!("{variant} layer {l} output"), ours, &want.get(l)?, ORACLE_F32);
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use dflash_conformance::setups::randn;
 use dflash_conformance::tolerance::{assert_close, CLIP_NORM, ORACLE_F64};
 use dflash_reference::builtin::generate_rows;
-use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, TargetArch, TargetConfig};
+use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::Drafter;
 use dflash_reference::loss::default_gamma;
@@ -265,6 +265,7 @@ fn tiny_setup(seed: u64, n_rows: usize) -> (TargetModel, Drafter, Vec<TrainRow>)
             layer_kinds: vec![AttnKind::Full; 2],
         },
         tie_word_embeddings: false,
+        rope_scaling: RopeScaling::Default,
     };
     let target = TargetModel::random(config.clone(), seed, 0.5, DType::F32).unwrap();
     let mut draft_config = DraftConfig::for_target(&config, 1, 4, 15, 2);

@@ -6,7 +6,7 @@ use rand::distr::weighted::WeightedIndex;
 use rand::distr::Distribution;
 use rand::Rng;
 
-use crate::config::{AttnKind, DraftConfig, ModelDims, TargetArch, TargetConfig};
+use crate::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
 use crate::data::TrainRow;
 use crate::error::{Error, Result};
 use crate::target::TargetModel;
@@ -48,6 +48,7 @@ pub fn tiny_target_config() -> TargetConfig {
             layer_kinds: vec![AttnKind::Full; 8],
         },
         tie_word_embeddings: false,
+        rope_scaling: RopeScaling::Default,
     }
 }
 

@@ -72,6 +72,7 @@ impl ModelDims {
                 return Err(f.error("hidden_act", format!("unsupported activation `{act}` (only `silu`)")));
             }
         }
+        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(32768);
         let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
         if rms_norm_eps <= 0.0 {
             return Err(f.error("rms_norm_eps", "must be positive"));
@@ -84,8 +85,8 @@ impl ModelDims {
             head_dim,
             vocab_size: f.positive("vocab_size")?,
             rms_norm_eps,
-            rope_theta: parse_rope_theta(f)?,
-            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+            rope_theta: parse_rope(f, max_position_embeddings)?.0,
+            max_position_embeddings,
             layer_kinds: parse_layer_kinds(f, num_layers)?,
         })
     }
@@ -122,28 +123,205 @@ impl ModelDims {
     }
 }
 
-/// `rope_theta` at the top level (transformers 4) or in `rope_parameters` (transformers 5);
-/// scaled RoPE variants are refused.
-fn parse_rope_theta(f: &Fields) -> Result<f64> {
-    for key in ["rope_scaling", "rope_parameters"] {
-        if let Some(sub) = f.object(key)? {
-            // The error names the key the file actually uses (`type` in older configs).
-            let (kind_key, kind) = match (sub.opt_str("rope_type")?, sub.opt_str("type")?) {
-                (Some(kind), _) => ("rope_type", kind),
-                (None, Some(kind)) => ("type", kind),
-                (None, None) => ("rope_type", "default"),
-            };
-            if kind != "default" {
-                return Err(sub.error(kind_key, format!("unsupported RoPE scaling `{kind}` (only `default`)")));
+/// The RoPE scaling of a target config (`rope_scaling` in transformers 4, `rope_parameters` in 5),
+/// as transformers computes it (`modeling_rope_utils`): each variant changes the inverse
+/// frequencies `theta^(-2i/d)`, and yarn also scales cos and sin.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    Default,
+    /// Every inverse frequency divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1: wavelengths above `original / low_freq_factor` divided by `factor`, below
+    /// `original / high_freq_factor` kept, smoothly interpolated between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    /// YaRN: interpolated (`/ factor`) and extrapolated frequencies blended by a linear ramp over
+    /// the dims between the `beta_fast` and `beta_slow` correction dims; cos and sin scaled by
+    /// `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
+}
+
+impl RopeScaling {
+    /// The `d/2` inverse frequencies for head dim `d` and base `theta`.
+    pub fn inv_freq(&self, head_dim: usize, theta: f64) -> Vec<f64> {
+        let d = head_dim as f64;
+        let base: Vec<f64> = (0..head_dim / 2).map(|i| theta.powf(-2.0 * i as f64 / d)).collect();
+        match *self {
+            RopeScaling::Default => base,
+            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } => {
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
             }
-            if key == "rope_parameters" {
-                if let Some(theta) = sub.opt_f64("rope_theta")? {
-                    return Ok(theta);
+            RopeScaling::Yarn { factor, original_max_position_embeddings: old, beta_fast, beta_slow, truncate, .. } => {
+                // The dim at which a frequency turns `rotations` times over the original context.
+                let correction_dim = |rotations: f64| {
+                    d * (old / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
                 }
+                let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                base.iter()
+                    .enumerate()
+                    .map(|(i, &f)| {
+                        let extrapolation = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        f / factor * (1.0 - extrapolation) + f * extrapolation
+                    })
+                    .collect()
             }
         }
     }
-    Ok(f.opt_f64("rope_theta")?.unwrap_or(10000.0))
+
+    /// The factor cos and sin are multiplied by (1 except for yarn).
+    pub fn attention_factor(&self) -> f64 {
+        match *self {
+            RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+            _ => 1.0,
+        }
+    }
+
+    /// The `rope_scaling` object of a config file, or `None` for the default.
+    fn to_value(&self) -> Option<Value> {
+        match *self {
+            RopeScaling::Default => None,
+            RopeScaling::Linear { factor } => Some(json!({"rope_type": "linear", "factor": factor})),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                Some(json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings}))
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => Some(json!({"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": original_max_position_embeddings, "beta_fast": beta_fast,
+                "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate})),
+        }
+    }
+}
+
+/// `rope_theta` and the RoPE scaling: in `rope_scaling` (transformers 4, theta at the top level)
+/// or `rope_parameters` (transformers 5, theta inside). Variants other than `default`, `linear`,
+/// `llama3` and `yarn` (and a partial rotary factor) are refused, naming the key.
+fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
+    let mut theta = f.opt_f64("rope_theta")?;
+    let mut scaling = RopeScaling::Default;
+    for key in ["rope_scaling", "rope_parameters"] {
+        let Some(sub) = f.object(key)? else { continue };
+        if key == "rope_parameters" {
+            theta = sub.opt_f64("rope_theta")?.or(theta);
+        }
+        if let Some(p) = sub.opt_f64("partial_rotary_factor")? {
+            if p != 1.0 {
+                return Err(sub.error("partial_rotary_factor", format!("{p}: only 1 (full rotation) is supported")));
+            }
+        }
+        // The error names the key the file actually uses (`type` in older configs).
+        let (kind_key, kind) = match (sub.opt_str("rope_type")?, sub.opt_str("type")?) {
+            (Some(kind), _) => ("rope_type", kind),
+            (None, Some(kind)) => ("type", kind),
+            (None, None) => ("rope_type", "default"),
+        };
+        let positive = |name: &str| -> Result<f64> {
+            let v = sub.f64(name)?;
+            if v.is_finite() && v > 0.0 {
+                Ok(v)
+            } else {
+                Err(sub.error(name, format!("{v} must be positive and finite")))
+            }
+        };
+        let original = || -> Result<f64> {
+            match sub.opt_f64("original_max_position_embeddings")? {
+                Some(_) => positive("original_max_position_embeddings"),
+                None => Ok(max_position_embeddings as f64),
+            }
+        };
+        scaling = match kind {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear { factor: positive("factor")? },
+            "llama3" => {
+                let (low, high) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
+                if high <= low {
+                    return Err(sub.error("high_freq_factor", format!("{high} must exceed low_freq_factor {low}")));
+                }
+                RopeScaling::Llama3 {
+                    factor: positive("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: original()?,
+                }
+            }
+            "yarn" => {
+                let old = original()?;
+                let factor = match sub.opt_f64("factor")? {
+                    Some(_) => positive("factor")?,
+                    None => max_position_embeddings as f64 / old,
+                };
+                let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let attention_factor = match (
+                    sub.opt_f64("attention_factor")?,
+                    sub.opt_f64("mscale")?.filter(|&m| m != 0.0),
+                    sub.opt_f64("mscale_all_dim")?.filter(|&m| m != 0.0),
+                ) {
+                    (Some(_), _, _) => positive("attention_factor")?,
+                    (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                    _ => mscale(factor, 1.0),
+                };
+                let beta = |name: &str, default: f64| -> Result<f64> {
+                    Ok(match sub.opt_f64(name)? {
+                        Some(v) if v != 0.0 => positive(name)?,
+                        _ => default,
+                    })
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: old,
+                    beta_fast: beta("beta_fast", 32.0)?,
+                    beta_slow: beta("beta_slow", 1.0)?,
+                    attention_factor,
+                    truncate: sub.opt_bool("truncate")?.unwrap_or(true),
+                }
+            }
+            other => {
+                return Err(sub.error(
+                    kind_key,
+                    format!("unsupported RoPE scaling `{other}` (supported: default, linear, llama3, yarn)"),
+                ))
+            }
+        };
+    }
+    let theta = theta.unwrap_or(10000.0);
+    if !(theta.is_finite() && theta > 1.0) {
+        return Err(f.error("rope_theta", format!("{theta} must be finite and above 1")));
+    }
+    Ok((theta, scaling))
 }
 
 fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
@@ -227,6 +405,8 @@ pub struct TargetConfig {
     pub arch: TargetArch,
     pub dims: ModelDims,
     pub tie_word_embeddings: bool,
+    /// The target's RoPE variant (its theta is `dims.rope_theta`).
+    pub rope_scaling: RopeScaling,
 }
 
 impl DraftConfig {
@@ -295,6 +475,10 @@ impl DraftConfig {
             }
         }
         let dims = ModelDims::parse(&f)?;
+        if parse_rope(&f, dims.max_position_embeddings)?.1 != RopeScaling::Default {
+            let key = if f.has("rope_parameters") { "rope_parameters" } else { "rope_scaling" };
+            return Err(f.error(key, "a drafter's RoPE must be the default (no scaling)"));
+        }
         let block_size = f.opt_usize("block_size")?.unwrap_or(16);
         if block_size < 2 {
             return Err(
@@ -379,9 +563,11 @@ impl TargetConfig {
                 return Err(f.error(key, "biases are not supported"));
             }
         }
+        let dims = ModelDims::parse(&f)?;
         Ok(TargetConfig {
             arch,
-            dims: ModelDims::parse(&f)?,
+            rope_scaling: parse_rope(&f, dims.max_position_embeddings)?.1,
+            dims,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
         })
     }
@@ -394,6 +580,9 @@ impl TargetConfig {
         self.dims.write(&mut out);
         out.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
         out.insert("attention_bias".into(), json!(false));
+        if let Some(scaling) = self.rope_scaling.to_value() {
+            out.insert("rope_scaling".into(), scaling);
+        }
         Value::Object(out)
     }
 

@@ -56,6 +56,20 @@ impl Row {
 }
 
 /// One row of training data (length `S`).
+/// The token ranges of the documents of a row's `doc_ids` (maximal runs of one id; padding, id
+/// -1, belongs to none), in order.
+pub fn document_runs(doc_ids: &[i64]) -> Vec<std::ops::Range<usize>> {
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    for (k, &d) in doc_ids.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run) if d != -1 && run.end == k && doc_ids[run.start] == d => run.end = k + 1,
+            _ if d != -1 => runs.push(k..k + 1),
+            _ => {}
+        }
+    }
+    runs
+}
+
 #[derive(Clone, Debug)]
 pub struct TrainRow {
     /// `x[0..S)`.

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::config::RopeScaling;
 use crate::error::Result;
 
 /// `x @ w^T`: x `[rows, in]`, w `[out, in]` -> `[rows, out]`.
@@ -31,15 +32,26 @@ pub fn logsumexp(x: &Tensor) -> Result<Tensor> {
 /// RoPE angle tables for `positions`: `cos`, `sin` `[T, d]`, neox layout (the `d/2` frequencies
 /// `theta^(-2i/d)` repeated twice).
 pub fn rope_tables(positions: &[usize], head_dim: usize, theta: f64, dtype: DType) -> Result<(Tensor, Tensor)> {
-    let half = head_dim / 2;
+    rope_tables_scaled(positions, head_dim, theta, &RopeScaling::Default, dtype)
+}
+
+/// [`rope_tables`] under a RoPE scaling: its inverse frequencies, and cos and sin multiplied by
+/// its attention factor.
+pub fn rope_tables_scaled(
+    positions: &[usize],
+    head_dim: usize,
+    theta: f64,
+    scaling: &RopeScaling,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    let (half, inv_freq, scale) = (head_dim / 2, scaling.inv_freq(head_dim, theta), scaling.attention_factor());
     let mut cos = Vec::with_capacity(positions.len() * head_dim);
     let mut sin = Vec::with_capacity(positions.len() * head_dim);
     for &p in positions {
         for i in 0..head_dim {
-            let inv_freq = theta.powf(-2.0 * (i % half) as f64 / head_dim as f64);
-            let angle = p as f64 * inv_freq;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
+            let angle = p as f64 * inv_freq[i % half];
+            cos.push(angle.cos() * scale);
+            sin.push(angle.sin() * scale);
         }
     }
     let shape = (positions.len(), head_dim);

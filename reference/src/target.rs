@@ -10,11 +10,12 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::attention::dense_attention;
 use crate::config::{TargetArch, TargetConfig};
+use crate::data::{document_runs, Row};
 use crate::drafter::{is_norm, random_normal, FrozenHead};
 use crate::error::{Error, Result};
 use crate::io::{save_safetensors, WeightSet};
 use crate::mask::causal_dense;
-use crate::ops::{head_rms_norm, linear, rms_norm, rope, rope_tables, swiglu};
+use crate::ops::{head_rms_norm, linear, rms_norm, rope, rope_tables_scaled, swiglu};
 
 /// A target model's weights, keyed by their HF names.
 pub struct TargetModel {
@@ -134,7 +135,7 @@ impl TargetModel {
         let ids = Tensor::from_vec(tokens.to_vec(), t, &Device::Cpu)?;
         let mut x = self.w("model.embed_tokens.weight").index_select(&ids, 0)?; // [T, H]
         let positions: Vec<usize> = (0..t).collect();
-        let (cos, sin) = rope_tables(&positions, c.head_dim, c.rope_theta, dtype)?;
+        let (cos, sin) = rope_tables_scaled(&positions, c.head_dim, c.rope_theta, &self.config.rope_scaling, dtype)?;
         let mut layer_outputs = Vec::with_capacity(c.num_layers());
         for (l, &kind) in c.layer_kinds.iter().enumerate() {
             let w = |name: &str| self.w(&format!("model.layers.{l}.{name}"));
@@ -167,5 +168,19 @@ impl TargetModel {
     pub fn features(&self, tokens: &[u32], layer_ids: &[usize]) -> Result<Tensor> {
         let out = self.forward(tokens, layer_ids)?;
         Ok(Tensor::cat(&out.hidden, 1)?)
+    }
+
+    /// The features of a packed training row `[S, F*H]`: each document's tokens run through the
+    /// target alone (positions from 0, seeing no other document), padding rows zero.
+    pub fn row_features(&self, row: &Row, layer_ids: &[usize]) -> Result<Tensor> {
+        row.validate()?;
+        let width = layer_ids.len() * self.config.dims.hidden_size;
+        let dtype = self.w("model.embed_tokens.weight").dtype();
+        let mut out = Tensor::zeros((row.tokens.len(), width), dtype, &Device::Cpu)?;
+        for run in document_runs(&row.doc_ids) {
+            let features = self.features(&row.tokens[run.clone()], layer_ids)?;
+            out = out.slice_assign(&[run, 0..width], &features)?;
+        }
+        Ok(out)
     }
 }
