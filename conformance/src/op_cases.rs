@@ -169,6 +169,12 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
             ("inv", buf.get(a, hinv, t * dims.heads)?, KERNEL_F32),
         ],
     });
+    let ry = buf.zeros(s, m)?;
+    ops.rope_forward(f.x, f.cos, f.sin, ry, dims)?;
+    out.push(OpOutputs {
+        op: format!("rope_forward {label}"),
+        outputs: vec![("y", buf.get(s, ry, m)?, GPU_KERNEL_BF16)],
+    });
     let hdy = draw_bf16(m, 0.0, 1.0, &mut rng);
     let g = HeadNormRopeGrad { dy: buf.put(s, &hdy)?, fwd: f, inv: buf.put(a, &inv_rms(&hx, d, eps))? };
     let (hdx, hdw, hpartial) = (buf.zeros(s, m)?, buf.zeros(s, d)?, buf.zeros(a, GRAD_PARTS * d)?);

@@ -154,6 +154,18 @@ pub fn head_norm_rope_forward(
     })
 }
 
+/// `rope(x)` for x `[T, heads, d]`, tables `[T, d]`.
+pub fn rope_forward(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let ones = Tensor::ones(x.dim(2)?, x.dtype(), x.device())?;
+    both!(x, |dev| {
+        let mut b = Buffers::new(dev);
+        let (f, dims) = head_inputs(&mut b, x, &ones, cos, sin)?;
+        let y = b.zeros(Kind::Stored, x.elem_count())?;
+        dev.ops().rope_forward(f.x, f.cos, f.sin, y, dims)?;
+        tensor(b.get(Kind::Stored, y, x.elem_count())?, x.dims(), x.dtype())
+    })
+}
+
 /// `(dx [T, heads, d], dw [d])` through RoPE and the head norm.
 pub fn head_norm_rope_backward(
     dy: &Tensor,

@@ -12,7 +12,7 @@ use dflash_conformance::setups::randn;
 use dflash_conformance::tolerance::{rel_error, Tolerance, STEP_OP_F32, STEP_OP_F64};
 use dflash_conformance::twin_tensors::{
     ce_grad_rows, head_norm_rope_backward, head_norm_rope_forward, linear_backward, linear_forward, rms_norm_backward,
-    rms_norm_forward, swiglu_backward, swiglu_forward,
+    rms_norm_forward, rope_forward, swiglu_backward, swiglu_forward,
 };
 use dflash_optimized::Result;
 use dflash_reference::loss::{decayed_ce, BlockTargets};
@@ -294,6 +294,47 @@ fn check_head_norm_rope(t: usize, heads: usize, half: usize, theta: f64, seed: u
         },
         worst,
     );
+}
+
+/// Proves the RoPE twin (targets without q/k norms) equals `reference::ops::rope`, in f64 and
+/// f32, for x `[T, heads, d]` over the shapes, positions and thetas of the head norm's case and
+/// the scaled tables of the `llama3` and `yarn` variants. A rotation of a few products per
+/// element: the f32 error is a few ulps of `|x|`.
+#[test]
+fn rope_matches_reference() {
+    use dflash_reference::config::RopeScaling;
+    let scalings = prop::sample::select(vec![
+        RopeScaling::Default,
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 512.0,
+        },
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 1024.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 1.1386,
+            truncate: true,
+        },
+    ]);
+    let shapes = (1usize..=20, 1usize..=4, 1usize..=8, prop::sample::select(vec![1e4, 1e6]), scalings);
+    proptest!(ProptestConfig::with_cases(CASES / 4), |((t, heads, half, theta, scaling) in shapes, seed in any::<u64>())| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let d = 2 * half;
+        let positions: Vec<usize> = (0..t).map(|_| rng.random_range(0..8192)).collect();
+        let x = normal(&[t, heads, d], 10f64.powf(rng.random_range(-3.0..1.0)), &mut rng);
+        for (dtype, tol) in [(DType::F64, STEP_OP_F64), (DType::F32, STEP_OP_F32)] {
+            let x = x.to_dtype(dtype).expect("cast");
+            let (cos, sin) = dflash_reference::ops::rope_tables_scaled(&positions, d, theta, &scaling, dtype).expect("tables");
+            let want = ops::rope(&x, &cos, &sin).expect("reference rope");
+            let got = rope_forward(&x, &cos, &sin).expect("twin rope");
+            let err = rel_error(&got, &want);
+            prop_assert!(err <= tol.rel, "rope x=[{t}, {heads}, {d}] {scaling:?} {dtype:?}: error {err:.3e} above {:.0e}", tol.rel);
+        }
+    });
 }
 
 /// Proves the SwiGLU twin equals `reference::ops::silu(gate) * up` and its

@@ -130,10 +130,17 @@ impl ModelDims {
 pub enum RopeScaling {
     Default,
     /// Every inverse frequency divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1: wavelengths above `original / low_freq_factor` divided by `factor`, below
     /// `original / high_freq_factor` kept, smoothly interpolated between.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
     /// YaRN: interpolated (`/ factor`) and extrapolated frequencies blended by a linear ramp over
     /// the dims between the `beta_fast` and `beta_slow` correction dims; cos and sin scaled by
     /// `attention_factor`.
@@ -155,7 +162,12 @@ impl RopeScaling {
         match *self {
             RopeScaling::Default => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
                 let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
                 base.iter()
                     .map(|&f| {
@@ -171,11 +183,12 @@ impl RopeScaling {
                     })
                     .collect()
             }
-            RopeScaling::Yarn { factor, original_max_position_embeddings: old, beta_fast, beta_slow, truncate, .. } => {
+            RopeScaling::Yarn {
+                factor, original_max_position_embeddings: old, beta_fast, beta_slow, truncate, ..
+            } => {
                 // The dim at which a frequency turns `rotations` times over the original context.
-                let correction_dim = |rotations: f64| {
-                    d * (old / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
-                };
+                let correction_dim =
+                    |rotations: f64| d * (old / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
                 let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
                 if truncate {
                     (low, high) = (low.floor(), high.ceil());

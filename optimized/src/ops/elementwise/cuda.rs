@@ -33,6 +33,7 @@ pub struct ElementwiseKernels {
     column_sum: CudaFunction,
     head_norm_rope_forward: CudaFunction,
     head_norm_rope_backward: CudaFunction,
+    rope_forward: CudaFunction,
     swiglu_forward: CudaFunction,
     swiglu_backward: CudaFunction,
     ce_grad_rows: CudaFunction,
@@ -59,6 +60,7 @@ impl ElementwiseKernels {
             rms_norm_backward: f("rms_norm_backward")?,
             column_sum: f("column_sum")?,
             head_norm_rope_forward: f("head_norm_rope_forward")?,
+            rope_forward: f("rope_forward")?,
             head_norm_rope_backward: f("head_norm_rope_backward")?,
             swiglu_forward: f("swiglu_forward")?,
             swiglu_backward: f("swiglu_backward")?,
@@ -193,6 +195,22 @@ impl ElementwiseOps for ElementwiseKernels {
         let cfg =
             LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
         self.launch("head_norm_rope_forward", b, cfg)
+    }
+
+    fn rope_forward(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
+        let Heads { tokens, heads, head_dim: d } = dims;
+        Self::check_head_dim(d)?;
+        let rows = tokens * heads;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (t, h, dd) = (i32_of("tokens", tokens)?, i32_of("heads", heads)?, i32_of("head_dim", d)?);
+        let mut b = self.stream.launch_builder(&self.rope_forward);
+        b.arg(&x).arg(&cos).arg(&sin).arg(&y).arg(&t).arg(&h).arg(&dd);
+        let warps = ROW_THREADS / 32;
+        let cfg =
+            LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.launch("rope_forward", b, cfg)
     }
 
     fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()> {

@@ -214,6 +214,28 @@ extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, co
     if (lane == 0) inv[row] = r;
 }
 
+// Twin: twin.rs rope_forward (RoPE alone, for targets without q/k norms). One warp per
+// (token, head) row. x [T, heads, d], cos/sin [T, d] (fp32) -> y [T, heads, d].
+extern "C" __global__ void rope_forward(const bf16* __restrict__ x, const float* __restrict__ cos_t,
+                                        const float* __restrict__ sin_t, bf16* __restrict__ y, int tokens, int heads,
+                                        int d) {
+    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (row >= tokens * heads) return;
+    const int t = row / heads, per_lane = d / WARP, first = lane * per_lane;
+    float v[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
+    load_lane(x + (size_t)row * d, lane, per_lane, v);
+    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
+        const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
+        if (k < per_lane) {
+            const size_t at = (size_t)t * d + first + k;
+            out[k] = v[k] * cos_t[at] + sign * partner * sin_t[at];
+        }
+    }
+    store_lane(y + (size_t)row * d, lane, per_lane, out);
+}
+
 // Twin: twin.rs head_norm_rope_backward (through RoPE, then the head RMSNorm). Warps
 // take rows in a grid-stride loop; dx may alias dy.
 // dy, x [T, heads, d] (x before the norm), w [d], inv [T*heads], cos/sin [T, d]

@@ -98,6 +98,9 @@ pub trait ElementwiseOps {
     /// `y [T, heads, d] = rope(rms_norm(x) * w)`, `inv [T*heads]`.
     fn head_norm_rope_forward(&self, f: HeadNormRope, y: u64, inv: u64, dims: Heads, eps: f64) -> Result<()>;
 
+    /// `y [T, heads, d] = rope(x)` with the tables `cos`, `sin` `[T, d]` (targets without q/k norms).
+    fn rope_forward(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()>;
+
     /// `dx [T, heads, d]` through RoPE and the head norm, `dw [d] :=` (via `partial`); `dx` may be
     /// `dy`.
     fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()>;

@@ -136,6 +136,22 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
         Ok(())
     }
 
+    fn rope_forward(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
+        let Heads { tokens, heads, head_dim: d } = dims;
+        let half = d / 2;
+        for row in 0..tokens * heads {
+            let (t, base) = (row / heads, row * d);
+            let out: Vec<E::Acc> = (0..d)
+                .map(|i| {
+                    let rot = if i < half { -ld::<E>(x, base + i + half) } else { ld::<E>(x, base + i - half) };
+                    ld::<E>(x, base + i) * lda::<E::Acc>(cos, t * d + i) + rot * lda::<E::Acc>(sin, t * d + i)
+                })
+                .collect();
+            out.into_iter().enumerate().for_each(|(i, v)| st::<E>(y, base + i, v));
+        }
+        Ok(())
+    }
+
     fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()> {
         let Heads { tokens, heads, head_dim: d } = dims;
         let half = d / 2;
