@@ -1,5 +1,5 @@
 //! The conformance suite's harnesses: named tolerances, relative errors, fixture paths, random
-//! tiny setups, the attention cases, the counting allocator, and the GPU checks that
+//! tiny setups, the attention and target cases, the counting allocator, and the GPU checks that
 //! `xtask gpu-conformance` runs on the H200. The tests themselves live in `tests/`.
 
 pub mod attention_cases;
@@ -8,6 +8,7 @@ pub mod gpu_step;
 pub mod heap;
 pub mod op_cases;
 pub mod setups;
+pub mod target_cases;
 pub mod tolerance;
 pub mod twin_tensors;
 

@@ -106,6 +106,11 @@ impl TargetModel {
         self.config.save(&dir.join("config.json"))
     }
 
+    /// The weight `name` (HF key), or an error naming it.
+    pub fn weight(&self, name: &str) -> Result<Tensor> {
+        self.weights.get(name).cloned().ok_or_else(|| Error::invalid(name, "no such weight in the target"))
+    }
+
     fn w(&self, name: &str) -> &Tensor {
         &self.weights[name]
     }

@@ -42,6 +42,11 @@ pub trait Backend {
     fn ops(&self) -> &Self::Ops;
     /// `c [m, n] = a @ b + beta * c`, accumulating in the arithmetic type.
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()>;
+    /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y` (a linear layer, HF weight layout).
+    #[allow(clippy::too_many_arguments)]
+    fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
+        self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta)
+    }
     fn upload_ranges(&self, ranges: &KeyRanges) -> Result<Self::Ranges>;
     /// Memory the attention takes beyond the step's layout under `ranges` (none on the GPU).
     fn attention_scratch_bytes(&self, _ranges: &Self::Ranges, _shape: AttnShape) -> u64 {

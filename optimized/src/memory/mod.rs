@@ -8,6 +8,7 @@ pub mod attention;
 pub mod failure;
 pub mod named;
 pub mod step;
+pub mod target;
 
 use crate::{Error, Result};
 

@@ -582,7 +582,7 @@ impl<B: Backend> DrafterStep<B> {
     /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y`.
     #[allow(clippy::too_many_arguments)]
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
-        self.dev.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta)
+        self.dev.linear(x, rows, k, w, n, y, beta)
     }
 
     /// `dx [rows, k] = dy [rows, n] @ w [n, k] + beta * dx`.

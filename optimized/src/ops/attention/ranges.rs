@@ -121,6 +121,13 @@ impl KeyRanges {
         Ok(KeyRanges { num_queries: t, num_keys: t, group_rows, window, causal_in_block: false, groups })
     }
 
+    /// Positions per row group of a causal plan for `group_size` query heads per K/V head: the
+    /// most whose rows (positions x group size) fill one CTA of the kernels (two warpgroups of
+    /// `WG_ROWS`), so that the heads sharing a K/V head share each K/V tile.
+    pub fn causal_group_rows(group_size: usize) -> usize {
+        (2 * crate::ops::constants::WG_ROWS / group_size.max(1)).max(1)
+    }
+
     /// The two key intervals `[lo, hi)` (context, block) that query `q` sees; either may be empty.
     pub fn row_intervals(&self, q: usize) -> [(usize, usize); 2] {
         let g = &self.groups[q / self.group_rows];

@@ -1,0 +1,250 @@
+//! The memory of the target's forward on the GPU (spec sections 3 and 9): its frozen weights
+//! (the embedding table, layers `0..=max(target_layer_ids)` and, untied, the LM head the drafter
+//! shares), one layer's activations for a launch of up to `T` tokens, and the feature buffer
+//! `[T, F*H]` it writes, as a typed layout over one allocation (`model::target_forward` consumes
+//! it as is). The layers after the last tapped one, the final norm and the logits are never run.
+//!
+//! Shapes: T tokens per launch, H hidden, I SwiGLU, nh/nkv heads of d, F tapped layers, V vocab.
+
+use dflash_reference::config::{TargetArch, TargetConfig};
+
+use super::attention::key_ranges_bytes;
+use super::{add, bytes_of, check_fits, gb, mul_usize, Arena, Item, Lifetime, Region};
+use crate::ops::attention::ranges::KeyRanges;
+use crate::ops::constants::TILE_K;
+use crate::{Error, Result};
+
+/// Sizes of one target launch, checked: every product below fits in `usize`.
+#[derive(Clone, Copy, Debug)]
+pub struct TargetDims {
+    /// Tokens per launch (one or several rows).
+    pub t: usize,
+    pub h: usize,
+    pub i: usize,
+    pub nh: usize,
+    pub nkv: usize,
+    pub d: usize,
+    pub qd: usize,
+    pub kd: usize,
+    pub v: usize,
+    /// Layers run: `max(target_layer_ids) + 1`.
+    pub layers: usize,
+    /// Tapped layers `F`.
+    pub f: usize,
+    /// Feature width `F*H`.
+    pub fw: usize,
+}
+
+/// One decoder layer's frozen weights; `gate_up` is `[2I, H]` (gate rows, then up rows).
+#[derive(Clone, Copy, Debug)]
+pub struct TargetLayerWeights {
+    pub input_norm: Region,
+    pub q: Region,
+    pub k: Region,
+    pub v: Region,
+    pub o: Region,
+    /// Qwen3's per-head q/k norms; `None` for Llama.
+    pub q_norm: Option<Region>,
+    pub k_norm: Option<Region>,
+    pub post_norm: Region,
+    pub gate_up: Region,
+    pub down: Region,
+}
+
+/// The attention half of a layer's scratch (overlaid with [`MlpScratch`]).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnScratch {
+    pub q_pre: Region,
+    pub k_pre: Region,
+    pub v: Region,
+    pub q: Region,
+    pub k: Region,
+    pub out: Region,
+    pub lse: Region,
+    pub inv_q: Region,
+    pub inv_k: Region,
+}
+
+/// The MLP half of a layer's scratch.
+#[derive(Clone, Copy, Debug)]
+pub struct MlpScratch {
+    pub gate_up: Region,
+    pub h: Region,
+}
+
+/// The target's typed layout over one allocation.
+#[derive(Clone, Debug)]
+pub struct TargetLayout {
+    pub dims: TargetDims,
+    pub embed: Region,
+    /// The untied LM head (the drafter's frozen head), when the layout holds it.
+    pub lm_head: Option<Region>,
+    pub layers: Vec<TargetLayerWeights>,
+    /// Token ids (u32) and RoPE tables `[T, d]` (arithmetic type) of a launch.
+    pub tokens: Region,
+    pub cos: Region,
+    pub sin: Region,
+    /// Per tapped layer `f`, the u32 row indices `t*F + f` that scatter its output `[T, H]` into
+    /// the features viewed as `[T*F, H]`.
+    pub feature_rows: Vec<Region>,
+    /// The residual stream `[T, H]`, the normed input `[T, H]` and its inverse RMS `[T]`.
+    pub x: Region,
+    pub xn: Region,
+    pub inv: Region,
+    pub attn: AttnScratch,
+    pub mlp: MlpScratch,
+    /// The features `[T, F*H]`, when the layout holds them (else the caller's buffer).
+    pub features: Option<Region>,
+    pub bytes: u64,
+    pub items: Vec<Item>,
+}
+
+impl TargetLayout {
+    /// The layout of `config` tapping `layer_ids` for launches of up to `tokens` tokens, storing
+    /// `widths = (stored, arithmetic)` bytes per value; `with_lm_head` keeps an untied LM head
+    /// (tied heads are the embedding table), `with_features` the feature buffer.
+    pub fn new(
+        config: &TargetConfig,
+        layer_ids: &[usize],
+        tokens: usize,
+        widths: (u64, u64),
+        with_lm_head: bool,
+        with_features: bool,
+    ) -> Result<Self> {
+        let c = &config.dims;
+        let last = *layer_ids.iter().max().ok_or_else(|| Error::invalid("target_layer_ids", "is empty"))?;
+        if last >= c.num_layers() {
+            return Err(Error::invalid(
+                "target_layer_ids",
+                format!("layer {last} is out of range for a target of {} layers", c.num_layers()),
+            ));
+        }
+        if tokens == 0 {
+            return Err(Error::invalid("tokens", "a launch needs at least 1 token"));
+        }
+        let z = TargetDims {
+            t: tokens,
+            h: c.hidden_size,
+            i: c.intermediate_size,
+            nh: c.num_heads,
+            nkv: c.num_kv_heads,
+            d: c.head_dim,
+            qd: mul_usize("q width (heads x head_dim)", c.num_heads, c.head_dim)?,
+            kd: mul_usize("k width (kv heads x head_dim)", c.num_kv_heads, c.head_dim)?,
+            v: c.vocab_size,
+            layers: last + 1,
+            f: layer_ids.len(),
+            fw: mul_usize("feature width (features x hidden)", layer_ids.len(), c.hidden_size)?,
+        };
+        let (e, a) = widths;
+        let mut ar = Arena::default();
+        use Lifetime::{Input, Layer, Model, Saved};
+        let embed = ar.take("target embedding table (shared)", Model, "embed_tokens", &[z.v, z.h], e)?;
+        let lm_head = match with_lm_head && !config.tie_word_embeddings {
+            true => Some(ar.take("target LM head (the drafter's, shared)", Model, "lm_head", &[z.v, z.h], e)?),
+            false => None,
+        };
+        let qwen3 = config.arch == TargetArch::Qwen3;
+        let mut layers = Vec::with_capacity(z.layers);
+        for _ in 0..z.layers {
+            let mut w = |what: &str, dims: &[usize]| ar.take("target layer weights", Model, what, dims, e);
+            layers.push(TargetLayerWeights {
+                input_norm: w("input_layernorm", &[z.h])?,
+                q: w("q_proj", &[z.qd, z.h])?,
+                k: w("k_proj", &[z.kd, z.h])?,
+                v: w("v_proj", &[z.kd, z.h])?,
+                o: w("o_proj", &[z.h, z.qd])?,
+                q_norm: if qwen3 { Some(w("q_norm", &[z.d])?) } else { None },
+                k_norm: if qwen3 { Some(w("k_norm", &[z.d])?) } else { None },
+                post_norm: w("post_attention_layernorm", &[z.h])?,
+                gate_up: w("gate_up_proj", &[2, z.i, z.h])?,
+                down: w("down_proj", &[z.h, z.i])?,
+            });
+        }
+        let t = z.t;
+        const INPUTS: &str = "target inputs (tokens, RoPE tables, feature rows)";
+        let tokens = ar.take(INPUTS, Saved, "tokens", &[t], 4)?;
+        let cos = ar.take(INPUTS, Saved, "cos", &[t, z.d], a)?;
+        let sin = ar.take(INPUTS, Saved, "sin", &[t, z.d], a)?;
+        let feature_rows = (0..z.f).map(|_| ar.take(INPUTS, Saved, "feature rows", &[t], 4)).collect::<Result<_>>()?;
+        // Beside the allocation: the causal plan of each document length and layer kind, at most
+        // one row group and one KV tile more per document than one plan of T (documents <= T).
+        let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
+        let kinds: std::collections::HashSet<_> = c.layer_kinds[..z.layers].iter().collect();
+        let plans = key_ranges_bytes(t.div_ceil(group_rows) + t, TILE_K * (t.div_ceil(TILE_K) + t))?;
+        ar.count("target attention key ranges", Input, bytes_of("key ranges", &[kinds.len()], plans)?);
+        let x = ar.take("target residual stream", Saved, "x", &[t, z.h], e)?;
+        let xn = ar.take("target normed input", Saved, "xn", &[t, z.h], e)?;
+        let inv = ar.take("target normed input", Saved, "inv", &[t], a)?;
+        let (attn, mlp) = ar.overlay(
+            |ar| {
+                let mut s =
+                    |what: &str, dims: &[usize], w: u64| ar.take("target attention scratch", Layer, what, dims, w);
+                Ok(AttnScratch {
+                    q_pre: s("q_pre", &[t, z.qd], e)?,
+                    k_pre: s("k_pre", &[t, z.kd], e)?,
+                    v: s("v", &[t, z.kd], e)?,
+                    q: s("q", &[t, z.qd], e)?,
+                    k: s("k", &[t, z.kd], e)?,
+                    out: s("attention out", &[t, z.qd], e)?,
+                    lse: s("lse", &[z.nh, t], a)?,
+                    inv_q: s("inv_q", &[t, z.nh], a)?,
+                    inv_k: s("inv_k", &[t, z.nkv], a)?,
+                })
+            },
+            |ar| {
+                let mut s = |what: &str, dims: &[usize]| ar.take("target MLP scratch", Layer, what, dims, e);
+                Ok(MlpScratch { gate_up: s("gate_up", &[t, 2 * z.i])?, h: s("h", &[t, z.i])? })
+            },
+        )?;
+        let features = match with_features {
+            true => Some(ar.take("target features", Saved, "features", &[t, z.fw], e)?),
+            false => None,
+        };
+        Ok(TargetLayout {
+            dims: z,
+            embed,
+            lm_head,
+            layers,
+            tokens,
+            cos,
+            sin,
+            feature_rows,
+            x,
+            xn,
+            inv,
+            attn,
+            mlp,
+            features,
+            bytes: ar.bytes(),
+            items: ar.items,
+        })
+    }
+
+    /// Refuses the layout before anything is allocated when it needs more than `available` bytes
+    /// of `device`, naming the largest items.
+    pub fn check_fits(&self, available: u64, device: &str) -> Result<()> {
+        check_fits(self.total_bytes()?, &self.items, available, device)
+    }
+
+    /// The allocation and the key ranges beside it.
+    pub fn total_bytes(&self) -> Result<u64> {
+        let beside = self.items.iter().filter(|i| i.lifetime == Lifetime::Input).map(|i| i.bytes).sum();
+        add("target", self.bytes, beside)
+    }
+
+    /// Bytes of the features of `tokens` tokens (what one launch writes).
+    pub fn feature_bytes(&self, tokens: usize, elem: u64) -> Result<u64> {
+        bytes_of("features", &[tokens, self.dims.fw], elem)
+    }
+
+    /// The layout as a table: one line per item and the total.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for item in &self.items {
+            out.push_str(&format!("  {:<58} {:>12}\n", item.name, gb(item.bytes)));
+        }
+        out.push_str(&format!("  {:<58} {:>12}\n", "target total", gb(self.total_bytes().unwrap_or(u64::MAX))));
+        out
+    }
+}
