@@ -44,19 +44,22 @@ fn kernel_sources_match_a_passing_gpu_attestation() {
     for case in cases {
         assert_eq!(case["pass"], Value::Bool(true), "{}: case {} did not pass: {HOW}", file.display(), case["name"]);
     }
-    // The run covered every elementwise kernel and the matmul against the CPU twins, and the GPU
-    // step under every policy.
+    // The run covered every elementwise kernel and the matmul against the CPU twins, the target's
+    // forward of both architectures, and the GPU step under every policy.
     let names: Vec<&str> = cases.iter().filter_map(|c| c["name"].as_str()).collect();
     for prefix in [
         "op rms_norm_forward",
         "op rms_norm_backward",
         "op head_norm_rope_forward",
         "op head_norm_rope_backward",
+        "op rope_forward",
         "op swiglu",
         "op ce_grad_rows",
         "op adamw",
         "op fill_normal, gather/scatter, sum_squares, accumulate",
         "op matmul",
+        "target qwen3",
+        "target llama",
     ] {
         assert!(names.iter().any(|n| n.starts_with(prefix)), "{}: no `{prefix}` case: {HOW}", file.display());
     }

@@ -8,7 +8,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use dflash_conformance::attention_cases::{conformance_cases, BF16_TOLERANCE};
 use dflash_conformance::gpu_attention::conformance_case;
-use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck};
+use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck, PoolMeter};
+use dflash_conformance::target_cases::{random_target_cases, target_check};
+use dflash_conformance::tolerance::GPU_KERNEL_BF16;
+use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::sources::{kernel_hash, KERNEL_SOURCES};
 use serde_json::{json, Value};
@@ -22,7 +25,9 @@ Runs the CUDA attention kernels on the conformance cases (odd sizes, N=1, a padd
 multiple of 64, a window larger than S, several documents, GQA 32/8 d=128, causal full and
 sliding) against their CPU twin and the reference (relative errors below 1e-2); every
 elementwise.cu kernel and the cuBLAS matmul against the same CPU twins CI runs, in f64 (below
-1e-2); and the GPU training step of random drafters (sliding + full layer, packed
+1e-2); the target's forward (Qwen3 and Llama, d 64/128, GQA, yarn/llama3 RoPE, packed documents)
+against the reference in f32 (features below 1e-2, each document alone as packed, memory-pool peak
+at most its layout); and the GPU training step of random drafters (sliding + full layer, packed
 documents, keep=false blocks) under every checkpointing policy against the reference in f64 (loss
 and every parameter gradient below 2e-2, policies equal, measured memory-pool peak at most the plan
 and within 15% of it). Writes the attestation: the SHA-256 of the kernel sources with the constants prelude, the GPU, the
@@ -162,6 +167,22 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 const STEP_SEEDS: [u64; 3] = [1, 2, 3];
 /// Seed of the kernel-twin checks' inputs.
 const KERNEL_SEED: u64 = 7;
+/// Seed of the random targets.
+const TARGET_SEED: u64 = 5;
+
+/// The target's forward on the GPU (bf16) for the random targets against the reference in f32,
+/// with its memory-pool peak against its layout.
+fn target_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
+    let cases = random_target_cases(TARGET_SEED, candle_core::DType::F32)?;
+    let mut meter = PoolMeter::new(gpu);
+    cases
+        .iter()
+        .map(|case| {
+            let d = case.model.config.dims.head_dim;
+            target_check(case, || Cuda::new(gpu, d), GPU_KERNEL_BF16, Some(&mut meter))
+        })
+        .collect()
+}
 
 /// The elementwise kernels and the matmul against the CPU twins and the GPU step against the
 /// reference, as attestation cases (printed as they finish).
@@ -203,6 +224,8 @@ fn step_checks(gpu: &Gpu) -> Result<Vec<Value>, String> {
     };
     let started = Instant::now();
     record("kernel twins".to_string(), kernel_checks(gpu, KERNEL_SEED), started.elapsed().as_secs_f64());
+    let started = Instant::now();
+    record("target forward".to_string(), target_checks(gpu), started.elapsed().as_secs_f64());
     for seed in STEP_SEEDS {
         let started = Instant::now();
         record(format!("step seed {seed}"), gpu_step::step_checks(gpu, seed), started.elapsed().as_secs_f64());

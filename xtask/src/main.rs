@@ -16,6 +16,7 @@ mod bench_attention;
 mod bench_data;
 mod bench_gemm;
 mod bench_step;
+mod bench_target;
 mod data;
 mod gpu_bundle;
 mod gpu_conformance;

@@ -80,8 +80,13 @@ pub struct TargetLayout {
     /// The untied LM head (the drafter's frozen head), when the layout holds it.
     pub lm_head: Option<Region>,
     pub layers: Vec<TargetLayerWeights>,
-    /// Token ids (u32) and RoPE tables `[T, d]` (arithmetic type) of a launch.
+    /// The RoPE tables of positions `0..T` `[T, d]` (arithmetic type), made once.
+    pub cos_table: Region,
+    pub sin_table: Region,
+    /// Token ids and positions (u32) of a launch, and its RoPE tables `[T, d]` gathered from the
+    /// position tables.
     pub tokens: Region,
+    pub positions: Region,
     pub cos: Region,
     pub sin: Region,
     /// Per tapped layer `f`, the u32 row indices `t*F + f` that scatter its output `[T, H]` into
@@ -163,7 +168,10 @@ impl TargetLayout {
         }
         let t = z.t;
         const INPUTS: &str = "target inputs (tokens, RoPE tables, feature rows)";
+        let cos_table = ar.take("target RoPE tables of positions 0..T", Model, "cos table", &[t, z.d], a)?;
+        let sin_table = ar.take("target RoPE tables of positions 0..T", Model, "sin table", &[t, z.d], a)?;
         let tokens = ar.take(INPUTS, Saved, "tokens", &[t], 4)?;
+        let positions = ar.take(INPUTS, Saved, "positions", &[t], 4)?;
         let cos = ar.take(INPUTS, Saved, "cos", &[t, z.d], a)?;
         let sin = ar.take(INPUTS, Saved, "sin", &[t, z.d], a)?;
         let feature_rows = (0..z.f).map(|_| ar.take(INPUTS, Saved, "feature rows", &[t], 4)).collect::<Result<_>>()?;
@@ -206,7 +214,10 @@ impl TargetLayout {
             embed,
             lm_head,
             layers,
+            cos_table,
+            sin_table,
             tokens,
+            positions,
             cos,
             sin,
             feature_rows,

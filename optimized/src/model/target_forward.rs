@@ -58,6 +58,11 @@ impl<B: Backend> TargetForward<B> {
             .map_err(|_| Error::Memory(format!("{device}: {} bytes exceed the address space", layout.bytes)))?;
         let memory = dev.alloc("target", bytes)?;
         let base = memory.ptr();
+        let c = &config.dims;
+        let all: Vec<usize> = (0..max_tokens).collect();
+        let (cos, sin) = rope_tables_scaled(&all, c.head_dim, c.rope_theta, &config.rope_scaling, DType::F64)?;
+        dev.upload(layout.cos_table.at(base), bytes_of(&acc::<B::Elem>(cos)?))?;
+        dev.upload(layout.sin_table.at(base), bytes_of(&acc::<B::Elem>(sin)?))?;
         let f = layer_ids.len() as u32;
         for (i, rows) in layout.feature_rows.iter().enumerate() {
             let idx: Vec<u32> = (0..max_tokens as u32).map(|t| t * f + i as u32).collect();
@@ -145,10 +150,10 @@ impl<B: Backend> TargetForward<B> {
         }
         let (mut tokens, mut positions, mut docs, mut padding) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (i, row) in rows.iter().enumerate() {
-            row.validate().map_err(|e| Error::invalid(&format!("row {i}"), e.to_string()))?;
+            row.validate().map_err(|e| Error::invalid(format!("row {i}"), e.to_string()))?;
             if let Some(&bad) = row.tokens.iter().find(|&&t| t as usize >= z.v) {
                 return Err(Error::invalid(
-                    &format!("row {i}"),
+                    format!("row {i}"),
                     format!("token id {bad} is not below the vocab size {}", z.v),
                 ));
             }
@@ -171,15 +176,15 @@ impl<B: Backend> TargetForward<B> {
         self.tokens = total;
         self.padding = padding;
         let c = &self.config.dims;
-        let (cos, sin) =
-            rope_tables_scaled(&positions, c.head_dim, c.rope_theta, &self.config.rope_scaling, DType::F64)?;
-        let acc = |t: Tensor| -> Result<Vec<<B::Elem as Elem>::Acc>> {
-            Ok(t.flatten_all()?.to_vec1::<f64>()?.into_iter().map(<B::Elem as Elem>::Acc::from_f64).collect())
-        };
         let lay = &self.layout;
+        let positions: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         self.dev.upload(self.at(lay.tokens), bytes_of(&tokens))?;
-        self.dev.upload(self.at(lay.cos), bytes_of(&acc(cos)?))?;
-        self.dev.upload(self.at(lay.sin), bytes_of(&acc(sin)?))?;
+        self.dev.upload(self.at(lay.positions), bytes_of(&positions))?;
+        // The launch's RoPE tables: rows of the position tables (copied as stored-width columns).
+        let cols = z.d * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
+        let ops = self.dev.ops();
+        ops.copy_rows(false, self.at(lay.cos_table), self.at(lay.positions), self.at(lay.cos), total, cols)?;
+        ops.copy_rows(false, self.at(lay.sin_table), self.at(lay.positions), self.at(lay.sin), total, cols)?;
         // The causal plan of each distinct document length and layer kind, uploaded once.
         let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
         let mut plans = HashMap::new();
@@ -256,6 +261,11 @@ impl<B: Backend> TargetForward<B> {
         let n = self.tokens * self.layout.dims.fw;
         Ok(download::<B::Elem, B>(&self.dev, self.features_addr(), n)?.into_iter().map(Elem::to_f64).collect())
     }
+}
+
+/// `t`'s values in the arithmetic type of `E`.
+fn acc<E: Elem>(t: Tensor) -> Result<Vec<E::Acc>> {
+    Ok(t.flatten_all()?.to_vec1::<f64>()?.into_iter().map(E::Acc::from_f64).collect())
 }
 
 /// `t`'s values as stored values (bf16 tensors without a detour through f64).
