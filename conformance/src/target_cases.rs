@@ -65,7 +65,8 @@ pub fn fixture_target_cases(seed: u64) -> Result<Vec<TargetCase>> {
 /// GQA groups 1 to 4, tied and untied, a sliding layer, the llama3 and yarn RoPE scalings, rows
 /// of several documents whose lengths are no multiple of the kernels' 64-key tiles, and padding.
 /// The reference computes in `dtype` (f32 against the GPU's bf16, f64 against the CPU twins);
-/// linears N(0, 0.05), norms 1 + N(0, 0.1).
+/// linears N(0, 0.02) (transformers' init), norms 1 + N(0, 0.1), rounded to bf16 (as a checkpoint
+/// stores them).
 pub fn random_target_cases(seed: u64, dtype: DType) -> Result<Vec<TargetCase>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let specs = [
@@ -114,7 +115,10 @@ pub fn random_target_cases(seed: u64, dtype: DType) -> Result<Vec<TargetCase>> {
             tie_word_embeddings: !untied,
             rope_scaling,
         };
-        let model = TargetModel::random(config, seed * 10 + i as u64, 0.05, dtype)?;
+        // bf16-exact weights, as a checkpoint's: the GPU stores exactly what the reference reads.
+        let random = TargetModel::random(config.clone(), seed * 10 + i as u64, 0.02, DType::F32)?;
+        let model =
+            TargetModel::from_fn(config, |name, _| Ok(random.weight(name)?.to_dtype(DType::BF16)?.to_dtype(dtype)?))?;
         let v = model.config.dims.vocab_size;
         let rows = vec![
             packed_row(&[rng.random_range(60..140), 1, rng.random_range(2..70)], rng.random_range(1..30), v, &mut rng),

@@ -45,8 +45,8 @@ def make(spec):
 
 def time_forward(spec):
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        spec["model_dir"], dtype=torch.bfloat16, attn_implementation="sdpa", device_map="cuda"
-    ).eval()
+        spec["model_dir"], dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).to("cuda").eval()
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cuda").manual_seed(spec["seed"])
     results = []
