@@ -27,3 +27,24 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Some(other) => Err(format!("unknown benchmark `{other}`\n\n{HELP}")),
     }
 }
+
+/// Profiled operations by total GPU time, the longest first (`device::profile::report`), with
+/// totals per kind: what `what` spent.
+pub fn print_profile(what: &str, ops: &[(String, f64, usize)]) {
+    let total: f64 = ops.iter().map(|o| o.1).sum();
+    println!("profile of {what}: {total:.2} ms in {} operations", ops.iter().map(|o| o.2).sum::<usize>());
+    for kind in ["gemm", "attention", ""] {
+        let ms: f64 = ops
+            .iter()
+            .filter(|o| match kind {
+                "" => !o.0.starts_with("gemm") && !o.0.starts_with("attention"),
+                _ => o.0.starts_with(kind),
+            })
+            .map(|o| o.1)
+            .sum();
+        println!("  {:<12} {ms:>8.2} ms", if kind.is_empty() { "other" } else { kind });
+    }
+    for (name, ms, count) in ops.iter().take(40) {
+        println!("  {ms:>8.3} ms {count:>4}x  {name}");
+    }
+}

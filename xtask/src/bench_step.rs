@@ -167,36 +167,12 @@ fn measure_ours(
         let result = step.step(scale);
         dflash_optimized::device::profile::enable(false);
         result.map_err(err)?;
-        print_profile(policy, &dflash_optimized::device::profile::report().map_err(err)?);
+        crate::bench::print_profile(
+            &format!("one {} step", policy.name()),
+            &dflash_optimized::device::profile::report().map_err(err)?,
+        );
     }
     Ok(Ours { step_ms, loss, peak_bytes, planned_bytes: step.planned_peak() })
-}
-
-/// One step's operations by total GPU time, the longest first, and totals per kind.
-fn print_profile(policy: Policy, ops: &[(String, f64, usize)]) {
-    let total: f64 = ops.iter().map(|o| o.1).sum();
-    println!(
-        "profile of one {} step: {total:.2} ms in {} operations",
-        policy.name(),
-        ops.iter().map(|o| o.2).sum::<usize>()
-    );
-    for kind in ["gemm", "attention", ""] {
-        let ms: f64 = ops
-            .iter()
-            .filter(|o| {
-                if kind.is_empty() {
-                    !o.0.starts_with("gemm") && !o.0.starts_with("attention")
-                } else {
-                    o.0.starts_with(kind)
-                }
-            })
-            .map(|o| o.1)
-            .sum();
-        println!("  {:<12} {ms:>8.2} ms", if kind.is_empty() { "other" } else { kind });
-    }
-    for (name, ms, count) in ops.iter().take(40) {
-        println!("  {ms:>8.3} ms {count:>4}x  {name}");
-    }
 }
 
 pub fn run(args: Vec<String>) -> Result<(), String> {

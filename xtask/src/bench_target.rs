@@ -40,9 +40,11 @@ options:
                                          xtask/bench/target_torch.py)
   --out FILE      results file                             (default results/target-h200.json)
   --seed N        seed of the tokens                       (default 0)
+  --profile yes|no  print each operation's GPU time in one forward per S (default no)
   --commit SHA    the commit measured                      (default: commit.txt next to the binary)";
 
-const OPTIONS: &[&str] = &["target", "seqs", "warmup", "iters", "torch", "python", "script", "out", "seed", "commit"];
+const OPTIONS: &[&str] =
+    &["target", "seqs", "warmup", "iters", "torch", "python", "script", "out", "seed", "commit", "profile"];
 
 /// Dense bf16 peak of the H200 that MFU divides by, in FLOP/s.
 const PEAK_FLOPS: f64 = 989e12;
@@ -91,6 +93,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err("--iters must be at least 1".into());
     }
     let with_torch = opts.yes_no("torch", true)?;
+    let profile = opts.yes_no("profile", false)?;
     let python: String = opts.get("python", "python3".to_string())?;
     let script: PathBuf =
         opts.get("script", gpu_bundle::bundled_file("target_torch.py", "xtask/bench/target_torch.py"))?;
@@ -109,7 +112,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let layer_ids = default_target_layer_ids(config.dims.num_layers(), 5);
     let layers = layer_ids.iter().max().map_or(0, |&l| l + 1);
     let max_seq = *seqs.iter().max().expect("non-empty");
-    let ours = measure_ours(&dir, &config, &layer_ids, &seqs, max_seq, (warmup, iters, seed))?;
+    let ours = measure_ours(&dir, &config, &layer_ids, &seqs, max_seq, (warmup, iters, seed), profile)?;
     let hf = if with_torch {
         let spec =
             json!({"mode": "time", "model_dir": dir, "seqs": seqs, "warmup": warmup, "iters": iters, "seed": seed});
@@ -199,6 +202,7 @@ fn measure_ours(
     seqs: &[usize],
     max_seq: usize,
     (warmup, iters, seed): (usize, usize, u64),
+    profile: bool,
 ) -> Result<Ours, String> {
     let err = |e: dflash_optimized::Error| e.to_string();
     let gpu = open_gpu()?;
@@ -240,6 +244,14 @@ fn measure_ours(
             return Err(format!("ours S={seq}: non-finite features"));
         }
         per_seq.push((ms, peak));
+        if profile {
+            dflash_optimized::device::profile::enable(true);
+            let result = forward.run(&[&row]);
+            dflash_optimized::device::profile::enable(false);
+            result.map_err(err)?;
+            let ops = dflash_optimized::device::profile::report().map_err(err)?;
+            crate::bench::print_profile(&format!("one forward of S={seq}"), &ops);
+        }
     }
     Ok(Ours { gpu: gpu.name().to_string(), per_seq, planned: forward.layout.total_bytes().map_err(err)? })
 }
