@@ -131,6 +131,8 @@ pub struct Cache {
     /// Per document: offset, length, data file number, conversation number.
     index: Vec<(u64, u32, u32, u32)>,
     pub stats: Stats,
+    /// The key it was opened with: a hash of the tokenizer, template, options and data files.
+    pub key: [u8; 32],
 }
 
 impl Cache {
@@ -171,7 +173,7 @@ impl Cache {
             .collect();
         let stats =
             serde_json::from_slice(&read(stats_offset, stats_len as usize)?).map_err(|e| corrupt(&e.to_string()))?;
-        Ok(Some(Cache { path: path.to_owned(), file, index, stats }))
+        Ok(Some(Cache { path: path.to_owned(), file, index, stats, key: *key }))
     }
 
     /// Number of documents.
@@ -191,6 +193,11 @@ impl Cache {
     /// The conversation number of document `i`.
     pub fn conversation_of(&self, i: usize) -> usize {
         self.index[i].3 as usize
+    }
+
+    /// Tokens of document `i`.
+    pub fn doc_len(&self, i: usize) -> usize {
+        self.index[i].1 as usize
     }
 
     /// Reads document `i`.

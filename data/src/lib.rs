@@ -8,11 +8,13 @@
 //! - [`mask`]: the loss mask by prefix diffing, one row per turn when a template rewrites turns;
 //! - [`rows`]: truncation, the anchor-candidate filter, packing;
 //! - [`epoch`]: the held-out split and the order of each epoch;
-//! - [`cache`]: the tokenized cache; [`stats`]: the counts; [`pipeline`]: all of it in one pass.
+//! - [`cache`]: the tokenized cache; [`stats`]: the counts; [`pipeline`]: all of it in one pass;
+//! - [`features`]: the offline cache of the target's features per document.
 
 pub mod cache;
 pub mod epoch;
 pub mod error;
+pub mod features;
 pub mod format;
 pub mod mask;
 pub mod pipeline;

@@ -18,6 +18,7 @@ mod bench_gemm;
 mod bench_step;
 mod bench_target;
 mod data;
+mod features;
 mod gpu_bundle;
 mod gpu_conformance;
 mod plan;
@@ -31,11 +32,13 @@ commands:
   train              train a drafter (no options: the tiny built-in default on the CPU)
   plan               the memory planner: itemised peak per checkpointing policy
   data               conversations + the target's tokenizer -> packed rows; stats, samples
+  features           the offline feature cache: every document through the target, in shards
   gpu-bundle         build the release binary into gpu-bundle/ for the GPU machine
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
   bench gemm         (GPU machine) the cuBLAS bf16 linear: checked against the CPU, timed
   bench step         (GPU machine) the GPU training step per policy vs PyTorch, MFU, peaks
+  bench target       (GPU machine) the target forward (features) vs transformers, 8B shape
   bench data         the data pipeline vs Python transformers on the CPU; peak memory
 
 run `cargo xtask <command> --help` for a command's options";
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
         Some("train") => train::run(argv.collect()),
         Some("plan") => plan::run(argv.collect()),
         Some("data") => data::run(argv.collect()),
+        Some("features") => features::run(argv.collect()),
         Some("gpu-bundle") => gpu_bundle::run(argv.collect()),
         Some("gpu-conformance") => gpu_conformance::run(argv.collect()),
         Some("bench") => bench::run(argv.collect()),

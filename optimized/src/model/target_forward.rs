@@ -256,6 +256,15 @@ impl<B: Backend> TargetForward<B> {
         Ok(())
     }
 
+    /// The features of the last launch on the host as bf16 bits, `[tokens, F*H]` (bf16 storage,
+    /// the only 2-byte one, as it is; wider storage rounded).
+    pub fn features_to_host_bf16(&self) -> Result<Vec<u16>> {
+        if B::Elem::BYTES == 2 {
+            return download::<u16, B>(&self.dev, self.features_addr(), self.tokens * self.layout.dims.fw);
+        }
+        Ok(self.features_to_host()?.into_iter().map(|x| half::bf16::from_f64(x).to_bits()).collect())
+    }
+
     /// The features of the last launch on the host, `[tokens, F*H]` as f64.
     pub fn features_to_host(&self) -> Result<Vec<f64>> {
         let n = self.tokens * self.layout.dims.fw;

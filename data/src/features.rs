@@ -1,0 +1,479 @@
+//! The offline feature cache (spec section 8): the target's features of every document of a data
+//! set, so that training needs no target. One entry per document of the tokenized data set, in
+//! its order (documents are isolated in packed rows, so a document's features do not depend on
+//! the row it is packed into: the trainer packs cached documents per epoch as it packs tokens).
+//!
+//! Layout of `CACHE/`:
+//! - `shard-NNNNN.safetensors`: consecutive documents; tensors `features` bf16 `[t, F*H]`,
+//!   `tokens` u32 `[t]`, `loss_mask` u8 `[t]`, `doc_ids` i64 `[t]` (the data set's document
+//!   index), `positions` u32 `[t]` (from 0 per document) and `doc_offsets` i64 `[docs + 1]`
+//!   (token offsets of the documents in the shard). Memory-mappable: data offsets are 8-aligned.
+//! - `index.json`: the format, the provenance (hashes of what the features depend on), the
+//!   feature width, and each complete shard (documents, tokens, bytes).
+//!
+//! Nothing half-written is ever listed: a shard is written under `.tmp`, synced and renamed,
+//! then the index is rewritten the same way. A killed writer resumes after the last listed shard
+//! (shard boundaries are a function of the documents and the shard size); a listed shard whose
+//! size differs from the index is reported by name.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The format tag of `index.json` and of every shard's metadata.
+pub const FORMAT: &str = "dflash-features-1";
+/// Bytes of metadata per token in a shard: token u32, mask u8, document i64, position u32.
+pub const META_BYTES_PER_TOKEN: u64 = 4 + 1 + 8 + 4;
+
+/// One complete shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    pub file: String,
+    /// Index of its first document, and how many it holds.
+    pub first_doc: usize,
+    pub docs: usize,
+    pub tokens: u64,
+    /// The file's size.
+    pub bytes: u64,
+}
+
+/// `index.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeatureIndex {
+    pub format: String,
+    /// What the features depend on, by name: target config and weights, tokenizer, template,
+    /// data files and options, layer ids, max length (hex sha256 or the value).
+    pub provenance: BTreeMap<String, String>,
+    pub hidden_size: usize,
+    pub layer_ids: Vec<usize>,
+    /// Features start a new shard once a shard holds this many feature bytes.
+    pub shard_bytes: u64,
+    /// Documents of the data set, and their tokens.
+    pub documents: usize,
+    pub tokens: u64,
+    pub shards: Vec<ShardEntry>,
+}
+
+impl FeatureIndex {
+    /// Feature width `F*H`.
+    pub fn feature_width(&self) -> usize {
+        self.layer_ids.len() * self.hidden_size
+    }
+
+    /// Whether every document is in a listed shard.
+    pub fn complete(&self) -> bool {
+        self.shards.iter().map(|s| s.docs).sum::<usize>() == self.documents
+    }
+
+    /// The first document no listed shard holds.
+    pub fn next_doc(&self) -> usize {
+        self.shards.last().map_or(0, |s| s.first_doc + s.docs)
+    }
+
+    /// Bytes of a complete cache of `tokens` tokens at this width (shard headers aside).
+    pub fn estimate_bytes(tokens: u64, feature_width: usize) -> u64 {
+        tokens.saturating_mul(2 * feature_width as u64 + META_BYTES_PER_TOKEN)
+    }
+
+    fn read(file: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
+        let index: FeatureIndex = serde_json::from_str(&text)
+            .map_err(|e| Error::field(file, "index", format!("line {} column {}: {e}", e.line(), e.column())))?;
+        if index.format != FORMAT {
+            return Err(Error::field(file, "format", format!("`{}`; this build reads `{FORMAT}`", index.format)));
+        }
+        Ok(index)
+    }
+
+    fn write(&self, dir: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(|e| Error::field(dir, "index", e.to_string()))?;
+        write_synced(&dir.join("index.json"), text.as_bytes())
+    }
+
+    /// The first provenance entry that differs from `want`: `(name, cached, wanted)`.
+    pub fn provenance_mismatch(&self, want: &BTreeMap<String, String>) -> Option<(String, String, String)> {
+        let names: std::collections::BTreeSet<&String> = self.provenance.keys().chain(want.keys()).collect();
+        names.into_iter().find_map(|k| {
+            let (a, b) = (self.provenance.get(k), want.get(k));
+            (a != b).then(|| (k.clone(), a.cloned().unwrap_or("(none)".into()), b.cloned().unwrap_or("(none)".into())))
+        })
+    }
+}
+
+/// Writes `bytes` to `file` under a temporary name, syncs, renames, and syncs the folder.
+fn write_synced(file: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = tmp_name(file);
+    let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, file).map_err(|e| Error::io(file, e))?;
+    if let Some(dir) = file.parent() {
+        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, e))?;
+    }
+    Ok(())
+}
+
+fn tmp_name(file: &Path) -> PathBuf {
+    let mut name = file.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".tmp");
+    file.with_file_name(name)
+}
+
+/// One document's entry: its tokens and loss mask, and its features `[len, F*H]` as bf16 bits.
+pub struct Entry<'a> {
+    pub tokens: &'a [u32],
+    pub loss_mask: &'a [bool],
+    pub features: &'a [u16],
+}
+
+/// Writes a cache, resuming one whose provenance matches.
+pub struct FeatureWriter {
+    dir: PathBuf,
+    pub index: FeatureIndex,
+    /// The shard being filled: its first document and its buffers.
+    first_doc: usize,
+    features: Vec<u16>,
+    tokens: Vec<u32>,
+    mask: Vec<u8>,
+    doc_offsets: Vec<i64>,
+}
+
+impl FeatureWriter {
+    /// Opens `dir` for `index` (whose `shards` is ignored): a new cache, or the one there when its
+    /// provenance, width and shard size match, continuing after its last complete shard. Fails,
+    /// naming the differing entry, when a cache of other provenance is there; leftover temporary
+    /// files are removed.
+    pub fn open(dir: &Path, mut index: FeatureIndex) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let file = dir.join("index.json");
+        index.format = FORMAT.to_string();
+        index.shards.clear();
+        if file.exists() {
+            let old = FeatureIndex::read(&file)?;
+            if let Some((name, cached, wanted)) = old.provenance_mismatch(&index.provenance) {
+                return Err(Error::field(
+                    &file,
+                    format!("provenance.{name}"),
+                    format!("the cache was made from {cached}, this run uses {wanted}; choose another --out"),
+                ));
+            }
+            let same = (old.hidden_size, &old.layer_ids, old.shard_bytes, old.documents, old.tokens)
+                == (index.hidden_size, &index.layer_ids, index.shard_bytes, index.documents, index.tokens);
+            if !same {
+                return Err(Error::field(&file, "index", "width, shard size or documents differ from this run's"));
+            }
+            for shard in &old.shards {
+                check_shard_size(dir, shard)?;
+            }
+            index.shards = old.shards;
+        }
+        for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+            let path = entry.map_err(|e| Error::io(dir, e))?.path();
+            if path.extension().is_some_and(|x| x == "tmp") {
+                std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+            }
+        }
+        index.write(dir)?;
+        let first_doc = index.next_doc();
+        Ok(FeatureWriter {
+            dir: dir.to_path_buf(),
+            index,
+            first_doc,
+            features: vec![],
+            tokens: vec![],
+            mask: vec![],
+            doc_offsets: vec![0],
+        })
+    }
+
+    /// The next document to push (the first not in a complete shard, then onwards).
+    pub fn next_doc(&self) -> usize {
+        self.first_doc + self.doc_offsets.len() - 1
+    }
+
+    /// Appends the next document; completes the shard once it holds `shard_bytes` of features.
+    pub fn push(&mut self, e: Entry) -> Result<()> {
+        let (n, fw) = (e.tokens.len(), self.index.feature_width());
+        if e.loss_mask.len() != n || e.features.len() != n * fw {
+            return Err(Error::field(
+                &self.dir,
+                format!("document {}", self.next_doc()),
+                format!(
+                    "{n} tokens, {} mask entries, {} feature values (width {fw})",
+                    e.loss_mask.len(),
+                    e.features.len()
+                ),
+            ));
+        }
+        self.features.extend_from_slice(e.features);
+        self.tokens.extend_from_slice(e.tokens);
+        self.mask.extend(e.loss_mask.iter().map(|&m| u8::from(m)));
+        self.doc_offsets.push(self.tokens.len() as i64);
+        if (self.features.len() as u64) * 2 >= self.index.shard_bytes || self.next_doc() == self.index.documents {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Writes the shard being filled (if any) and lists it in the index.
+    fn flush(&mut self) -> Result<()> {
+        let docs = self.doc_offsets.len() - 1;
+        if docs == 0 {
+            return Ok(());
+        }
+        let name = format!("shard-{:05}.safetensors", self.index.shards.len());
+        let path = self.dir.join(&name);
+        let mut doc_ids = Vec::with_capacity(self.tokens.len());
+        let mut positions = Vec::with_capacity(self.tokens.len());
+        for (d, w) in self.doc_offsets.windows(2).enumerate() {
+            for p in 0..(w[1] - w[0]) {
+                doc_ids.push((self.first_doc + d) as i64);
+                positions.push(p as u32);
+            }
+        }
+        let t = self.tokens.len();
+        let fw = self.index.feature_width();
+        let tensors: Vec<(&str, &str, Vec<usize>, &[u8])> = vec![
+            ("features", "BF16", vec![t, fw], bytes(&self.features)),
+            ("doc_ids", "I64", vec![t], bytes(&doc_ids)),
+            ("doc_offsets", "I64", vec![docs + 1], bytes(&self.doc_offsets)),
+            ("tokens", "U32", vec![t], bytes(&self.tokens)),
+            ("positions", "U32", vec![t], bytes(&positions)),
+            ("loss_mask", "U8", vec![t], &self.mask),
+        ];
+        let file_bytes =
+            write_safetensors(&path, &tensors, &[("format", FORMAT), ("first_doc", &self.first_doc.to_string())])?;
+        self.index.shards.push(ShardEntry {
+            file: name,
+            first_doc: self.first_doc,
+            docs,
+            tokens: t as u64,
+            bytes: file_bytes,
+        });
+        self.index.write(&self.dir)?;
+        self.first_doc += docs;
+        self.features.clear();
+        self.tokens.clear();
+        self.mask.clear();
+        self.doc_offsets = vec![0];
+        Ok(())
+    }
+
+    /// Completes the last shard; the cache must hold every document.
+    pub fn finish(mut self) -> Result<FeatureIndex> {
+        self.flush()?;
+        if !self.index.complete() {
+            return Err(Error::field(
+                self.dir.join("index.json"),
+                "documents",
+                format!("{} of {} documents written", self.index.next_doc(), self.index.documents),
+            ));
+        }
+        Ok(self.index)
+    }
+}
+
+fn bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: plain-old-data values viewed as their bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// Writes a safetensors file (8-aligned header, tensors in the given order) under a temporary
+/// name, synced and renamed; its size.
+fn write_safetensors(path: &Path, tensors: &[(&str, &str, Vec<usize>, &[u8])], meta: &[(&str, &str)]) -> Result<u64> {
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        serde_json::Value::Object(meta.iter().map(|(k, v)| (k.to_string(), (*v).into())).collect()),
+    );
+    let mut offset = 0usize;
+    for (name, dtype, shape, data) in tensors {
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + data.len()]}),
+        );
+        offset += data.len();
+    }
+    let mut text = serde_json::to_string(&header).map_err(|e| Error::field(path, "header", e.to_string()))?;
+    while (8 + text.len()) % 8 != 0 {
+        text.push(' ');
+    }
+    let tmp = tmp_name(path);
+    let mut f = std::io::BufWriter::new(File::create(&tmp).map_err(|e| Error::io(&tmp, e))?);
+    let io = |e| Error::io(&tmp, e);
+    f.write_all(&(text.len() as u64).to_le_bytes()).map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)?;
+    for (_, _, _, data) in tensors {
+        f.write_all(data).map_err(io)?;
+    }
+    let f = f.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+    Ok((8 + text.len() + offset) as u64)
+}
+
+/// Bytes free for an unprivileged writer on the file system holding `dir` (or its nearest
+/// existing ancestor).
+pub fn free_bytes(dir: &Path) -> Result<u64> {
+    let mut at = dir;
+    while !at.exists() {
+        at = at.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    }
+    let c = std::ffi::CString::new(at.as_os_str().as_encoded_bytes())
+        .map_err(|_| Error::field(at, "path", "contains a NUL byte"))?;
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a statvfs struct to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return Err(Error::io(at, std::io::Error::last_os_error()));
+    }
+    Ok(s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+fn check_shard_size(dir: &Path, shard: &ShardEntry) -> Result<()> {
+    let path = dir.join(&shard.file);
+    let len = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?.len();
+    if len != shard.bytes {
+        return Err(Error::field(
+            &path,
+            "size",
+            format!(
+                "{len} bytes but the index lists {} (truncated or rewritten); delete the cache and rerun",
+                shard.bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One shard, memory-mapped, with its tensors located.
+struct Shard {
+    map: memmap2::Mmap,
+    first_doc: usize,
+    /// Byte ranges of each tensor in `map`.
+    features: (usize, usize),
+    tokens: (usize, usize),
+    mask: (usize, usize),
+    doc_offsets: Vec<i64>,
+}
+
+/// A complete cache, opened by mmap: each document's tokens, mask and features.
+pub struct FeatureCache {
+    pub dir: PathBuf,
+    pub index: FeatureIndex,
+    shards: Vec<Shard>,
+}
+
+/// One cached document.
+pub struct CachedDoc<'a> {
+    pub tokens: Vec<u32>,
+    pub loss_mask: Vec<bool>,
+    /// `[len, F*H]` bf16 bits.
+    pub features: &'a [u16],
+}
+
+impl FeatureCache {
+    /// Opens the complete cache in `dir`, checking every shard's size and header; with `want`,
+    /// also that its provenance is the run's (naming the first entry that differs).
+    pub fn open(dir: &Path, want: Option<&BTreeMap<String, String>>) -> Result<Self> {
+        let file = dir.join("index.json");
+        let index = FeatureIndex::read(&file)?;
+        if let Some((name, cached, wanted)) = want.and_then(|w| index.provenance_mismatch(w)) {
+            return Err(Error::field(
+                &file,
+                format!("provenance.{name}"),
+                format!("the cache was made from {cached}, this run uses {wanted}"),
+            ));
+        }
+        if !index.complete() {
+            return Err(Error::field(
+                &file,
+                "shards",
+                format!(
+                    "{} of {} documents written; rerun `xtask features` to finish it",
+                    index.next_doc(),
+                    index.documents
+                ),
+            ));
+        }
+        let shards = index.shards.iter().map(|s| open_shard(dir, s, index.feature_width())).collect::<Result<_>>()?;
+        Ok(FeatureCache { dir: dir.to_path_buf(), index, shards })
+    }
+
+    /// Number of documents.
+    pub fn len(&self) -> usize {
+        self.index.documents
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.documents == 0
+    }
+
+    /// Document `i`.
+    pub fn doc(&self, i: usize) -> Result<CachedDoc<'_>> {
+        let s = self
+            .shards
+            .iter()
+            .find(|s| i >= s.first_doc && i < s.first_doc + s.doc_offsets.len() - 1)
+            .ok_or_else(|| Error::field(&self.dir, "documents", format!("no document {i} (of {})", self.len())))?;
+        let d = i - s.first_doc;
+        let (a, b) = (s.doc_offsets[d] as usize, s.doc_offsets[d + 1] as usize);
+        let fw = self.index.feature_width();
+        let slice =
+            |(lo, _): (usize, usize), from: usize, to: usize, width: usize| &s.map[lo + from * width..lo + to * width];
+        let tokens = slice(s.tokens, a, b, 4).chunks(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect();
+        let loss_mask = slice(s.mask, a, b, 1).iter().map(|&m| m != 0).collect();
+        let raw = slice(s.features, a * fw, b * fw, 2);
+        // SAFETY: the mapping is 8-aligned at the tensor's start (safetensors data offsets of 2-byte
+        // values from an 8-aligned data section) and `raw` holds whole u16 values.
+        let features = unsafe { std::slice::from_raw_parts(raw.as_ptr() as *const u16, raw.len() / 2) };
+        Ok(CachedDoc { tokens, loss_mask, features })
+    }
+}
+
+fn open_shard(dir: &Path, entry: &ShardEntry, fw: usize) -> Result<Shard> {
+    check_shard_size(dir, entry)?;
+    let path = dir.join(&entry.file);
+    let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+    // SAFETY: the cache's files are written once (temporary name, then rename) and never modified.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+    let bad = |m: String| Error::field(&path, "header", m);
+    let n = u64::from_le_bytes(map.get(..8).ok_or_else(|| bad("shorter than 8 bytes".into()))?.try_into().expect("8"))
+        as usize;
+    let header: serde_json::Value = serde_json::from_slice(map.get(8..8 + n).ok_or_else(|| bad("truncated".into()))?)
+        .map_err(|e| bad(e.to_string()))?;
+    let data = 8 + n;
+    let locate = |name: &str, dtype: &str, shape: &[usize]| -> Result<(usize, usize)> {
+        let t = &header[name];
+        if t["dtype"] != dtype || t["shape"] != serde_json::json!(shape) {
+            return Err(bad(format!("tensor `{name}`: {} {}, expected {dtype} {shape:?}", t["dtype"], t["shape"])));
+        }
+        let off = |i: usize| t["data_offsets"][i].as_u64().map(|o| o as usize + data);
+        match (off(0), off(1)) {
+            (Some(a), Some(b)) if a <= b && b <= map.len() => Ok((a, b)),
+            _ => Err(bad(format!("tensor `{name}`: data offsets outside the file"))),
+        }
+    };
+    let (t, docs) = (entry.tokens as usize, entry.docs);
+    let offsets = locate("doc_offsets", "I64", &[docs + 1])?;
+    let doc_offsets: Vec<i64> =
+        map[offsets.0..offsets.1].chunks(8).map(|c| i64::from_le_bytes(c.try_into().expect("8"))).collect();
+    if doc_offsets.first() != Some(&0)
+        || doc_offsets.last() != Some(&(t as i64))
+        || doc_offsets.windows(2).any(|w| w[0] > w[1])
+    {
+        return Err(bad("doc_offsets are not increasing from 0 to the token count".into()));
+    }
+    Ok(Shard {
+        features: locate("features", "BF16", &[t, fw])?,
+        tokens: locate("tokens", "U32", &[t])?,
+        mask: locate("loss_mask", "U8", &[t])?,
+        doc_offsets,
+        first_doc: entry.first_doc,
+        map,
+    })
+}

@@ -1,0 +1,291 @@
+//! `cargo xtask features`: the offline feature cache (`dflash_data::features`) of a target and a
+//! data set: every document through the target's forward (GPU, or the CPU twins for small
+//! targets), written in shards with an index and provenance; a killed run continues where it
+//! stopped.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use dflash_data::cache::sha256;
+use dflash_data::features::{free_bytes, Entry, FeatureIndex, FeatureWriter};
+use dflash_data::target::TargetTokenizer;
+use dflash_data::Dataset;
+use dflash_optimized::backend::cuda::Cuda;
+use dflash_optimized::backend::host::Host;
+use dflash_optimized::backend::Backend;
+use dflash_optimized::memory::gb;
+use dflash_optimized::model::target_forward::TargetForward;
+use dflash_reference::config::{default_target_layer_ids, TargetConfig};
+use dflash_reference::data::Row;
+use dflash_reference::io::WeightSet;
+
+use crate::args::Options;
+use crate::data::{data_options, take_files};
+
+const HELP: &str = "usage: cargo xtask features --target DIR --data FILE... --out CACHE [options]
+
+Runs the target over every document of the data set (the tokenized, masked documents of `cargo
+xtask data`, training and held-out) and writes their features (the outputs of the layers
+--layer-ids, concatenated per token, bf16) to CACHE: safetensors shards of about --shard-gb
+each and index.json with the provenance (hashes of the target's config and weights index, the
+tokenizer, template, data files and options, the layer ids). Prints the size first and refuses
+when the disk cannot hold it. A killed run continues where it stopped when rerun with the same
+arguments; a cache made from anything else is refused. Train from it with `train --features CACHE`.
+
+options:
+  --target DIR         HF folder: config.json, safetensors weights, tokenizer, chat template
+  --data FILE...       jsonl conversations (as `cargo xtask data` reads them)
+  --out CACHE          the cache folder
+  --layer-ids LIST     comma-separated target layers        (default: the 5-feature rule of spec 1)
+  --shard-gb X         feature bytes per shard, GB           (default 4)
+  --device gpu|cpu     the GPU, or the CPU twins in f32 (small targets only)  (default gpu)
+  --launch-tokens N    tokens per forward (several documents) (default: --max-len)
+  --max-len N, --thinking yes|no, --system-prompt T, --held-out X, --seed N, --cache DIR
+                       the data options of `cargo xtask data`";
+
+const OPTIONS: &[&str] = &[
+    "target",
+    "out",
+    "layer-ids",
+    "shard-gb",
+    "device",
+    "launch-tokens",
+    "max-len",
+    "packing",
+    "thinking",
+    "system-prompt",
+    "held-out",
+    "seed",
+    "cache",
+];
+
+/// sha256 of a file's bytes, hex.
+fn file_hash(file: &Path) -> Result<String, String> {
+    let bytes = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok(hex(&sha256(&bytes)))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The weights' identity: sha256 of the shard index (which names every tensor's shard), or of
+/// the single `model.safetensors`.
+fn weights_hash(dir: &Path) -> Result<String, String> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        return file_hash(&index);
+    }
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok(hex(&sha256(&bytes)))
+}
+
+/// The provenance entries of a cache of `target` tapping `layer_ids` over the data set `key`.
+pub fn provenance(target: &Path, layer_ids: &[usize], data_key: &[u8; 32]) -> Result<BTreeMap<String, String>, String> {
+    Ok(BTreeMap::from([
+        ("target_config".to_string(), file_hash(&target.join("config.json"))?),
+        ("target_weights".to_string(), weights_hash(target)?),
+        ("data".to_string(), hex(data_key)),
+        ("layer_ids".to_string(), format!("{layer_ids:?}")),
+    ]))
+}
+
+pub fn run(args: Vec<String>) -> Result<(), String> {
+    let (files, rest) = take_files(args);
+    let Some(opts) = Options::parse(rest, OPTIONS)? else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    if files.is_empty() {
+        return Err("--data FILE... is required".into());
+    }
+    let out: PathBuf = opts.get("out", PathBuf::new())?;
+    if out.as_os_str().is_empty() {
+        return Err("--out CACHE is required".into());
+    }
+    if out.exists() && !out.is_dir() {
+        return Err(format!("option `--out`: {} exists and is not a folder", out.display()));
+    }
+    let shard_gb: f64 = opts.get("shard-gb", 4.0)?;
+    if !(shard_gb.is_finite() && shard_gb > 0.0) {
+        return Err(format!("option `--shard-gb`: {shard_gb}; a positive size expected"));
+    }
+    let device: String = opts.get("device", "gpu".to_string())?;
+    if !["gpu", "cpu"].contains(&device.as_str()) {
+        return Err(format!("option `--device`: `{device}` (gpu or cpu)"));
+    }
+    let (target_dir, data_opts) = data_options(&opts)?;
+    let config = TargetConfig::from_file(&target_dir.join("config.json")).map_err(|e| e.to_string())?;
+    let layers = config.dims.num_layers();
+    let layer_ids: Vec<usize> = match opts.get("layer-ids", String::new())? {
+        s if s.is_empty() => default_target_layer_ids(layers, 5.min(layers)),
+        s => s
+            .split(',')
+            .map(|x| x.trim().parse().map_err(|_| format!("option `--layer-ids`: `{x}` is not a layer number")))
+            .collect::<Result<_, _>>()?,
+    };
+    if let Some(bad) = layer_ids.iter().find(|&&l| l >= layers) {
+        return Err(format!(
+            "option `--layer-ids`: layer {bad} is out of range for the target's {layers} layers ({})",
+            target_dir.join("config.json").display()
+        ));
+    }
+    if layer_ids.is_empty() {
+        return Err("option `--layer-ids`: no layer given".into());
+    }
+    let launch_tokens: usize = opts.get("launch-tokens", data_opts.max_len)?;
+    if launch_tokens < data_opts.max_len {
+        return Err(format!(
+            "option `--launch-tokens`: {launch_tokens} is below --max-len {} (a document must fit one forward)",
+            data_opts.max_len
+        ));
+    }
+
+    let started = Instant::now();
+    let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
+    let data = Dataset::prepare(&tokenizer, &files, &data_opts).map_err(|e| e.to_string())?;
+    let docs = data.cache.len();
+    let tokens: u64 = (0..docs).map(|i| data.cache.doc_len(i) as u64).sum();
+    let width = layer_ids.len() * config.dims.hidden_size;
+    let index = FeatureIndex {
+        format: String::new(),
+        provenance: provenance(&target_dir, &layer_ids, &data.cache.key)?,
+        hidden_size: config.dims.hidden_size,
+        layer_ids: layer_ids.clone(),
+        shard_bytes: (shard_gb * 1e9) as u64,
+        documents: docs,
+        tokens,
+        shards: vec![],
+    };
+    let mut writer = FeatureWriter::open(&out, index).map_err(|e| e.to_string())?;
+    let total = FeatureIndex::estimate_bytes(tokens, width);
+    let done: u64 = writer.index.shards.iter().map(|s| s.bytes).sum();
+    let needed = total.saturating_sub(done);
+    let free = free_bytes(&out).map_err(|e| e.to_string())?;
+    println!(
+        "{docs} documents, {tokens} tokens; features of layers {layer_ids:?} ({width} values per token, bf16): {} in all, \
+         {} still to write, {} free at {}",
+        gb(total),
+        gb(needed),
+        gb(free),
+        out.display()
+    );
+    if needed > free {
+        return Err(format!(
+            "{}: the cache needs {} more but the disk has {} free; free space or choose another --out",
+            out.display(),
+            gb(needed),
+            gb(free)
+        ));
+    }
+    if writer.next_doc() > 0 {
+        println!("continuing after document {} ({} complete shards)", writer.next_doc(), writer.index.shards.len());
+    }
+    let weights = WeightSet::load_dir(&target_dir).map_err(|e| e.to_string())?;
+    let err = |e: dflash_optimized::Error| e.to_string();
+    match device.as_str() {
+        "gpu" => {
+            let gpu = crate::gpu_conformance::open_gpu()?;
+            let cuda = Cuda::new(&gpu, config.dims.head_dim).map_err(err)?;
+            let mut forward = TargetForward::new(cuda, &config, &layer_ids, launch_tokens, false).map_err(err)?;
+            forward.load_weights(|n, s| weights.get(n, s, candle_core::DType::BF16)).map_err(err)?;
+            drop(weights);
+            write_all(&mut forward, &data, &mut writer)?;
+        }
+        _ => {
+            let host = Host::<f32>::default();
+            let mut forward = TargetForward::new(host, &config, &layer_ids, launch_tokens, false).map_err(err)?;
+            forward.load_weights(|n, s| weights.get(n, s, candle_core::DType::F32)).map_err(err)?;
+            drop(weights);
+            write_all(&mut forward, &data, &mut writer)?;
+        }
+    }
+    let index = writer.finish().map_err(|e| e.to_string())?;
+    println!(
+        "wrote {} ({} shards, {}) in {:.1}s",
+        out.display(),
+        index.shards.len(),
+        gb(index.shards.iter().map(|s| s.bytes).sum()),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Every document from the writer's next on, several per forward, into the cache; a progress
+/// bar (documents/s, ETA) on a terminal, a line per shard otherwise.
+fn write_all<B: Backend>(
+    forward: &mut TargetForward<B>,
+    data: &Dataset,
+    writer: &mut FeatureWriter,
+) -> Result<(), String> {
+    let docs = data.cache.len();
+    let first = writer.next_doc();
+    let capacity = forward.layout.dims.t;
+    let bar = if std::io::stdout().is_terminal() {
+        let bar = indicatif::ProgressBar::new((docs - first) as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} documents, {per_sec}, ETA {eta}")
+                .map_err(|e| e.to_string())?,
+        );
+        Some(bar)
+    } else {
+        None
+    };
+    let started = Instant::now();
+    let mut next = first;
+    let mut shards = writer.index.shards.len();
+    // Test hook (the kill-and-resume test): a pause after each completed shard, in ms.
+    let pause = std::env::var("DFLASH_TEST_FEATURES_PAUSE_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0u64);
+    while next < docs {
+        // One launch: consecutive documents up to the capacity.
+        let mut rows = Vec::new();
+        let mut tokens = 0;
+        while next + rows.len() < docs {
+            let doc = data.cache.document(next + rows.len()).map_err(|e| e.to_string())?;
+            if !rows.is_empty() && tokens + doc.tokens.len() > capacity {
+                break;
+            }
+            tokens += doc.tokens.len();
+            let n = doc.tokens.len();
+            rows.push(Row {
+                tokens: doc.tokens,
+                loss_mask: doc.loss_mask,
+                doc_ids: vec![0; n],
+                positions: (0..n).collect(),
+            });
+        }
+        let refs: Vec<&Row> = rows.iter().collect();
+        forward.run(&refs).map_err(|e| format!("documents {next}..{}: {e}", next + rows.len()))?;
+        let features = forward.features_to_host_bf16().map_err(|e| e.to_string())?;
+        let width = forward.layout.dims.fw;
+        let mut at = 0;
+        for row in &rows {
+            let n = row.tokens.len();
+            let entry = Entry {
+                tokens: &row.tokens,
+                loss_mask: &row.loss_mask,
+                features: &features[at * width..(at + n) * width],
+            };
+            writer.push(entry).map_err(|e| e.to_string())?;
+            at += n;
+        }
+        next += rows.len();
+        if pause > 0 && writer.index.shards.len() > shards {
+            std::thread::sleep(std::time::Duration::from_millis(pause));
+        }
+        if let Some(bar) = &bar {
+            bar.set_position((next - first) as u64);
+        } else if writer.index.shards.len() > shards {
+            let rate = (next - first) as f64 / started.elapsed().as_secs_f64().max(1e-9);
+            println!("shard {} complete: {next}/{docs} documents, {rate:.1} documents/s", writer.index.shards.len());
+        }
+        shards = writer.index.shards.len();
+    }
+    if let Some(bar) = bar {
+        bar.finish();
+    }
+    Ok(())
+}

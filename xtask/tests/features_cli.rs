@@ -1,0 +1,158 @@
+//! `cargo xtask features` through the binary, on the CPU twins: a small random Qwen3 target with
+//! the fixture tokenizer over the fixture conversations. The cache holds every document with the
+//! reference's features; a run killed with SIGKILL and rerun gives the same bytes as one that was
+//! not; a truncated shard and a cache of other provenance are refused by name.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Tensor};
+use dflash_conformance::tolerance::{rel_error, GPU_KERNEL_BF16};
+use dflash_data::features::FeatureCache;
+use dflash_reference::config::{AttnKind, ModelDims, RopeScaling, TargetArch, TargetConfig};
+use dflash_reference::target::TargetModel;
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+}
+
+/// A target folder: the fixture tokenizer and a random Qwen3 of 3 layers whose vocab covers it.
+fn make_target(dir: &Path, seed: u64) -> TargetModel {
+    std::fs::create_dir_all(dir).unwrap();
+    for entry in std::fs::read_dir(repo("fixtures/data/tokenizer-qwen")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let config = TargetConfig {
+        arch: TargetArch::Qwen3,
+        dims: ModelDims {
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            vocab_size: 768,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e4,
+            max_position_embeddings: 4096,
+            layer_kinds: vec![AttnKind::Full; 3],
+        },
+        tie_word_embeddings: false,
+        rope_scaling: RopeScaling::Default,
+    };
+    let model = TargetModel::random(config, seed, 0.1, DType::F32).unwrap();
+    model.save(dir).unwrap();
+    model
+}
+
+fn command(target: &Path, out: &Path, data_cache: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    c.arg("features")
+        .args(["--device", "cpu", "--target", target.to_str().unwrap()])
+        .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
+        .args(["--out", out.to_str().unwrap(), "--cache", data_cache.to_str().unwrap()])
+        .args(["--max-len", "512", "--shard-gb", "0.00002", "--layer-ids", "2,0"])
+        .args(extra);
+    c
+}
+
+fn run(mut c: Command) -> Output {
+    c.output().expect("run xtask")
+}
+
+fn ok(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "xtask features failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+/// Every file of a cache folder, by name.
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn the_cache_holds_every_document_with_the_reference_features() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
+    let model = make_target(&target, 1);
+    let stdout = ok(&run(command(&target, &out, &data, &[])));
+    assert!(stdout.contains("documents,") && stdout.contains("free at"), "size estimate missing:\n{stdout}");
+    let cache = FeatureCache::open(&out, None).unwrap();
+    assert!(cache.index.shards.len() > 2, "several shards expected, got {}", cache.index.shards.len());
+    assert_eq!(cache.index.layer_ids, vec![2, 0]);
+    let fw = cache.index.feature_width();
+    let mut total = 0;
+    for i in 0..cache.len() {
+        let doc = cache.doc(i).unwrap();
+        total += doc.tokens.len();
+        if i % 7 != 0 {
+            continue;
+        }
+        let want = model.features(&doc.tokens, &[2, 0]).unwrap();
+        let got: Vec<f32> = doc.features.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let got = Tensor::from_vec(got, (doc.tokens.len(), fw), &candle_core::Device::Cpu).unwrap();
+        let err = rel_error(&got, &want);
+        assert!(err <= GPU_KERNEL_BF16.rel, "document {i}: features off by {err:.2e}");
+    }
+    assert_eq!(total as u64, cache.index.tokens);
+}
+
+/// Waits until `out/index.json` lists a shard, then SIGKILLs `child` (the writer pauses after
+/// each shard under the test hook, so it is mid-run).
+fn kill_after_first_shard(mut child: Child, out: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let listed = std::fs::read_to_string(out.join("index.json")).is_ok_and(|t| t.contains("shard-00000"));
+        if listed || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().expect("SIGKILL");
+    child.wait().unwrap();
+}
+
+#[test]
+fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, data) = (tmp.path().join("target"), tmp.path().join("data"));
+    make_target(&target, 2);
+    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
+    ok(&run(command(&target, &whole, &data, &[])));
+
+    let mut c = command(&target, &resumed, &data, &[]);
+    c.env("DFLASH_TEST_FEATURES_PAUSE_MS", "300").stdout(Stdio::null()).stderr(Stdio::null());
+    kill_after_first_shard(c.spawn().unwrap(), &resumed);
+    let stdout = ok(&run(command(&target, &resumed, &data, &[])));
+    assert!(stdout.contains("continuing after document"), "the rerun did not continue:\n{stdout}");
+    assert_eq!(files(&whole), files(&resumed), "a resumed cache differs from an uninterrupted one");
+
+    // Another layer choice is another provenance: refused, naming it.
+    let out = run(command(&target, &resumed, &data, &["--layer-ids", "1"]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("provenance.layer_ids"), "{stderr}");
+
+    // A truncated shard is named, by the reader and by a rerun.
+    let shard = resumed.join("shard-00001.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() - 10]).unwrap();
+    let err = FeatureCache::open(&resumed, None).err().expect("a truncated shard must not open").to_string();
+    assert!(err.contains("shard-00001.safetensors") && err.contains("truncated"), "{err}");
+    let out = run(command(&target, &resumed, &data, &[]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("shard-00001.safetensors"), "{stderr}");
+
+    // --out naming a file is refused before any work.
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let out = run(command(&target, &file, &data, &[]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a folder"));
+}
