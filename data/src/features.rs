@@ -30,6 +30,51 @@ pub const FORMAT: &str = "dflash-features-1";
 /// Bytes of metadata per token in a shard: token u32, mask u8, document i64, position u32.
 pub const META_BYTES_PER_TOKEN: u64 = 4 + 1 + 8 + 4;
 
+/// sha256 of a file's bytes, hex.
+fn file_hash(file: &Path) -> Result<String> {
+    let bytes = std::fs::read(file).map_err(|e| Error::io(file, e))?;
+    Ok(hex(&crate::cache::sha256(&bytes)))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The provenance of a cache of the target in `target` tapping `layer_ids` over the data set of
+/// key `data_key` (the tokenized cache's: tokenizer, template, options, files): sha256 of the
+/// target's `config.json` and of its weights (the shard index, which names every tensor's file,
+/// or the single `model.safetensors`). `xtask/scripts/features_transformers.py` computes the same.
+pub fn provenance(target: &Path, layer_ids: &[usize], data_key: &[u8; 32]) -> Result<BTreeMap<String, String>> {
+    let index = target.join("model.safetensors.index.json");
+    let weights = if index.is_file() { index } else { target.join("model.safetensors") };
+    let ids: Vec<String> = layer_ids.iter().map(|l| l.to_string()).collect();
+    Ok(BTreeMap::from([
+        ("target_config".to_string(), file_hash(&target.join("config.json"))?),
+        ("target_weights".to_string(), file_hash(&weights)?),
+        ("data".to_string(), hex(data_key)),
+        ("layer_ids".to_string(), ids.join(",")),
+    ]))
+}
+
+/// Writes the documents of `cache` to `file` as jsonl for the transformers writer: a header line
+/// `{"dflash_documents": 1, "data": <key hex>, "documents": N, "tokens": T}`, then one
+/// `{"input_ids": [...], "loss_mask": [0|1, ...]}` per document, in order. Returns (N, T).
+pub fn export_documents(cache: &crate::cache::Cache, file: &Path) -> Result<(usize, u64)> {
+    let tokens: u64 = (0..cache.len()).map(|i| cache.doc_len(i) as u64).sum();
+    let mut text =
+        serde_json::json!({"dflash_documents": 1, "data": hex(&cache.key), "documents": cache.len(), "tokens": tokens})
+            .to_string();
+    text.push('\n');
+    for i in 0..cache.len() {
+        let doc = cache.document(i)?;
+        let mask: Vec<u8> = doc.loss_mask.iter().map(|&m| u8::from(m)).collect();
+        text.push_str(&serde_json::json!({"input_ids": doc.tokens, "loss_mask": mask}).to_string());
+        text.push('\n');
+    }
+    write_synced(file, text.as_bytes())?;
+    Ok((cache.len(), tokens))
+}
+
 /// One complete shard.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardEntry {
@@ -428,8 +473,10 @@ impl FeatureCache {
         let tokens = slice(s.tokens, a, b, 4).chunks(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect();
         let loss_mask = slice(s.mask, a, b, 1).iter().map(|&m| m != 0).collect();
         let raw = slice(s.features, a * fw, b * fw, 2);
-        // SAFETY: the mapping is 8-aligned at the tensor's start (safetensors data offsets of 2-byte
-        // values from an 8-aligned data section) and `raw` holds whole u16 values.
+        if (raw.as_ptr() as usize) % 2 != 0 {
+            return Err(Error::field(&self.dir, "features", "not 2-byte aligned in its shard"));
+        }
+        // SAFETY: `raw` is 2-byte aligned (checked) and holds whole u16 values.
         let features = unsafe { std::slice::from_raw_parts(raw.as_ptr() as *const u16, raw.len() / 2) };
         Ok(CachedDoc { tokens, loss_mask, features })
     }

@@ -3,13 +3,11 @@
 //! targets), written in shards with an index and provenance; a killed run continues where it
 //! stopped.
 
-use std::collections::BTreeMap;
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use dflash_data::cache::sha256;
-use dflash_data::features::{free_bytes, Entry, FeatureIndex, FeatureWriter};
+use dflash_data::features::{export_documents, free_bytes, provenance, Entry, FeatureIndex, FeatureWriter};
 use dflash_data::target::TargetTokenizer;
 use dflash_data::Dataset;
 use dflash_optimized::backend::cuda::Cuda;
@@ -42,6 +40,9 @@ options:
   --shard-gb X         feature bytes per shard, GB           (default 4)
   --device gpu|cpu     the GPU, or the CPU twins in f32 (small targets only)  (default gpu)
   --launch-tokens N    tokens per forward (several documents) (default: --max-len)
+  --export-documents FILE  write the documents (and the data's provenance) as jsonl for
+                       xtask/scripts/features_transformers.py (any target transformers runs)
+                       instead of running the target; --out is then not needed
   --max-len N, --thinking yes|no, --system-prompt T, --held-out X, --seed N, --cache DIR
                        the data options of `cargo xtask data`";
 
@@ -59,39 +60,8 @@ const OPTIONS: &[&str] = &[
     "held-out",
     "seed",
     "cache",
+    "export-documents",
 ];
-
-/// sha256 of a file's bytes, hex.
-fn file_hash(file: &Path) -> Result<String, String> {
-    let bytes = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
-    Ok(hex(&sha256(&bytes)))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The weights' identity: sha256 of the shard index (which names every tensor's shard), or of
-/// the single `model.safetensors`.
-fn weights_hash(dir: &Path) -> Result<String, String> {
-    let index = dir.join("model.safetensors.index.json");
-    if index.is_file() {
-        return file_hash(&index);
-    }
-    let file = dir.join("model.safetensors");
-    let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-    Ok(hex(&sha256(&bytes)))
-}
-
-/// The provenance entries of a cache of `target` tapping `layer_ids` over the data set `key`.
-pub fn provenance(target: &Path, layer_ids: &[usize], data_key: &[u8; 32]) -> Result<BTreeMap<String, String>, String> {
-    Ok(BTreeMap::from([
-        ("target_config".to_string(), file_hash(&target.join("config.json"))?),
-        ("target_weights".to_string(), weights_hash(target)?),
-        ("data".to_string(), hex(data_key)),
-        ("layer_ids".to_string(), format!("{layer_ids:?}")),
-    ]))
-}
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
     let (files, rest) = take_files(args);
@@ -101,6 +71,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
     if files.is_empty() {
         return Err("--data FILE... is required".into());
+    }
+    let export: PathBuf = opts.get("export-documents", PathBuf::new())?;
+    if !export.as_os_str().is_empty() {
+        let (target_dir, data_opts) = data_options(&opts)?;
+        let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
+        let data = Dataset::prepare(&tokenizer, &files, &data_opts).map_err(|e| e.to_string())?;
+        let (docs, tokens) = export_documents(&data.cache, &export).map_err(|e| e.to_string())?;
+        println!("wrote {docs} documents ({tokens} tokens) to {}", export.display());
+        return Ok(());
     }
     let out: PathBuf = opts.get("out", PathBuf::new())?;
     if out.as_os_str().is_empty() {
@@ -152,7 +131,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let width = layer_ids.len() * config.dims.hidden_size;
     let index = FeatureIndex {
         format: String::new(),
-        provenance: provenance(&target_dir, &layer_ids, &data.cache.key)?,
+        provenance: provenance(&target_dir, &layer_ids, &data.cache.key).map_err(|e| e.to_string())?,
         hidden_size: config.dims.hidden_size,
         layer_ids: layer_ids.clone(),
         shard_bytes: (shard_gb * 1e9) as u64,

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""The offline feature cache from any model transformers runs (Qwen3.5/3.6 GatedDeltaNet hybrids,
+MoE targets, ...): the same format `cargo xtask features` writes (data/src/features.rs), so that
+`cargo xtask train --features CACHE` trains from it.
+
+usage:
+  cargo xtask features --target DIR --data FILE... --export-documents docs.jsonl
+  python3 xtask/scripts/features_transformers.py --target DIR --documents docs.jsonl --out CACHE \
+      [--layer-ids 1,9,17,25,33] [--shard-gb 4] [--device cuda] [--dtype bfloat16]
+
+The documents (tokens and loss masks, in the data set's order, with the data's provenance in the
+first line) come from the Rust pipeline, so both writers cache the same tokens. Each document runs
+alone (positions from 0); layer id l is the output of decoder layer l (a forward hook on it, never
+the final-norm output). Shards are written under a temporary name and renamed, then index.json;
+a rerun continues after the last listed shard.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+FORMAT = "dflash-features-1"
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def default_layer_ids(num_layers, n=5):
+    """Spec section 1: n == 1 -> [L/2]; else round(1 + i*(L-4)/(n-1)), halves away from zero."""
+    if n == 1:
+        return [num_layers // 2]
+    return [int(math.floor(1 + i * (num_layers - 4) / (n - 1) + 0.5)) for i in range(n)]
+
+
+def decoder_layers(model, num_layers):
+    """The ModuleList of decoder layers: the one named `layers` with num_layers entries."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise SystemExit(f"error: no decoder-layer list of {num_layers} layers in {type(model).__name__}")
+
+
+def write_synced(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--documents", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--layer-ids", default="")
+    p.add_argument("--shard-gb", type=float, default=4.0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    a = p.parse_args()
+
+    with open(a.documents) as f:
+        header = json.loads(f.readline())
+        if header.get("dflash_documents") != 1:
+            raise SystemExit(f"error: {a.documents}: not an export of `cargo xtask features --export-documents`")
+        docs = [json.loads(line) for line in f if line.strip()]
+    if len(docs) != header["documents"]:
+        raise SystemExit(f"error: {a.documents}: {len(docs)} documents, the header says {header['documents']}")
+
+    config = transformers.AutoConfig.from_pretrained(a.target)
+    tc = text_config(config)
+    num_layers, hidden = tc.num_hidden_layers, tc.hidden_size
+    ids = [int(x) for x in a.layer_ids.split(",")] if a.layer_ids else default_layer_ids(num_layers)
+    if any(l < 0 or l >= num_layers for l in ids):
+        raise SystemExit(f"error: --layer-ids {ids}: the target has {num_layers} layers")
+    index_file = os.path.join(a.target, "model.safetensors.index.json")
+    weights = index_file if os.path.isfile(index_file) else os.path.join(a.target, "model.safetensors")
+    provenance = {
+        "target_config": sha256_file(os.path.join(a.target, "config.json")),
+        "target_weights": sha256_file(weights),
+        "data": header["data"],
+        "layer_ids": ",".join(str(l) for l in ids),
+    }
+    index = {"format": FORMAT, "provenance": provenance, "hidden_size": hidden, "layer_ids": ids,
+             "shard_bytes": int(a.shard_gb * 1e9), "documents": len(docs), "tokens": header["tokens"], "shards": []}
+    os.makedirs(a.out, exist_ok=True)
+    index_path = os.path.join(a.out, "index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            old = json.load(f)
+        same = {k: old[k] for k in index if k != "shards"} == {k: index[k] for k in index if k != "shards"}
+        if not same:
+            raise SystemExit(f"error: {index_path}: a cache of other provenance or options; choose another --out")
+        index["shards"] = old["shards"]
+    for name in os.listdir(a.out):
+        if name.endswith(".tmp"):
+            os.remove(os.path.join(a.out, name))
+    write_synced(index_path, json.dumps(index, indent=2).encode())
+
+    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(a.device).eval()
+    layers = decoder_layers(model, num_layers)
+    captured = {}
+
+    def hook(l):
+        def f(module, args, output):
+            captured[l] = (output[0] if isinstance(output, (tuple, list)) else output)[0]
+        return f
+
+    handles = [layers[l].register_forward_hook(hook(l)) for l in sorted(set(ids))]
+    first = sum(s["docs"] for s in index["shards"])
+    if first:
+        print(f"continuing after document {first} ({len(index['shards'])} complete shards)", file=sys.stderr)
+    buf = {"features": [], "tokens": [], "loss_mask": [], "doc_ids": [], "positions": [], "offsets": [0]}
+    shard_first = first
+    for i in range(first, len(docs)):
+        d = docs[i]
+        ids_t = torch.tensor([d["input_ids"]], device=a.device)
+        with torch.no_grad():
+            model(input_ids=ids_t, use_cache=False)
+        feats = torch.cat([captured[l] for l in ids], dim=-1).to(torch.bfloat16).cpu()
+        n = len(d["input_ids"])
+        buf["features"].append(feats.view(torch.int16).numpy().view(np.uint16))
+        buf["tokens"].append(np.array(d["input_ids"], dtype=np.uint32))
+        buf["loss_mask"].append(np.array(d["loss_mask"], dtype=np.uint8))
+        buf["doc_ids"].append(np.full(n, i, dtype=np.int64))
+        buf["positions"].append(np.arange(n, dtype=np.uint32))
+        buf["offsets"].append(buf["offsets"][-1] + n)
+        full = sum(x.size for x in buf["features"]) * 2 >= index["shard_bytes"]
+        if full or i + 1 == len(docs):
+            name = f"shard-{len(index['shards']):05d}.safetensors"
+            path = os.path.join(a.out, name)
+            feats = np.concatenate(buf["features"]).reshape(-1, len(ids) * hidden)
+            t = int(buf["offsets"][-1])
+            tensors = [
+                ("features", "BF16", [t, len(ids) * hidden], feats),
+                ("doc_ids", "I64", [t], np.concatenate(buf["doc_ids"])),
+                ("doc_offsets", "I64", [len(buf["offsets"])], np.array(buf["offsets"], dtype=np.int64)),
+                ("tokens", "U32", [t], np.concatenate(buf["tokens"])),
+                ("positions", "U32", [t], np.concatenate(buf["positions"])),
+                ("loss_mask", "U8", [t], np.concatenate(buf["loss_mask"])),
+            ]
+            write_safetensors(path, tensors, {"format": FORMAT, "first_doc": str(shard_first)})
+            docs_in = len(buf["offsets"]) - 1
+            index["shards"].append({"file": name, "first_doc": shard_first, "docs": docs_in,
+                                    "tokens": int(buf["offsets"][-1]), "bytes": os.path.getsize(path)})
+            write_synced(index_path, json.dumps(index, indent=2).encode())
+            print(f"shard {len(index['shards'])}: documents {shard_first}..{shard_first + docs_in}", file=sys.stderr)
+            shard_first += docs_in
+            buf = {"features": [], "tokens": [], "loss_mask": [], "doc_ids": [], "positions": [], "offsets": [0]}
+    for h in handles:
+        h.remove()
+    print(json.dumps({"out": a.out, "documents": len(docs), "shards": len(index["shards"])}))
+
+
+def write_safetensors(path, tensors, metadata):
+    """A safetensors file (header padded to 8 bytes, tensors in order, little-endian), written
+    under a temporary name, synced and renamed. Features are bf16 bits held as uint16."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, dtype, shape, array in tensors:
+        size = array.nbytes
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"))
+    text += " " * ((8 - (8 + len(text)) % 8) % 8)
+    with open(path + ".tmp", "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text.encode())
+        for _, _, _, array in tensors:
+            f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()
