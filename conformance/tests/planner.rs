@@ -22,7 +22,7 @@ fn named_plans_snapshot() {
         out.push_str(&format!("== {}\n", p.name));
         for policy in Checkpointing::ALL {
             out.push_str(&format!("-- {}\n", policy.name()));
-            out.push_str(&plan_step(&p.config, p.shape, policy).expect("plan").render(device_bytes()));
+            out.push_str(&plan_step(&p.config, p.shape, policy, false).expect("plan").render(device_bytes()));
         }
         let fm = failure_modes(&p.config, p.shape, 256).expect("failure modes");
         out.push_str(&format!(
@@ -39,8 +39,10 @@ fn named_plans_snapshot() {
 #[test]
 fn plan_items_add_up_and_policies_order() {
     for p in named_configs() {
-        let plans: Vec<_> =
-            Checkpointing::ALL.iter().map(|&policy| plan_step(&p.config, p.shape, policy).expect("plan")).collect();
+        let plans: Vec<_> = Checkpointing::ALL
+            .iter()
+            .map(|&policy| plan_step(&p.config, p.shape, policy, false).expect("plan"))
+            .collect();
         for plan in &plans {
             let outside: u64 = plan.persistent.iter().chain(&plan.saved).chain(&plan.transient).map(|i| i.bytes).sum();
             let phase = |items: &[dflash_optimized::memory::Item]| items.iter().map(|i| i.bytes).sum::<u64>();
@@ -92,8 +94,15 @@ fn regions_are_aligned_disjoint_and_inside_the_allocation() {
             let l = StepLayout::new(&p.config, p.shape, policy, true, (BF16, F32)).expect("layout");
             let opt = l.optimizer.expect("optimizer regions");
             let i = l.input;
-            let mut outside: Vec<Region> =
-                vec![l.weights, l.grads, l.lm_head, opt.master, opt.grad_acc, opt.adam_m, opt.adam_v];
+            let mut outside: Vec<Region> = vec![
+                l.weights,
+                l.grads,
+                l.lm_head.expect("own head"),
+                opt.master,
+                opt.grad_acc,
+                opt.adam_m,
+                opt.adam_v,
+            ];
             outside.extend([
                 i.features,
                 i.cos_q,
@@ -184,9 +193,40 @@ fn absurd_configs_are_clear_errors(
     }
     let shape = StepShape { context_len: seq, num_anchors: anchors, lm_chunk_rows: 1024 };
     for policy in Checkpointing::ALL {
-        let err = plan_step(&config, shape, policy).expect_err(what).to_string();
+        let err = plan_step(&config, shape, policy, false).expect_err(what).to_string();
         assert!(err.contains(needle), "{what}: `{needle}` missing from: {err}");
         // The failure modes are computed in checked arithmetic too: an error or a value, never a panic.
         let _ = failure_modes(&config, shape, 256);
     }
+}
+
+/// A Qwen3-8B target's forward (layers 0..=33, the shared embedding and LM head, one launch of
+/// S=3072) and its drafter's step at S=3072, N=512 (the LM head shared, no second copy) fit one
+/// H200 under every policy.
+#[test]
+fn qwen3_8b_target_and_its_drafter_fit_one_h200() {
+    use dflash_optimized::memory::named::qwen3_8b_target;
+    use dflash_optimized::memory::target::TargetLayout;
+    use dflash_reference::config::DraftConfig;
+    let target = qwen3_8b_target();
+    let drafter = DraftConfig::for_target(&target, 5, 16, 151669, 5);
+    assert_eq!(drafter.target_layer_ids, vec![1, 9, 17, 25, 33]);
+    let layout = TargetLayout::new(&target, &drafter.target_layer_ids, 3072, (BF16, F32), true, true).expect("layout");
+    assert_eq!(layout.layers.len(), 34, "layers after the last tapped one are not held");
+    let names: Vec<&str> = layout.items.iter().map(|i| i.name).collect();
+    assert!(names.iter().any(|n| n.contains("LM head")), "the target holds the shared LM head: {names:?}");
+    let shape = StepShape { context_len: 3072, num_anchors: 512, lm_chunk_rows: 1024 };
+    for policy in Checkpointing::ALL {
+        let plan = plan_step(&drafter, shape, policy, true).expect("plan");
+        assert!(plan.persistent.iter().all(|i| i.name != "frozen LM head"), "a second LM head is planned");
+        let total = layout.total_bytes().expect("bytes") + plan.peak;
+        assert!(total <= device_bytes(), "{policy:?}: {:.2} GB does not fit", total as f64 / 1e9);
+    }
+    // The refusal names the largest items, before anything is allocated.
+    let mut huge = target.clone();
+    huge.dims.hidden_size = 32768;
+    huge.dims.intermediate_size = 98304;
+    let big = TargetLayout::new(&huge, &[1, 33], 3072, (BF16, F32), true, true).expect("layout");
+    let err = big.check_fits(device_bytes(), "NVIDIA H200").expect_err("too big").to_string();
+    assert!(err.contains("target layer weights") && err.contains("NVIDIA H200"), "{err}");
 }

@@ -473,7 +473,7 @@ impl FeatureCache {
         let tokens = slice(s.tokens, a, b, 4).chunks(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect();
         let loss_mask = slice(s.mask, a, b, 1).iter().map(|&m| m != 0).collect();
         let raw = slice(s.features, a * fw, b * fw, 2);
-        if (raw.as_ptr() as usize) % 2 != 0 {
+        if !(raw.as_ptr() as usize).is_multiple_of(2) {
             return Err(Error::field(&self.dir, "features", "not 2-byte aligned in its shard"));
         }
         // SAFETY: `raw` is 2-byte aligned (checked) and holds whole u16 values.

@@ -113,7 +113,7 @@ fn randomize_weights(step: &DrafterStep<Cuda>, seed: u64) -> dflash_optimized::R
         ops.fill_normal(ptr, slot.len, seed.wrapping_add(n as u64), mean, std)?;
     }
     let z = step.layout.dims;
-    ops.fill_normal(step.addr(step.layout.lm_head), z.v * z.h, seed ^ 0x5eed_1e4d, 0.0, 0.02)
+    ops.fill_normal(step.lm_head_addr(), z.v * z.h, seed ^ 0x5eed_1e4d, 0.0, 0.02)
 }
 
 /// A random input made on the device for `anchors` of one document of `S` tokens: features and

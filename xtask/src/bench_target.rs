@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use dflash_optimized::backend::cuda::Cuda;
+use dflash_optimized::memory::named::qwen3_8b_target;
 use dflash_optimized::model::target_forward::TargetForward;
 use dflash_reference::config::{default_target_layer_ids, TargetConfig};
 use dflash_reference::data::Row;
@@ -52,12 +53,16 @@ const FLOP_CONVENTION: &str = "model FLOPs of the forward that ran: per layer 2*
     up, down plus causal attention 4*head_dim*heads*T(T+1)/2; ours over layers 0..=max(layer ids), transformers' \
     over all layers and the LM head 2*T*H*V; MFU = FLOPs / (time x 989 TFLOP/s)";
 
-/// Qwen3-8B's config (the published one's dims; random weights).
+/// Qwen3-8B's config for transformers' `Qwen3Config` (the named target's dims; random weights).
 fn qwen3_8b_config() -> Value {
+    let t = qwen3_8b_target();
+    let c = &t.dims;
     json!({
-        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": false,
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers(), "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "tie_word_embeddings": t.tie_word_embeddings,
     })
 }
 

@@ -17,7 +17,13 @@ Prints the itemised predicted memory of one bf16 training step (fp32 master weig
 AdamW state) for each checkpointing policy, whether it fits the device, and the peaks of the
 known failure modes (unfused attention backward; chunked attention without checkpointing).
 
+With --target DIR (an HF target folder), plans that target's forward (its weights up to the last
+tapped layer, the shared embedding table and LM head, one launch of S tokens) next to the step of
+its drafter (the recipe: 5 layers, block 16, the 5-feature layer rule, the LM head shared) on the
+same GPU, and says whether both fit.
+
 options:
+  --target DIR      a target folder (config.json): plan the target and its drafter together
   --config FILE     a drafter config.json (default: the two named configs)
   --seq N           context length S with --config            (default 3072)
   --anchors N       anchors per row N with --config           (default 512)
@@ -25,7 +31,7 @@ options:
   --device-gib X    device memory to fit, GiB                 (default 139.8, one H200)
   --chunk-rows N    query rows per chunk of the chunked-attention failure mode (default 256)";
 
-const OPTIONS: &[&str] = &["config", "seq", "anchors", "lm-chunk", "device-gib", "chunk-rows"];
+const OPTIONS: &[&str] = &["target", "config", "seq", "anchors", "lm-chunk", "device-gib", "chunk-rows"];
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
     let Some(opts) = Options::parse(args, OPTIONS)? else {
@@ -39,6 +45,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err("--lm-chunk and --chunk-rows must be at least 1, --device-gib positive".into());
     }
     let device_bytes = (device_gib * (1u64 << 30) as f64) as u64;
+    let target: PathBuf = opts.get("target", PathBuf::new())?;
+    if !target.as_os_str().is_empty() {
+        let shape =
+            StepShape { context_len: opts.get("seq", 3072)?, num_anchors: opts.get("anchors", 512)?, lm_chunk_rows };
+        return plan_target(&target, shape, device_bytes);
+    }
     let configs: Vec<(String, DraftConfig, StepShape)> = match opts.get::<PathBuf>("config", PathBuf::new())? {
         path if path.as_os_str().is_empty() => named_configs()
             .into_iter()
@@ -62,7 +74,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         // Every size is checked: an absurd config is an error naming its field, before any output.
         let plans = Checkpointing::ALL
             .iter()
-            .map(|&policy| Ok((policy, plan_step(&config, shape, policy)?)))
+            .map(|&policy| Ok((policy, plan_step(&config, shape, policy, false)?)))
             .collect::<dflash_optimized::Result<Vec<_>>>()
             .map_err(|e| format!("{name}: {e}"))?;
         let fm = failure_modes(&config, shape, chunk_rows).map_err(|e| format!("{name}: {e}"))?;
@@ -81,6 +93,45 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             gb(fm.chunked_attention_all_layers)
         );
         println!();
+    }
+    Ok(())
+}
+
+/// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
+fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Result<(), String> {
+    use dflash_optimized::memory::target::TargetLayout;
+    use dflash_optimized::memory::{BF16, F32};
+    let file = dir.join("config.json");
+    let target = dflash_reference::config::TargetConfig::from_file(&file).map_err(|e| e.to_string())?;
+    let t = &target.dims;
+    let features = 5.min(t.num_layers());
+    let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, features);
+    let layout = TargetLayout::new(&target, &config.target_layer_ids, shape.context_len, (BF16, F32), true, true)
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    let target_bytes = layout.total_bytes().map_err(|e| e.to_string())?;
+    println!(
+        "== target {} ({} layers, hidden {}, vocab {}): forward over layers 0..={} for features of {:?}, {} tokens per launch ==",
+        file.display(),
+        t.num_layers(),
+        t.hidden_size,
+        t.vocab_size,
+        config.target_layer_ids.iter().max().unwrap_or(&0),
+        config.target_layer_ids,
+        shape.context_len
+    );
+    print!("{}", layout.render());
+    for policy in Checkpointing::ALL {
+        let plan = plan_step(&config, shape, policy, true).map_err(|e| e.to_string())?;
+        println!(
+            "-- drafter step ({} policy, S={} N={}, LM head shared with the target):",
+            policy.name(),
+            shape.context_len,
+            shape.num_anchors
+        );
+        print!("{}", plan.render(device_bytes));
+        let total = target_bytes.saturating_add(plan.peak);
+        let verdict = if total <= device_bytes { "fits" } else { "DOES NOT FIT" };
+        println!("  {:<58} {:>12}  {verdict} in {}", "target + drafter step", gb(total), gb(device_bytes));
     }
     Ok(())
 }

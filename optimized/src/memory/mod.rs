@@ -155,9 +155,9 @@ impl Arena {
     }
 }
 
-/// Refuses `needed` bytes when only `available` are free, before anything is allocated: the
-/// error names the total, the device and the largest `items`.
-pub fn check_fits(needed: u64, items: &[Item], available: u64, device: &str) -> Result<()> {
+/// Refuses `what`'s `needed` bytes when only `available` are free, before anything is allocated:
+/// the error names the total, the device, the largest `items`, and what to try (`hint`).
+pub fn check_fits(what: &str, needed: u64, items: &[Item], available: u64, device: &str, hint: &str) -> Result<()> {
     if needed <= available {
         return Ok(());
     }
@@ -166,8 +166,7 @@ pub fn check_fits(needed: u64, items: &[Item], available: u64, device: &str) -> 
     largest.sort_by_key(|i| std::cmp::Reverse(i.bytes));
     let names: Vec<String> = largest.iter().take(4).map(|i| format!("{} {}", i.name, gb(i.bytes))).collect();
     Err(Error::Memory(format!(
-        "the step needs {} but {device} has {} available; largest items: {}; try a checkpointing policy that \
-         keeps less, fewer anchors or a shorter context",
+        "{what} needs {} but {device} has {} available; largest items: {}; {hint}",
         gb(needed),
         gb(available),
         names.join(", ")

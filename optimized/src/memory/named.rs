@@ -1,6 +1,6 @@
 //! The named configurations the planner and the benchmarks use.
 
-use dflash_reference::config::DraftConfig;
+use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
 
 use super::step::StepShape;
 
@@ -18,7 +18,6 @@ pub const DEFAULT_LM_CHUNK_ROWS: usize = 1024;
 /// a 64-layer target (hidden 5120, SwiGLU 17408, 40/8 heads of 128 assumed, 4 sliding layers of
 /// window 2048 + 1 full) at S=8192, N=1024.
 pub fn named_configs() -> Vec<NamedConfig> {
-    use dflash_reference::config::{AttnKind, ModelDims};
     let drafter = |hidden, inter, heads, layer_kinds: Vec<AttnKind>, target_layers, target_layer_ids| DraftConfig {
         dims: ModelDims {
             hidden_size: hidden,
@@ -57,4 +56,26 @@ pub fn named_configs() -> Vec<NamedConfig> {
             shape: StepShape { context_len: 8192, num_anchors: 1024, lm_chunk_rows: DEFAULT_LM_CHUNK_ROWS },
         },
     ]
+}
+
+/// Qwen3-8B as a target (the published config's dims: 36 layers, hidden 4096, 32/8 heads of 128,
+/// SwiGLU 12288, vocab 151936, untied LM head, rope_theta 1e6).
+pub fn qwen3_8b_target() -> TargetConfig {
+    TargetConfig {
+        arch: TargetArch::Qwen3,
+        dims: ModelDims {
+            hidden_size: 4096,
+            intermediate_size: 12288,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            vocab_size: 151936,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            max_position_embeddings: 40960,
+            layer_kinds: vec![AttnKind::Full; 36],
+        },
+        tie_word_embeddings: false,
+        rope_scaling: RopeScaling::Default,
+    }
 }

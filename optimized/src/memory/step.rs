@@ -226,7 +226,8 @@ pub struct StepLayout {
     /// `[P]` compute weights and one step's gradients (stored), the frozen LM head `[V, H]`.
     pub weights: Region,
     pub grads: Region,
-    pub lm_head: Region,
+    /// The frozen LM head `[V, H]`, when the step holds its own (`None`: the target's, shared).
+    pub lm_head: Option<Region>,
     pub optimizer: Option<OptimizerRegions>,
     pub input: InputRegions,
     /// `fc` output and context `[S, H]`, inverse RMS of the hidden norm `[S]`.
@@ -263,13 +264,27 @@ const PADDING: &str = "alignment padding";
 
 impl StepLayout {
     /// The layout of `config`'s step at `shape` under `policy`, storing values of `elem_bytes`
-    /// and computing in values of `acc_bytes`, with the optimizer's regions when `optimizer`.
+    /// and computing in values of `acc_bytes`, with the optimizer's regions when `optimizer`,
+    /// holding its own frozen LM head.
     pub fn new(
         config: &DraftConfig,
         shape: StepShape,
         policy: Checkpointing,
         optimizer: bool,
+        widths: (u64, u64),
+    ) -> Result<Self> {
+        Self::with_head(config, shape, policy, optimizer, widths, true)
+    }
+
+    /// [`StepLayout::new`], holding the frozen LM head only when `own_head` (else the step reads
+    /// the one the target's forward holds: no second copy on the device).
+    pub fn with_head(
+        config: &DraftConfig,
+        shape: StepShape,
+        policy: Checkpointing,
+        optimizer: bool,
         (elem_bytes, acc_bytes): (u64, u64),
+        own_head: bool,
     ) -> Result<Self> {
         let z = StepDims::new(config, shape)?;
         let (e, a) = (elem_bytes, acc_bytes);
@@ -277,7 +292,10 @@ impl StepLayout {
         use Lifetime::{Head, Layer, Model, Optimizer, Saved, Transient};
         let weights = ar.take("weights (compute copy)", Model, "weights", &[z.params], e)?;
         let grads = ar.take("gradients of one step", Model, "grads", &[z.params], e)?;
-        let lm_head = ar.take("frozen LM head", Model, "lm_head", &[z.v, z.h], e)?;
+        let lm_head = match own_head {
+            true => Some(ar.take("frozen LM head", Model, "lm_head", &[z.v, z.h], e)?),
+            false => None,
+        };
         let optimizer = if optimizer {
             Some(OptimizerRegions {
                 master: ar.take("master weights (fp32)", Optimizer, "master", &[z.params], a)?,
@@ -429,7 +447,8 @@ impl StepLayout {
     /// Refuses the step before anything is allocated when it needs more than `available` bytes
     /// of `device`, naming the largest items.
     pub fn check_fits(&self, available: u64, device: &str) -> Result<()> {
-        check_fits(self.total_bytes(), &self.items, available, device)
+        let hint = "try a checkpointing policy that keeps less, fewer anchors or a shorter context";
+        check_fits("the step", self.total_bytes(), &self.items, available, device, hint)
     }
 
     /// The itemised plan of this layout.
@@ -470,9 +489,15 @@ pub struct MemoryPlan {
 }
 
 /// The plan of one training step on the GPU (bf16 storage, fp32 arithmetic, with the optimizer's
-/// state) of `config` at `shape` under `policy`.
-pub fn plan_step(config: &DraftConfig, shape: StepShape, policy: Checkpointing) -> Result<MemoryPlan> {
-    Ok(StepLayout::new(config, shape, policy, true, (super::BF16, F32))?.plan())
+/// state) of `config` at `shape` under `policy`, holding its own LM head unless `shared_head`
+/// (the target's forward on the same GPU holds it).
+pub fn plan_step(
+    config: &DraftConfig,
+    shape: StepShape,
+    policy: Checkpointing,
+    shared_head: bool,
+) -> Result<MemoryPlan> {
+    Ok(StepLayout::with_head(config, shape, policy, true, (super::BF16, F32), !shared_head)?.plan())
 }
 
 impl MemoryPlan {

@@ -235,7 +235,8 @@ impl TargetLayout {
     /// Refuses the layout before anything is allocated when it needs more than `available` bytes
     /// of `device`, naming the largest items.
     pub fn check_fits(&self, available: u64, device: &str) -> Result<()> {
-        check_fits(self.total_bytes()?, &self.items, available, device)
+        let hint = "try fewer tokens per launch, or run the target on its own GPU or offline (`xtask features`)";
+        check_fits("the target", self.total_bytes()?, &self.items, available, device, hint)
     }
 
     /// The allocation and the key ranges beside it.

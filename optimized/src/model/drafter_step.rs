@@ -120,6 +120,8 @@ pub struct DrafterStep<B: Backend> {
     /// The one allocation every region lives in.
     _memory: B::Alloc,
     base: u64,
+    /// The frozen LM head `[V, H]`: the layout's, or the target forward's.
+    lm_head: u64,
     slots: Vec<ParamSlot>,
     fc: Param,
     hidden_norm: Param,
@@ -138,8 +140,23 @@ impl<B: Backend> DrafterStep<B> {
     /// `optimizer`) for `dev`, checks that it fits in its free memory, then allocates it: a step
     /// that cannot fit is refused before anything is allocated, naming its largest items.
     pub fn new(dev: B, config: &DraftConfig, shape: StepShape, policy: Checkpointing, optimizer: bool) -> Result<Self> {
+        Self::with_head(dev, config, shape, policy, optimizer, None)
+    }
+
+    /// [`DrafterStep::new`] reading the frozen LM head `[V, H]` (stored) at `shared_head` when
+    /// given (the target forward's, on the same device: no second copy), else holding its own
+    /// (filled by [`DrafterStep::load_lm_head`]).
+    pub fn with_head(
+        dev: B,
+        config: &DraftConfig,
+        shape: StepShape,
+        policy: Checkpointing,
+        optimizer: bool,
+        shared_head: Option<u64>,
+    ) -> Result<Self> {
         let elem = B::Elem::BYTES as u64;
-        let layout = StepLayout::new(config, shape, policy, optimizer, (elem, <B::Elem as Elem>::Acc::BYTES as u64))?;
+        let widths = (elem, <B::Elem as Elem>::Acc::BYTES as u64);
+        let layout = StepLayout::with_head(config, shape, policy, optimizer, widths, shared_head.is_none())?;
         let device =
             format!("{} ({} policy, S={} N={})", dev.name(), policy.name(), shape.context_len, shape.num_anchors);
         layout.check_fits(dev.available_bytes()?, &device)?;
@@ -175,7 +192,13 @@ impl<B: Backend> DrafterStep<B> {
                 down: p("mlp.down_proj.weight")?,
             });
         }
+        let lm_head = match (shared_head, layout.lm_head) {
+            (Some(addr), _) => addr,
+            (None, Some(r)) => r.at(base),
+            (None, None) => return Err(Error::invalid("lm_head", "the layout holds no LM head and none is shared")),
+        };
         Ok(DrafterStep {
+            lm_head,
             fc: param("fc.weight")?,
             hidden_norm: param("hidden_norm.weight")?,
             final_norm: param("norm.weight")?,
@@ -209,6 +232,11 @@ impl<B: Backend> DrafterStep<B> {
         let shape = self.attn_shape();
         let attention = self.ranges.values().map(|r| self.dev.attention_scratch_bytes(r, shape)).max().unwrap_or(0);
         self.layout.total_bytes() + attention
+    }
+
+    /// The address of the frozen LM head `[V, H]` the step reads (its own or the shared one).
+    pub fn lm_head_addr(&self) -> u64 {
+        self.lm_head
     }
 
     /// The backend the step runs on.
@@ -275,7 +303,11 @@ impl<B: Backend> DrafterStep<B> {
         if (v, h) != (z.v, z.h) {
             return Err(Error::invalid("lm_head", format!("shape [{v}, {h}], the step expects [{}, {}]", z.v, z.h)));
         }
-        self.upload("lm_head", self.layout.lm_head, &Self::stored(&head.lm_head)?)
+        let region = self
+            .layout
+            .lm_head
+            .ok_or_else(|| Error::invalid("lm_head", "this step reads the target's shared LM head; load it there"))?;
+        self.upload("lm_head", region, &Self::stored(&head.lm_head)?)
     }
 
     /// Uploads one row's input: features, block embeddings (from the frozen table on the host),
@@ -550,14 +582,14 @@ impl<B: Backend> DrafterStep<B> {
             let n = z.lm_rows.min(self.weighted_rows - start);
             let rows = at(i.rows_ce) + 4 * start as u64;
             ops.copy_rows(false, at(lay.hf), rows, at(hd.rows), n, z.h)?;
-            self.linear(at(hd.rows), n, z.h, at(lay.lm_head), z.v, at(hd.logits), 0.0)?;
+            self.linear(at(hd.rows), n, z.h, self.lm_head, z.v, at(hd.logits), 0.0)?;
             let (labels, weights, loss) = (
                 at(i.labels) + 4 * start as u64,
                 at(i.weights_ce) + acc * start as u64,
                 at(i.loss_rows) + acc * start as u64,
             );
             ops.ce_grad_rows(CeRows { z: at(hd.logits), labels, weights, loss }, n, z.v, grad_scale)?;
-            self.input_grad(at(hd.logits), n, z.v, at(lay.lm_head), z.h, at(hd.drows), 0.0)?;
+            self.input_grad(at(hd.logits), n, z.v, self.lm_head, z.h, at(hd.drows), 0.0)?;
             ops.copy_rows(true, at(hd.drows), rows, at(lay.grad_b), n, z.h)?;
             start += n;
         }
