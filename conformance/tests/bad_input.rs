@@ -333,3 +333,30 @@ fn sharded_model_missing_a_tensor() {
     );
     assert_names(&err, &index, &[&format!("`{name}`"), "missing"]);
 }
+
+/// A drafter that does not match its target is refused naming the field and both values.
+#[rstest]
+#[case::hidden("hidden_size")]
+#[case::heads("num_attention_heads")]
+#[case::kv_heads("num_key_value_heads")]
+#[case::head_dim("head_dim")]
+#[case::vocab("vocab_size")]
+#[case::target_layers("num_target_layers")]
+#[case::mask_id("mask_token_id")]
+fn a_drafter_of_another_target_is_named(#[case] field: &str) {
+    let target = dflash_reference::builtin::tiny_target_config();
+    let mut drafter = dflash_reference::builtin::tiny_draft_config(&target);
+    assert!(drafter.check_target(&target).is_ok(), "the built-in pair matches");
+    let d = &mut drafter.dims;
+    match field {
+        "hidden_size" => d.hidden_size += 2,
+        "num_attention_heads" => d.num_heads *= 2,
+        "num_key_value_heads" => d.num_kv_heads = 1,
+        "head_dim" => d.head_dim += 2,
+        "vocab_size" => d.vocab_size += 1,
+        "num_target_layers" => drafter.num_target_layers += 1,
+        _ => drafter.mask_token_id = target.dims.vocab_size as u32,
+    }
+    let err = drafter.check_target(&target).expect_err(field).to_string();
+    assert!(err.contains(field), "`{field}` missing from: {err}");
+}

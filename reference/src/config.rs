@@ -444,23 +444,30 @@ impl DraftConfig {
         }
     }
 
-    /// Checks that this drafter fits `target`: same hidden size and vocabulary, and features
-    /// taken from a target of `num_target_layers` layers.
+    /// Checks that this drafter fits `target`: the same hidden size, attention heads, head size
+    /// and vocabulary (the drafter copies the target's dims and shares its embedding and LM head),
+    /// features from a target of `num_target_layers` layers, and the mask token inside the vocab.
+    /// Each mismatch names both sides.
     pub fn check_target(&self, target: &TargetConfig) -> Result<()> {
         let (d, t) = (&self.dims, &target.dims);
-        if d.hidden_size != t.hidden_size || d.vocab_size != t.vocab_size {
+        let pairs = [
+            ("hidden_size", d.hidden_size, t.hidden_size),
+            ("num_attention_heads", d.num_heads, t.num_heads),
+            ("num_key_value_heads", d.num_kv_heads, t.num_kv_heads),
+            ("head_dim", d.head_dim, t.head_dim),
+            ("vocab_size", d.vocab_size, t.vocab_size),
+            ("num_target_layers", self.num_target_layers, t.num_layers()),
+        ];
+        if let Some((name, ours, theirs)) = pairs.into_iter().find(|(_, a, b)| a != b) {
             return Err(Error::invalid(
                 "drafter config",
-                format!(
-                    "hidden_size/vocab_size {}/{} differ from the target's {}/{}",
-                    d.hidden_size, d.vocab_size, t.hidden_size, t.vocab_size
-                ),
+                format!("{name} {ours} but the target's is {theirs} (the drafter must match its target)"),
             ));
         }
-        if self.num_target_layers != t.num_layers() {
+        if self.mask_token_id as usize >= t.vocab_size {
             return Err(Error::invalid(
                 "drafter config",
-                format!("num_target_layers {} but the target has {} layers", self.num_target_layers, t.num_layers()),
+                format!("mask_token_id {} is not below the target's vocab_size {}", self.mask_token_id, t.vocab_size),
             ));
         }
         Ok(())
