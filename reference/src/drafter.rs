@@ -82,16 +82,19 @@ impl DraftInput {
         self.context_positions.iter().copied().chain(self.query_positions()).collect()
     }
 
-    /// The block inputs `[N*B, H]`: per block the anchor token's embedding, then `B-1` copies
-    /// of the mask token's (frozen table, as `dtype`).
-    pub fn block_embeddings(&self, head: &FrozenHead, mask_token_id: u32, dtype: DType) -> Result<Tensor> {
+    /// The block tokens `[N*B]`: per block the anchor token, then `B-1` mask tokens.
+    pub fn block_tokens(&self, mask_token_id: u32) -> Vec<u32> {
         let b = self.layout.block_size;
-        let tokens: Vec<u32> = self
-            .anchor_tokens
+        self.anchor_tokens
             .iter()
             .flat_map(|&t| std::iter::once(t).chain(std::iter::repeat_n(mask_token_id, b - 1)))
-            .collect();
-        let ids = Tensor::from_vec(tokens, self.layout.num_queries(), &Device::Cpu)?;
+            .collect()
+    }
+
+    /// The block inputs `[N*B, H]`: the embeddings of [`DraftInput::block_tokens`] (frozen
+    /// table, as `dtype`).
+    pub fn block_embeddings(&self, head: &FrozenHead, mask_token_id: u32, dtype: DType) -> Result<Tensor> {
+        let ids = Tensor::from_vec(self.block_tokens(mask_token_id), self.layout.num_queries(), &Device::Cpu)?;
         Ok(head.embed.to_dtype(dtype)?.index_select(&ids, 0)?)
     }
 }

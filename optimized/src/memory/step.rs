@@ -157,6 +157,8 @@ pub struct InputRegions {
     pub weights_ce: Region,
     pub rows_ce: Region,
     pub loss_rows: Region,
+    /// The block tokens `[Q]` (u32) the block embeddings are gathered from on the device.
+    pub block_tokens: Region,
 }
 
 /// What a layer's backward reads of its forward: `kv_in [K, H]` (ctx rows, then xn), the
@@ -316,6 +318,7 @@ impl StepLayout {
             weights_ce: ar.take(INPUTS, Saved, "weights_ce", &[z.q], a)?,
             rows_ce: ar.take(INPUTS, Saved, "rows_ce", &[z.q], F32)?,
             loss_rows: ar.take(INPUTS, Saved, "loss_rows", &[z.q], a)?,
+            block_tokens: ar.take(INPUTS, Saved, "block_tokens", &[z.q], F32)?,
         };
         let context = "context: fc output, ctx, inverse RMS";
         let ctx_pre = ar.take(context, Saved, "ctx_pre", &[z.s, z.h], e)?;

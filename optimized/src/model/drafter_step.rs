@@ -327,6 +327,31 @@ impl<B: Backend> DrafterStep<B> {
         self.set_blocks(&input.layout, &input.query_positions(), &input.key_positions(), targets)
     }
 
+    /// Uploads one row's input whose features are already on the device (the target forward's,
+    /// `[S, F*H]` stored at `features`): they are copied into the step's input, the block
+    /// embeddings are gathered on the device from the frozen table at `embed` (`[V, H]`), then the
+    /// blocks ([`DrafterStep::set_blocks`]). `input.features` is not read (it may be `[S, 0]`).
+    pub fn set_input_device(
+        &mut self,
+        features: u64,
+        embed: u64,
+        input: &DraftInput,
+        targets: &BlockTargets,
+    ) -> Result<()> {
+        let z = self.layout.dims;
+        self.check_blocks(&input.layout)?;
+        let i = self.layout.input;
+        self.dev.copy(self.addr(i.features), features, z.s * z.fw * B::Elem::BYTES)?;
+        let tokens = input.block_tokens(self.config.mask_token_id);
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= z.v) {
+            return Err(Error::invalid("block tokens", format!("token {bad} is not below the vocab size {}", z.v)));
+        }
+        self.upload("block tokens", i.block_tokens, &tokens)?;
+        let x0 = self.addr(self.layout.residual[0]);
+        self.dev.ops().copy_rows(false, embed, self.addr(i.block_tokens), x0, z.q, z.h)?;
+        self.set_blocks(&input.layout, &input.query_positions(), &input.key_positions(), targets)
+    }
+
     fn check_blocks(&self, layout: &BlockLayout) -> Result<()> {
         let z = self.layout.dims;
         let (s, q) = (layout.context_len, layout.num_queries());
