@@ -38,9 +38,9 @@ impl StepKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RunConfig {
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steps: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epochs: Option<f64>,
     /// Rows of one micro-batch.
     pub rows_per_step: usize,
@@ -55,7 +55,7 @@ pub struct RunConfig {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gamma: Option<f64>,
     pub seed: u64,
     pub step: StepKind,

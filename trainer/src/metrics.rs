@@ -34,6 +34,15 @@ pub fn offsets_accuracy(stats: &BlockStats) -> Vec<f64> {
     stats.accuracy().into_iter().skip(1).collect()
 }
 
+/// The text of the number `key` in one compact JSON line, parsed by Rust's correctly rounded
+/// `f64` parser (serde_json's default float parser may be off by one ulp); `None` if absent.
+pub fn raw_number(line: &str, key: &str) -> Option<f64> {
+    let pattern = format!("\"{key}\":");
+    let start = line.find(&pattern)? + pattern.len();
+    let end = line[start..].find([',', '}']).map_or(line.len(), |e| start + e);
+    line[start..end].trim().parse().ok()
+}
+
 /// Reads the JSON lines of `file`; a last line cut short by a kill is dropped.
 pub fn read_lines(file: &Path) -> Result<Vec<Value>> {
     let f = match File::open(file) {
@@ -49,6 +58,20 @@ pub fn read_lines(file: &Path) -> Result<Vec<Value>> {
         }
     }
     Ok(out)
+}
+
+/// `(step, loss)` of the `train` lines of `file`, the losses exactly as written.
+pub fn train_losses(file: &Path) -> Result<Vec<(u64, f64)>> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io(file, e)),
+    };
+    Ok(text
+        .lines()
+        .filter(|l| l.contains("\"kind\":\"train\""))
+        .filter_map(|l| Some((raw_number(l, "step")? as u64, raw_number(l, "loss")?)))
+        .collect())
 }
 
 /// Rewrites `file` (atomically) with only its complete lines of steps below `step`: the lines

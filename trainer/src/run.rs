@@ -217,6 +217,12 @@ impl<'a> Trainer<'a> {
     /// Runs the remaining steps with `engine`; checkpoints every `checkpoint_every` steps and at
     /// the end; stops with an error after `max_nonfinite_in_a_row` skipped steps in a row.
     pub fn run(&mut self, engine: &mut dyn StepEngine) -> Result<RunSummary> {
+        self.run_steps(engine, usize::MAX)
+    }
+
+    /// [`Trainer::run`] for at most `max_steps` more steps (a run stopped early, as a killed one
+    /// would be; the end-of-run evaluation and checkpoint come only at the last step).
+    pub fn run_steps(&mut self, engine: &mut dyn StepEngine, max_steps: usize) -> Result<RunSummary> {
         let c = self.inputs.config;
         let out = c.out.clone();
         if self.state.step == 0 {
@@ -232,7 +238,7 @@ impl<'a> Trainer<'a> {
         let mut summary = RunSummary { first_step: self.state.step, ..RunSummary::default() };
         let data: &'a [TrainRow] = self.inputs.data;
         let n_rows = data.len();
-        while self.state.step < total {
+        while self.state.step < total && summary.steps_run < max_steps {
             let step = self.state.step;
             let ids: Vec<Vec<usize>> = (0..c.grad_accum).map(|_| self.state.next_rows(c.rows_per_step)).collect();
             let micro_batches = ids.iter().map(|m| m.iter().map(|&i| &data[i]).collect()).collect();

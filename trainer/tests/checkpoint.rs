@@ -55,22 +55,25 @@ fn resume_is_exact_for_both_engines() {
         assert_eq!(whole.len(), steps);
 
         let split_dir = tempfile::tempdir().unwrap();
-        let stop = rand::rng().random_range(1..steps);
-        // The first process: checkpoints every `stop` steps, "killed" after the first one.
-        let mut first = tiny_config(split_dir.path(), seed, stop);
-        first.checkpoint_every = stop;
-        run_to_end(&first, &s, kind);
-        // Lines past the checkpoint, as a killed run leaves them, including a cut-off one.
-        let metrics = dflash_trainer::metrics::metrics_file(split_dir.path());
-        let mut text = std::fs::read_to_string(&metrics).unwrap();
-        text.push_str(&format!("{{\"kind\":\"train\",\"step\":{stop},\"loss\":1.0}}\n{{\"kind\":\"tr"));
-        std::fs::write(&metrics, text).unwrap();
-
+        let stop = rand::rng().random_range(1..steps - 1);
         let mut c2 = tiny_config(split_dir.path(), seed, steps);
         c2.checkpoint_every = stop;
+        let head = s.target.frozen_head();
+        {
+            // The first process: stopped ("killed") a step or two after its first checkpoint,
+            // leaving metrics lines past it, and a line cut short.
+            let mut e = engine(&c2, &s, kind);
+            let mut t = Trainer::new(inputs(&c2, &s, &head)).unwrap();
+            let extra = rand::rng().random_range(0..=(steps - stop - 1).min(stop - 1).min(2));
+            t.run_steps(&mut e, stop + extra).unwrap();
+            let metrics = dflash_trainer::metrics::metrics_file(split_dir.path());
+            let mut text = std::fs::read_to_string(&metrics).unwrap();
+            assert_eq!(text.lines().count(), stop + extra);
+            text.push_str("{\"kind\":\"tr");
+            std::fs::write(&metrics, text).unwrap();
+        }
         let found = find_resumable(split_dir.path()).unwrap();
         assert_eq!(found.state.step, stop);
-        let head = s.target.frozen_head();
         let mut e = engine(&c2, &s, kind);
         let mut t = Trainer::new(inputs(&c2, &s, &head)).unwrap();
         t.resume(&mut e, &found).unwrap();

@@ -280,11 +280,12 @@ fn has_tmp(out: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// `(step, loss bits)` of the train lines of `out/metrics.jsonl`.
+/// `(step, loss bits)` of the train lines of `out/metrics.jsonl`, exactly as written (the
+/// number's text parsed by Rust's correctly rounded parser).
 fn losses(out: &Path) -> Vec<(u64, u64)> {
-    metrics(out)
-        .iter()
-        .filter(|v| v["kind"] == "train")
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap().to_bits()))
+    dflash_trainer::metrics::train_losses(&out.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|(s, l)| (s, l.to_bits()))
         .collect()
 }

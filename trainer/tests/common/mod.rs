@@ -63,12 +63,7 @@ pub fn run_to_end(c: &RunConfig, s: &BuiltinSetup, kind: StepKind) -> Vec<(u64, 
     losses(&c.out)
 }
 
-/// `(step, loss bits)` of the train lines of `out/metrics.jsonl`.
+/// `(step, loss bits)` of the train lines of `out/metrics.jsonl`, exactly as written.
 pub fn losses(out: &Path) -> Vec<(u64, u64)> {
-    metrics::read_lines(&metrics::metrics_file(out))
-        .unwrap()
-        .iter()
-        .filter(|v| v["kind"] == "train")
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap().to_bits()))
-        .collect()
+    metrics::train_losses(&metrics::metrics_file(out)).unwrap().into_iter().map(|(s, l)| (s, l.to_bits())).collect()
 }
