@@ -64,14 +64,13 @@ pub fn tiny_draft_config(target: &TargetConfig) -> DraftConfig {
 /// (the first largest logit; `rng` is not used).
 fn sample_token(logits: &[f64], temperature: f64, banned: u32, rng: &mut impl Rng) -> Result<u32> {
     if temperature == 0.0 {
-        let best = logits
-            .iter()
-            .enumerate()
-            .filter(|&(i, _)| i as u32 != banned)
-            .fold(None, |best: Option<(usize, f64)>, (i, &z)| match best {
+        let best = logits.iter().enumerate().filter(|&(i, _)| i as u32 != banned).fold(
+            None,
+            |best: Option<(usize, f64)>, (i, &z)| match best {
                 Some((_, b)) if b >= z => best,
                 _ => Some((i, z)),
-            });
+            },
+        );
         return best.map(|(i, _)| i as u32).ok_or_else(|| Error::invalid("logits", "no token to sample"));
     }
     let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

@@ -223,7 +223,8 @@ pub fn write_checkpoint(
     sync_path(out)?;
     write_atomically(&out.join("latest"), |f| f.write_all(format!("{name}\n").as_bytes()))?;
     sync_path(out)?;
-    let mut older: Vec<(usize, PathBuf)> = list_checkpoints(out)?.into_iter().filter(|(s, _)| *s != state.step).collect();
+    let mut older: Vec<(usize, PathBuf)> =
+        list_checkpoints(out)?.into_iter().filter(|(s, _)| *s != state.step).collect();
     older.sort_by(|a, b| b.0.cmp(&a.0));
     for (_, old) in older.into_iter().skip(keep.saturating_sub(1)) {
         remove_dir_if_exists(&old)?;
@@ -278,7 +279,8 @@ pub fn verify(dir: &Path) -> Result<TrainState> {
         return Err(Error::checkpoint(dir, format!("format {} (this trainer reads {FORMAT})", state.format)));
     }
     for file in ["config.json", "model.safetensors", "training.safetensors", "run.toml"] {
-        let expected = state.files.get(file).ok_or_else(|| Error::checkpoint(dir, format!("state.json lists no {file}")))?;
+        let expected =
+            state.files.get(file).ok_or_else(|| Error::checkpoint(dir, format!("state.json lists no {file}")))?;
         let path = dir.join(file);
         if !path.exists() {
             return Err(Error::checkpoint(dir, format!("{file} is missing")));

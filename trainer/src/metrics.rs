@@ -117,7 +117,8 @@ impl Reporter {
     /// `total_steps` steps and starts at `first_step`. `quiet` prints nothing (tests).
     pub fn new(out: &Path, first_step: usize, total_steps: usize, quiet: bool) -> Result<Self> {
         let file = metrics_file(out);
-        let jsonl = std::fs::OpenOptions::new().create(true).append(true).open(&file).map_err(|e| Error::io(&file, e))?;
+        let jsonl =
+            std::fs::OpenOptions::new().create(true).append(true).open(&file).map_err(|e| Error::io(&file, e))?;
         let bar = (!quiet && std::io::stdout().is_terminal()).then(|| {
             let bar = ProgressBar::new(total_steps as u64);
             bar.set_style(
@@ -129,7 +130,10 @@ impl Reporter {
             bar
         });
         if bar.is_none() && !quiet {
-            println!("{:>6} {:>9} {:>8} {:>10} {:>10} {:>9} {:>9}", "step", "loss", "tau_hat", "lr", "grad norm", "tok/s", "elapsed");
+            println!(
+                "{:>6} {:>9} {:>8} {:>10} {:>10} {:>9} {:>9}",
+                "step", "loss", "tau_hat", "lr", "grad norm", "tok/s", "elapsed"
+            );
         }
         let now = Instant::now();
         Ok(Reporter { file, jsonl, bar, total_steps, since: now, tokens: 0, samples: 0, started: now, quiet })
@@ -202,7 +206,9 @@ impl Reporter {
         let acc: Vec<f64> = accuracy.iter().skip(1).copied().collect();
         self.write(&json!({"kind": "eval", "step": step, "loss": loss, "acc": acc, "tau_hat": tau_hat}))?;
         let percent = acc.iter().map(|a| format!("{:.0}", a * 100.0)).collect::<Vec<_>>().join(" ");
-        self.say(&format!("  held-out after step {step}: loss {loss:.4}, tau_hat {tau_hat:.3}, accuracy % [{percent}]"));
+        self.say(&format!(
+            "  held-out after step {step}: loss {loss:.4}, tau_hat {tau_hat:.3}, accuracy % [{percent}]"
+        ));
         Ok(())
     }
 
@@ -267,7 +273,8 @@ pub fn plot(out: &Path) -> Result<PathBuf> {
             let ys = train.iter().chain(eval.iter()).map(|p| p.1);
             let (lo, hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y)));
             let floor = if title == "loss" { 0.0 } else { 1.0 };
-            let (lo, hi) = if lo.is_finite() { (lo.min(floor), hi + 0.05 * (hi - lo).max(1e-3)) } else { (floor, floor + 1.0) };
+            let (lo, hi) =
+                if lo.is_finite() { (lo.min(floor), hi + 0.05 * (hi - lo).max(1e-3)) } else { (floor, floor + 1.0) };
             let mut chart = ChartBuilder::on(panel)
                 .caption(title, ("sans-serif", 20))
                 .margin(10)

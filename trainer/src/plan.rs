@@ -8,7 +8,7 @@ use crate::config::RunConfig;
 /// Sustained FLOP/s of the CPU engines on the tiny default, measured on the 2-core CI machine
 /// (the default run's `training` and `data` phases divided into their FLOP counts below).
 pub const CPU_TRAIN_FLOPS: f64 = 1.0e9;
-pub const CPU_DATA_FLOPS: f64 = 1.0e9;
+pub const CPU_DATA_FLOPS: f64 = 1.1e10;
 
 /// The run's size and time estimate.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,12 +32,13 @@ impl Plan {
         let d = &draft.dims;
         let (h, v, f) = (d.hidden_size as f64, d.vocab_size as f64, draft.num_features() as f64);
         let block_rows = rows * (c.anchors * draft.block_size) as u64;
-        let per_row = 6.0 * (f * h * h * s) + 6.0 * (num_params(draft) as f64 + h * v) * (c.anchors * draft.block_size) as f64;
+        let per_row =
+            6.0 * (f * h * h * s) + 6.0 * (num_params(draft) as f64 + h * v) * (c.anchors * draft.block_size) as f64;
         let train_flops = per_row * rows as f64;
         // Each sampled token runs the target over the whole sequence so far.
         let t = &target.dims;
-        let target_params = (t.num_layers() * (4 * t.hidden_size * t.num_heads * t.head_dim
-            + 3 * t.hidden_size * t.intermediate_size)
+        let target_params = (t.num_layers()
+            * (4 * t.hidden_size * t.num_heads * t.head_dim + 3 * t.hidden_size * t.intermediate_size)
             + t.hidden_size * t.vocab_size) as f64;
         let seq_sum: f64 = (0..c.continuation_len).map(|i| (c.prompt_len + i) as f64).sum();
         let data_flops = 2.0 * target_params * seq_sum * (c.rows + c.eval_rows) as f64;

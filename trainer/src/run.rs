@@ -253,7 +253,8 @@ impl<'a> Trainer<'a> {
                 clip_norm: c.clip_norm,
                 want_stats: log_now,
             };
-            let outcome = engine.step(&batch, &mut self.state.rng).map_err(|e| Error::Step { step, message: e.to_string() })?;
+            let outcome =
+                engine.step(&batch, &mut self.state.rng).map_err(|e| Error::Step { step, message: e.to_string() })?;
             let tokens: usize = batch.micro_batches.iter().flatten().map(|r| r.len()).sum();
             reporter.count(step, tokens as u64, (c.rows_per_update()) as u64);
             self.state.step += 1;
@@ -297,8 +298,7 @@ impl<'a> Trainer<'a> {
             if (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total {
                 reporter.sync()?;
                 let engine_state = engine.state()?;
-                let state =
-                    self.state.to_state(engine_state.t, self.config_sha256.clone(), self.data_sha256.clone());
+                let state = self.state.to_state(engine_state.t, self.config_sha256.clone(), self.data_sha256.clone());
                 let dir = checkpoint::write_checkpoint(
                     &out,
                     self.inputs.draft_config,

@@ -91,7 +91,8 @@ fn rng_state_roundtrips() {
         rng.next_u32();
     }
     let mut restored = RngState::of(&rng).restore().unwrap();
-    let (a, b): (Vec<u64>, Vec<u64>) = ((0..50).map(|_| rng.next_u64()).collect(), (0..50).map(|_| restored.next_u64()).collect());
+    let (a, b): (Vec<u64>, Vec<u64>) =
+        ((0..50).map(|_| rng.next_u64()).collect(), (0..50).map(|_| restored.next_u64()).collect());
     assert_eq!(a, b);
 }
 
@@ -183,7 +184,8 @@ fn checkpoint_holds_the_servable_drafter() {
         let diff = (loaded.param(name) - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(diff, 0.0, "{name}: the saved weights are the trained ones in bf16");
     }
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"], serde_json::json!(["DFlashDraftModel"]));
     assert_eq!(config["model_type"], "qwen3");
     assert_eq!(config["block_size"], 8);
@@ -192,7 +194,17 @@ fn checkpoint_holds_the_servable_drafter() {
     assert_eq!(config["dflash_config"]["target_layer_ids"], serde_json::json!([1, 3, 5]));
     assert_eq!(config["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]));
     assert_eq!(config["sliding_window"], 32);
-    for key in ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta"] {
+    for key in [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+    ] {
         assert!(config.get(key).is_some(), "config.json lacks `{key}`");
     }
     let tensors = candle_core::safetensors::load(folder.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
@@ -203,7 +215,13 @@ fn checkpoint_holds_the_servable_drafter() {
     assert_eq!(names, expected.iter().collect::<Vec<_>>());
     assert!(names.iter().all(|n| !n.starts_with("model.") && !n.contains("embed_tokens") && !n.contains("lm_head")));
     assert!(tensors.values().all(|t| t.dtype() == DType::BF16), "bf16 as spec section 8 says");
-    for n in ["fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight", "layers.0.mlp.gate_proj.weight"] {
+    for n in [
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.q_norm.weight",
+        "layers.0.mlp.gate_proj.weight",
+    ] {
         assert!(tensors.contains_key(n), "{n}");
     }
 }

@@ -234,7 +234,8 @@ impl Cli {
                     known_flags().join(", ")
                 ));
             }
-            let value = it.next().ok_or_else(|| format!("option `--{name}` needs a value"))?;
+            let value =
+                it.next_if(|v| !v.starts_with("--")).ok_or_else(|| format!("option `--{name}` needs a value"))?;
             match name.as_str() {
                 "config" => cli.config = Some(PathBuf::from(value)),
                 "resume" => cli.resume = Some(PathBuf::from(value)),

@@ -19,8 +19,26 @@ fn text(bytes: &[u8]) -> String {
 
 /// Options of a run of a few seconds: 4 rows of 4 + 12 tokens, 2 rows x 3 anchors per step.
 const TINY: &[&str] = &[
-    "--rows", "4", "--prompt-len", "4", "--continuation-len", "12", "--rows-per-step", "2", "--anchors", "3",
-    "--eval-rows", "1", "--tau-prompts", "1", "--tau-tokens", "4", "--log-every", "1", "--eval-every", "0",
+    "--rows",
+    "4",
+    "--prompt-len",
+    "4",
+    "--continuation-len",
+    "12",
+    "--rows-per-step",
+    "2",
+    "--anchors",
+    "3",
+    "--eval-rows",
+    "1",
+    "--tau-prompts",
+    "1",
+    "--tau-tokens",
+    "4",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
 ];
 
 /// A few steps print the loss table and the evaluation, and leave the run folder: checkpoints,
@@ -51,7 +69,11 @@ fn short_training_run_saves_a_loadable_drafter() {
     }
     assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap().trim(), "checkpoint-6");
     let svg = std::fs::read_to_string(dir.join("training.svg")).unwrap();
-    assert!(svg.starts_with("<svg") && svg.contains("tau_hat") && svg.contains("<polyline"), "{}", &svg[..200.min(svg.len())]);
+    assert!(
+        svg.starts_with("<svg") && svg.contains("tau_hat") && svg.contains("<polyline"),
+        "{}",
+        &svg[..200.min(svg.len())]
+    );
     let lines = metrics(&dir);
     let train: Vec<_> = lines.iter().filter(|v| v["kind"] == "train").collect();
     assert_eq!(train.len(), 6);
@@ -126,7 +148,10 @@ fn bad_options_are_named_before_any_work() {
         assert!(stderr.contains(expected.as_str()), "{args:?}: `{expected}` missing from stderr:\n{stderr}");
         assert!(!stderr.contains("panicked"), "{args:?} panicked:\n{stderr}");
         assert!(!text(&result.stdout).contains("data: sampling"), "{args:?} started work");
-        assert!(!out.join("metrics.jsonl").exists() && !out.join("latest").exists(), "{args:?} wrote into the run folder");
+        assert!(
+            !out.join("metrics.jsonl").exists() && !out.join("latest").exists(),
+            "{args:?} wrote into the run folder"
+        );
         assert!(started.elapsed() < Duration::from_secs(10), "{args:?} took {:?}", started.elapsed());
     }
     let result = xtask(&["frobnicate"]);
@@ -170,10 +195,11 @@ fn killed_and_resumed_run_has_the_uninterrupted_losses() {
     let seed = rand::rng().random_range(0..1u64 << 40).to_string();
     let steps = "24";
     let run_args = |out: &Path| {
-        let mut args: Vec<String> = ["train", "--steps", steps, "--checkpoint-every", "5", "--keep-checkpoints", "2", "--seed", &seed]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let mut args: Vec<String> =
+            ["train", "--steps", steps, "--checkpoint-every", "5", "--keep-checkpoints", "2", "--seed", &seed]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
         args.extend(TINY.iter().map(|s| s.to_string()));
         args.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
         args
@@ -207,7 +233,7 @@ fn killed_and_resumed_run_has_the_uninterrupted_losses() {
         // Wait for a complete checkpoint (and, the first time, for the next one to be under way).
         let started = Instant::now();
         let deadline = Duration::from_secs(60);
-        let want_kill = kills < 2 || !mid_checkpoint_kill;
+        let want_kill = kills < 3 || !mid_checkpoint_kill;
         let wait_for_tmp = !mid_checkpoint_kill && kills >= 1;
         let delay = Duration::from_millis(rand::rng().random_range(0..400));
         let mut seen_at: Option<Instant> = None;
@@ -245,6 +271,7 @@ fn killed_and_resumed_run_has_the_uninterrupted_losses() {
             }
         }
     }
+    eprintln!("killed {kills} times (one while a checkpoint was being written); {spawns} processes in all");
     let got = losses(&out);
     assert_eq!(got.len(), 24, "each step once in metrics.jsonl: {:?}", got.iter().map(|g| g.0).collect::<Vec<_>>());
     for ((s1, l1), (s2, l2)) in expected.iter().zip(&got) {
@@ -273,10 +300,12 @@ fn killed_and_resumed_run_has_the_uninterrupted_losses() {
 
 fn has_tmp(out: &Path) -> bool {
     std::fs::read_dir(out)
-        .map(|d| d.filter_map(|e| e.ok()).any(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.starts_with(".checkpoint-") && name.ends_with(".tmp")
-        }))
+        .map(|d| {
+            d.filter_map(|e| e.ok()).any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with(".checkpoint-") && name.ends_with(".tmp")
+            })
+        })
         .unwrap_or(false)
 }
 

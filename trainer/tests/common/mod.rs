@@ -49,7 +49,11 @@ pub fn engine(c: &RunConfig, s: &BuiltinSetup, kind: StepKind) -> CpuEngine {
     CpuEngine::new(drafter, s.target.frozen_head(), builtin::adamw_config(c), kind).expect("engine")
 }
 
-pub fn inputs<'a>(c: &'a RunConfig, s: &'a BuiltinSetup, head: &'a dflash_reference::drafter::FrozenHead) -> RunInputs<'a> {
+pub fn inputs<'a>(
+    c: &'a RunConfig,
+    s: &'a BuiltinSetup,
+    head: &'a dflash_reference::drafter::FrozenHead,
+) -> RunInputs<'a> {
     RunInputs { config: c, draft_config: &s.draft_config, data: &s.data, held_out: &s.held_out, head, quiet: true }
 }
 
