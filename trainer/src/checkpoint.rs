@@ -225,7 +225,7 @@ pub fn write_checkpoint(
     sync_path(out)?;
     let mut older: Vec<(usize, PathBuf)> =
         list_checkpoints(out)?.into_iter().filter(|(s, _)| *s != state.step).collect();
-    older.sort_by(|a, b| b.0.cmp(&a.0));
+    older.sort_by_key(|c| std::cmp::Reverse(c.0));
     for (_, old) in older.into_iter().skip(keep.saturating_sub(1)) {
         remove_dir_if_exists(&old)?;
     }
@@ -324,7 +324,7 @@ pub fn find_resumable(out: &Path) -> Result<Found> {
         Err(_) => notes.push(format!("{} is missing", latest.display())),
     }
     let mut all = list_checkpoints(out)?;
-    all.sort_by(|a, b| b.0.cmp(&a.0));
+    all.sort_by_key(|c| std::cmp::Reverse(c.0));
     for (_, dir) in all {
         match verify(&dir) {
             Ok(state) => {

@@ -2,6 +2,7 @@
 //! (preset, `--config FILE`, `--key value`), validation, the loop with a CPU step engine,
 //! checkpoints, exact `--resume`, metrics and the plot. Today the built-in tiny default only.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -97,6 +98,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "data: sampling {} rows of {}+{} tokens from the target ... ",
         config.rows, config.prompt_len, config.continuation_len
     );
+    std::io::stdout().flush().ok();
     let setup = builtin::setup(&config).map_err(err)?;
     println!(
         "done in {:.1}s (target's next-token entropy: {:.3} nats)",
