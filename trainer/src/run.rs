@@ -112,19 +112,48 @@ pub fn check_resume_config(current: &RunConfig, saved: &RunConfig) -> Result<Vec
     Ok(notes)
 }
 
-/// Refuses to start a fresh run in a folder that holds another run's checkpoints.
-pub fn check_fresh_out(out: &std::path::Path) -> Result<()> {
-    if out.join("latest").exists() || !checkpoint::list_checkpoints(out)?.is_empty() {
-        return Err(Error::option(
+/// Makes `out` ready for a fresh run. A folder holding a finished run (its newest complete
+/// checkpoint is at the run's last step) is cleared of that run's files (checkpoints, `latest`,
+/// `metrics.jsonl`, `training.svg`, `drafter/`), and a note says so; a folder holding an
+/// unfinished run is refused (`--resume` continues it), so no unfinished run is ever lost.
+pub fn prepare_fresh_out(out: &std::path::Path) -> Result<Vec<String>> {
+    let checkpoints = checkpoint::list_checkpoints(out)?;
+    if !out.join("latest").exists() && checkpoints.is_empty() {
+        return Ok(Vec::new());
+    }
+    let refuse = |why: String| {
+        Error::option(
             "out",
             format!(
-                "{} holds the checkpoints of an earlier run: `--resume {}` continues it, or choose another --out",
+                "{} holds an unfinished run ({why}): `--resume {}` continues it, or choose another --out",
                 out.display(),
                 out.display()
             ),
-        ));
+        )
+    };
+    let found = checkpoint::find_resumable(out).map_err(|e| refuse(e.to_string()))?;
+    let saved = checkpoint::load_config(&found.dir)?;
+    let total = saved.steps.unwrap_or(usize::MAX);
+    if found.state.step < total {
+        return Err(refuse(format!("its newest complete checkpoint is at step {} of {total}", found.state.step)));
     }
-    Ok(())
+    for (_, dir) in checkpoints {
+        std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    }
+    for tmp in checkpoint::leftover_temporaries(out) {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    for file in ["latest", "metrics.jsonl", "training.svg"] {
+        let path = out.join(file);
+        if path.exists() {
+            std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+        }
+    }
+    let drafter = out.join("drafter");
+    if drafter.is_dir() {
+        std::fs::remove_dir_all(&drafter).map_err(|e| Error::io(&drafter, e))?;
+    }
+    Ok(vec![format!("{} held a finished run of {total} steps: replaced by this one", out.display())])
 }
 
 /// The training loop of one run.

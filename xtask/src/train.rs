@@ -13,7 +13,7 @@ use dflash_trainer::config::{known_flags, options_help, RunConfig, FIELDS};
 use dflash_trainer::engine::{CpuEngine, StepEngine};
 use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
-use dflash_trainer::run::{check_fresh_out, check_resume_config, RunInputs, Trainer};
+use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, Trainer};
 
 const HELP_HEAD: &str = "usage: cargo xtask train [--config FILE] [--plan] [--resume OUT] [--key value ...]
 
@@ -34,7 +34,8 @@ below with `_`), then `--key value` on the command line. Unknown keys are errors
 
 The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
 model.safetensors in bf16; training.safetensors, run.toml, state.json), latest, metrics.jsonl
-(one JSON object per line), training.svg, and drafter/ (the final servable drafter).
+(one JSON object per line), training.svg, and drafter/ (the final servable drafter). A fresh
+run replaces a finished run in its folder and refuses an unfinished one (--resume continues it).
 
 options (built-in defaults):";
 
@@ -89,7 +90,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     config.check_out().map_err(err)?;
     if resume.is_none() {
-        check_fresh_out(&config.out).map_err(err)?;
+        for note in prepare_fresh_out(&config.out).map_err(err)? {
+            println!("{note}");
+        }
     }
 
     let started = Instant::now();

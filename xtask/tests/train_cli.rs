@@ -86,10 +86,19 @@ fn short_training_run_saves_a_loadable_drafter() {
         }
     }
     assert!(lines.iter().any(|v| v["kind"] == "eval" && v["tau_hat"].as_f64().is_some()));
-    // A fresh run into a folder holding a run is refused.
+    // A fresh run replaces a finished run in its folder (the same losses again) ...
+    let first = losses(&dir);
     let again = xtask(&args);
-    assert!(!again.status.success());
-    assert!(text(&again.stderr).contains("--resume"), "{}", text(&again.stderr));
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert!(text(&again.stdout).contains("held a finished run of 6 steps: replaced"), "{}", text(&again.stdout));
+    assert_eq!(losses(&dir), first);
+    // ... and refuses an unfinished one (the newest complete checkpoint before the last step).
+    std::fs::remove_dir_all(dir.join("checkpoint-6")).unwrap();
+    let refused = xtask(&args);
+    assert!(!refused.status.success());
+    let stderr = text(&refused.stderr);
+    assert!(stderr.contains("unfinished run") && stderr.contains("--resume"), "{stderr}");
+    assert!(dir.join("checkpoint-4/state.json").exists(), "nothing of the unfinished run is deleted");
 }
 
 fn metrics(out: &Path) -> Vec<serde_json::Value> {
