@@ -243,3 +243,21 @@ fn accumulated_micro_batches_equal_one_batch() {
         assert!((la - lb).abs() <= 1e-5 * la.abs(), "seed {seed}, step {sa}: {la} vs {lb}");
     }
 }
+
+/// A checkpoint of other training rows (here: sampled with another seed) is refused on resume,
+/// naming the data's hashes.
+#[test]
+fn resume_refuses_other_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = fresh_seed();
+    let mut c = tiny_config(dir.path(), seed, 2);
+    c.checkpoint_every = 1;
+    let s = setup(&c);
+    run_to_end(&c, &s, StepKind::Reference);
+    let other = setup(&tiny_config(dir.path(), seed + 1, 2));
+    let head = other.target.frozen_head();
+    let mut e = engine(&c, &other, StepKind::Reference);
+    let mut t = Trainer::new(inputs(&c, &other, &head)).unwrap();
+    let message = t.resume(&mut e, &find_resumable(dir.path()).unwrap()).err().expect("refused").to_string();
+    assert!(message.contains("training rows (sha256"), "{message}");
+}
