@@ -258,6 +258,6 @@ fn resume_refuses_other_data() {
     let head = other.target.frozen_head();
     let mut e = engine(&c, &other, StepKind::Reference);
     let mut t = Trainer::new(inputs(&c, &other, &head)).unwrap();
-    let message = t.resume(&mut e, &find_resumable(dir.path()).unwrap()).err().expect("refused").to_string();
+    let message = t.resume(&mut e, &find_resumable(dir.path()).unwrap()).expect_err("refused").to_string();
     assert!(message.contains("training rows (sha256"), "{message}");
 }
