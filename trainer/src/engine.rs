@@ -11,10 +11,9 @@ use dflash_optimized::train::gradients::HostGradients;
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{Drafter, FrozenHead};
 use dflash_reference::eval::BlockStats;
-use dflash_reference::loss::weighted_ce_sum;
 use dflash_reference::optim::{clip_grad_norm, collect_grads, AdamW, AdamWConfig};
 use dflash_reference::speculative::argmax_rows;
-use dflash_reference::train::{GradientSource, PreparedRow};
+use dflash_reference::train::{batch_loss_with_stats, GradientSource, PreparedRow};
 use rand_chacha::ChaCha8Rng;
 
 use crate::config::StepKind;
@@ -107,27 +106,17 @@ impl CpuEngine {
     ) -> Result<(f64, f64, Vec<Tensor>, Option<BlockStats>)> {
         let b = self.drafter.config.block_size;
         match &mut self.source {
-            // The reference's batch loss (`dflash_reference::train::batch_loss`) written out, to
-            // keep the logits for the block stats: the same rows, anchors and sums.
             Source::Reference => {
                 let mut stats = batch.want_stats.then(|| BlockStats::new(b));
-                let mut sum: Option<Tensor> = None;
-                let mut total = 0.0;
-                for row in rows {
-                    let PreparedRow { targets, input, .. } = PreparedRow::new(row, batch.anchors, b, batch.gamma, rng)?;
-                    let logits = self.drafter.forward(&self.head, &input)?;
-                    let row_sum = weighted_ce_sum(&logits, &targets)?;
-                    total += targets.total_weight();
-                    if let Some(stats) = &mut stats {
-                        stats.add(&argmax_rows(&logits)?, &targets);
-                    }
-                    sum = Some(match sum {
-                        Some(s) => (s + row_sum)?,
-                        None => row_sum,
-                    });
-                }
-                let sum = sum.ok_or_else(|| Error::option("rows_per_step", "a step needs at least one row"))?;
-                let loss = sum.affine(1.0 / total.max(f64::MIN_POSITIVE), 0.0)?;
+                let (loss, total) = batch_loss_with_stats(
+                    &self.drafter,
+                    &self.head,
+                    rows,
+                    batch.anchors,
+                    batch.gamma,
+                    rng,
+                    stats.as_mut(),
+                )?;
                 let grads = collect_grads(self.drafter.named_params(), &loss.backward()?)?;
                 Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, total, grads, stats))
             }
