@@ -61,8 +61,19 @@ pub fn tiny_draft_config(target: &TargetConfig) -> DraftConfig {
     config
 }
 
-/// Samples a token from `logits` `[V]` at `temperature`, never `banned`.
+/// Samples a token from `logits` `[V]` at `temperature`, never `banned`; temperature 0 is greedy
+/// (the first largest logit; `rng` is not used).
 fn sample_token(logits: &[f64], temperature: f64, banned: u32, rng: &mut impl Rng) -> Result<u32> {
+    if temperature == 0.0 {
+        let best = logits.iter().enumerate().filter(|&(i, _)| i as u32 != banned).fold(
+            None,
+            |best: Option<(usize, f64)>, (i, &z)| match best {
+                Some((_, b)) if b >= z => best,
+                _ => Some((i, z)),
+            },
+        );
+        return best.map(|(i, _)| i as u32).ok_or_else(|| Error::invalid("logits", "no token to sample"));
+    }
     let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let weights: Vec<f64> = logits
         .iter()
@@ -127,8 +138,11 @@ pub fn generate_rows(
 }
 
 /// Mean next-token entropy (nats) of the target over `rows` at `temperature`: the floor the
-/// drafter's offset-1 loss approaches.
+/// drafter's offset-1 loss approaches. Temperature 0 (greedy sampling) has entropy 0.
 pub fn target_entropy(target: &TargetModel, rows: &[TrainRow], temperature: f64) -> Result<f64> {
+    if temperature == 0.0 {
+        return Ok(0.0);
+    }
     let mut sum = 0.0;
     let mut count = 0usize;
     for row in rows {

@@ -85,6 +85,42 @@ impl AdamW {
         Ok(AdamW { config, m: zeros.clone(), v: zeros, t: 0 })
     }
 
+    /// The first and second moments, in the parameters' order.
+    pub fn moments(&self) -> (&[Tensor], &[Tensor]) {
+        (&self.m, &self.v)
+    }
+
+    /// Updates done so far (the bias corrections' `t`).
+    pub fn step_count(&self) -> i32 {
+        self.t
+    }
+
+    /// Restores the moments and step count saved by [`AdamW::moments`] and [`AdamW::step_count`]
+    /// (exact resumption); each moment must have its parameter's shape and dtype.
+    pub fn restore(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: i32) -> Result<()> {
+        for (what, saved) in [("m", &m), ("v", &v)] {
+            if saved.len() != self.m.len() {
+                return Err(Error::invalid(
+                    format!("AdamW {what}"),
+                    format!("{} moments for {} parameters", saved.len(), self.m.len()),
+                ));
+            }
+            for (i, (s, current)) in saved.iter().zip(&self.m).enumerate() {
+                if s.dims() != current.dims() || s.dtype() != current.dtype() {
+                    return Err(Error::invalid(
+                        format!("AdamW {what}[{i}]"),
+                        format!("{:?} {:?}, expected {:?} {:?}", s.dims(), s.dtype(), current.dims(), current.dtype()),
+                    ));
+                }
+            }
+        }
+        if t < 0 {
+            return Err(Error::invalid("AdamW step count", format!("{t} is negative")));
+        }
+        (self.m, self.v, self.t) = (m, v, t);
+        Ok(())
+    }
+
     /// One update with learning rate `lr`:
     /// `p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)`.
     pub fn step(&mut self, params: &[(String, Var)], grads: &[Tensor], lr: f64) -> Result<()> {

@@ -10,8 +10,10 @@ use crate::anchors::{sample_anchors, sample_anchors_per_document, Anchors};
 use crate::data::TrainRow;
 use crate::drafter::{DraftInput, Drafter, FrozenHead};
 use crate::error::{Error, Result};
+use crate::eval::BlockStats;
 use crate::loss::{weighted_ce_sum, BlockTargets};
 use crate::optim::{clip_grad_norm, collect_grads, lr_at, AdamW, AdamWConfig};
+use crate::speculative::argmax_rows;
 
 /// Options of a training run; the defaults are the spec's recipe where it has one.
 #[derive(Clone, Debug, PartialEq)]
@@ -96,6 +98,20 @@ pub fn batch_loss(
     gamma: f64,
     rng: &mut ChaCha8Rng,
 ) -> Result<(Tensor, f64)> {
+    batch_loss_with_stats(drafter, head, rows, max_anchors, gamma, rng, None)
+}
+
+/// [`batch_loss`], also adding every block's top-1 correctness to `stats` (per-offset accuracy
+/// and tau_hat of the step's blocks) when given; the loss is the same either way.
+pub fn batch_loss_with_stats(
+    drafter: &Drafter,
+    head: &FrozenHead,
+    rows: &[&TrainRow],
+    max_anchors: usize,
+    gamma: f64,
+    rng: &mut ChaCha8Rng,
+    mut stats: Option<&mut BlockStats>,
+) -> Result<(Tensor, f64)> {
     let b = drafter.config.block_size;
     let mut sum: Option<Tensor> = None;
     let mut total = 0.0;
@@ -104,6 +120,9 @@ pub fn batch_loss(
         let logits = drafter.forward(head, &input)?;
         let row_sum = weighted_ce_sum(&logits, &targets)?;
         total += targets.total_weight();
+        if let Some(stats) = stats.as_deref_mut() {
+            stats.add(&argmax_rows(&logits)?, &targets);
+        }
         sum = Some(match sum {
             Some(s) => (s + row_sum)?,
             None => row_sum,

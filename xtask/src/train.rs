@@ -1,176 +1,259 @@
-//! `cargo xtask train`: the reference training loop on the tiny built-in default.
+//! `cargo xtask train`: a training run through the trainer crate (`dflash-trainer`): config
+//! (preset, `--config FILE`, `--key value`), validation, the loop with a CPU step engine,
+//! checkpoints, exact `--resume`, metrics and the plot. Today the built-in tiny default only.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::DType;
-use dflash_optimized::memory::step::Checkpointing;
-use dflash_optimized::train::gradients::HostGradients;
-use dflash_reference::builtin::{generate_rows, random_prompt, target_entropy, tiny_draft_config, tiny_target};
-use dflash_reference::drafter::Drafter;
 use dflash_reference::eval::evaluate;
-use dflash_reference::loss::default_gamma;
-use dflash_reference::optim::AdamWConfig;
-use dflash_reference::speculative::{greedy_decode, speculative_decode};
-use dflash_reference::target::TargetModel;
-use dflash_reference::train::{train_with, Autograd, StepReport, TrainOptions};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
+use dflash_trainer::builtin::{self, mean_tau};
+use dflash_trainer::checkpoint::{self, find_resumable, load_config};
+use dflash_trainer::config::{known_flags, options_help, RunConfig, FIELDS};
+use dflash_trainer::engine::{CpuEngine, StepEngine};
+use dflash_trainer::metrics;
+use dflash_trainer::plan::Plan;
+use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, Trainer};
 
-use crate::args::Options;
-
-const HELP: &str = "usage: cargo xtask train [options]
+const HELP_HEAD: &str = "usage: cargo xtask train [--config FILE] [--plan] [--resume OUT] [--key value ...]
 
 Trains a tiny DFlash drafter against a tiny random Qwen3 target built in code, on data sampled
-from that target, with the reference (CPU, f32, autograd) path. Prints the loss as it falls,
-then the acceptance length tau of greedy speculative decoding before and after training.
+from that target, on the CPU. Prints the loss as it falls, then the acceptance length tau of
+greedy speculative decoding before and after training.
 
-options:
-  --steps N          training steps                        (default 600)
-  --rows-per-step N  rows per step                         (default 4)
-  --anchors N        anchors drawn per row (N_max)         (default 16)
-  --lr X             peak learning rate                    (default 3e-3)
-  --rows N           training rows generated               (default 64)
-  --temperature X    sampling temperature of the data      (default 0.5)
-  --step NAME        gradients: `reference` (candle autograd) or `host` (the GPU
-                     step's driver and layout on the CPU twins, f32)  (default reference)
-  --seed N           seed of everything                    (default 0)
-  --out DIR          where the trained drafter is saved    (default runs/tiny-drafter)";
+The options come from the built-in preset, then the keys of `--config FILE` (TOML, the names
+below with `_`), then `--key value` on the command line. Unknown keys are errors.
 
-const OPTIONS: &[&str] = &["steps", "rows-per-step", "anchors", "lr", "rows", "temperature", "step", "seed", "out"];
+  --config FILE              a TOML file of options
+  --plan                     print the resolved config, steps, epochs, tokens and an estimated
+                             time, then exit without training
+  --resume OUT               continue the run in OUT from its latest complete checkpoint, with
+                             losses identical to an uninterrupted run (its config is loaded;
+                             only options that do not change the run may differ, e.g. --steps)
+  --target DIR --data FILE   real targets and data (not built yet: they need the GPU loop)
 
-/// Tokens of each generated row: a prompt (loss mask 0) and the target's continuation.
-const PROMPT_LEN: usize = 16;
-const CONTINUATION_LEN: usize = 80;
-/// Held-out rows for the evaluation loss and per-offset accuracy.
-const EVAL_ROWS: usize = 8;
-/// Held-out prompts and tokens generated per prompt for tau.
-const EVAL_PROMPTS: usize = 4;
-const EVAL_NEW_TOKENS: usize = 48;
+The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
+model.safetensors in bf16; training.safetensors, run.toml, state.json), latest, metrics.jsonl
+(one JSON object per line), training.svg, and drafter/ (the final servable drafter). A fresh
+run replaces a finished run in its folder and refuses an unfinished one (--resume continues it).
+
+options (built-in defaults):";
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
-    let Some(opts) = Options::parse(args, OPTIONS)? else {
-        println!("{HELP}");
+    let err = |e: dflash_trainer::Error| e.to_string();
+    let Some(cli) = Cli::parse(args)? else {
+        println!("{HELP_HEAD}\n{}", options_help());
         return Ok(());
     };
-    let steps: usize = opts.get("steps", 600)?;
-    let rows_per_step: usize = opts.get("rows-per-step", 4)?;
-    let max_anchors: usize = opts.get("anchors", 16)?;
-    let lr: f64 = opts.get("lr", 3e-3)?;
-    let n_rows: usize = opts.get("rows", 64)?;
-    let temperature: f64 = opts.get("temperature", 0.5)?;
-    let step_kind: String = opts.get("step", "reference".to_string())?;
-    if !["reference", "host"].contains(&step_kind.as_str()) {
-        return Err(format!("option `--step`: unknown step `{step_kind}` (reference or host)"));
+    if cli.real_data {
+        return Err("`--target` / `--data`: real targets need the GPU loop, not built yet (today `cargo xtask train` trains the built-in tiny default; `cargo xtask data` prepares real data)".into());
     }
-    let seed: u64 = opts.get("seed", 0)?;
-    let out: PathBuf = opts.get("out", PathBuf::from("runs/tiny-drafter"))?;
-    if steps == 0 || rows_per_step == 0 || max_anchors == 0 || n_rows == 0 {
-        return Err("--steps, --rows-per-step, --anchors and --rows must be at least 1".into());
-    }
-    let err = |e: dflash_reference::Error| e.to_string();
-    let started = Instant::now();
 
-    let target = tiny_target(seed, DType::F32).map_err(err)?;
-    let config = tiny_draft_config(&target.config);
-    let drafter = Drafter::init(config.clone(), seed + 1, DType::F32).map_err(err)?;
-    let t = &target.config.dims;
+    // The config: preset (or the checkpoint's), file, command line; then validation.
+    let mut resume_notes = Vec::new();
+    let (mut config, resume) = match &cli.resume {
+        Some(dir) => {
+            let found = find_resumable(dir).map_err(err)?;
+            resume_notes.extend(found.notes.iter().cloned());
+            let mut saved = load_config(&found.dir).map_err(err)?;
+            let base = RunConfig { out: dir.clone(), ..saved.clone() };
+            saved.out = dir.clone();
+            (base, Some((found, saved)))
+        }
+        None => (RunConfig::builtin(), None),
+    };
+    if let Some(file) = &cli.config {
+        config = RunConfig::from_file(&config, file).map_err(err)?;
+    }
+    config = config.with_overrides(&cli.overrides).map_err(err)?;
+    if let Some(dir) = &cli.resume {
+        if &config.out != dir {
+            return Err(format!(
+                "option `out`: {} with `--resume {}`: a resumed run stays in its folder",
+                config.out.display(),
+                dir.display()
+            ));
+        }
+    }
+    config.validate().map_err(err)?;
+    let draft_config = builtin::draft_config();
+    let config = config.resolved(draft_config.block_size, config.rows);
+    if let Some((_, saved)) = &resume {
+        resume_notes.extend(check_resume_config(&config, saved).map_err(err)?);
+    }
+    if cli.plan {
+        let target_config = dflash_reference::builtin::tiny_target_config();
+        let plan = Plan::new(&config, &draft_config, &target_config, config.rows);
+        println!("# resolved config\n{}", config.to_toml());
+        println!("{}", plan.describe());
+        return Ok(());
+    }
+    config.check_out().map_err(err)?;
+    if resume.is_none() {
+        for note in prepare_fresh_out(&config.out).map_err(err)? {
+            println!("{note}");
+        }
+    }
+
+    let started = Instant::now();
+    let setup_started = Instant::now();
+    print!(
+        "data: sampling {} rows of {}+{} tokens from the target ... ",
+        config.rows, config.prompt_len, config.continuation_len
+    );
+    std::io::stdout().flush().ok();
+    let setup = builtin::setup(&config).map_err(err)?;
+    println!(
+        "done in {:.1}s (target's next-token entropy: {:.3} nats)",
+        setup_started.elapsed().as_secs_f64(),
+        setup.entropy
+    );
+    let drafter = builtin::init_drafter(&config, &setup.draft_config).map_err(err)?;
+    let t = &setup.target.config.dims;
+    let d = &setup.draft_config;
     println!(
         "target: Qwen3 (random, built in) hidden {} x {} layers, vocab {}; drafter: {} layers, block {}, features from target layers {:?}, {} trainable parameters",
         t.hidden_size,
         t.num_layers(),
         t.vocab_size,
-        config.dims.num_layers(),
-        config.block_size,
-        config.target_layer_ids,
+        d.dims.num_layers(),
+        d.block_size,
+        d.target_layer_ids,
         drafter.num_params()
     );
+    let head = setup.target.frozen_head();
+    let gamma = config.gamma_for(d.block_size);
+    let tau_before = mean_tau(&setup.target, &drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
+    let eval_before =
+        evaluate(&drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
+    let mut engine = CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), config.step).map_err(err)?;
 
-    let mut rng = ChaCha8Rng::seed_from_u64(seed + 2);
-    print!("data: sampling {n_rows} rows of {PROMPT_LEN}+{CONTINUATION_LEN} tokens from the target ... ");
-    let data =
-        generate_rows(&target, &config, n_rows, PROMPT_LEN, CONTINUATION_LEN, temperature, &mut rng).map_err(err)?;
-    let held_out =
-        generate_rows(&target, &config, EVAL_ROWS, PROMPT_LEN, CONTINUATION_LEN, temperature, &mut rng).map_err(err)?;
-    let floor = target_entropy(&target, &data, temperature).map_err(err)?;
-    println!("done in {:.1}s (target's next-token entropy: {floor:.3} nats)", started.elapsed().as_secs_f64());
-
-    let prompts: Vec<Vec<u32>> =
-        (0..EVAL_PROMPTS).map(|_| random_prompt(PROMPT_LEN, t.vocab_size, config.mask_token_id, &mut rng)).collect();
-    let tau_before = mean_tau(&target, &drafter, &prompts).map_err(err)?;
-    let gamma = default_gamma(config.block_size);
-    let eval_before = evaluate(&drafter, &target.frozen_head(), &held_out, max_anchors, gamma, seed).map_err(err)?;
-
-    let train_opts = TrainOptions {
-        steps,
-        rows_per_step,
-        max_anchors,
-        optimizer: AdamWConfig { lr, ..AdamWConfig::default() },
-        gamma,
-        seed,
-        ..TrainOptions::default()
+    let inputs = RunInputs {
+        config: &config,
+        draft_config: &setup.draft_config,
+        data: &setup.data,
+        held_out: &setup.held_out,
+        head: &head,
+        quiet: false,
     };
-    println!("training ({step_kind} step) {steps} steps of {rows_per_step} rows x {max_anchors} anchors, AdamW peak lr {lr:e}, warmup {:.0}% + cosine, clip {}", train_opts.warmup_frac * 100.0, train_opts.clip_norm);
-    println!("{:>6} {:>9} {:>10} {:>10} {:>9}", "step", "loss", "lr", "grad norm", "elapsed");
-    let train_started = Instant::now();
-    let every = (steps / 20).max(1);
-    let on_step = |r: &StepReport| {
-        if r.step.is_multiple_of(every) || r.step + 1 == steps {
-            println!(
-                "{:>6} {:>9.4} {:>10.3e} {:>10.3} {:>8.1}s",
-                r.step,
-                r.loss,
-                r.lr,
-                r.grad_norm,
-                train_started.elapsed().as_secs_f64()
-            );
-        }
-    };
-    let head = target.frozen_head();
-    let reports = match step_kind.as_str() {
-        "reference" => train_with(&drafter, &head, &data, &train_opts, &mut Autograd, on_step),
-        _ => {
-            let mut host = HostGradients::<f32>::new(Checkpointing::PerLayer, 256);
-            train_with(&drafter, &head, &data, &train_opts, &mut host, on_step)
-        }
+    let mut trainer = Trainer::new(inputs).map_err(err)?;
+    if let Some((found, _)) = &resume {
+        resume_notes.extend(trainer.resume(&mut engine, found).map_err(err)?);
     }
-    .map_err(err)?;
+    for note in &resume_notes {
+        println!("resume: {note}");
+    }
+    let steps = trainer.total_steps();
+    println!(
+        "training ({} step) {steps} steps of {} rows x {} anchors{}, AdamW peak lr {:e}, warmup {:.0}% + cosine, clip {}",
+        engine.name(),
+        config.rows_per_step,
+        config.anchors,
+        if config.grad_accum > 1 { format!(" x {} accumulated", config.grad_accum) } else { String::new() },
+        config.lr,
+        config.warmup_frac * 100.0,
+        config.clip_norm
+    );
+    let summary = trainer.run(&mut engine).map_err(err)?;
 
-    let window = (steps / 10).max(1);
-    let mean = |rs: &[StepReport]| rs.iter().map(|r| r.loss).sum::<f64>() / rs.len() as f64;
-    let (first, last) = (mean(&reports[..window]), mean(&reports[steps - window..]));
-    let tau_after = mean_tau(&target, &drafter, &prompts).map_err(err)?;
-    let eval_after = evaluate(&drafter, &target.frozen_head(), &held_out, max_anchors, gamma, seed).map_err(err)?;
-    drafter.save(&out).map_err(err)?;
+    let drafter = engine.drafter().map_err(err)?;
+    let tau_after = mean_tau(&setup.target, drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
+    let eval_after =
+        evaluate(drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
+    let final_dir = config.out.join("drafter");
+    checkpoint::save_servable_folder(&final_dir, &setup.draft_config, &engine.state().map_err(err)?).map_err(err)?;
+    let svg = metrics::plot(&config.out).map_err(err)?;
+
+    let lines = metrics::read_lines(&metrics::metrics_file(&config.out)).map_err(err)?;
+    let losses: Vec<f64> = lines
+        .iter()
+        .filter(|v| v.get("kind").and_then(|k| k.as_str()) == Some("train"))
+        .filter_map(|v| v.get("loss")?.as_f64())
+        .collect();
+    let window = (losses.len() / 10).max(1).min(losses.len());
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
     println!();
-    println!("loss: {first:.4} (mean of the first {window} steps) -> {last:.4} (mean of the last {window})");
-    println!("held-out loss ({EVAL_ROWS} rows): {:.4} before -> {:.4} after", eval_before.loss, eval_after.loss);
+    println!(
+        "loss: {:.4} (mean of the first {window} logged steps) -> {:.4} (mean of the last {window})",
+        mean(&losses[..window]),
+        mean(&losses[losses.len() - window..])
+    );
+    if summary.skipped_total > 0 {
+        println!("skipped steps (non-finite loss or gradient): {}", summary.skipped_total);
+    }
+    let n_eval = setup.held_out.len();
+    println!("held-out loss ({n_eval} rows): {:.4} before -> {:.4} after", eval_before.loss, eval_after.loss);
     let percent = |acc: &[f64]| acc[1..].iter().map(|a| format!("{:.0}", a * 100.0)).collect::<Vec<_>>().join(" ");
     println!(
         "held-out top-1 accuracy % at offsets 1..{}: [{}] before -> [{}] after",
-        config.block_size - 1,
+        d.block_size - 1,
         percent(&eval_before.accuracy),
         percent(&eval_after.accuracy)
     );
-    println!("tau (greedy speculative decoding, {EVAL_PROMPTS} held-out prompts x {EVAL_NEW_TOKENS} tokens, block {}): {tau_before:.2} before -> {tau_after:.2} after; output identical to plain greedy decoding", config.block_size);
-    println!("saved the drafter (HF format: config.json + model.safetensors) to {}", out.display());
+    println!("held-out tau_hat: {:.2} before -> {:.2} after", eval_before.tau_hat, eval_after.tau_hat);
+    println!(
+        "tau (greedy speculative decoding, {} held-out prompts x {} tokens, block {}): {tau_before:.2} before -> {tau_after:.2} after; output identical to plain greedy decoding",
+        setup.prompts.len(),
+        config.tau_tokens,
+        d.block_size
+    );
+    println!("saved the drafter (HF format: config.json + model.safetensors, bf16) to {}", final_dir.display());
+    println!(
+        "run folder {}: {} checkpoint(s) written by this run (latest: {}), metrics.jsonl, {}",
+        config.out.display(),
+        summary.checkpoints.len(),
+        summary.checkpoints.last().map_or("-".into(), |p| p.display().to_string()),
+        svg.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    );
     println!("total {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
 }
 
-/// Mean tau over `prompts`; also checks that speculative decoding reproduces greedy decoding.
-fn mean_tau(target: &TargetModel, drafter: &Drafter, prompts: &[Vec<u32>]) -> dflash_reference::Result<f64> {
-    let mut sum = 0.0;
-    for prompt in prompts {
-        let spec = speculative_decode(target, drafter, prompt, EVAL_NEW_TOKENS)?;
-        let greedy = greedy_decode(target, prompt, EVAL_NEW_TOKENS)?;
-        if spec.tokens != greedy {
-            return Err(dflash_reference::Error::invalid(
-                "speculative decoding",
-                "output differs from plain greedy decoding",
-            ));
+/// The command line of `train`.
+struct Cli {
+    config: Option<PathBuf>,
+    resume: Option<PathBuf>,
+    plan: bool,
+    real_data: bool,
+    overrides: Vec<(String, String)>,
+}
+
+impl Cli {
+    /// `Ok(None)` for `--help`.
+    fn parse(args: Vec<String>) -> Result<Option<Self>, String> {
+        let mut cli = Cli { config: None, resume: None, plan: false, real_data: false, overrides: Vec::new() };
+        let mut it = args.into_iter().peekable();
+        while let Some(arg) = it.next() {
+            if arg == "--help" || arg == "-h" {
+                return Ok(None);
+            }
+            let name = arg.strip_prefix("--").ok_or_else(|| format!("unexpected argument `{arg}`"))?.to_string();
+            if name == "plan" {
+                cli.plan = true;
+                continue;
+            }
+            let is_option = FIELDS.iter().any(|(f, _, _)| *f == name.replace('-', "_"));
+            if !is_option && !["config", "resume", "target", "data"].contains(&name.as_str()) {
+                return Err(format!(
+                    "unknown option `--{name}` (known: --config, --plan, --resume, {})",
+                    known_flags().join(", ")
+                ));
+            }
+            let value =
+                it.next_if(|v| !v.starts_with("--")).ok_or_else(|| format!("option `--{name}` needs a value"))?;
+            match name.as_str() {
+                "config" => cli.config = Some(PathBuf::from(value)),
+                "resume" => cli.resume = Some(PathBuf::from(value)),
+                "target" => cli.real_data = true,
+                "data" => {
+                    cli.real_data = true;
+                    while it.peek().is_some_and(|a| !a.starts_with("--")) {
+                        it.next();
+                    }
+                }
+                _ => cli.overrides.push((name, value)),
+            }
         }
-        sum += spec.tau();
+        Ok(Some(cli))
     }
-    Ok(sum / prompts.len() as f64)
 }

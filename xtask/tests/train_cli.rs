@@ -1,49 +1,329 @@
-//! `cargo xtask train` end to end through the binary: a short run trains and saves a drafter;
-//! bad options fail with a clear message instead of a panic.
+//! `cargo xtask train` end to end through the binary: a short run trains and saves a drafter
+//! and its run folder; bad options and configs fail with a clear message naming the option
+//! before any work; a run killed at random moments (also while writing a checkpoint) and
+//! resumed gives bitwise the losses of an uninterrupted run.
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::Rng;
 
 fn xtask(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_xtask")).args(args).output().expect("run xtask")
 }
 
-/// A few steps on a small data set print the loss table and the evaluation, and save an HF
-/// drafter that loads back.
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Options of a run of a few seconds: 4 rows of 4 + 12 tokens, 2 rows x 3 anchors per step.
+const TINY: &[&str] = &[
+    "--rows",
+    "4",
+    "--prompt-len",
+    "4",
+    "--continuation-len",
+    "12",
+    "--rows-per-step",
+    "2",
+    "--anchors",
+    "3",
+    "--eval-rows",
+    "1",
+    "--tau-prompts",
+    "1",
+    "--tau-tokens",
+    "4",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+];
+
+/// A few steps print the loss table and the evaluation, and leave the run folder: checkpoints,
+/// latest, metrics.jsonl, training.svg and a servable drafter that loads back.
 #[test]
 fn short_training_run_saves_a_loadable_drafter() {
-    let out = tempfile::tempdir().expect("temp dir");
-    let dir = out.path().join("drafter");
-    let result = xtask(&["train", "--steps", "6", "--rows", "2", "--anchors", "4", "--out", dir.to_str().unwrap()]);
-    let stdout = String::from_utf8_lossy(&result.stdout);
-    assert!(result.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&result.stderr));
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let dir = tmp.path().join("run");
+    let mut args = vec!["train", "--steps", "6", "--checkpoint-every", "4", "--out", dir.to_str().unwrap()];
+    args.extend(TINY);
+    let result = xtask(&args);
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "stdout:\n{stdout}\nstderr:\n{}", text(&result.stderr));
     for expected in [
         "training (reference step) 6 steps",
         "loss:",
         "held-out loss",
+        "held-out tau_hat",
         "tau (greedy speculative decoding",
         "saved the drafter",
     ] {
         assert!(stdout.contains(expected), "`{expected}` missing from:\n{stdout}");
     }
-    let drafter = dflash_reference::drafter::Drafter::load(&dir, candle_core::DType::F32).expect("load saved drafter");
-    assert_eq!(drafter.config.block_size, 8);
+    for drafter_dir in [dir.join("drafter"), dir.join("checkpoint-6"), dir.join("checkpoint-4")] {
+        let drafter = dflash_reference::drafter::Drafter::load(&drafter_dir, candle_core::DType::F32)
+            .unwrap_or_else(|e| panic!("{}: {e}", drafter_dir.display()));
+        assert_eq!(drafter.config.block_size, 8);
+    }
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap().trim(), "checkpoint-6");
+    let svg = std::fs::read_to_string(dir.join("training.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("tau_hat") && svg.contains("<polyline"),
+        "{}",
+        &svg[..200.min(svg.len())]
+    );
+    let lines = metrics(&dir);
+    let train: Vec<_> = lines.iter().filter(|v| v["kind"] == "train").collect();
+    assert_eq!(train.len(), 6);
+    for v in &train {
+        assert_eq!(v["acc"].as_array().unwrap().len(), 7, "acc_1..acc_7");
+        let tau = v["tau_hat"].as_f64().unwrap();
+        assert!((1.0..=8.0).contains(&tau), "{tau}");
+        for key in ["lr", "grad_norm", "tokens_per_s", "samples_per_s", "epoch"] {
+            assert!(v[key].as_f64().is_some_and(f64::is_finite), "{key} in {v}");
+        }
+    }
+    assert!(lines.iter().any(|v| v["kind"] == "eval" && v["tau_hat"].as_f64().is_some()));
+    // A fresh run replaces a finished run in its folder (the same losses again) ...
+    let first = losses(&dir);
+    let again = xtask(&args);
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert!(text(&again.stdout).contains("held a finished run of 6 steps: replaced"), "{}", text(&again.stdout));
+    assert_eq!(losses(&dir), first);
+    // ... and refuses an unfinished one (the newest complete checkpoint before the last step).
+    std::fs::remove_dir_all(dir.join("checkpoint-6")).unwrap();
+    let refused = xtask(&args);
+    assert!(!refused.status.success());
+    let stderr = text(&refused.stderr);
+    assert!(stderr.contains("unfinished run") && stderr.contains("--resume"), "{stderr}");
+    assert!(dir.join("checkpoint-4/state.json").exists(), "nothing of the unfinished run is deleted");
 }
 
-/// Unknown options, missing values and unparsable numbers are reported by name.
+fn metrics(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect()
+}
+
+/// Unknown options, missing values, unparsable numbers and every out-of-range value are
+/// reported by name, before any work: nothing is written in the run folder.
 #[test]
-fn bad_options_are_named() {
-    for (args, expected) in [
-        (vec!["train", "--stpes", "3"], "unknown option `--stpes`"),
-        (vec!["train", "--steps"], "option `--steps` needs a value"),
-        (vec!["train", "--lr", "fast"], "option `--lr`: cannot parse `fast`"),
-        (vec!["train", "--steps", "0"], "must be at least 1"),
-        (vec!["frobnicate"], "unknown command `frobnicate`"),
-        (vec!["train", "--step", "fast"], "unknown step `fast`"),
-    ] {
+fn bad_options_are_named_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a_file = tmp.path().join("a-file");
+    std::fs::write(&a_file, "x").unwrap();
+    let under_file = a_file.join("run");
+    let bad_toml = tmp.path().join("bad.toml");
+    let line = rand::rng().random_range(2..5);
+    std::fs::write(&bad_toml, format!("steps = 3\n{}warmup = 0.1\n", "\n".repeat(line - 2))).unwrap();
+    let out = tmp.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let bad_toml_s = bad_toml.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, String)> = vec![
+        (vec!["--stpes", "3"], "unknown option `--stpes`".into()),
+        (vec!["--steps"], "option `--steps` needs a value".into()),
+        (vec!["--lr", "fast"], "option `--lr`: cannot parse `fast`".into()),
+        (vec!["--steps", "0"], "option `steps`: 0: must be at least 1".into()),
+        (vec!["--step", "fast"], "unknown step `fast`".into()),
+        (vec!["--lr", "NaN"], "option `lr`: NaN: must be a finite number".into()),
+        (vec!["--lr", "inf"], "option `lr`: inf: must be a finite number".into()),
+        (vec!["--lr", "0"], "option `lr`: 0: must be above 0".into()),
+        (vec!["--temperature", "-1"], "option `temperature`: -1: must be at least 0".into()),
+        (vec!["--warmup-frac", "1"], "option `warmup_frac`: 1: must be in [0, 1)".into()),
+        (vec!["--clip-norm", "0"], "option `clip_norm`".into()),
+        (vec!["--anchors", "1000"], "option `anchors`: 1000: a row of 96 tokens holds at most 95 anchors".into()),
+        (vec!["--rows", "0"], "option `rows`".into()),
+        (vec!["--config", bad_toml_s], format!("line {line}")),
+        (vec!["--config", bad_toml_s], "unknown field `warmup`".into()),
+        (vec!["--target", "somewhere", "--data", "a.jsonl"], "real targets need the GPU loop, not built yet".into()),
+    ];
+    let mut all = cases;
+    all.push((vec!["--out", a_file.to_str().unwrap()], "option `out`".into()));
+    all.push((vec!["--out", under_file.to_str().unwrap()], "option `out`".into()));
+    for (extra, expected) in &all {
+        let mut args = vec!["train"];
+        args.extend(extra.iter());
+        if !extra.contains(&"--out") {
+            args.extend(["--out", out_s]);
+        }
+        let started = Instant::now();
         let result = xtask(&args);
-        let stderr = String::from_utf8_lossy(&result.stderr);
+        let stderr = text(&result.stderr);
         assert!(!result.status.success(), "{args:?} succeeded");
-        assert!(stderr.contains(expected), "{args:?}: `{expected}` missing from stderr:\n{stderr}");
+        assert!(stderr.contains(expected.as_str()), "{args:?}: `{expected}` missing from stderr:\n{stderr}");
         assert!(!stderr.contains("panicked"), "{args:?} panicked:\n{stderr}");
+        assert!(!text(&result.stdout).contains("data: sampling"), "{args:?} started work");
+        assert!(
+            !out.join("metrics.jsonl").exists() && !out.join("latest").exists(),
+            "{args:?} wrote into the run folder"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10), "{args:?} took {:?}", started.elapsed());
     }
+    let result = xtask(&["frobnicate"]);
+    assert!(text(&result.stderr).contains("unknown command `frobnicate`"));
+}
+
+/// `--plan` prints the resolved config (a command-line value over the file's, the file's over
+/// the preset's), steps, epochs, tokens and a time estimate, and trains nothing.
+#[test]
+fn plan_prints_the_resolved_config_without_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("run.toml");
+    let mut rng = rand::rng();
+    let (file_anchors, cli_anchors) = (rng.random_range(1..40), rng.random_range(1..40));
+    std::fs::write(&file, format!("anchors = {file_anchors}\nlr = 0.001\nepochs = 2\n")).unwrap();
+    let out = tmp.path().join("run");
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["train", "--plan", "--config", file.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        args.extend(extra);
+        let result = xtask(&args);
+        assert!(result.status.success(), "{}", text(&result.stderr));
+        text(&result.stdout)
+    };
+    let stdout = plan(&[]);
+    assert!(stdout.contains(&format!("anchors = {file_anchors}\n")), "{stdout}");
+    assert!(stdout.contains("lr = 0.001\n") && stdout.contains("gamma = 4.0\n"), "{stdout}");
+    // 2 epochs of 64 rows at 4 rows per step.
+    assert!(stdout.contains("steps = 32\n") && stdout.contains("steps: 32\nepochs: 2.00\n"), "{stdout}");
+    assert!(stdout.contains(&format!("tokens: {}", 32 * 4 * 96)) && stdout.contains("estimated time"), "{stdout}");
+    let stdout = plan(&["--anchors", &cli_anchors.to_string()]);
+    assert!(stdout.contains(&format!("anchors = {cli_anchors}\n")), "{stdout}");
+    assert!(!out.exists(), "--plan created the run folder");
+}
+
+/// Kills the run (SIGKILL) at random moments after its first checkpoint, once while a
+/// checkpoint is half-written, resumes each time, and compares every step's loss with an
+/// uninterrupted run: bitwise equal, each step once in metrics.jsonl.
+#[test]
+fn killed_and_resumed_run_has_the_uninterrupted_losses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let seed = rand::rng().random_range(0..1u64 << 40).to_string();
+    let steps = "24";
+    let run_args = |out: &Path| {
+        let mut args: Vec<String> =
+            ["train", "--steps", steps, "--checkpoint-every", "5", "--keep-checkpoints", "2", "--seed", &seed]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        args.extend(TINY.iter().map(|s| s.to_string()));
+        args.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
+        args
+    };
+    let whole = tmp.path().join("whole");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(run_args(&whole)).output().unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let expected = losses(&whole);
+    assert_eq!(expected.len(), 24);
+
+    let out = tmp.path().join("killed");
+    let mut kills = 0;
+    let mut mid_checkpoint_kill = false;
+    let (mut attempt, mut spawns) = (0, 0);
+    loop {
+        attempt += 1;
+        spawns += 1;
+        assert!(spawns < 60, "the run was never killed and resumed as planned");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_xtask"));
+        if attempt == 1 {
+            cmd.args(run_args(&out));
+        } else {
+            cmd.args(["train", "--resume", out.to_str().unwrap()]);
+        }
+        let mut child = cmd
+            .env("DFLASH_TEST_PAUSE_IN_CHECKPOINT", "25")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Wait for a complete checkpoint (and, the first time, for the next one to be under way).
+        let started = Instant::now();
+        let deadline = Duration::from_secs(60);
+        let want_kill = kills < 3 || !mid_checkpoint_kill;
+        let wait_for_tmp = !mid_checkpoint_kill && kills >= 1;
+        let delay = Duration::from_millis(rand::rng().random_range(0..400));
+        let mut seen_at: Option<Instant> = None;
+        let finished = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            assert!(started.elapsed() < deadline, "attempt {attempt} hangs");
+            let ready = out.join("latest").exists() && (!wait_for_tmp || has_tmp(&out));
+            if ready && seen_at.is_none() {
+                seen_at = Some(Instant::now());
+            }
+            if want_kill && seen_at.is_some_and(|t| wait_for_tmp || t.elapsed() >= delay) {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        match finished {
+            Some(status) => {
+                let output = child.wait_with_output().unwrap();
+                assert!(status.success(), "attempt {attempt}:\n{}\n{}", text(&output.stdout), text(&output.stderr));
+                if !want_kill {
+                    break;
+                }
+                // Finished before it could be killed enough: start over with a fresh run.
+                std::fs::remove_dir_all(&out).unwrap();
+                (kills, mid_checkpoint_kill, attempt) = (0, false, 0);
+            }
+            None => {
+                let _ = child.kill();
+                child.wait().unwrap();
+                // Killed while a checkpoint was being written (unless its rename won the race).
+                mid_checkpoint_kill |= wait_for_tmp && has_tmp(&out);
+                kills += 1;
+            }
+        }
+    }
+    eprintln!("killed {kills} times (one while a checkpoint was being written); {spawns} processes in all");
+    let got = losses(&out);
+    assert_eq!(got.len(), 24, "each step once in metrics.jsonl: {:?}", got.iter().map(|g| g.0).collect::<Vec<_>>());
+    for ((s1, l1), (s2, l2)) in expected.iter().zip(&got) {
+        assert_eq!(s1, s2);
+        assert_eq!(l1, l2, "step {s1}: {} vs {} (seed {seed})", f64::from_bits(*l1), f64::from_bits(*l2));
+    }
+    assert!(!has_tmp(&out), "a leftover temporary checkpoint");
+
+    // Resuming the finished run with a changed option that alters it is refused, naming it.
+    let result = xtask(&["train", "--resume", out.to_str().unwrap(), "--lr", "0.01"]);
+    assert!(!result.status.success());
+    assert!(text(&result.stderr).contains("option `lr`"), "{}", text(&result.stderr));
+    // The newest checkpoint without its marker: resumption falls back to the previous one and
+    // says so, and (extended by 2 steps) recomputes the same losses up to the old end.
+    std::fs::remove_file(out.join("checkpoint-24/state.json")).unwrap();
+    let result = xtask(&["train", "--resume", out.to_str().unwrap(), "--steps", "26"]);
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    assert!(stdout.contains("falling back to") && stdout.contains("checkpoint-20"), "{stdout}");
+    assert!(stdout.contains("`steps` changed from 24 to 26"), "{stdout}");
+    let extended = losses(&out);
+    assert_eq!(extended.len(), 26);
+    // Step 20's loss is taken before its update, with the weights of the old schedule.
+    assert_eq!(&extended[..21], &expected[..21], "the steps before the checkpoint are kept as they were");
+}
+
+fn has_tmp(out: &Path) -> bool {
+    std::fs::read_dir(out)
+        .map(|d| {
+            d.filter_map(|e| e.ok()).any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with(".checkpoint-") && name.ends_with(".tmp")
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// `(step, loss bits)` of the train lines of `out/metrics.jsonl`, exactly as written (the
+/// number's text parsed by Rust's correctly rounded parser).
+fn losses(out: &Path) -> Vec<(u64, u64)> {
+    dflash_trainer::metrics::train_losses(&out.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|(s, l)| (s, l.to_bits()))
+        .collect()
 }

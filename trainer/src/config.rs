@@ -1,0 +1,469 @@
+//! [`RunConfig`]: every option of a training run, read from a TOML file and `--key value`
+//! overrides, validated before any work.
+//!
+//! Layers, each overriding the one before: a preset ([`RunConfig::builtin`] for the built-in
+//! tiny default, [`RunConfig::default`] = the spec's recipe for real runs), then the keys of
+//! `--config FILE`, then `--key value` on the command line (the key with `-` for `_`). Unknown
+//! keys are errors naming the key (and the file and line).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use dflash_reference::loss::default_gamma;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Where a step's gradients come from on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepKind {
+    /// candle autograd of the reference drafter (f32).
+    Reference,
+    /// The GPU step's driver and layout on the CPU twins (f32, per-layer checkpointing).
+    Host,
+}
+
+impl StepKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            StepKind::Reference => "reference",
+            StepKind::Host => "host",
+        }
+    }
+}
+
+/// Every option of a run. `steps` or `epochs` sets the length (not both; `steps` wins when a
+/// later layer sets it); `gamma` defaults to the block size's ([`default_gamma`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<f64>,
+    /// Rows of one micro-batch.
+    pub rows_per_step: usize,
+    /// Micro-batches accumulated into one optimizer step.
+    pub grad_accum: usize,
+    /// `N_max`, anchors drawn per row (re-drawn every step).
+    pub anchors: usize,
+    pub lr: f64,
+    pub warmup_frac: f64,
+    pub clip_norm: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gamma: Option<f64>,
+    pub seed: u64,
+    pub step: StepKind,
+    pub out: PathBuf,
+    /// A checkpoint every this many steps (0: only at the end).
+    pub checkpoint_every: usize,
+    pub keep_checkpoints: usize,
+    pub log_every: usize,
+    /// Held-out evaluation every this many steps (0: only before and after).
+    pub eval_every: usize,
+    pub eval_rows: usize,
+    /// Held-out prompts and tokens per prompt of the tau measured by speculative decoding.
+    pub tau_prompts: usize,
+    pub tau_tokens: usize,
+    pub max_nonfinite_in_a_row: usize,
+    /// Built-in data: rows sampled from the tiny target, at this temperature (0 = greedy),
+    /// each a random prompt (not supervised) and the target's continuation.
+    pub rows: usize,
+    pub temperature: f64,
+    pub prompt_len: usize,
+    pub continuation_len: usize,
+}
+
+impl Default for RunConfig {
+    /// The spec's recipe (section 3): AdamW lr 6e-4, betas 0.9/0.999, eps 1e-8, no weight decay,
+    /// warmup 4% then cosine to 0, clip 1, 6 epochs, 512 anchors.
+    fn default() -> Self {
+        RunConfig {
+            steps: None,
+            epochs: Some(6.0),
+            rows_per_step: 1,
+            grad_accum: 1,
+            anchors: 512,
+            lr: 6e-4,
+            warmup_frac: 0.04,
+            clip_norm: 1.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            gamma: None,
+            seed: 0,
+            step: StepKind::Reference,
+            out: PathBuf::from("runs/drafter"),
+            checkpoint_every: 1000,
+            keep_checkpoints: 3,
+            log_every: 10,
+            eval_every: 1000,
+            eval_rows: 64,
+            tau_prompts: 8,
+            tau_tokens: 128,
+            max_nonfinite_in_a_row: 5,
+            rows: 64,
+            temperature: 0.5,
+            prompt_len: 16,
+            continuation_len: 80,
+        }
+    }
+}
+
+/// The value type of an option on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Int,
+    Float,
+    Text,
+}
+
+/// Every option: name (TOML key; `--name` with `-` for `_`), type and meaning.
+pub const FIELDS: &[(&str, Kind, &str)] = &[
+    ("steps", Kind::Int, "optimizer steps (or `epochs`)"),
+    ("epochs", Kind::Float, "passes over the training rows (or `steps`)"),
+    ("rows_per_step", Kind::Int, "rows per micro-batch"),
+    ("grad_accum", Kind::Int, "micro-batches accumulated per optimizer step"),
+    ("anchors", Kind::Int, "anchors drawn per row (N_max), re-drawn every step"),
+    ("lr", Kind::Float, "peak learning rate (AdamW)"),
+    ("warmup_frac", Kind::Float, "fraction of the steps warming up linearly, in [0, 1); then cosine to 0"),
+    ("clip_norm", Kind::Float, "global gradient-norm clip"),
+    ("beta1", Kind::Float, "AdamW beta1"),
+    ("beta2", Kind::Float, "AdamW beta2"),
+    ("eps", Kind::Float, "AdamW epsilon"),
+    ("weight_decay", Kind::Float, "AdamW decoupled weight decay"),
+    ("gamma", Kind::Float, "loss decay over block offsets (default: 7 for blocks of 16, 5 for 10, 4 for 8)"),
+    ("seed", Kind::Int, "seed of the target, the drafter's init, the data and the anchors"),
+    ("step", Kind::Text, "gradients: `reference` (candle autograd) or `host` (the GPU step on the CPU twins)"),
+    ("out", Kind::Text, "run folder: checkpoints, metrics.jsonl, training.svg, drafter/"),
+    ("checkpoint_every", Kind::Int, "a checkpoint every N steps (0: only at the end)"),
+    ("keep_checkpoints", Kind::Int, "checkpoints kept (older ones deleted once a new one is complete)"),
+    ("log_every", Kind::Int, "a metrics line every N steps"),
+    ("eval_every", Kind::Int, "held-out loss, accuracy and tau_hat every N steps (0: before and after only)"),
+    ("eval_rows", Kind::Int, "held-out rows"),
+    ("tau_prompts", Kind::Int, "held-out prompts of the speculative-decoding tau before and after"),
+    ("tau_tokens", Kind::Int, "tokens generated per tau prompt"),
+    ("max_nonfinite_in_a_row", Kind::Int, "stop after this many skipped non-finite steps in a row"),
+    ("rows", Kind::Int, "built-in data: training rows sampled from the tiny target"),
+    ("temperature", Kind::Float, "built-in data: sampling temperature (0 = greedy)"),
+    ("prompt_len", Kind::Int, "built-in data: random prompt tokens per row (not supervised)"),
+    ("continuation_len", Kind::Int, "built-in data: tokens the target continues each prompt with"),
+];
+
+/// Options that may change between a checkpoint and its resumption: they do not change the
+/// steps already taken or the next ones' losses (`steps` / `epochs` change the schedule of the
+/// steps not yet taken, which is the point of extending a run).
+pub const RESUMABLE_CHANGES: &[&str] = &[
+    "steps",
+    "epochs",
+    "out",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_every",
+    "eval_every",
+    "eval_rows",
+    "tau_prompts",
+    "tau_tokens",
+    "max_nonfinite_in_a_row",
+];
+
+/// The block size of the built-in tiny drafter.
+pub const BUILTIN_BLOCK_SIZE: usize = 8;
+/// Positions the built-in tiny target supports (`max_position_embeddings`).
+pub const BUILTIN_MAX_POSITIONS: usize = 1024;
+
+impl RunConfig {
+    /// The built-in tiny default of `cargo xtask train`: 600 steps of 4 rows x 16 anchors, peak
+    /// lr 3e-3, 64 rows of 16+80 tokens sampled at temperature 0.5; the rest as the spec.
+    pub fn builtin() -> Self {
+        RunConfig {
+            steps: Some(600),
+            epochs: None,
+            rows_per_step: 4,
+            anchors: 16,
+            lr: 3e-3,
+            out: PathBuf::from("runs/tiny-drafter"),
+            checkpoint_every: 200,
+            log_every: 20,
+            eval_every: 200,
+            eval_rows: 8,
+            tau_prompts: 4,
+            tau_tokens: 48,
+            ..RunConfig::default()
+        }
+    }
+
+    /// `base` with the keys of the TOML file `file` over it.
+    pub fn from_file(base: &RunConfig, file: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
+        Self::from_toml(base, &text, file)
+    }
+
+    /// `base` with the keys of the TOML `text` over it; `file` names it in errors.
+    pub fn from_toml(base: &RunConfig, text: &str, file: &Path) -> Result<Self> {
+        let file_error = |e: toml::de::Error| Error::ConfigFile { file: file.to_path_buf(), message: e.to_string() };
+        // Parsed once as the whole struct: unknown keys and mistyped values with their line.
+        let _: RunConfig = toml::from_str(text).map_err(file_error)?;
+        let table: toml::Table = toml::from_str(text).map_err(file_error)?;
+        if table.contains_key("steps") && table.contains_key("epochs") {
+            return Err(Error::ConfigFile {
+                file: file.to_path_buf(),
+                message: "sets both `steps` and `epochs`; set one".into(),
+            });
+        }
+        let mut merged = base.to_table()?;
+        overlay(&mut merged, table);
+        Self::from_table(merged)
+    }
+
+    /// `self` with `--key value` pairs over it (keys as on the command line, `-` for `_`).
+    pub fn with_overrides(&self, overrides: &[(String, String)]) -> Result<Self> {
+        let mut layer = toml::Table::new();
+        for (flag, value) in overrides {
+            let key = flag.replace('-', "_");
+            let kind = FIELDS.iter().find(|(name, _, _)| *name == key).map(|&(_, kind, _)| kind).ok_or_else(|| {
+                Error::Unknown { what: format!("option `--{flag}`"), known: known_flags().join(", ") }
+            })?;
+            if key == "step" && !["reference", "host"].contains(&value.as_str()) {
+                return Err(Error::option("--step", format!("unknown step `{value}` (reference or host)")));
+            }
+            layer.insert(key, parse_value(flag, kind, value)?);
+        }
+        if layer.contains_key("steps") && layer.contains_key("epochs") {
+            return Err(Error::option("--steps", "set `--steps` or `--epochs`, not both"));
+        }
+        let mut merged = self.to_table()?;
+        overlay(&mut merged, layer);
+        Self::from_table(merged)
+    }
+
+    fn from_table(table: toml::Table) -> Result<Self> {
+        toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| Error::option("config", e.to_string()))
+    }
+
+    /// The config as a TOML table.
+    pub fn to_table(&self) -> Result<toml::Table> {
+        toml::Table::try_from(self).map_err(|e| Error::option("config", e.to_string()))
+    }
+
+    /// The config as TOML text (what `--plan` prints and a checkpoint stores).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a RunConfig always serializes")
+    }
+
+    /// `gamma`, or the block size's default.
+    pub fn gamma_for(&self, block_size: usize) -> f64 {
+        self.gamma.unwrap_or_else(|| default_gamma(block_size))
+    }
+
+    /// The config with `gamma` filled in for `block_size` and `steps` computed from `epochs`
+    /// over `train_rows` rows (so that it reads the same whatever layer set the length).
+    pub fn resolved(&self, block_size: usize, train_rows: usize) -> Self {
+        let mut c = self.clone();
+        c.gamma = Some(self.gamma_for(block_size));
+        c.steps = Some(self.total_steps(train_rows));
+        c.epochs = None;
+        c
+    }
+
+    /// Rows one optimizer step consumes.
+    pub fn rows_per_update(&self) -> usize {
+        self.rows_per_step.saturating_mul(self.grad_accum)
+    }
+
+    /// Optimizer steps of the run over `train_rows` rows: `steps`, or `epochs` worth of rows.
+    pub fn total_steps(&self, train_rows: usize) -> usize {
+        match (self.steps, self.epochs) {
+            (Some(s), _) => s,
+            (None, Some(e)) => ((e * train_rows as f64) / self.rows_per_update() as f64).ceil().max(1.0) as usize,
+            (None, None) => 1,
+        }
+    }
+
+    /// Tokens of one built-in row.
+    pub fn builtin_row_len(&self) -> usize {
+        self.prompt_len.saturating_add(self.continuation_len)
+    }
+
+    /// Range-checks every option (no file is touched): an error names the option.
+    pub fn validate(&self) -> Result<()> {
+        let at_least = |name: &str, value: usize, min: usize| {
+            if value < min {
+                Err(Error::option(name, format!("{value}: must be at least {min}")))
+            } else {
+                Ok(())
+            }
+        };
+        let finite = |name: &str, value: f64| {
+            if value.is_finite() {
+                Ok(())
+            } else {
+                Err(Error::option(name, format!("{value}: must be a finite number")))
+            }
+        };
+        match (self.steps, self.epochs) {
+            (Some(_), Some(_)) => return Err(Error::option("steps", "set `steps` or `epochs`, not both")),
+            (None, None) => return Err(Error::option("steps", "set `steps` or `epochs`")),
+            (Some(s), None) => at_least("steps", s, 1)?,
+            (None, Some(e)) => {
+                finite("epochs", e)?;
+                if e <= 0.0 {
+                    return Err(Error::option("epochs", format!("{e}: must be above 0")));
+                }
+            }
+        }
+        for (name, value) in [
+            ("rows_per_step", self.rows_per_step),
+            ("grad_accum", self.grad_accum),
+            ("anchors", self.anchors),
+            ("keep_checkpoints", self.keep_checkpoints),
+            ("log_every", self.log_every),
+            ("eval_rows", self.eval_rows),
+            ("tau_prompts", self.tau_prompts),
+            ("tau_tokens", self.tau_tokens),
+            ("max_nonfinite_in_a_row", self.max_nonfinite_in_a_row),
+            ("rows", self.rows),
+            ("prompt_len", self.prompt_len),
+        ] {
+            at_least(name, value, 1)?;
+        }
+        at_least("continuation_len", self.continuation_len, 2)?;
+        for (name, value) in [
+            ("lr", self.lr),
+            ("warmup_frac", self.warmup_frac),
+            ("clip_norm", self.clip_norm),
+            ("beta1", self.beta1),
+            ("beta2", self.beta2),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+            ("temperature", self.temperature),
+        ] {
+            finite(name, value)?;
+        }
+        let positive = |name: &str, value: f64| {
+            if value > 0.0 {
+                Ok(())
+            } else {
+                Err(Error::option(name, format!("{value}: must be above 0")))
+            }
+        };
+        positive("lr", self.lr)?;
+        positive("clip_norm", self.clip_norm)?;
+        positive("eps", self.eps)?;
+        if let Some(g) = self.gamma {
+            finite("gamma", g)?;
+            positive("gamma", g)?;
+        }
+        for (name, value) in [("warmup_frac", self.warmup_frac), ("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&value) {
+                return Err(Error::option(name, format!("{value}: must be in [0, 1)")));
+            }
+        }
+        if self.weight_decay < 0.0 {
+            return Err(Error::option("weight_decay", format!("{}: must be at least 0", self.weight_decay)));
+        }
+        if self.temperature < 0.0 {
+            return Err(Error::option("temperature", format!("{}: must be at least 0 (0 = greedy)", self.temperature)));
+        }
+        let row_len = self.builtin_row_len();
+        if row_len > BUILTIN_MAX_POSITIONS {
+            return Err(Error::option(
+                "prompt_len + continuation_len",
+                format!(
+                    "rows of {} + {} = {row_len} tokens exceed the built-in target's {BUILTIN_MAX_POSITIONS} positions",
+                    self.prompt_len, self.continuation_len
+                ),
+            ));
+        }
+        if self.anchors > row_len - 1 {
+            return Err(Error::option(
+                "anchors",
+                format!("{}: a row of {row_len} tokens holds at most {} anchors", self.anchors, row_len - 1),
+            ));
+        }
+        if self.seed > i64::MAX as u64 {
+            return Err(Error::option("seed", format!("{}: must be at most {}", self.seed, i64::MAX)));
+        }
+        Ok(())
+    }
+
+    /// Checks that `out` is a folder this process can write (creating it if needed): an
+    /// existing file, or a folder where a probe file cannot be created, is an error.
+    pub fn check_out(&self) -> Result<()> {
+        let out = &self.out;
+        let err = |message: String| Error::option("out", format!("{}: {message}", out.display()));
+        if out.exists() && !out.is_dir() {
+            return Err(err("exists and is not a folder".into()));
+        }
+        std::fs::create_dir_all(out).map_err(|e| err(format!("cannot create the folder: {e}")))?;
+        let probe = out.join(format!(".write-probe-{}", std::process::id()));
+        let written = std::fs::File::create(&probe).and_then(|mut f| f.write_all(b"probe"));
+        let _ = std::fs::remove_file(&probe);
+        written.map_err(|e| err(format!("not writable: {e}")))
+    }
+
+    /// The options whose values differ between `self` and `saved`, with both values, and whether
+    /// each may change on resumption ([`RESUMABLE_CHANGES`]).
+    pub fn differences(&self, saved: &RunConfig) -> Vec<(String, String, String, bool)> {
+        let (a, b) = (self.to_table().unwrap_or_default(), saved.to_table().unwrap_or_default());
+        let mut out = Vec::new();
+        for &(name, _, _) in FIELDS {
+            let (x, y) = (a.get(name), b.get(name));
+            if x != y {
+                let show = |v: Option<&toml::Value>| v.map_or("(unset)".to_string(), |v| v.to_string());
+                out.push((name.to_string(), show(x), show(y), RESUMABLE_CHANGES.contains(&name)));
+            }
+        }
+        out
+    }
+}
+
+/// Sets `layer`'s keys in `merged`; a layer that sets `steps` unsets `epochs` and vice versa.
+fn overlay(merged: &mut toml::Table, layer: toml::Table) {
+    for (key, value) in layer {
+        match key.as_str() {
+            "steps" => drop(merged.remove("epochs")),
+            "epochs" => drop(merged.remove("steps")),
+            _ => {}
+        }
+        merged.insert(key, value);
+    }
+}
+
+/// A command-line value as the TOML value of an option of `kind`.
+fn parse_value(flag: &str, kind: Kind, value: &str) -> Result<toml::Value> {
+    let bad = |what: &str| Error::option(format!("--{flag}"), format!("cannot parse `{value}` ({what} expected)"));
+    Ok(match kind {
+        Kind::Int => {
+            let v: u64 = value.parse().map_err(|_| bad("a whole number >= 0"))?;
+            toml::Value::Integer(i64::try_from(v).map_err(|_| bad("a number at most 2^63-1"))?)
+        }
+        Kind::Float => toml::Value::Float(value.parse().map_err(|_| bad("a number"))?),
+        Kind::Text => toml::Value::String(value.to_string()),
+    })
+}
+
+/// Every option as a `--flag`.
+pub fn known_flags() -> Vec<String> {
+    FIELDS.iter().map(|(name, _, _)| format!("--{}", name.replace('_', "-"))).collect()
+}
+
+/// The options' help, one per line: `--name`, meaning, built-in default.
+pub fn options_help() -> String {
+    let defaults = RunConfig::builtin().to_table().unwrap_or_default();
+    FIELDS
+        .iter()
+        .map(|&(name, _, help)| {
+            let flag = format!("--{}", name.replace('_', "-"));
+            let default = defaults.get(name).map(|v| format!(" (default {v})")).unwrap_or_default();
+            format!("  {flag:<26} {help}{default}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}

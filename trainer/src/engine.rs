@@ -1,0 +1,258 @@
+//! [`StepEngine`]: what the run loop asks of whatever computes a training step. One step takes
+//! the rows of its micro-batches, draws their anchors from the run's RNG (row by row, in
+//! order), computes the loss and gradients, and, unless a loss or gradient is NaN or Inf,
+//! clips and applies AdamW. The CPU engines ([`CpuEngine`]: the reference's autograd, or the
+//! GPU step's driver on the CPU twins) are the two engines today; a GPU engine implements the
+//! same trait (its state is downloaded for checkpoints and uploaded on resume).
+
+use candle_core::{DType, Tensor};
+use dflash_optimized::memory::step::Checkpointing;
+use dflash_optimized::train::gradients::HostGradients;
+use dflash_reference::data::TrainRow;
+use dflash_reference::drafter::{Drafter, FrozenHead};
+use dflash_reference::eval::BlockStats;
+use dflash_reference::optim::{clip_grad_norm, collect_grads, AdamW, AdamWConfig};
+use dflash_reference::speculative::argmax_rows;
+use dflash_reference::train::{batch_loss_with_stats, GradientSource, PreparedRow};
+use rand_chacha::ChaCha8Rng;
+
+use crate::config::StepKind;
+use crate::error::{Error, Result};
+
+/// One optimizer step's work.
+pub struct StepBatch<'a> {
+    /// 0-based step index (for messages).
+    pub step: usize,
+    /// The rows of each micro-batch, accumulated into one update.
+    pub micro_batches: Vec<Vec<&'a TrainRow>>,
+    pub anchors: usize,
+    pub gamma: f64,
+    pub lr: f64,
+    pub clip_norm: f64,
+    /// Whether to measure per-offset accuracy and tau_hat on this step's blocks.
+    pub want_stats: bool,
+}
+
+/// What one step did.
+#[derive(Clone, Debug)]
+pub struct StepOutcome {
+    /// `sum w*CE / sum w` over the step's rows.
+    pub loss: f64,
+    /// `sum w` over the step's rows.
+    pub weight: f64,
+    /// Global gradient norm before clipping (NaN when skipped).
+    pub grad_norm: f64,
+    /// The first non-finite value's tensor (`loss` or `gradient of NAME`): no update was applied.
+    pub non_finite: Option<String>,
+    /// Accuracy and tau_hat of the step's blocks (with the weights before the update), when asked.
+    pub stats: Option<BlockStats>,
+}
+
+/// Everything of an engine that exact resumption needs: fp32 master weights and AdamW moments
+/// (in the drafter's parameter order) and AdamW's step count.
+#[derive(Clone, Debug)]
+pub struct EngineState {
+    pub names: Vec<String>,
+    pub params: Vec<Tensor>,
+    pub m: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+    pub t: i32,
+}
+
+/// A training step's executor.
+pub trait StepEngine {
+    /// A short name for messages (`reference`, `host`, ...).
+    fn name(&self) -> String;
+    /// Runs one step (see the module doc); draws anchors from `rng`.
+    fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome>;
+    /// The weights and optimizer state, for a checkpoint.
+    fn state(&self) -> Result<EngineState>;
+    /// Restores what [`StepEngine::state`] returned.
+    fn restore(&mut self, state: &EngineState) -> Result<()>;
+    /// The drafter with the current weights (for evaluation and saving).
+    fn drafter(&mut self) -> Result<&Drafter>;
+}
+
+enum Source {
+    Reference,
+    Host(HostGradients<f32>),
+}
+
+/// The CPU engines: the reference drafter's weights and AdamW, with gradients from candle
+/// autograd or from the GPU step's driver on the CPU twins.
+pub struct CpuEngine {
+    drafter: Drafter,
+    head: FrozenHead,
+    adamw: AdamW,
+    source: Source,
+}
+
+impl CpuEngine {
+    pub fn new(drafter: Drafter, head: FrozenHead, optimizer: AdamWConfig, kind: StepKind) -> Result<Self> {
+        let adamw = AdamW::new(drafter.named_params(), optimizer)?;
+        let source = match kind {
+            StepKind::Reference => Source::Reference,
+            StepKind::Host => Source::Host(HostGradients::new(Checkpointing::PerLayer, 256)),
+        };
+        Ok(CpuEngine { drafter, head, adamw, source })
+    }
+
+    /// Loss, weight and gradients of one micro-batch (and its block stats when asked).
+    fn micro_batch(
+        &mut self,
+        rows: &[&TrainRow],
+        batch: &StepBatch,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<(f64, f64, Vec<Tensor>, Option<BlockStats>)> {
+        let b = self.drafter.config.block_size;
+        match &mut self.source {
+            Source::Reference => {
+                let mut stats = batch.want_stats.then(|| BlockStats::new(b));
+                let (loss, total) = batch_loss_with_stats(
+                    &self.drafter,
+                    &self.head,
+                    rows,
+                    batch.anchors,
+                    batch.gamma,
+                    rng,
+                    stats.as_mut(),
+                )?;
+                let grads = collect_grads(self.drafter.named_params(), &loss.backward()?)?;
+                Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, total, grads, stats))
+            }
+            Source::Host(host) => {
+                let replay = batch.want_stats.then(|| rng.clone());
+                let g = host.batch_gradients(&self.drafter, &self.head, rows, batch.anchors, batch.gamma, rng)?;
+                let stats = match replay {
+                    Some(mut replay) => {
+                        let mut stats = BlockStats::new(b);
+                        for row in rows {
+                            let p = PreparedRow::new(row, batch.anchors, b, batch.gamma, &mut replay)?;
+                            stats.add(&argmax_rows(&self.drafter.forward(&self.head, &p.input)?)?, &p.targets);
+                        }
+                        Some(stats)
+                    }
+                    None => None,
+                };
+                Ok((g.loss, g.weight, g.grads, stats))
+            }
+        }
+    }
+}
+
+/// The first tensor of `grads` holding NaN or Inf, named `gradient of NAME`.
+pub fn first_non_finite(drafter: &Drafter, grads: &[Tensor]) -> Result<Option<String>> {
+    for ((name, _), g) in drafter.named_params().iter().zip(grads) {
+        let sq = g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if !sq.is_finite() {
+            return Ok(Some(format!("gradient of {name}")));
+        }
+    }
+    Ok(None)
+}
+
+impl StepEngine for CpuEngine {
+    fn name(&self) -> String {
+        match self.source {
+            Source::Reference => "reference".into(),
+            Source::Host(_) => "host".into(),
+        }
+    }
+
+    fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
+        let mut parts = Vec::with_capacity(batch.micro_batches.len());
+        for rows in &batch.micro_batches {
+            parts.push(self.micro_batch(rows, batch, rng)?);
+        }
+        let mut stats: Option<BlockStats> = None;
+        for (_, _, _, s) in &parts {
+            if let Some(s) = s {
+                match &mut stats {
+                    Some(acc) => acc.merge(s),
+                    None => stats = Some(s.clone()),
+                }
+            }
+        }
+        // One micro-batch is used as it is (the reference loop's step); several are combined
+        // with each one's share of the total weight.
+        let (loss, weight, mut grads) = if parts.len() == 1 {
+            let (loss, weight, grads, _) = parts.pop().expect("one part");
+            (loss, weight, grads)
+        } else {
+            let total: f64 = parts.iter().map(|p| p.1).sum();
+            let mut loss = 0.0;
+            let mut grads: Vec<Tensor> = Vec::new();
+            for (part_loss, part_weight, part_grads, _) in parts {
+                if part_weight == 0.0 {
+                    continue;
+                }
+                let share = part_weight / total;
+                loss += share * part_loss;
+                if grads.is_empty() {
+                    grads = part_grads.iter().map(|g| g.affine(share, 0.0)).collect::<candle_core::Result<_>>()?;
+                } else {
+                    for (g, pg) in grads.iter_mut().zip(part_grads) {
+                        *g = (&*g + pg.affine(share, 0.0)?)?;
+                    }
+                }
+            }
+            if grads.is_empty() {
+                grads = self
+                    .drafter
+                    .named_params()
+                    .iter()
+                    .map(|(_, v)| v.as_tensor().zeros_like())
+                    .collect::<candle_core::Result<_>>()?;
+            }
+            (loss, total, grads)
+        };
+        let non_finite =
+            if loss.is_finite() { first_non_finite(&self.drafter, &grads)? } else { Some("loss".to_string()) };
+        if non_finite.is_some() {
+            return Ok(StepOutcome { loss, weight, grad_norm: f64::NAN, non_finite, stats });
+        }
+        let params = self.drafter.named_params();
+        let grad_norm = clip_grad_norm(params, &mut grads, batch.clip_norm)?;
+        self.adamw.step(params, &grads, batch.lr)?;
+        Ok(StepOutcome { loss, weight, grad_norm, non_finite: None, stats })
+    }
+
+    fn state(&self) -> Result<EngineState> {
+        let params = self.drafter.named_params();
+        let (m, v) = self.adamw.moments();
+        Ok(EngineState {
+            names: params.iter().map(|(n, _)| n.clone()).collect(),
+            // A deep copy: the optimizer updates the parameters' storage in place.
+            params: params
+                .iter()
+                .map(|(_, p)| p.as_tensor().copy()?.to_dtype(DType::F32))
+                .collect::<candle_core::Result<_>>()?,
+            m: m.to_vec(),
+            v: v.to_vec(),
+            t: self.adamw.step_count(),
+        })
+    }
+
+    fn restore(&mut self, state: &EngineState) -> Result<()> {
+        let params = self.drafter.named_params();
+        let names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+        if state.names.iter().collect::<Vec<_>>() != names {
+            return Err(Error::option("checkpoint", "its parameters are not the drafter's (names or order differ)"));
+        }
+        for ((name, var), saved) in params.iter().zip(&state.params) {
+            if saved.dims() != var.dims() {
+                return Err(Error::option(
+                    "checkpoint",
+                    format!("tensor `{name}`: shape {:?}, expected {:?}", saved.dims(), var.dims()),
+                ));
+            }
+            var.set(&saved.to_dtype(var.dtype())?)?;
+        }
+        self.adamw.restore(state.m.clone(), state.v.clone(), state.t)?;
+        Ok(())
+    }
+
+    fn drafter(&mut self) -> Result<&Drafter> {
+        Ok(&self.drafter)
+    }
+}

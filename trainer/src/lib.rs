@@ -1,0 +1,16 @@
+//! The machinery of a DFlash training run, around a step engine: the run's config and its
+//! validation ([`config`]), the loop with its data order, schedule and non-finite handling
+//! ([`run`]), the step engines ([`engine`]: the CPU ones today, a GPU one later), atomic
+//! checkpoints and exact resumption ([`checkpoint`]), metrics, evaluation and the plot
+//! ([`metrics`]), the built-in tiny setup ([`builtin`]) and `--plan`'s estimate ([`plan`]).
+
+pub mod builtin;
+pub mod checkpoint;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod metrics;
+pub mod plan;
+pub mod run;
+
+pub use error::{Error, Result};

@@ -1,0 +1,347 @@
+//! The run loop: the data order, the anchors' RNG, the schedule, a [`StepEngine`] per step,
+//! non-finite steps skipped and counted, metrics, evaluation and checkpoints; exact resumption
+//! from a checkpoint.
+//!
+//! The data order and the anchors come from one ChaCha8 generator seeded by `seed`, used as
+//! the reference loop (`dflash_reference::train::train_with`) uses it: when an epoch's order is
+//! used up it is shuffled in place, then each row of a step draws its anchors. A checkpoint
+//! stores the permutation, the cursor and the generator's exact position, so a resumed run
+//! draws the same rows and anchors as an uninterrupted one.
+
+use std::path::PathBuf;
+
+use dflash_reference::config::DraftConfig;
+use dflash_reference::data::TrainRow;
+use dflash_reference::drafter::FrozenHead;
+use dflash_reference::eval::evaluate;
+use dflash_reference::optim::lr_at;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::checkpoint::{self, sha256_hex, Found, RngState, TrainState};
+use crate::config::RunConfig;
+use crate::engine::{StepBatch, StepEngine};
+use crate::error::{Error, Result};
+use crate::metrics::{self, Reporter};
+
+/// Where the loop is: the next step, the data order and the generator, the non-finite counters.
+#[derive(Clone, Debug)]
+pub struct LoopState {
+    pub step: usize,
+    pub epoch: usize,
+    pub cursor: usize,
+    pub order: Vec<usize>,
+    pub rng: ChaCha8Rng,
+    pub nonfinite_in_a_row: usize,
+    pub nonfinite_total: usize,
+}
+
+impl LoopState {
+    /// The start of a run over `rows` training rows.
+    pub fn new(rows: usize, seed: u64) -> Self {
+        LoopState {
+            step: 0,
+            epoch: 0,
+            cursor: rows,
+            order: (0..rows).collect(),
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            nonfinite_in_a_row: 0,
+            nonfinite_total: 0,
+        }
+    }
+
+    /// The next `n` row ids, shuffling the order when an epoch is used up.
+    pub fn next_rows(&mut self, n: usize) -> Vec<usize> {
+        let mut ids = Vec::with_capacity(n);
+        while ids.len() < n {
+            if self.cursor == self.order.len() {
+                self.order.shuffle(&mut self.rng);
+                self.cursor = 0;
+                self.epoch += 1;
+            }
+            ids.push(self.order[self.cursor]);
+            self.cursor += 1;
+        }
+        ids
+    }
+
+    fn to_state(&self, adam_t: i32, config_sha256: String, data_sha256: String) -> TrainState {
+        TrainState {
+            format: checkpoint::FORMAT,
+            step: self.step,
+            adam_t,
+            epoch: self.epoch,
+            cursor: self.cursor,
+            order: self.order.clone(),
+            rng: RngState::of(&self.rng),
+            nonfinite_in_a_row: self.nonfinite_in_a_row,
+            nonfinite_total: self.nonfinite_total,
+            config_sha256,
+            data_sha256,
+            files: Default::default(),
+        }
+    }
+}
+
+/// What a run trains on and with.
+pub struct RunInputs<'a> {
+    /// The resolved config ([`RunConfig::resolved`]).
+    pub config: &'a RunConfig,
+    pub draft_config: &'a DraftConfig,
+    pub data: &'a [TrainRow],
+    pub held_out: &'a [TrainRow],
+    pub head: &'a FrozenHead,
+    /// Print nothing (tests); metrics.jsonl is written all the same.
+    pub quiet: bool,
+}
+
+/// The options whose change forbids resuming `saved` with `current`, as an error naming the
+/// first; otherwise notes on the allowed changes.
+pub fn check_resume_config(current: &RunConfig, saved: &RunConfig) -> Result<Vec<String>> {
+    let mut notes = Vec::new();
+    for (name, now, then, allowed) in current.differences(saved) {
+        if !allowed {
+            return Err(Error::option(
+                name,
+                format!("{now} differs from the checkpoint's {then}: resuming would change the run (start a new run in another --out)"),
+            ));
+        }
+        notes.push(format!("`{name}` changed from {then} to {now}"));
+    }
+    Ok(notes)
+}
+
+/// Makes `out` ready for a fresh run. A folder holding a finished run (its newest complete
+/// checkpoint is at the run's last step) is cleared of that run's files (checkpoints, `latest`,
+/// `metrics.jsonl`, `training.svg`, `drafter/`), and a note says so; a folder holding an
+/// unfinished run is refused (`--resume` continues it), so no unfinished run is ever lost.
+pub fn prepare_fresh_out(out: &std::path::Path) -> Result<Vec<String>> {
+    let checkpoints = checkpoint::list_checkpoints(out)?;
+    if !out.join("latest").exists() && checkpoints.is_empty() {
+        return Ok(Vec::new());
+    }
+    let refuse = |why: String| {
+        Error::option(
+            "out",
+            format!(
+                "{} holds an unfinished run ({why}): `--resume {}` continues it, or choose another --out",
+                out.display(),
+                out.display()
+            ),
+        )
+    };
+    let found = checkpoint::find_resumable(out).map_err(|e| refuse(e.to_string()))?;
+    let saved = checkpoint::load_config(&found.dir)?;
+    let total = saved.steps.unwrap_or(usize::MAX);
+    if found.state.step < total {
+        return Err(refuse(format!("its newest complete checkpoint is at step {} of {total}", found.state.step)));
+    }
+    for (_, dir) in checkpoints {
+        std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    }
+    for tmp in checkpoint::leftover_temporaries(out) {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    for file in ["latest", "metrics.jsonl", "training.svg"] {
+        let path = out.join(file);
+        if path.exists() {
+            std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+        }
+    }
+    let drafter = out.join("drafter");
+    if drafter.is_dir() {
+        std::fs::remove_dir_all(&drafter).map_err(|e| Error::io(&drafter, e))?;
+    }
+    Ok(vec![format!("{} held a finished run of {total} steps: replaced by this one", out.display())])
+}
+
+/// The training loop of one run.
+pub struct Trainer<'a> {
+    inputs: RunInputs<'a>,
+    pub state: LoopState,
+    total_steps: usize,
+    config_sha256: String,
+    data_sha256: String,
+}
+
+/// What [`Trainer::run`] did.
+#[derive(Clone, Debug, Default)]
+pub struct RunSummary {
+    /// Steps taken by this process (a resumed run starts after its checkpoint).
+    pub steps_run: usize,
+    pub first_step: usize,
+    pub skipped_total: usize,
+    /// The checkpoints written.
+    pub checkpoints: Vec<PathBuf>,
+}
+
+impl<'a> Trainer<'a> {
+    pub fn new(inputs: RunInputs<'a>) -> Result<Self> {
+        let c = inputs.config;
+        if inputs.data.is_empty() {
+            return Err(Error::option("rows", "no training rows"));
+        }
+        let total_steps = c.total_steps(inputs.data.len());
+        let data_sha256 = checkpoint::data_sha256(inputs.data)?;
+        let config_sha256 = sha256_hex(c.to_toml().as_bytes());
+        let state = LoopState::new(inputs.data.len(), c.seed);
+        Ok(Trainer { inputs, state, total_steps, config_sha256, data_sha256 })
+    }
+
+    pub fn total_steps(&self) -> usize {
+        self.total_steps
+    }
+
+    /// Restores `engine` and the loop from the checkpoint `found` (its data must hash as this
+    /// run's), removes leftover temporary checkpoint folders and truncates `metrics.jsonl` back
+    /// to the checkpoint's step. Returns what it did, for the terminal.
+    pub fn resume(&mut self, engine: &mut dyn StepEngine, found: &Found) -> Result<Vec<String>> {
+        let s = &found.state;
+        if s.data_sha256 != self.data_sha256 {
+            return Err(Error::checkpoint(
+                &found.dir,
+                format!("its training rows (sha256 {}) are not this run's ({})", s.data_sha256, self.data_sha256),
+            ));
+        }
+        if s.order.len() != self.inputs.data.len() || s.cursor > s.order.len() {
+            return Err(Error::checkpoint(&found.dir, "its data order does not fit this run's rows"));
+        }
+        if s.step > self.total_steps {
+            return Err(Error::checkpoint(
+                &found.dir,
+                format!("it is at step {}, past this run's {} steps (extend with --steps)", s.step, self.total_steps),
+            ));
+        }
+        let names: Vec<String> = engine.drafter()?.named_params().iter().map(|(n, _)| n.clone()).collect();
+        let engine_state = checkpoint::load_engine_state(&found.dir, &names, s.adam_t)?;
+        engine.restore(&engine_state)?;
+        let rng = s.rng.restore().map_err(|m| Error::checkpoint(&found.dir, m))?;
+        self.state = LoopState {
+            step: s.step,
+            epoch: s.epoch,
+            cursor: s.cursor,
+            order: s.order.clone(),
+            rng,
+            nonfinite_in_a_row: s.nonfinite_in_a_row,
+            nonfinite_total: s.nonfinite_total,
+        };
+        let out = &self.inputs.config.out;
+        let mut notes = Vec::new();
+        for tmp in checkpoint::leftover_temporaries(out) {
+            std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+            notes.push(format!("removed {}, a checkpoint that was never completed", tmp.display()));
+        }
+        let dropped = metrics::truncate_to_step(&metrics::metrics_file(out), s.step)?;
+        notes.push(format!(
+            "resumed from {} at step {} (epoch {}, row {} of its order); metrics.jsonl cut back to it ({dropped} later lines dropped)",
+            found.dir.display(),
+            s.step,
+            s.epoch,
+            s.cursor
+        ));
+        Ok(notes)
+    }
+
+    /// Runs the remaining steps with `engine`; checkpoints every `checkpoint_every` steps and at
+    /// the end; stops with an error after `max_nonfinite_in_a_row` skipped steps in a row.
+    pub fn run(&mut self, engine: &mut dyn StepEngine) -> Result<RunSummary> {
+        self.run_steps(engine, usize::MAX)
+    }
+
+    /// [`Trainer::run`] for at most `max_steps` more steps (a run stopped early, as a killed one
+    /// would be; the end-of-run evaluation and checkpoint come only at the last step).
+    pub fn run_steps(&mut self, engine: &mut dyn StepEngine, max_steps: usize) -> Result<RunSummary> {
+        let c = self.inputs.config;
+        let out = c.out.clone();
+        if self.state.step == 0 {
+            let file = metrics::metrics_file(&out);
+            if file.exists() {
+                std::fs::remove_file(&file).map_err(|e| Error::io(&file, e))?;
+            }
+        }
+        let total = self.total_steps;
+        let mut reporter = Reporter::new(&out, self.state.step, total, self.inputs.quiet)?;
+        let b = self.inputs.draft_config.block_size;
+        let gamma = c.gamma_for(b);
+        let mut summary = RunSummary { first_step: self.state.step, ..RunSummary::default() };
+        let data: &'a [TrainRow] = self.inputs.data;
+        let n_rows = data.len();
+        while self.state.step < total && summary.steps_run < max_steps {
+            let step = self.state.step;
+            let ids: Vec<Vec<usize>> = (0..c.grad_accum).map(|_| self.state.next_rows(c.rows_per_step)).collect();
+            let micro_batches = ids.iter().map(|m| m.iter().map(|&i| &data[i]).collect()).collect();
+            let log_now = (step + 1).is_multiple_of(c.log_every) || step == 0 || step + 1 == total;
+            let lr = lr_at(step, total, c.lr, c.warmup_frac);
+            let batch = StepBatch {
+                step,
+                micro_batches,
+                anchors: c.anchors,
+                gamma,
+                lr,
+                clip_norm: c.clip_norm,
+                want_stats: log_now,
+            };
+            let outcome =
+                engine.step(&batch, &mut self.state.rng).map_err(|e| Error::Step { step, message: e.to_string() })?;
+            let tokens: usize = batch.micro_batches.iter().flatten().map(|r| r.len()).sum();
+            reporter.count(step, tokens as u64, (c.rows_per_update()) as u64);
+            self.state.step += 1;
+            summary.steps_run += 1;
+            if let Some(tensor) = &outcome.non_finite {
+                self.state.nonfinite_in_a_row += 1;
+                self.state.nonfinite_total += 1;
+                let rows: Vec<usize> = ids.iter().flatten().copied().collect();
+                reporter.skipped(step, tensor, &rows, self.state.nonfinite_in_a_row, self.state.nonfinite_total)?;
+                if self.state.nonfinite_in_a_row >= c.max_nonfinite_in_a_row {
+                    reporter.finish();
+                    return Err(Error::NonFinite(format!(
+                        "stopped at step {step}: {} steps in a row had a non-finite loss or gradient (max_nonfinite_in_a_row = {}); the last: {tensor} (rows {rows:?})",
+                        self.state.nonfinite_in_a_row, c.max_nonfinite_in_a_row
+                    )));
+                }
+            } else {
+                self.state.nonfinite_in_a_row = 0;
+                if log_now {
+                    let epoch = (self.state.step * c.rows_per_update()) as f64 / n_rows as f64;
+                    reporter.train(
+                        step,
+                        epoch,
+                        outcome.loss,
+                        outcome.stats.as_ref(),
+                        lr,
+                        outcome.grad_norm,
+                        self.state.nonfinite_total,
+                    )?;
+                }
+            }
+            let done = self.state.step;
+            if c.eval_every > 0 && done.is_multiple_of(c.eval_every) && done < total {
+                let e = evaluate(engine.drafter()?, self.inputs.head, self.inputs.held_out, c.anchors, gamma, c.seed)?;
+                reporter.eval(step, e.loss, &e.accuracy, e.tau_hat)?;
+            }
+            if done == total {
+                let e = evaluate(engine.drafter()?, self.inputs.head, self.inputs.held_out, c.anchors, gamma, c.seed)?;
+                reporter.eval(step, e.loss, &e.accuracy, e.tau_hat)?;
+            }
+            if (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total {
+                reporter.sync()?;
+                let engine_state = engine.state()?;
+                let state = self.state.to_state(engine_state.t, self.config_sha256.clone(), self.data_sha256.clone());
+                let dir = checkpoint::write_checkpoint(
+                    &out,
+                    self.inputs.draft_config,
+                    &engine_state,
+                    state,
+                    c,
+                    c.keep_checkpoints,
+                )?;
+                reporter.say(&format!("  checkpoint {}", dir.display()));
+                summary.checkpoints.push(dir);
+            }
+        }
+        reporter.finish();
+        summary.skipped_total = self.state.nonfinite_total;
+        Ok(summary)
+    }
+}

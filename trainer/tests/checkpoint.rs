@@ -1,0 +1,263 @@
+//! Checkpoints and resumption in process: the loop equals the reference loop, a resumed run's
+//! losses are bitwise those of an uninterrupted one (both engines), incomplete or corrupt
+//! checkpoints are never loaded, the servable folder is spec section 8's, old ones are pruned.
+
+mod common;
+
+use candle_core::DType;
+use common::{engine, fresh_seed, inputs, losses, run_to_end, setup, tiny_config};
+use dflash_reference::drafter::{param_shapes, Drafter};
+use dflash_reference::optim::AdamWConfig;
+use dflash_reference::train::{train_with, Autograd, TrainOptions};
+use dflash_trainer::checkpoint::{self, find_resumable, RngState};
+use dflash_trainer::config::StepKind;
+use dflash_trainer::engine::StepEngine;
+use dflash_trainer::run::Trainer;
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// With one micro-batch per step, the trainer's loop is the reference loop: same rows, anchors,
+/// clipping and updates, bitwise the same losses.
+#[test]
+fn the_loop_is_the_reference_loop() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = fresh_seed();
+    let c = tiny_config(dir.path(), seed, 9);
+    let s = setup(&c);
+    let ours = run_to_end(&c, &s, StepKind::Reference);
+    let drafter = dflash_trainer::builtin::init_drafter(&c, &s.draft_config).unwrap();
+    let opts = TrainOptions {
+        steps: 9,
+        rows_per_step: c.rows_per_step,
+        max_anchors: c.anchors,
+        optimizer: AdamWConfig { lr: c.lr, ..AdamWConfig::default() },
+        warmup_frac: c.warmup_frac,
+        clip_norm: c.clip_norm,
+        gamma: c.gamma.unwrap(),
+        seed,
+    };
+    let reference = train_with(&drafter, &s.target.frozen_head(), &s.data, &opts, &mut Autograd, |_| {}).unwrap();
+    let reference: Vec<(u64, u64)> = reference.iter().map(|r| (r.step as u64, r.loss.to_bits())).collect();
+    assert_eq!(ours, reference, "seed {seed}");
+}
+
+/// A run stopped after a checkpoint and resumed in a new trainer and engine gives bitwise the
+/// losses of the uninterrupted run, and its metrics.jsonl has each step once.
+#[test]
+fn resume_is_exact_for_both_engines() {
+    for kind in [StepKind::Reference, StepKind::Host] {
+        let seed = fresh_seed();
+        let steps = 10;
+        let whole_dir = tempfile::tempdir().unwrap();
+        let c = tiny_config(whole_dir.path(), seed, steps);
+        let s = setup(&c);
+        let whole = run_to_end(&c, &s, kind);
+        assert_eq!(whole.len(), steps);
+
+        let split_dir = tempfile::tempdir().unwrap();
+        let stop = rand::rng().random_range(1..steps - 1);
+        let mut c2 = tiny_config(split_dir.path(), seed, steps);
+        c2.checkpoint_every = stop;
+        let head = s.target.frozen_head();
+        {
+            // The first process: stopped ("killed") a step or two after its first checkpoint,
+            // leaving metrics lines past it, and a line cut short.
+            let mut e = engine(&c2, &s, kind);
+            let mut t = Trainer::new(inputs(&c2, &s, &head)).unwrap();
+            let extra = rand::rng().random_range(0..=(steps - stop - 1).min(stop - 1).min(2));
+            t.run_steps(&mut e, stop + extra).unwrap();
+            let metrics = dflash_trainer::metrics::metrics_file(split_dir.path());
+            let mut text = std::fs::read_to_string(&metrics).unwrap();
+            assert_eq!(text.lines().count(), stop + extra);
+            text.push_str("{\"kind\":\"tr");
+            std::fs::write(&metrics, text).unwrap();
+        }
+        let found = find_resumable(split_dir.path()).unwrap();
+        assert_eq!(found.state.step, stop);
+        let mut e = engine(&c2, &s, kind);
+        let mut t = Trainer::new(inputs(&c2, &s, &head)).unwrap();
+        t.resume(&mut e, &found).unwrap();
+        t.run(&mut e).unwrap();
+        assert_eq!(losses(split_dir.path()), whole, "{kind:?}, seed {seed}, stopped after {stop} steps");
+    }
+}
+
+/// The RNG state restores the generator exactly, at any position in its stream.
+#[test]
+fn rng_state_roundtrips() {
+    let mut rng = ChaCha8Rng::seed_from_u64(fresh_seed());
+    rng.set_stream(rand::rng().random());
+    for _ in 0..rand::rng().random_range(0..1000) {
+        rng.next_u32();
+    }
+    let mut restored = RngState::of(&rng).restore().unwrap();
+    let (a, b): (Vec<u64>, Vec<u64>) =
+        ((0..50).map(|_| rng.next_u64()).collect(), (0..50).map(|_| restored.next_u64()).collect());
+    assert_eq!(a, b);
+}
+
+/// A leftover `.tmp`, a folder without its marker and a folder with a corrupted file are never
+/// loaded: resumption falls back to the newest complete checkpoint and says why.
+#[test]
+fn incomplete_checkpoints_are_never_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(dir.path(), fresh_seed(), 6);
+    (c.checkpoint_every, c.keep_checkpoints) = (2, 5);
+    let s = setup(&c);
+    run_to_end(&c, &s, StepKind::Reference);
+    let out = dir.path();
+    for step in [2, 4, 6] {
+        checkpoint::verify(&out.join(format!("checkpoint-{step}"))).expect("complete");
+    }
+    assert_eq!(find_resumable(out).unwrap().state.step, 6);
+    assert!(find_resumable(out).unwrap().notes.is_empty());
+
+    // A complete-looking copy under a temporary name (a checkpoint whose rename never happened).
+    copy_dir(&out.join("checkpoint-6"), &out.join(".checkpoint-8.tmp"));
+    // The newest: one byte of its optimizer state flipped.
+    let training = out.join("checkpoint-6/training.safetensors");
+    let mut bytes = std::fs::read(&training).unwrap();
+    let at = rand::rng().random_range(bytes.len() / 2..bytes.len());
+    bytes[at] ^= 0x40;
+    std::fs::write(&training, bytes).unwrap();
+    let found = find_resumable(out).unwrap();
+    assert_eq!(found.state.step, 4, "{:?}", found.notes);
+    let notes = found.notes.join("\n");
+    assert!(notes.contains("corrupt") && notes.contains("falling back"), "{notes}");
+
+    // The next: no completion marker (killed before state.json).
+    std::fs::remove_file(out.join("checkpoint-4/state.json")).unwrap();
+    let found = find_resumable(out).unwrap();
+    assert_eq!(found.state.step, 2, "{:?}", found.notes);
+    assert!(found.notes.join("\n").contains("no state.json"));
+
+    // `latest` missing: the newest complete one still.
+    std::fs::remove_file(out.join("latest")).unwrap();
+    assert_eq!(find_resumable(out).unwrap().state.step, 2);
+
+    // Resuming from it removes the leftover temporary folder.
+    let head = s.target.frozen_head();
+    let mut e = engine(&c, &s, StepKind::Reference);
+    let mut t = Trainer::new(inputs(&c, &s, &head)).unwrap();
+    let notes = t.resume(&mut e, &find_resumable(out).unwrap()).unwrap();
+    assert!(!out.join(".checkpoint-8.tmp").exists(), "{notes:?}");
+
+    // Nothing complete left: an error, never a half-written checkpoint.
+    std::fs::remove_file(out.join("checkpoint-2/run.toml")).unwrap();
+    let message = find_resumable(out).err().expect("nothing to resume").to_string();
+    assert!(message.contains("no complete checkpoint"), "{message}");
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+/// A checkpoint's servable folder loads with `Drafter::load`, holds the trained weights (bf16)
+/// under spec section 8's keys and config fields; only the newest `keep_checkpoints` remain.
+#[test]
+fn checkpoint_holds_the_servable_drafter() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(dir.path(), fresh_seed(), 5);
+    (c.checkpoint_every, c.keep_checkpoints) = (1, 2);
+    let s = setup(&c);
+    let head = s.target.frozen_head();
+    let mut e = engine(&c, &s, StepKind::Reference);
+    Trainer::new(inputs(&c, &s, &head)).unwrap().run(&mut e).unwrap();
+    let mut left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("checkpoint"))
+        .collect();
+    left.sort();
+    assert_eq!(left, ["checkpoint-4", "checkpoint-5"]);
+    assert_eq!(std::fs::read_to_string(dir.path().join("latest")).unwrap().trim(), "checkpoint-5");
+
+    let folder = dir.path().join("checkpoint-5");
+    let loaded = Drafter::load(&folder, DType::F32).expect("servable folder loads");
+    let trained = e.drafter().unwrap();
+    for (name, p) in trained.named_params() {
+        let want = p.as_tensor().to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let diff = (loaded.param(name) - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff, 0.0, "{name}: the saved weights are the trained ones in bf16");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"], serde_json::json!(["DFlashDraftModel"]));
+    assert_eq!(config["model_type"], "qwen3");
+    assert_eq!(config["block_size"], 8);
+    assert_eq!(config["num_target_layers"], 8);
+    assert_eq!(config["dflash_config"]["mask_token_id"], 127);
+    assert_eq!(config["dflash_config"]["target_layer_ids"], serde_json::json!([1, 3, 5]));
+    assert_eq!(config["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]));
+    assert_eq!(config["sliding_window"], 32);
+    for key in [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+    ] {
+        assert!(config.get(key).is_some(), "config.json lacks `{key}`");
+    }
+    let tensors = candle_core::safetensors::load(folder.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let mut expected: Vec<String> = param_shapes(&s.draft_config).into_iter().map(|(n, _)| n).collect();
+    expected.sort();
+    assert_eq!(names, expected.iter().collect::<Vec<_>>());
+    assert!(names.iter().all(|n| !n.starts_with("model.") && !n.contains("embed_tokens") && !n.contains("lm_head")));
+    assert!(tensors.values().all(|t| t.dtype() == DType::BF16), "bf16 as spec section 8 says");
+    for n in [
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.q_norm.weight",
+        "layers.0.mlp.gate_proj.weight",
+    ] {
+        assert!(tensors.contains_key(n), "{n}");
+    }
+}
+
+/// Gradient accumulation: two micro-batches of one row are one batch of two rows (the same
+/// weighted loss and update, up to f32 rounding).
+#[test]
+fn accumulated_micro_batches_equal_one_batch() {
+    let seed = fresh_seed();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let one = tiny_config(d1.path(), seed, 4);
+    let mut two = tiny_config(d2.path(), seed, 4);
+    (two.rows_per_step, two.grad_accum) = (1, 2);
+    let s = setup(&one);
+    let (a, b) = (run_to_end(&one, &s, StepKind::Reference), run_to_end(&two, &s, StepKind::Reference));
+    for ((sa, la), (sb, lb)) in a.iter().zip(&b) {
+        let (la, lb) = (f64::from_bits(*la), f64::from_bits(*lb));
+        assert_eq!(sa, sb);
+        assert!((la - lb).abs() <= 1e-5 * la.abs(), "seed {seed}, step {sa}: {la} vs {lb}");
+    }
+}
+
+/// A checkpoint of other training rows (here: sampled with another seed) is refused on resume,
+/// naming the data's hashes.
+#[test]
+fn resume_refuses_other_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = fresh_seed();
+    let mut c = tiny_config(dir.path(), seed, 2);
+    c.checkpoint_every = 1;
+    let s = setup(&c);
+    run_to_end(&c, &s, StepKind::Reference);
+    let other = setup(&tiny_config(dir.path(), seed + 1, 2));
+    let head = other.target.frozen_head();
+    let mut e = engine(&c, &other, StepKind::Reference);
+    let mut t = Trainer::new(inputs(&c, &other, &head)).unwrap();
+    let message = t.resume(&mut e, &find_resumable(dir.path()).unwrap()).expect_err("refused").to_string();
+    assert!(message.contains("training rows (sha256"), "{message}");
+}
