@@ -12,6 +12,10 @@ pub enum Error {
     /// A plan that does not fit, or an allocation that failed (names what and how much).
     #[error("memory: {0}")]
     Memory(String),
+    /// A loss or gradient that is NaN or Inf: `what` names the tensor (a training loop skips
+    /// the step and counts it).
+    #[error("{what}: {message}")]
+    NonFinite { what: String, message: String },
 }
 
 /// Result with the optimized crate's [`Error`].
@@ -38,6 +42,7 @@ impl From<Error> for dflash_reference::Error {
             Error::Reference(e) => e,
             Error::Gpu(m) => dflash_reference::Error::invalid("GPU", m),
             Error::Memory(m) => dflash_reference::Error::invalid("memory", m),
+            Error::NonFinite { what, message } => dflash_reference::Error::invalid(what, message),
         }
     }
 }

@@ -31,6 +31,9 @@ pub enum Error {
     Reference(#[from] dflash_reference::Error),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// The optimized step (GPU driver, memory, shapes) failed.
+    #[error(transparent)]
+    Optimized(#[from] dflash_optimized::Error),
 }
 
 /// Result with the trainer's [`Error`].

@@ -628,10 +628,10 @@ impl<B: Backend> DrafterStep<B> {
         let sum: f64 = losses.iter().map(|&x| x.to_f64()).sum();
         let loss = if self.total_weight > 0.0 { sum / self.total_weight } else { 0.0 };
         if !loss.is_finite() {
-            return Err(Error::invalid(
-                format!("loss of step {}", self.steps_done),
-                format!("{loss} (not finite) on {}", self.dev.name()),
-            ));
+            return Err(Error::NonFinite {
+                what: format!("loss of step {}", self.steps_done),
+                message: format!("{loss} (not finite) on {}", self.dev.name()),
+            });
         }
         Ok(StepLoss { loss, total_weight: self.total_weight })
     }
@@ -690,10 +690,10 @@ impl<B: Backend> DrafterStep<B> {
             .map(|(n, slot)| {
                 let sq: f64 = partials[n * NORM_PARTS..(n + 1) * NORM_PARTS].iter().map(|&x| x.to_f64()).sum();
                 if !sq.is_finite() {
-                    return Err(Error::invalid(
-                        format!("gradient of {} ({which:?}, after step {})", slot.name, self.steps_done),
-                        "holds NaN or Inf",
-                    ));
+                    return Err(Error::NonFinite {
+                        what: format!("gradient of {} ({which:?}, after step {})", slot.name, self.steps_done),
+                        message: "holds NaN or Inf".into(),
+                    });
                 }
                 Ok(sq)
             })

@@ -35,6 +35,21 @@ impl DeviceAdamW {
         step.backend().ops().accumulate(acc, grads, step.num_params())
     }
 
+    /// Drops the accumulated gradients (a skipped step).
+    pub fn discard<B: Backend>(&self, step: &DrafterStep<B>) -> Result<()> {
+        step.zero(self.regions.grad_acc)
+    }
+
+    /// AdamW's step count (updates applied).
+    pub fn step_count(&self) -> i32 {
+        self.t
+    }
+
+    /// The step count restored from a checkpoint (the moments are restored in the step's regions).
+    pub fn set_step_count(&mut self, t: i32) {
+        self.t = t;
+    }
+
     /// One update with learning rate `lr` from the accumulated gradients, clipped to global norm
     /// `max_norm` (`max_norm / (norm + 1e-6)`, as the reference); zeroes the accumulator and
     /// returns the norm before clipping. Fails naming a gradient that holds NaN or Inf.

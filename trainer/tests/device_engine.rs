@@ -1,0 +1,93 @@
+//! The engine of the optimized step (`DeviceEngine`, the GPU path's driver, here on the CPU twins
+//! storing f32): its losses follow the CPU engine's (the same step on the twins, with the
+//! reference's AdamW) step after step, and a state taken mid-run and restored into a fresh engine
+//! continues with bitwise the same losses.
+
+use dflash_optimized::backend::host::Host;
+use dflash_optimized::memory::step::Checkpointing;
+use dflash_trainer::builtin;
+use dflash_trainer::config::{RunConfig, StepKind};
+use dflash_trainer::engine::{CpuEngine, DeviceEngine, StepBatch, StepEngine};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+fn small_config() -> RunConfig {
+    RunConfig { rows: 6, eval_rows: 1, tau_prompts: 1, continuation_len: 24, anchors: 6, ..RunConfig::builtin() }
+}
+
+fn batch<'a>(setup: &'a builtin::BuiltinSetup, step: usize, c: &RunConfig) -> StepBatch<'a> {
+    let n = setup.data.len();
+    StepBatch {
+        step,
+        micro_batches: vec![
+            vec![&setup.data[step % n], &setup.data[(step + 1) % n]],
+            vec![&setup.data[(step + 2) % n]],
+        ],
+        anchors: c.anchors,
+        gamma: c.gamma_for(setup.draft_config.block_size),
+        lr: 3e-3,
+        clip_norm: 1.0,
+        want_stats: false,
+    }
+}
+
+fn device(setup: &builtin::BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<f32>> {
+    let drafter = builtin::init_drafter(c, &setup.draft_config).expect("drafter");
+    DeviceEngine::new(
+        || Ok(Host::<f32>::default()),
+        drafter,
+        setup.target.frozen_head(),
+        builtin::adamw_config(c),
+        Checkpointing::PerLayer,
+    )
+}
+
+#[test]
+fn the_device_engine_follows_the_cpu_engine() {
+    let c = small_config();
+    let setup = builtin::setup(&c).expect("setup");
+    let drafter = builtin::init_drafter(&c, &setup.draft_config).expect("drafter");
+    let mut cpu =
+        CpuEngine::new(drafter, setup.target.frozen_head(), builtin::adamw_config(&c), StepKind::Host).unwrap();
+    let mut dev = device(&setup, &c);
+    let (mut r1, mut r2) = (ChaCha8Rng::seed_from_u64(5), ChaCha8Rng::seed_from_u64(5));
+    for step in 0..6 {
+        let (a, b) = (
+            cpu.step(&batch(&setup, step, &c), &mut r1).unwrap(),
+            dev.step(&batch(&setup, step, &c), &mut r2).unwrap(),
+        );
+        let rel = (a.loss - b.loss).abs() / a.loss.abs();
+        // f32 twins on both sides; the optimizers (reference AdamW vs the device AdamW's twin)
+        // round differently in f32, which the later steps' losses carry.
+        assert!(rel < 1e-4, "step {step}: loss {} (cpu) vs {} (device), rel {rel:.2e}", a.loss, b.loss);
+        assert!((a.grad_norm - b.grad_norm).abs() / a.grad_norm < 1e-4, "step {step}: grad norm");
+        assert_eq!(a.weight, b.weight, "step {step}: the same anchors give the same weight");
+    }
+    // The drafter it hands out holds the trained weights.
+    let trained = dev.drafter().unwrap().param("fc.weight").clone();
+    let init = builtin::init_drafter(&c, &setup.draft_config).unwrap().param("fc.weight").clone();
+    assert!((trained - init).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+}
+
+#[test]
+fn a_restored_device_engine_continues_bitwise() {
+    let c = small_config();
+    let setup = builtin::setup(&c).expect("setup");
+    let mut whole = device(&setup, &c);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut losses = Vec::new();
+    let mut at_3 = None;
+    for step in 0..6 {
+        if step == 3 {
+            at_3 = Some((whole.state().unwrap(), rng.clone()));
+        }
+        losses.push(whole.step(&batch(&setup, step, &c), &mut rng).unwrap().loss);
+    }
+    let (state, mut rng) = at_3.unwrap();
+    let mut resumed = device(&setup, &c);
+    resumed.restore(&state).unwrap();
+    for (step, want) in losses.iter().enumerate().skip(3) {
+        let got = resumed.step(&batch(&setup, step, &c), &mut rng).unwrap().loss;
+        assert_eq!(got.to_bits(), want.to_bits(), "step {step}: {got} vs {want}");
+    }
+}
