@@ -31,6 +31,28 @@ pub fn tiny_target(seed: u64, dtype: DType) -> Result<TargetModel> {
     })
 }
 
+/// The built-in target the GPU kernels can run (heads of 64, their granule) with random weights
+/// (seeded), scaled as the tiny one: hidden 128, 8 layers, 2/1 heads of 64, vocab 128.
+pub fn gpu_target(seed: u64, dtype: DType) -> Result<TargetModel> {
+    // The tiny target's layer std scaled by sqrt(64 / 128): the same gain per layer.
+    let layer_std = TINY_TARGET_LAYER_STD * (64.0f64 / 128.0).sqrt();
+    TargetModel::random_with(gpu_target_config(), seed, dtype, |name| {
+        if name.starts_with("model.layers.") {
+            layer_std
+        } else {
+            TINY_TARGET_TABLE_STD
+        }
+    })
+}
+
+/// The GPU built-in target's config: the tiny one with hidden 128, SwiGLU 256, 2/1 heads of 64.
+pub fn gpu_target_config() -> TargetConfig {
+    let mut config = tiny_target_config();
+    let d = &mut config.dims;
+    (d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads, d.head_dim) = (128, 256, 2, 1, 64);
+    config
+}
+
 /// The tiny target: Qwen3, hidden 64, 8 layers, 4/2 heads of 16, vocab 128 (id 127 = mask).
 pub fn tiny_target_config() -> TargetConfig {
     TargetConfig {

@@ -4,7 +4,9 @@
 //! resumed run regenerates the same rows (checked by their sha256).
 
 use candle_core::DType;
-use dflash_reference::builtin::{generate_rows, random_prompt, target_entropy, tiny_draft_config, tiny_target};
+use dflash_reference::builtin::{
+    generate_rows, gpu_target, random_prompt, target_entropy, tiny_draft_config, tiny_target,
+};
 use dflash_reference::config::DraftConfig;
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{param_shapes, Drafter};
@@ -14,7 +16,7 @@ use dflash_reference::target::TargetModel;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::config::RunConfig;
+use crate::config::{BuiltinTarget, RunConfig};
 use crate::error::{Error, Result};
 
 /// The tiny target, its drafter's config, the rows and the tau prompts.
@@ -28,9 +30,17 @@ pub struct BuiltinSetup {
     pub entropy: f64,
 }
 
-/// The built-in drafter's config (no weights are made).
-pub fn draft_config() -> DraftConfig {
-    tiny_draft_config(&dflash_reference::builtin::tiny_target_config())
+/// The built-in drafter's config for the built-in target `c` names (no weights are made).
+pub fn draft_config(c: &RunConfig) -> DraftConfig {
+    tiny_draft_config(&target_config(c))
+}
+
+/// The built-in target's config.
+pub fn target_config(c: &RunConfig) -> dflash_reference::config::TargetConfig {
+    match c.builtin_target {
+        BuiltinTarget::Tiny => dflash_reference::builtin::tiny_target_config(),
+        BuiltinTarget::Gpu => dflash_reference::builtin::gpu_target_config(),
+    }
 }
 
 /// Trainable parameters of a drafter config.
@@ -41,7 +51,10 @@ pub fn num_params(config: &DraftConfig) -> usize {
 /// The tiny target (seed), then `rows` training rows, `eval_rows` held-out rows and
 /// `tau_prompts` prompts from one generator (seed + 2).
 pub fn setup(c: &RunConfig) -> Result<BuiltinSetup> {
-    let target = tiny_target(c.seed, DType::F32)?;
+    let target = match c.builtin_target {
+        BuiltinTarget::Tiny => tiny_target(c.seed, DType::F32)?,
+        BuiltinTarget::Gpu => gpu_target(c.seed, DType::F32)?,
+    };
     let draft_config = tiny_draft_config(&target.config);
     let mut rng = ChaCha8Rng::seed_from_u64(c.seed + 2);
     let (p, g, t) = (c.prompt_len, c.continuation_len, c.temperature);

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// Where a step's gradients come from on the CPU.
+/// Where a step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StepKind {
@@ -22,15 +22,30 @@ pub enum StepKind {
     Reference,
     /// The GPU step's driver and layout on the CPU twins (f32, per-layer checkpointing).
     Host,
+    /// The optimized step on the GPU (bf16, fp32 masters and AdamW on the device).
+    Gpu,
 }
 
 impl StepKind {
+    pub const ALL: [StepKind; 3] = [StepKind::Reference, StepKind::Host, StepKind::Gpu];
+
     pub fn name(self) -> &'static str {
         match self {
             StepKind::Reference => "reference",
             StepKind::Host => "host",
+            StepKind::Gpu => "gpu",
         }
     }
+}
+
+/// The built-in target the built-in default trains against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuiltinTarget {
+    /// Hidden 64, heads of 16: minutes on the CPU.
+    Tiny,
+    /// Hidden 128, heads of 64 (the GPU kernels' granule): the GPU built-in default.
+    Gpu,
 }
 
 /// Every option of a run. `steps` or `epochs` sets the length (not both; `steps` wins when a
@@ -59,6 +74,8 @@ pub struct RunConfig {
     pub gamma: Option<f64>,
     pub seed: u64,
     pub step: StepKind,
+    /// The built-in target (`tiny` or `gpu`).
+    pub builtin_target: BuiltinTarget,
     pub out: PathBuf,
     /// A checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: usize,
@@ -99,6 +116,7 @@ impl Default for RunConfig {
             gamma: None,
             seed: 0,
             step: StepKind::Reference,
+            builtin_target: BuiltinTarget::Tiny,
             out: PathBuf::from("runs/drafter"),
             checkpoint_every: 1000,
             keep_checkpoints: 3,
@@ -140,7 +158,8 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("weight_decay", Kind::Float, "AdamW decoupled weight decay"),
     ("gamma", Kind::Float, "loss decay over block offsets (default: 7 for blocks of 16, 5 for 10, 4 for 8)"),
     ("seed", Kind::Int, "seed of the target, the drafter's init, the data and the anchors"),
-    ("step", Kind::Text, "gradients: `reference` (candle autograd) or `host` (the GPU step on the CPU twins)"),
+    ("step", Kind::Text, "the step: `reference` (candle autograd), `host` (the GPU step on the CPU twins) or `gpu`"),
+    ("builtin_target", Kind::Text, "built-in target: `tiny` (CPU) or `gpu` (heads of 64, which the GPU kernels need)"),
     ("out", Kind::Text, "run folder: checkpoints, metrics.jsonl, training.svg, drafter/"),
     ("checkpoint_every", Kind::Int, "a checkpoint every N steps (0: only at the end)"),
     ("keep_checkpoints", Kind::Int, "checkpoints kept (older ones deleted once a new one is complete)"),
@@ -230,8 +249,11 @@ impl RunConfig {
             let kind = FIELDS.iter().find(|(name, _, _)| *name == key).map(|&(_, kind, _)| kind).ok_or_else(|| {
                 Error::Unknown { what: format!("option `--{flag}`"), known: known_flags().join(", ") }
             })?;
-            if key == "step" && !["reference", "host"].contains(&value.as_str()) {
-                return Err(Error::option("--step", format!("unknown step `{value}` (reference or host)")));
+            if key == "step" && !["reference", "host", "gpu"].contains(&value.as_str()) {
+                return Err(Error::option("--step", format!("unknown step `{value}` (reference, host or gpu)")));
+            }
+            if key == "builtin_target" && !["tiny", "gpu"].contains(&value.as_str()) {
+                return Err(Error::option("--builtin-target", format!("unknown target `{value}` (tiny or gpu)")));
             }
             layer.insert(key, parse_value(flag, kind, value)?);
         }
@@ -334,6 +356,12 @@ impl RunConfig {
             at_least(name, value, 1)?;
         }
         at_least("continuation_len", self.continuation_len, 2)?;
+        if self.step == StepKind::Gpu && self.builtin_target == BuiltinTarget::Tiny {
+            return Err(Error::option(
+                "step",
+                "`gpu` needs `builtin_target = gpu` (the tiny target's heads of 16 are below the GPU kernels' 64)",
+            ));
+        }
         for (name, value) in [
             ("lr", self.lr),
             ("warmup_frac", self.warmup_frac),

@@ -93,6 +93,9 @@ impl CpuEngine {
         let source = match kind {
             StepKind::Reference => Source::Reference,
             StepKind::Host => Source::Host(HostGradients::new(Checkpointing::PerLayer, 256)),
+            StepKind::Gpu => {
+                return Err(Error::option("step", "`gpu` runs on the device engine (DeviceEngine), not on the CPU"))
+            }
         };
         Ok(CpuEngine { drafter, head, adamw, source })
     }

@@ -6,11 +6,14 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use dflash_optimized::backend::cuda::Cuda;
+use dflash_optimized::memory::step::Checkpointing;
 use dflash_reference::eval::evaluate;
 use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config};
+use dflash_trainer::config::StepKind;
 use dflash_trainer::config::{known_flags, options_help, RunConfig, FIELDS};
-use dflash_trainer::engine::{CpuEngine, StepEngine};
+use dflash_trainer::engine::{CpuEngine, DeviceEngine, StepEngine};
 use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
 use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, Trainer};
@@ -76,13 +79,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
     }
     config.validate().map_err(err)?;
-    let draft_config = builtin::draft_config();
+    let draft_config = builtin::draft_config(&config);
     let config = config.resolved(draft_config.block_size, config.rows);
     if let Some((_, saved)) = &resume {
         resume_notes.extend(check_resume_config(&config, saved).map_err(err)?);
     }
     if cli.plan {
-        let target_config = dflash_reference::builtin::tiny_target_config();
+        let target_config = builtin::target_config(&config);
         let plan = Plan::new(&config, &draft_config, &target_config, config.rows);
         println!("# resolved config\n{}", config.to_toml());
         println!("{}", plan.describe());
@@ -126,7 +129,22 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let tau_before = mean_tau(&setup.target, &drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
     let eval_before =
         evaluate(&drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
-    let mut engine = CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), config.step).map_err(err)?;
+    let mut engine: Box<dyn StepEngine> = match config.step {
+        StepKind::Gpu => {
+            let gpu = crate::gpu_conformance::open_gpu()?;
+            println!("step on {}", gpu.name());
+            let d = setup.draft_config.dims.head_dim;
+            let make = move || Cuda::new(&gpu, d);
+            Box::new(DeviceEngine::new(
+                make,
+                drafter,
+                head.clone(),
+                builtin::adamw_config(&config),
+                Checkpointing::PerLayer,
+            ))
+        }
+        kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
+    };
 
     let inputs = RunInputs {
         config: &config,
@@ -138,7 +156,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
     let mut trainer = Trainer::new(inputs).map_err(err)?;
     if let Some((found, _)) = &resume {
-        resume_notes.extend(trainer.resume(&mut engine, found).map_err(err)?);
+        resume_notes.extend(trainer.resume(engine.as_mut(), found).map_err(err)?);
     }
     for note in &resume_notes {
         println!("resume: {note}");
@@ -154,7 +172,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         config.warmup_frac * 100.0,
         config.clip_norm
     );
-    let summary = trainer.run(&mut engine).map_err(err)?;
+    let summary = trainer.run(engine.as_mut()).map_err(err)?;
 
     let drafter = engine.drafter().map_err(err)?;
     let tau_after = mean_tau(&setup.target, drafter, &setup.prompts, config.tau_tokens).map_err(err)?;

@@ -37,7 +37,7 @@ pub fn tiny_config(out: &Path, seed: u64, steps: usize) -> RunConfig {
         ..RunConfig::builtin()
     };
     c.validate().expect("the tiny config is valid");
-    c.resolved(builtin::draft_config().block_size, c.rows)
+    c.resolved(builtin::draft_config(&c).block_size, c.rows)
 }
 
 pub fn setup(c: &RunConfig) -> BuiltinSetup {
