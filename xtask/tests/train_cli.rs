@@ -129,6 +129,8 @@ fn bad_options_are_named_before_any_work() {
         (vec!["--lr", "fast"], "option `--lr`: cannot parse `fast`".into()),
         (vec!["--steps", "0"], "option `steps`: 0: must be at least 1".into()),
         (vec!["--step", "fast"], "unknown step `fast`".into()),
+        (vec!["--step", "gpu"], "`gpu` needs `builtin_target = gpu`".into()),
+        (vec!["--builtin-target", "huge"], "unknown target `huge`".into()),
         (vec!["--lr", "NaN"], "option `lr`: NaN: must be a finite number".into()),
         (vec!["--lr", "inf"], "option `lr`: inf: must be a finite number".into()),
         (vec!["--lr", "0"], "option `lr`: 0: must be above 0".into()),
