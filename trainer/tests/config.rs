@@ -123,6 +123,8 @@ fn unknown_keys_are_named() {
             dflash_trainer::config::Kind::Text => {
                 if *name == "step" {
                     "host"
+                } else if *name == "builtin_target" {
+                    "gpu"
                 } else {
                     "somewhere"
                 }
