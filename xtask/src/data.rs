@@ -52,6 +52,24 @@ pub fn take_files(args: Vec<String>) -> (Vec<PathBuf>, Vec<String>) {
     (files, rest)
 }
 
+/// `--data FILE...` and the other options of a command reading data (`data`, `features`):
+/// `None` after printing `help` for `--help`; an error when no file is given.
+pub fn parse_data_args(
+    args: Vec<String>,
+    known: &[&str],
+    help: &str,
+) -> Result<Option<(Vec<PathBuf>, Options)>, String> {
+    let (files, rest) = take_files(args);
+    let Some(opts) = Options::parse(rest, known)? else {
+        println!("{help}");
+        return Ok(None);
+    };
+    if files.is_empty() {
+        return Err("--data FILE... is required".into());
+    }
+    Ok(Some((files, opts)))
+}
+
 /// The pipeline's options from the command line (shared with `bench data`).
 pub fn data_options(opts: &Options) -> Result<(PathBuf, DataOptions), String> {
     let target: PathBuf = opts.get("target", PathBuf::new())?;
@@ -80,14 +98,7 @@ pub fn data_options(opts: &Options) -> Result<(PathBuf, DataOptions), String> {
 }
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
-    let (files, rest) = take_files(args);
-    let Some(opts) = Options::parse(rest, OPTIONS)? else {
-        println!("{HELP}");
-        return Ok(());
-    };
-    if files.is_empty() {
-        return Err("--data FILE... is required".into());
-    }
+    let Some((files, opts)) = parse_data_args(args, OPTIONS, HELP)? else { return Ok(()) };
     let show: usize = opts.get("show", 2)?;
     let (target_dir, data_opts) = data_options(&opts)?;
     let err = |e: dflash_data::Error| e.to_string();

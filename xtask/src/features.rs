@@ -19,8 +19,7 @@ use dflash_reference::config::{default_target_layer_ids, TargetConfig};
 use dflash_reference::data::Row;
 use dflash_reference::io::WeightSet;
 
-use crate::args::Options;
-use crate::data::{data_options, take_files};
+use crate::data::{data_options, parse_data_args};
 
 const HELP: &str = "usage: cargo xtask features --target DIR --data FILE... --out CACHE [options]
 
@@ -64,14 +63,7 @@ const OPTIONS: &[&str] = &[
 ];
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
-    let (files, rest) = take_files(args);
-    let Some(opts) = Options::parse(rest, OPTIONS)? else {
-        println!("{HELP}");
-        return Ok(());
-    };
-    if files.is_empty() {
-        return Err("--data FILE... is required".into());
-    }
+    let Some((files, opts)) = parse_data_args(args, OPTIONS, HELP)? else { return Ok(()) };
     let export: PathBuf = opts.get("export-documents", PathBuf::new())?;
     if !export.as_os_str().is_empty() {
         let (target_dir, data_opts) = data_options(&opts)?;

@@ -180,6 +180,22 @@ __device__ __forceinline__ void store_lane(bf16* row, int lane, int per_lane, co
         if (2 * k < per_lane) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
 }
 
+// Neox RoPE of one lane's values `v` (its `per_lane` consecutive elements of a head of d =
+// WARP * per_lane; the partner half comes from lane ^ WARP/2): out = v*cos + rotate_half(v)*sin
+// with cos/sin the token's table rows [d]. Every lane of the warp calls it.
+__device__ __forceinline__ void rope_lane(const float* v, const float* __restrict__ cos_row,
+                                          const float* __restrict__ sin_row, int lane, int per_lane, float* out) {
+    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
+        const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
+        if (k < per_lane) {
+            const int at = lane * per_lane + k;
+            out[k] = v[k] * cos_row[at] + sign * partner * sin_row[at];
+        }
+    }
+}
+
 // Twin: twin.rs head_norm_rope_forward (RMSNorm over the head dim, then RoPE). One warp
 // per (token, head) row.
 // x [T, heads, d], w [d], cos/sin [T, d] (fp32) -> y [T, heads, d], inv [T*heads].
@@ -189,7 +205,7 @@ extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, co
                                                   int d, float eps) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= tokens * heads) return;
-    const int t = row / heads, per_lane = d / WARP, first = lane * per_lane;
+    const int t = row / heads, per_lane = d / WARP;
     float v[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
     load_lane(x + (size_t)row * d, lane, per_lane, v);
     load_lane(w, lane, per_lane, wv);
@@ -201,15 +217,7 @@ extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, co
 #pragma unroll
     for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
         if (k < per_lane) v[k] *= r * wv[k];
-    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
-#pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
-        const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
-        if (k < per_lane) {
-            const size_t at = (size_t)t * d + first + k;
-            out[k] = v[k] * cos_t[at] + sign * partner * sin_t[at];
-        }
-    }
+    rope_lane(v, cos_t + (size_t)t * d, sin_t + (size_t)t * d, lane, per_lane, out);
     store_lane(y + (size_t)row * d, lane, per_lane, out);
     if (lane == 0) inv[row] = r;
 }
@@ -221,18 +229,10 @@ extern "C" __global__ void rope_forward(const bf16* __restrict__ x, const float*
                                         int d) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= tokens * heads) return;
-    const int t = row / heads, per_lane = d / WARP, first = lane * per_lane;
+    const int t = row / heads, per_lane = d / WARP;
     float v[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
     load_lane(x + (size_t)row * d, lane, per_lane, v);
-    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
-#pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
-        const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
-        if (k < per_lane) {
-            const size_t at = (size_t)t * d + first + k;
-            out[k] = v[k] * cos_t[at] + sign * partner * sin_t[at];
-        }
-    }
+    rope_lane(v, cos_t + (size_t)t * d, sin_t + (size_t)t * d, lane, per_lane, out);
     store_lane(y + (size_t)row * d, lane, per_lane, out);
 }
 
