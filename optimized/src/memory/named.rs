@@ -40,7 +40,8 @@ pub fn named_configs() -> Vec<NamedConfig> {
     vec![
         NamedConfig {
             name: "qwen3-8b-drafter S=3072 N=512",
-            config: drafter(4096, 12288, 32, vec![AttnKind::Full; 5], 36, vec![1, 9, 17, 25, 33]),
+            // The target's dims, 5 full layers, blocks of 16, features from [1, 9, 17, 25, 33].
+            config: DraftConfig::for_target(&qwen3_8b_target(), 5, 16, 151669, 5),
             shape: StepShape { context_len: 3072, num_anchors: 512, lm_chunk_rows: DEFAULT_LM_CHUNK_ROWS },
         },
         NamedConfig {
