@@ -156,3 +156,28 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     let out = run(command(&target, &file, &data, &[]));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a folder"));
 }
+
+#[test]
+fn bad_options_are_refused_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
+    make_target(&target, 3);
+    let cases: [(&[&str], &str); 6] = [
+        (&["--layer-ids", "9"], "layer 9 is out of range for the target's 3 layers"),
+        (&["--layer-ids", "1,x"], "`x` is not a layer number"),
+        (&["--shard-gb", "0"], "option `--shard-gb`"),
+        (&["--device", "tpu"], "option `--device`: `tpu`"),
+        (&["--launch-tokens", "100"], "below --max-len 512"),
+        (&["--bogus", "1"], "unknown option `--bogus`"),
+    ];
+    for (extra, needle) in cases {
+        let out_run = run(command(&target, &out, &data, extra));
+        let stderr = String::from_utf8_lossy(&out_run.stderr);
+        assert!(!out_run.status.success() && stderr.contains(needle), "{extra:?}: `{needle}` missing from: {stderr}");
+        assert!(!out.exists() && !data.exists(), "{extra:?}: work was done before the error");
+    }
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    c.args(["features", "--target", target.to_str().unwrap(), "--data", "x.jsonl"]);
+    let stderr = String::from_utf8_lossy(&run(c).stderr).into_owned();
+    assert!(stderr.contains("--out CACHE is required"), "{stderr}");
+}

@@ -50,3 +50,30 @@ fn absurd_configs_are_clear_errors() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("predicted peak"));
 }
+
+/// `plan --target` plans a target folder next to its drafter; a missing folder, and `bench
+/// target`'s bad values, are clear errors before any work (no GPU needed to see them).
+#[test]
+fn plan_target_and_bench_target_options() {
+    let xtask = env!("CARGO_BIN_EXE_xtask");
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/target-qwen3");
+    let out = std::process::Command::new(xtask)
+        .args(["plan", "--target", fixture.to_str().unwrap(), "--seq", "64", "--anchors", "8"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("target LM head") && stdout.contains("target + drafter step"), "{stdout}");
+    let cases: [(&[&str], &str); 5] = [
+        (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
+        (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
+        (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
+        (&["bench", "target", "--iters", "0"], "--iters must be at least 1"),
+        (&["bench", "target", "--torch", "maybe"], "option `--torch`"),
+    ];
+    for (args, needle) in cases {
+        let out = std::process::Command::new(xtask).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(needle), "{args:?}: `{needle}` missing from: {stderr}");
+    }
+}
