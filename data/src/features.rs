@@ -30,10 +30,20 @@ pub const FORMAT: &str = "dflash-features-1";
 /// Bytes of metadata per token in a shard: token u32, mask u8, document i64, position u32.
 pub const META_BYTES_PER_TOKEN: u64 = 4 + 1 + 8 + 4;
 
-/// sha256 of a file's bytes, hex.
+/// sha256 of a file's bytes, hex, read in blocks (a single-file checkpoint may be many GB).
 fn file_hash(file: &Path) -> Result<String> {
-    let bytes = std::fs::read(file).map_err(|e| Error::io(file, e))?;
-    Ok(hex(&crate::cache::sha256(&bytes)))
+    use sha2::Digest;
+    use std::io::Read;
+    let mut f = File::open(file).map_err(|e| Error::io(file, e))?;
+    let (mut hasher, mut block) = (sha2::Sha256::new(), vec![0u8; 1 << 22]);
+    loop {
+        let n = f.read(&mut block).map_err(|e| Error::io(file, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&block[..n]);
+    }
+    Ok(hex(&hasher.finalize()))
 }
 
 fn hex(bytes: &[u8]) -> String {
