@@ -253,8 +253,12 @@ def model_functions(torch, cfg):
     }
 
 
-def build_state(torch, create_block_mask, spec, dev):
-    """Parameters, frozen tables and one row's inputs, all from `spec["seed"]`."""
+def build_state(torch, create_block_mask, spec, dev, features=None, tokens=None, embed=None, lm_head=None):
+    """Parameters, frozen tables and one row's inputs, all from `spec["seed"]`.
+
+    `features` [S, F*H] bf16, `tokens` (int64 [S]) and the frozen `embed` and `lm_head` [V, H]
+    bf16, all on `dev`, are used where given instead of random ones (which are then not drawn):
+    train_torch.py passes the target's features and weights. set_row() puts another row in."""
     cfg = spec["config"]
     h, i, nh, nkv, d = cfg["hidden"], cfg["intermediate"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
     v, f, b = cfg["vocab"], cfg["num_features"], cfg["block_size"]
@@ -293,22 +297,26 @@ def build_state(torch, create_block_mask, spec, dev):
     params["norm.weight"] = ones(h)
     for t in params.values():
         t.requires_grad_()
-    embed = normal(v, h)
-    lm_head = normal(v, h)
-    features = torch.randn(s, f * h, generator=gen, device=dev, dtype=bf16)
-    tokens = torch.randint(0, v, (s,), generator=gen, device=dev).tolist()
+    if embed is None:
+        embed = normal(v, h)
+    if lm_head is None:
+        lm_head = normal(v, h)
+    if features is None:
+        features = torch.randn(s, f * h, generator=gen, device=dev, dtype=bf16)
+    if tokens is None:
+        tokens = torch.randint(0, v, (s,), generator=gen, device=dev)
 
     n = len(anchors)
     nq = n * b
-    block_ids, labels, weights, q_pos = [], [], [], []
+    weights, q_pos = [], []
     for a in anchors:
-        block_ids += [tokens[a]] + [cfg["mask_token_id"]] * (b - 1)
         for o in range(b):
             p = a + o
             q_pos.append(p)
-            labels.append(tokens[p] if p < s else 0)
             weights.append(math.exp(-(o - 1) / spec["gamma"]) if o >= 1 and p < s else 0.0)
     wsum = sum(weights)
+    anchors_t = torch.tensor(anchors, dtype=torch.int64, device=dev)
+    block_ids_t, labels_t = row_targets(torch, tokens, anchors_t, s, b, cfg["mask_token_id"])
 
     inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64, device=dev).float() / d))
 
@@ -320,7 +328,6 @@ def build_state(torch, create_block_mask, spec, dev):
     cos_q, sin_q = tables(q_pos)
     cos_k, sin_k = tables(list(range(s)) + q_pos)
 
-    anchors_t = torch.tensor(anchors, dtype=torch.int64, device=dev)
     masks = {}
     for w in cfg["windows"]:
         if w not in masks:
@@ -328,7 +335,6 @@ def build_state(torch, create_block_mask, spec, dev):
 
     rows = spec["lm_chunk_rows"]
     chunks = [(r, min(r + rows, nq)) for r in range(0, nq, rows)]
-    labels_t = torch.tensor(labels, dtype=torch.int64, device=dev)
     weights_t = torch.tensor(weights, dtype=torch.float32, device=dev)
     return {
         "params": params,
@@ -336,7 +342,7 @@ def build_state(torch, create_block_mask, spec, dev):
         "embed": embed,
         "lm_head": lm_head,
         "features": features,
-        "block_ids": torch.tensor(block_ids, dtype=torch.int64, device=dev),
+        "block_ids": block_ids_t,
         "rope": (cos_q, sin_q, cos_k, sin_k),
         "anchors": anchors_t,
         "layer_masks": [masks[w] for w in cfg["windows"]],
@@ -344,7 +350,31 @@ def build_state(torch, create_block_mask, spec, dev):
         "chunk_labels": [labels_t[r0:r1] for r0, r1 in chunks],
         "chunk_weights": [weights_t[r0:r1] for r0, r1 in chunks],
         "wsum": wsum if wsum > 0 else 1.0,  # no weighted row: the loss is 0
+        "row_shape": (s, b, cfg["mask_token_id"]),
     }
+
+
+def row_targets(torch, tokens, anchors, s, block, mask_token_id):
+    """The drafter's input ids and labels [N*B] (int64) of the row with `tokens` (int64 [S]), by
+    indexing on their device (no copy to the host): block j is [x[a_j], MASK x (B-1)] and row
+    j*B+o's label is x[a_j+o], 0 past the row's end (where its weight is 0)."""
+    offsets = torch.arange(block, dtype=torch.int64, device=tokens.device)
+    pos = (anchors[:, None] + offsets[None, :]).flatten()
+    labels = torch.where(pos < s, tokens[pos.clamp(max=s - 1)], torch.zeros_like(pos))
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[::block] = tokens[anchors]
+    return block_ids, labels
+
+
+def set_row(torch, state, features, tokens):
+    """Puts another row of the same length into `state` (features [S, F*H] bf16 and tokens int64 [S]
+    on its device), as an online trainer does each step; the anchors, masks, RoPE tables and loss
+    weights stay. A step built by make_step_builder reads these entries at each call."""
+    s, block, mask_token_id = state["row_shape"]
+    block_ids, labels = row_targets(torch, tokens, state["anchors"], s, block, mask_token_id)
+    state["features"] = features
+    state["block_ids"] = block_ids
+    state["chunk_labels"] = [labels[r0:r1] for r0, r1 in state["chunks"]]
 
 
 def dense_attention_cpu(torch):
@@ -642,23 +672,29 @@ def note_loss_agreement(results):
             log(f"NOTE {form}: the loss differs across policies (relative spread {spread:.2e}): {losses}")
 
 
-def run_all(torch, spec):
+def make_env(torch, dev):
+    """What every step on `dev` shares: the mask builder, flex_attention (raw, for compiled regions)
+    and the attention eager code calls (compiled flex_attention on CUDA, the stand-in on the CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    dev = torch.device(spec["device"])
-    cuda = dev.type == "cuda"
-    if cuda:
+    if dev.type == "cuda":
         raise_recompile_limits(torch)
         flex_eager_form = torch.compile(flex_attention, dynamic=False)
     else:
         flex_eager_form = dense_attention_cpu(torch)
-    env = {
+    return {
         "dev": dev,
         "create_block_mask": create_block_mask,
         "flex_attention": flex_attention,
         "flex_eager_form": flex_eager_form,
         "held_bytes": None,
     }
+
+
+def run_all(torch, spec):
+    dev = torch.device(spec["device"])
+    cuda = dev.type == "cuda"
+    env = make_env(torch, dev)
     results = []
     for form in spec["forms"]:
         for policy in spec["policies"]:

@@ -43,10 +43,24 @@ def make(spec):
     return {"made": True}
 
 
-def time_forward(spec):
+def load_model(model_dir, device="cuda", attn_implementation="sdpa"):
+    """The checkpoint in `model_dir` in bf16 on `device`, in eval mode and frozen (no parameter
+    requires grad). train_torch.py loads its target with this too."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        spec["model_dir"], dtype=torch.bfloat16, attn_implementation="sdpa"
-    ).to("cuda").eval()
+        model_dir, dtype=torch.bfloat16, attn_implementation=attn_implementation
+    ).to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def forward_hidden_states(model, ids):
+    """transformers' forward of `ids` [1, S] under torch.no_grad(), with every hidden state."""
+    with torch.no_grad():
+        return model(input_ids=ids, output_hidden_states=True, use_cache=False)
+
+
+def time_forward(spec):
+    model = load_model(spec["model_dir"])
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cuda").manual_seed(spec["seed"])
     results = []
@@ -54,8 +68,7 @@ def time_forward(spec):
         ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=gen)
 
         def call():
-            with torch.no_grad():
-                return model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            return forward_hidden_states(model, ids)
 
         for _ in range(spec["warmup"]):
             call()
