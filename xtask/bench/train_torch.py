@@ -16,8 +16,11 @@ One training step, online (no feature cache):
   3. the drafter step of step_torch.py (forward and loss.backward(), its "form" and "policy") on
      those features and tokens; the drafter's frozen embed and lm_head are the target's own
      weights (shared, not copied);
-  4. torch.optim.AdamW(trainable drafter parameters, lr=1e-4, fused=True).step(), then
-     zero_grad() (the gradients are set to None).
+  4. the optimizer as the Rust trainer runs it (the spec's recipe: bf16 compute, fp32 master
+     weights): each bf16 gradient cast to an fp32 master's .grad, the global norm clipped to 1
+     (clip_grad_norm_, foreach), torch.optim.AdamW(fp32 masters, lr=6e-4, fused=True).step(),
+     the masters copied back into the bf16 weights (torch._foreach_copy_), then zero_grad() on
+     both (the gradients are set to None).
 The anchors, the BlockMasks, the RoPE tables and the loss weights depend only on the spec and are
 built once (step_torch.build_state); each step puts its row in with step_torch.set_row.
 
@@ -71,7 +74,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_torch  # noqa: E402  (imports no torch at module level)
 
-LR = 1e-4
+LR = 6e-4
+CLIP_NORM = 1.0
 LOSSES_KEPT = 8
 
 
@@ -185,10 +189,12 @@ def make_trainer(torch, target_torch, spec, model, env, errors):
     )
     del tokens, features
     params = list(state["params"].values())
+    # fp32 master weights: AdamW (and its fp32 moments) update these; the bf16 weights are copies.
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
     if cuda:
-        opt = torch.optim.AdamW(params, lr=LR, fused=True)
+        opt = torch.optim.AdamW(masters, lr=LR, fused=True)
     else:
-        opt = torch.optim.AdamW(params, lr=LR)
+        opt = torch.optim.AdamW(masters, lr=LR)
 
     forms = [spec["form"]] + (["flex"] if spec["form"] == "compiled" else [])
     policy = spec["policy"]
@@ -215,6 +221,8 @@ def make_trainer(torch, target_torch, spec, model, env, errors):
             torch._dynamo.reset()
             step_torch.free_memory(torch)
     opt.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
 
     def full_step(marks=None):
         """One online step; `marks` (three callables) are called before the row is drawn, once its
@@ -227,8 +235,14 @@ def make_trainer(torch, target_torch, spec, model, env, errors):
         step_torch.set_row(torch, state, features, tokens)
         del tokens, features
         loss = step()
+        for m, p in zip(masters, params):
+            m.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, CLIP_NORM, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in params], [m.data for m in masters])
         if marks:
             marks[2]()
         return loss
