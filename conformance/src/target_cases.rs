@@ -27,6 +27,37 @@ pub struct TargetCase {
     pub rows: Vec<Row>,
 }
 
+/// Writes a target folder for end-to-end runs into `dir`: the fixture Qwen tokenizer (with its
+/// chat template) and a random Qwen3 of 3 layers (hidden 32, heads of 8, GQA 4/2) whose vocab of
+/// 768 covers the tokenizer, saved in HF format; returns the model.
+pub fn write_target_folder(dir: &std::path::Path, seed: u64) -> TargetModel {
+    std::fs::create_dir_all(dir).expect("target folder");
+    for entry in std::fs::read_dir(fixtures_dir().join("data/tokenizer-qwen")).expect("fixture tokenizer") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, dir.join(path.file_name().expect("a file"))).expect("copy the tokenizer");
+    }
+    let config = TargetConfig {
+        arch: TargetArch::Qwen3,
+        dims: ModelDims {
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            vocab_size: 768,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e4,
+            max_position_embeddings: 4096,
+            layer_kinds: vec![AttnKind::Full; 3],
+        },
+        tie_word_embeddings: false,
+        rope_scaling: RopeScaling::Default,
+    };
+    let model = TargetModel::random(config, seed, 0.1, DType::F32).expect("random target");
+    model.save(dir).expect("save the target");
+    model
+}
+
 /// A row of documents of `lengths` tokens (positions restarting at 0), then `pad` padding tokens.
 pub fn packed_row(lengths: &[usize], pad: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Row {
     let mut row = Row { tokens: vec![], loss_mask: vec![], doc_ids: vec![], positions: vec![] };

@@ -136,7 +136,8 @@ impl FeatureIndex {
         tokens.saturating_mul(2 * feature_width as u64 + META_BYTES_PER_TOKEN)
     }
 
-    fn read(file: &Path) -> Result<Self> {
+    /// Reads and parses an `index.json`.
+    pub fn read(file: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
         let index: FeatureIndex = serde_json::from_str(&text)
             .map_err(|e| Error::field(file, "index", format!("line {} column {}: {e}", e.line(), e.column())))?;

@@ -8,6 +8,7 @@
 //!   bf16, f32 or f64) and [`backend::cuda::Cuda`] (cuBLAS and the kernels, bf16).
 //! - [`memory`]: every byte formula, in checked arithmetic; the typed layout of a step.
 //! - [`model`]: the drafter's training step, one driver over any backend.
+//! - [`flops`]: the model FLOPs of the step and the target's forward, and the peak of MFU.
 //! - [`train`]: what a training loop takes from the step: the AdamW on the step's backend and
 //!   the step's gradients for the reference loop.
 //!
@@ -16,6 +17,7 @@
 pub mod backend;
 pub mod device;
 pub mod error;
+pub mod flops;
 pub mod memory;
 pub mod model;
 pub mod ops;

@@ -96,6 +96,39 @@ impl BlockStats {
     }
 }
 
+/// An evaluation accumulated row by row (by any engine): the weighted CE sum, the total weight
+/// and the block stats.
+#[derive(Clone, Debug)]
+pub struct Evaluation {
+    sum: f64,
+    total: f64,
+    stats: BlockStats,
+}
+
+impl Evaluation {
+    /// Nothing added yet, for blocks of `block_size`.
+    pub fn new(block_size: usize) -> Self {
+        Evaluation { sum: 0.0, total: 0.0, stats: BlockStats::new(block_size) }
+    }
+
+    /// Adds one row: `ce_sum = sum w*CE` of its blocks and `predicted[r]`, the argmax of block
+    /// row `r`.
+    pub fn add(&mut self, ce_sum: f64, predicted: &[u32], targets: &BlockTargets) {
+        self.sum += ce_sum;
+        self.total += targets.total_weight();
+        self.stats.add(predicted, targets);
+    }
+
+    /// The loss, accuracy and tau_hat over the rows added.
+    pub fn report(&self) -> EvalReport {
+        EvalReport {
+            loss: self.sum / self.total.max(f64::MIN_POSITIVE),
+            accuracy: self.stats.accuracy(),
+            tau_hat: self.stats.tau_hat(),
+        }
+    }
+}
+
 /// Evaluates `drafter` on `rows` with anchors drawn from `seed` (the same every call).
 pub fn evaluate(
     drafter: &Drafter,
@@ -105,18 +138,31 @@ pub fn evaluate(
     gamma: f64,
     seed: u64,
 ) -> Result<EvalReport> {
+    evaluate_rows(drafter, head, rows.iter().cloned().map(Ok), max_anchors, gamma, seed)
+}
+
+/// [`evaluate`] over rows made one at a time.
+pub fn evaluate_rows<E>(
+    drafter: &Drafter,
+    head: &FrozenHead,
+    rows: impl IntoIterator<Item = std::result::Result<TrainRow, E>>,
+    max_anchors: usize,
+    gamma: f64,
+    seed: u64,
+) -> std::result::Result<EvalReport, E>
+where
+    E: From<crate::Error>,
+{
     let b = drafter.config.block_size;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let (mut sum, mut total) = (0.0, 0.0);
-    let mut stats = BlockStats::new(b);
+    let mut eval = Evaluation::new(b);
     for row in rows {
-        let PreparedRow { targets, input, .. } = PreparedRow::new(row, max_anchors, b, gamma, &mut rng)?;
+        let PreparedRow { targets, input, .. } = PreparedRow::new(&row?, max_anchors, b, gamma, &mut rng)?;
         let logits = drafter.forward(head, &input)?;
-        sum += weighted_ce_sum(&logits, &targets)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        total += targets.total_weight();
-        stats.add(&argmax_rows(&logits)?, &targets);
+        let ce = weighted_ce_sum(&logits, &targets).and_then(|t| Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?))?;
+        eval.add(ce, &argmax_rows(&logits)?, &targets);
     }
-    Ok(EvalReport { loss: sum / total.max(f64::MIN_POSITIVE), accuracy: stats.accuracy(), tau_hat: stats.tau_hat() })
+    Ok(eval.report())
 }
 
 #[cfg(test)]

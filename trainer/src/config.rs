@@ -94,6 +94,40 @@ pub struct RunConfig {
     pub temperature: f64,
     pub prompt_len: usize,
     pub continuation_len: usize,
+    /// Real runs: the target's HF folder (config.json, weights, tokenizer, chat template);
+    /// unset: the built-in default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<PathBuf>,
+    /// Real runs: the jsonl conversation files.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data: Vec<PathBuf>,
+    /// Real runs: train from this feature cache (`xtask features`) instead of running the target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub features: Option<PathBuf>,
+    /// Real runs: `S`, tokens per document and per packed row.
+    pub max_len: usize,
+    /// Real runs: pack documents into rows (false: one per row, padded to `max_len`).
+    pub packing: bool,
+    /// Real runs: the chat template's `enable_thinking`.
+    pub thinking: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// Real runs: the held-out conversations: a fraction, or a jsonl file.
+    pub held_out: String,
+    /// Real runs: the tokenized data's cache folder (default `OUT/data-cache`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_cache: Option<PathBuf>,
+    /// Real runs: the drafter's mask token (default: the tokenizer's mask token, else the first
+    /// id past the tokenizer's vocabulary, as the published Qwen3 drafters use).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_token_id: Option<u32>,
+    /// Real runs: the drafter's layers and block size.
+    pub draft_layers: usize,
+    pub block_size: usize,
+    /// Real runs: the target layers whose outputs are the features (default: the spec's rule
+    /// for 5 features, or the feature cache's layers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_layer_ids: Option<Vec<usize>>,
 }
 
 impl Default for RunConfig {
@@ -115,7 +149,7 @@ impl Default for RunConfig {
             weight_decay: 0.0,
             gamma: None,
             seed: 0,
-            step: StepKind::Reference,
+            step: StepKind::Gpu,
             builtin_target: BuiltinTarget::Tiny,
             out: PathBuf::from("runs/drafter"),
             checkpoint_every: 1000,
@@ -130,6 +164,19 @@ impl Default for RunConfig {
             temperature: 0.5,
             prompt_len: 16,
             continuation_len: 80,
+            target: None,
+            data: Vec::new(),
+            features: None,
+            max_len: 3072,
+            packing: true,
+            thinking: false,
+            system_prompt: None,
+            held_out: "0.05".into(),
+            data_cache: None,
+            mask_token_id: None,
+            draft_layers: 5,
+            block_size: 16,
+            target_layer_ids: None,
         }
     }
 }
@@ -140,6 +187,12 @@ pub enum Kind {
     Int,
     Float,
     Text,
+    /// `yes`/`no` (or `true`/`false`).
+    Bool,
+    /// Comma-separated whole numbers.
+    Ints,
+    /// Several paths (`--data A B ...`).
+    Paths,
 }
 
 /// Every option: name (TOML key; `--name` with `-` for `_`), type and meaning.
@@ -173,6 +226,19 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("temperature", Kind::Float, "built-in data: sampling temperature (0 = greedy)"),
     ("prompt_len", Kind::Int, "built-in data: random prompt tokens per row (not supervised)"),
     ("continuation_len", Kind::Int, "built-in data: tokens the target continues each prompt with"),
+    ("target", Kind::Text, "real runs: the target's HF folder (config.json, safetensors, tokenizer, chat template)"),
+    ("data", Kind::Paths, "real runs: jsonl conversation files (`--data A B ...`)"),
+    ("features", Kind::Text, "real runs: train from this feature cache (`xtask features`) instead of running the target"),
+    ("max_len", Kind::Int, "real runs: S, tokens per document and per packed row"),
+    ("packing", Kind::Bool, "real runs: pack documents into rows (no: one per row, padded)"),
+    ("thinking", Kind::Bool, "real runs: the chat template's enable_thinking"),
+    ("system_prompt", Kind::Text, "real runs: system message for conversations without one"),
+    ("held_out", Kind::Text, "real runs: held-out conversations, a fraction or a jsonl file"),
+    ("data_cache", Kind::Text, "real runs: the tokenized data's cache folder (default OUT/data-cache)"),
+    ("mask_token_id", Kind::Int, "real runs: the mask token (default: the tokenizer's, else the first id past its vocabulary)"),
+    ("draft_layers", Kind::Int, "real runs: drafter layers"),
+    ("block_size", Kind::Int, "real runs: tokens per block"),
+    ("target_layer_ids", Kind::Ints, "real runs: target layers of the features, e.g. 1,9,17,25,33 (default: the spec's rule)"),
 ];
 
 /// Options that may change between a checkpoint and its resumption: they do not change the
@@ -190,6 +256,7 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "tau_prompts",
     "tau_tokens",
     "max_nonfinite_in_a_row",
+    "data_cache",
 ];
 
 /// The block size of the built-in tiny drafter.
@@ -204,6 +271,7 @@ impl RunConfig {
         RunConfig {
             steps: Some(600),
             epochs: None,
+            step: StepKind::Reference,
             rows_per_step: 4,
             anchors: 16,
             lr: 3e-3,
@@ -356,7 +424,7 @@ impl RunConfig {
             at_least(name, value, 1)?;
         }
         at_least("continuation_len", self.continuation_len, 2)?;
-        if self.step == StepKind::Gpu && self.builtin_target == BuiltinTarget::Tiny {
+        if self.target.is_none() && self.step == StepKind::Gpu && self.builtin_target == BuiltinTarget::Tiny {
             return Err(Error::option(
                 "step",
                 "`gpu` needs `builtin_target = gpu` (the tiny target's heads of 16 are below the GPU kernels' 64)",
@@ -399,16 +467,44 @@ impl RunConfig {
         if self.temperature < 0.0 {
             return Err(Error::option("temperature", format!("{}: must be at least 0 (0 = greedy)", self.temperature)));
         }
-        let row_len = self.builtin_row_len();
-        if row_len > BUILTIN_MAX_POSITIONS {
-            return Err(Error::option(
-                "prompt_len + continuation_len",
-                format!(
-                    "rows of {} + {} = {row_len} tokens exceed the built-in target's {BUILTIN_MAX_POSITIONS} positions",
-                    self.prompt_len, self.continuation_len
-                ),
-            ));
-        }
+        let row_len = match &self.target {
+            None => {
+                if !self.data.is_empty() || self.features.is_some() {
+                    return Err(Error::option(
+                        if self.data.is_empty() { "features" } else { "data" },
+                        "needs `target` (the target folder whose data and features these are)",
+                    ));
+                }
+                let row_len = self.builtin_row_len();
+                if row_len > BUILTIN_MAX_POSITIONS {
+                    return Err(Error::option(
+                        "prompt_len + continuation_len",
+                        format!(
+                            "rows of {} + {} = {row_len} tokens exceed the built-in target's {BUILTIN_MAX_POSITIONS} positions",
+                            self.prompt_len, self.continuation_len
+                        ),
+                    ));
+                }
+                row_len
+            }
+            Some(_) => {
+                if self.data.is_empty() {
+                    return Err(Error::option("data", "a real run (`target` set) needs `--data FILE...`"));
+                }
+                at_least("max_len", self.max_len, 2)?;
+                at_least("block_size", self.block_size, 2)?;
+                at_least("draft_layers", self.draft_layers, 1)?;
+                if let Ok(f) = self.held_out.parse::<f64>() {
+                    if !(0.0..1.0).contains(&f) {
+                        return Err(Error::option("held_out", format!("{f}: a fraction in [0, 1), or a jsonl file")));
+                    }
+                }
+                if self.target_layer_ids.as_ref().is_some_and(|ids| ids.is_empty()) {
+                    return Err(Error::option("target_layer_ids", "no layer given"));
+                }
+                self.max_len
+            }
+        };
         if self.anchors > row_len - 1 {
             return Err(Error::option(
                 "anchors",
@@ -474,6 +570,21 @@ fn parse_value(flag: &str, kind: Kind, value: &str) -> Result<toml::Value> {
         }
         Kind::Float => toml::Value::Float(value.parse().map_err(|_| bad("a number"))?),
         Kind::Text => toml::Value::String(value.to_string()),
+        Kind::Bool => toml::Value::Boolean(match value {
+            "yes" | "true" => true,
+            "no" | "false" => false,
+            _ => return Err(bad("yes or no")),
+        }),
+        Kind::Ints => toml::Value::Array(
+            value
+                .split(',')
+                .map(|x| {
+                    let v: u32 = x.trim().parse().map_err(|_| bad("comma-separated whole numbers"))?;
+                    Ok(toml::Value::Integer(v.into()))
+                })
+                .collect::<Result<_>>()?,
+        ),
+        Kind::Paths => toml::Value::Array(value.split('\n').map(|p| toml::Value::String(p.to_string())).collect()),
     })
 }
 

@@ -6,18 +6,29 @@
 //! same trait (its state is downloaded for checkpoints and uploaded on resume).
 
 use candle_core::{DType, Tensor};
-use dflash_optimized::memory::step::Checkpointing;
+use dflash_optimized::backend::{download, Backend};
+use dflash_optimized::flops::{step_model_flops, target_forward_flops};
+use dflash_optimized::memory::step::{Checkpointing, StepShape};
+use dflash_optimized::model::drafter_step::DrafterStep;
+use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::ops::attention::ranges::KeyRanges;
+use dflash_optimized::ops::{Elem, Real};
+use dflash_optimized::train::adamw::DeviceAdamW;
+use dflash_reference::config::DraftConfig;
+use dflash_reference::data::{document_runs, Row};
 use dflash_optimized::train::gradients::HostGradients;
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{Drafter, FrozenHead};
-use dflash_reference::eval::BlockStats;
+use dflash_reference::eval::{evaluate_rows, BlockStats, EvalReport, Evaluation};
 use dflash_reference::optim::{clip_grad_norm, collect_grads, AdamW, AdamWConfig};
 use dflash_reference::speculative::argmax_rows;
 use dflash_reference::train::{batch_loss_with_stats, GradientSource, PreparedRow};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::config::StepKind;
 use crate::error::{Error, Result};
+use crate::rows::RowSource;
 
 /// One optimizer step's work.
 pub struct StepBatch<'a> {
@@ -46,6 +57,11 @@ pub struct StepOutcome {
     pub non_finite: Option<String>,
     /// Accuracy and tau_hat of the step's blocks (with the weights before the update), when asked.
     pub stats: Option<BlockStats>,
+    /// Model FLOPs of the step (drafter and, online, the target's forward; 0 when not counted):
+    /// `dflash_optimized::flops`.
+    pub flops: f64,
+    /// The device memory the step and the target's forward were planned to take (bytes).
+    pub device_bytes: Option<u64>,
 }
 
 /// Everything of an engine that exact resumption needs: fp32 master weights and AdamW moments
@@ -71,6 +87,9 @@ pub trait StepEngine {
     fn restore(&mut self, state: &EngineState) -> Result<()>;
     /// The drafter with the current weights (for evaluation and saving).
     fn drafter(&mut self) -> Result<&Drafter>;
+    /// Loss, accuracy and tau_hat of the current weights on `rows`, anchors drawn from `seed`
+    /// (the same every call), as `dflash_reference::eval::evaluate` defines them.
+    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport>;
 }
 
 enum Source {
@@ -212,12 +231,12 @@ impl StepEngine for CpuEngine {
         let non_finite =
             if loss.is_finite() { first_non_finite(&self.drafter, &grads)? } else { Some("loss".to_string()) };
         if non_finite.is_some() {
-            return Ok(StepOutcome { loss, weight, grad_norm: f64::NAN, non_finite, stats });
+            return Ok(StepOutcome { loss, weight, grad_norm: f64::NAN, non_finite, stats, flops: 0.0, device_bytes: None });
         }
         let params = self.drafter.named_params();
         let grad_norm = clip_grad_norm(params, &mut grads, batch.clip_norm)?;
         self.adamw.step(params, &grads, batch.lr)?;
-        Ok(StepOutcome { loss, weight, grad_norm, non_finite: None, stats })
+        Ok(StepOutcome { loss, weight, grad_norm, non_finite: None, stats, flops: 0.0, device_bytes: None })
     }
 
     fn state(&self) -> Result<EngineState> {
@@ -258,18 +277,33 @@ impl StepEngine for CpuEngine {
     fn drafter(&mut self) -> Result<&Drafter> {
         Ok(&self.drafter)
     }
+
+    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
+        let rows = (0..rows.len()).map(|i| rows.row(i));
+        evaluate_rows(&self.drafter, &self.head, rows, max_anchors, gamma, seed)
+    }
+}
+
+/// The frozen tables a [`DeviceEngine`]'s step reads, and where its rows' features come from.
+pub enum Frozen<B: Backend> {
+    /// On the host, with features in the rows: block embeddings gathered on the host, the LM
+    /// head uploaded into the step.
+    Host(FrozenHead),
+    /// The target's forward on the same device computes each row's features; its embedding
+    /// table and LM head are the step's (no second copy). Rows carry `[S, 0]` features.
+    Target(TargetForward<B>),
 }
 
 /// The engine of the optimized step on a backend (`Cuda` on the GPU; `Host` on the CPU twins):
 /// the drafter's compute weights, fp32 masters and AdamW moments live on the backend
 /// (`DrafterStep` with its optimizer regions, `DeviceAdamW`); each row's gradient, scaled by
 /// the step's total weight, is accumulated there, then clipped and applied. Rows must share one
-/// length (packed rows, or the built-in rows): the step is laid out for it on first use.
-/// Per-offset accuracy is not measured on this engine yet (`stats` is `None`).
-pub struct DeviceEngine<B: dflash_optimized::backend::Backend> {
+/// length (packed rows, or the built-in rows): the step is laid out for it on first use. With
+/// [`Frozen::Target`] the target runs on the device row by row (online features).
+pub struct DeviceEngine<B: Backend> {
     make: Box<dyn Fn() -> dflash_optimized::Result<B>>,
-    config: dflash_reference::config::DraftConfig,
-    head: FrozenHead,
+    config: DraftConfig,
+    frozen: Frozen<B>,
     optimizer: AdamWConfig,
     policy: Checkpointing,
     /// The drafter's init, until the step exists (then its weights live on the backend).
@@ -281,24 +315,20 @@ pub struct DeviceEngine<B: dflash_optimized::backend::Backend> {
     pending: Option<EngineState>,
 }
 
-use dflash_optimized::backend::download;
-use dflash_optimized::model::drafter_step::DrafterStep;
-use dflash_optimized::train::adamw::DeviceAdamW;
-
-impl<B: dflash_optimized::backend::Backend> DeviceEngine<B> {
-    /// An engine training `drafter` (its init) against the frozen `head`, on backends `make`
-    /// returns, under the checkpointing `policy`.
+impl<B: Backend> DeviceEngine<B> {
+    /// An engine training `drafter` (its init) against the frozen tables `frozen`, on backends
+    /// `make` returns, under the checkpointing `policy`.
     pub fn new(
         make: impl Fn() -> dflash_optimized::Result<B> + 'static,
         drafter: Drafter,
-        head: FrozenHead,
+        frozen: Frozen<B>,
         optimizer: AdamWConfig,
         policy: Checkpointing,
     ) -> Self {
         DeviceEngine {
             make: Box::new(make),
             config: drafter.config.clone(),
-            head,
+            frozen,
             optimizer,
             policy,
             init: Some(drafter),
@@ -308,8 +338,14 @@ impl<B: dflash_optimized::backend::Backend> DeviceEngine<B> {
         }
     }
 
-    /// The step for rows of `s` tokens and `n` anchors, made (and loaded) on first use.
-    fn step_for(&mut self, s: usize, n: usize) -> Result<&mut (DrafterStep<B>, DeviceAdamW)> {
+    /// The frozen tables back (the target's forward, for another engine), the step dropped.
+    pub fn into_frozen(self) -> Frozen<B> {
+        self.frozen
+    }
+
+    /// Makes (and loads) the step for rows of `s` tokens and `n` anchors on first use; refuses
+    /// another shape later.
+    fn ensure_step(&mut self, s: usize, n: usize) -> Result<()> {
         if let Some((step, _)) = &self.step {
             let have = (step.shape.context_len, step.shape.num_anchors);
             if have != (s, n) {
@@ -318,20 +354,68 @@ impl<B: dflash_optimized::backend::Backend> DeviceEngine<B> {
                     format!("a row of {s} tokens x {n} anchors; this engine was laid out for {have:?} (rows must share one length)"),
                 ));
             }
-        } else {
-            let shape =
-                dflash_optimized::memory::step::StepShape { context_len: s, num_anchors: n, lm_chunk_rows: 1024 };
-            let mut step = DrafterStep::new((self.make)()?, &self.config, shape, self.policy, true)?;
-            step.load_lm_head(&self.head)?;
-            let drafter = self.init.take().ok_or_else(|| Error::option("engine", "no drafter weights to load"))?;
-            step.load_weights(&drafter)?;
-            let mut adam = DeviceAdamW::new(&step, self.optimizer.clone())?;
-            if let Some(state) = self.pending.take() {
-                upload_moments(&step, &mut adam, &state)?;
-            }
-            self.step = Some((step, adam));
+            return Ok(());
         }
-        Ok(self.step.as_mut().expect("made above"))
+        let shape = StepShape { context_len: s, num_anchors: n, lm_chunk_rows: 1024 };
+        let mut step = match &self.frozen {
+            Frozen::Host(head) => {
+                let mut step = DrafterStep::new((self.make)()?, &self.config, shape, self.policy, true)?;
+                step.load_lm_head(head)?;
+                step
+            }
+            Frozen::Target(forward) => {
+                let head = forward.frozen_tables().1.ok_or_else(|| {
+                    Error::option("target", "the target's forward holds no LM head to share (made without it)")
+                })?;
+                DrafterStep::with_head((self.make)()?, &self.config, shape, self.policy, true, Some(head))?
+            }
+        };
+        let drafter = self.init.take().ok_or_else(|| Error::option("engine", "no drafter weights to load"))?;
+        step.load_weights(&drafter)?;
+        let mut adam = DeviceAdamW::new(&step, self.optimizer.clone())?;
+        if let Some(state) = self.pending.take() {
+            upload_moments(&step, &mut adam, &state)?;
+        }
+        self.step = Some((step, adam));
+        Ok(())
+    }
+
+    /// Puts `row`'s input into the step (running the target first when online); returns the
+    /// model FLOPs of the target's forward (0 offline).
+    fn set_row(&mut self, row: &TrainRow, p: &PreparedRow) -> Result<f64> {
+        self.ensure_step(p.input.layout.context_len, p.input.layout.anchors.len())?;
+        let (step, _) = self.step.as_mut().expect("made above");
+        match &mut self.frozen {
+            Frozen::Host(head) => {
+                step.set_input(&p.input, head, &p.targets)?;
+                Ok(0.0)
+            }
+            Frozen::Target(forward) => {
+                let plain = Row {
+                    tokens: row.tokens.clone(),
+                    loss_mask: row.loss_mask.clone(),
+                    doc_ids: row.doc_ids.clone().unwrap_or_else(|| vec![0; row.len()]),
+                    positions: row.positions.clone(),
+                };
+                forward.run(&[&plain])?;
+                let (embed, _) = forward.frozen_tables();
+                step.set_input_device(forward.features_addr(), embed, &p.input, &p.targets)?;
+                let layers = forward.layer_ids.iter().max().map_or(0, |&l| l + 1);
+                Ok(document_runs(&plain.doc_ids)
+                    .into_iter()
+                    .map(|run| target_forward_flops(&forward.config, layers, run.len(), false))
+                    .sum())
+            }
+        }
+    }
+
+    /// The device memory planned for the step and the target's forward.
+    fn planned_bytes(&self) -> Option<u64> {
+        let step = self.step.as_ref()?.0.planned_peak();
+        Some(match &self.frozen {
+            Frozen::Host(_) => step,
+            Frozen::Target(forward) => step.saturating_add(forward.layout.bytes),
+        })
     }
 
     /// The optimizer regions' values (master, m, v) per parameter, as f32 tensors.
@@ -339,10 +423,9 @@ impl<B: dflash_optimized::backend::Backend> DeviceEngine<B> {
         let Some((step, adam)) = &self.step else { return Ok(None) };
         let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
         let n = step.num_params();
-        type Acc<B> = <<B as dflash_optimized::backend::Backend>::Elem as dflash_optimized::ops::Elem>::Acc;
         let get = |r| -> Result<Vec<f64>> {
             let v: Vec<Acc<B>> = download(step.backend(), step.addr(r), n)?;
-            Ok(v.into_iter().map(dflash_optimized::ops::Real::to_f64).collect())
+            Ok(v.into_iter().map(Real::to_f64).collect())
         };
         let (p, m, v) = (get(opt.master)?, get(opt.adam_m)?, get(opt.adam_v)?);
         let split = |all: &[f64]| -> Result<Vec<Tensor>> {
@@ -368,9 +451,32 @@ impl<B: dflash_optimized::backend::Backend> DeviceEngine<B> {
     }
 }
 
-impl<B: dflash_optimized::backend::Backend> StepEngine for DeviceEngine<B> {
+/// The backend's accumulation type (fp32 on the GPU).
+type Acc<B> = <<B as Backend>::Elem as Elem>::Acc;
+
+/// Model FLOPs of the drafter's step on `p` (its weighted rows and allowed attention pairs).
+fn step_flops(config: &DraftConfig, p: &PreparedRow) -> Result<f64> {
+    let shape = StepShape {
+        context_len: p.input.layout.context_len,
+        num_anchors: p.input.layout.anchors.len(),
+        lm_chunk_rows: 1,
+    };
+    let weighted = p.targets.weights.iter().filter(|&&w| w > 0.0).count();
+    let pairs = config
+        .dims
+        .layer_kinds
+        .iter()
+        .map(|&kind| Ok(KeyRanges::dflash(&p.input.layout, kind)?.allowed_pairs()))
+        .collect::<Result<Vec<u64>>>()?;
+    Ok(step_model_flops(config, shape, weighted, &pairs))
+}
+
+impl<B: Backend> StepEngine for DeviceEngine<B> {
     fn name(&self) -> String {
-        "device".into()
+        match self.frozen {
+            Frozen::Host(_) => "device".into(),
+            Frozen::Target(_) => "device, online target".into(),
+        }
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
@@ -378,18 +484,20 @@ impl<B: dflash_optimized::backend::Backend> StepEngine for DeviceEngine<B> {
         let b = self.config.block_size;
         let mut prepared = Vec::new();
         for rows in &batch.micro_batches {
-            for row in rows {
-                prepared.push(PreparedRow::new(row, batch.anchors, b, batch.gamma, rng)?);
+            for &row in rows {
+                prepared.push((row, PreparedRow::new(row, batch.anchors, b, batch.gamma, rng)?));
             }
         }
-        let total: f64 = prepared.iter().map(|p| p.targets.total_weight()).sum();
+        let total: f64 = prepared.iter().map(|(_, p)| p.targets.total_weight()).sum();
         self.host_copy = None;
-        let head = self.head.clone();
         let mut loss = 0.0;
+        let mut flops = 0.0;
+        let mut stats = batch.want_stats.then(|| BlockStats::new(b));
         let mut failed: Option<String> = None;
-        for p in prepared.iter().filter(|p| p.targets.total_weight() > 0.0) {
-            let (step, adam) = self.step_for(p.input.layout.context_len, p.input.layout.anchors.len())?;
-            step.set_input(&p.input, &head, &p.targets)?;
+        for (row, p) in prepared.iter().filter(|(_, p)| p.targets.total_weight() > 0.0) {
+            flops += self.set_row(row, p)? + step_flops(&self.config, p)?;
+            let (step, adam) = self.step.as_mut().expect("made by set_row");
+            step.set_record_predictions(stats.is_some());
             match step.step(1.0 / total) {
                 Ok(l) => loss += l.loss * l.total_weight / total,
                 Err(dflash_optimized::Error::NonFinite { what, .. }) => {
@@ -398,23 +506,34 @@ impl<B: dflash_optimized::backend::Backend> StepEngine for DeviceEngine<B> {
                 }
                 Err(e) => return Err(e.into()),
             }
+            if let Some(stats) = &mut stats {
+                stats.add(&step.predictions()?, &p.targets);
+            }
             adam.accumulate(step)?;
         }
+        let device_bytes = self.planned_bytes();
+        let outcome = |loss, grad_norm, non_finite, stats| StepOutcome {
+            loss,
+            weight: total,
+            grad_norm,
+            non_finite,
+            stats,
+            flops,
+            device_bytes,
+        };
         let Some((step, adam)) = &mut self.step else {
-            return Ok(StepOutcome { loss: 0.0, weight: 0.0, grad_norm: 0.0, non_finite: None, stats: None });
+            return Ok(StepOutcome { weight: 0.0, ..outcome(0.0, 0.0, None, None) });
         };
         if failed.is_none() {
             match adam.update(step, batch.lr, batch.clip_norm) {
-                Ok(grad_norm) => {
-                    return Ok(StepOutcome { loss, weight: total, grad_norm, non_finite: None, stats: None })
-                }
+                Ok(grad_norm) => return Ok(outcome(loss, grad_norm, None, stats)),
                 Err(dflash_optimized::Error::NonFinite { what, .. }) => failed = Some(what),
                 Err(e) => return Err(e.into()),
             }
         }
         adam.discard(step)?;
         let loss = if failed.as_deref().is_some_and(|w| w.starts_with("loss")) { f64::NAN } else { loss };
-        Ok(StepOutcome { loss, weight: total, grad_norm: f64::NAN, non_finite: failed, stats: None })
+        Ok(outcome(loss, f64::NAN, failed, stats))
     }
 
     fn state(&self) -> Result<EngineState> {
@@ -476,21 +595,44 @@ impl<B: dflash_optimized::backend::Backend> StepEngine for DeviceEngine<B> {
         }
         Ok(self.host_copy.as_ref().expect("made above"))
     }
+
+    /// Each row through the step with predictions recorded and no update (its gradients are
+    /// overwritten by the next step and never accumulated).
+    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
+        let b = self.config.block_size;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut eval = Evaluation::new(b);
+        for i in 0..rows.len() {
+            let row = rows.row(i)?;
+            let p = PreparedRow::new(&row, max_anchors, b, gamma, &mut rng)?;
+            if p.targets.total_weight() == 0.0 {
+                continue;
+            }
+            self.set_row(&row, &p)?;
+            let (step, _) = self.step.as_mut().expect("made by set_row");
+            step.set_record_predictions(true);
+            let l = step.step(1.0)?;
+            eval.add(l.loss * l.total_weight, &step.predictions()?, &p.targets);
+        }
+        if let Some((step, _)) = self.step.as_mut() {
+            step.set_record_predictions(false);
+        }
+        Ok(eval.report())
+    }
 }
 
 /// Uploads a checkpoint's AdamW moments into `step`'s optimizer regions and its step count.
-fn upload_moments<B: dflash_optimized::backend::Backend>(
+fn upload_moments<B: Backend>(
     step: &DrafterStep<B>,
     adam: &mut DeviceAdamW,
     state: &EngineState,
 ) -> Result<()> {
-    type Acc<B> = <<B as dflash_optimized::backend::Backend>::Elem as dflash_optimized::ops::Elem>::Acc;
     let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "no optimizer regions"))?;
     for (region, tensors) in [(opt.adam_m, &state.m), (opt.adam_v, &state.v)] {
         let mut values: Vec<Acc<B>> = Vec::with_capacity(step.num_params());
         for t in tensors {
             let flat = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-            values.extend(flat.into_iter().map(<Acc<B> as dflash_optimized::ops::Real>::from_f64));
+            values.extend(flat.into_iter().map(<Acc<B> as Real>::from_f64));
         }
         if values.len() != step.num_params() {
             return Err(Error::option(

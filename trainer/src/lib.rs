@@ -11,6 +11,8 @@ pub mod engine;
 pub mod error;
 pub mod metrics;
 pub mod plan;
+pub mod real;
+pub mod rows;
 pub mod run;
 
 pub use error::{Error, Result};

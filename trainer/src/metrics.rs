@@ -17,6 +17,7 @@ use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use dflash_optimized::flops::PEAK_FLOPS;
 use dflash_reference::eval::BlockStats;
 use dflash_reference::io::write_atomically;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -108,6 +109,7 @@ pub struct Reporter {
     since: Instant,
     tokens: u64,
     samples: u64,
+    flops: f64,
     started: Instant,
     quiet: bool,
 }
@@ -136,7 +138,7 @@ impl Reporter {
             );
         }
         let now = Instant::now();
-        Ok(Reporter { file, jsonl, bar, total_steps, since: now, tokens: 0, samples: 0, started: now, quiet })
+        Ok(Reporter { file, jsonl, bar, total_steps, since: now, tokens: 0, samples: 0, flops: 0.0, started: now, quiet })
     }
 
     fn write(&mut self, value: &Value) -> Result<()> {
@@ -159,10 +161,11 @@ impl Reporter {
         }
     }
 
-    /// Counts a step's tokens and rows for the throughput; advances the bar.
-    pub fn count(&mut self, step: usize, tokens: u64, samples: u64) {
+    /// Counts a step's tokens, rows and model FLOPs for the throughput and MFU; advances the bar.
+    pub fn count(&mut self, step: usize, tokens: u64, samples: u64, flops: f64) {
         self.tokens += tokens;
         self.samples += samples;
+        self.flops += flops;
         if let Some(bar) = &self.bar {
             bar.set_position(step as u64 + 1);
         }
@@ -179,15 +182,18 @@ impl Reporter {
         lr: f64,
         grad_norm: f64,
         skipped_total: usize,
+        device_bytes: Option<u64>,
     ) -> Result<()> {
         let secs = self.since.elapsed().as_secs_f64().max(1e-9);
         let (tokens_per_s, samples_per_s) = (self.tokens as f64 / secs, self.samples as f64 / secs);
-        (self.since, self.tokens, self.samples) = (Instant::now(), 0, 0);
+        let mfu = (self.flops > 0.0).then(|| self.flops / (secs * PEAK_FLOPS));
+        (self.since, self.tokens, self.samples, self.flops) = (Instant::now(), 0, 0, 0.0);
         let tau_hat = stats.map(BlockStats::tau_hat);
         self.write(&json!({
             "kind": "train", "step": step, "epoch": epoch, "loss": loss,
             "acc": stats.map(offsets_accuracy), "tau_hat": tau_hat, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s, "samples_per_s": samples_per_s, "skipped_total": skipped_total,
+            "tokens_per_s": tokens_per_s, "samples_per_s": samples_per_s, "mfu": mfu,
+            "device_memory_planned_gb": device_bytes.map(|b| b as f64 / 1e9), "skipped_total": skipped_total,
         }))?;
         let tau = tau_hat.map_or("-".to_string(), |t| format!("{t:.3}"));
         match &self.bar {

@@ -12,8 +12,6 @@ use std::path::PathBuf;
 
 use dflash_reference::config::DraftConfig;
 use dflash_reference::data::TrainRow;
-use dflash_reference::drafter::FrozenHead;
-use dflash_reference::eval::evaluate;
 use dflash_reference::optim::lr_at;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -24,6 +22,7 @@ use crate::config::RunConfig;
 use crate::engine::{StepBatch, StepEngine};
 use crate::error::{Error, Result};
 use crate::metrics::{self, Reporter};
+use crate::rows::RowSource;
 
 /// Where the loop is: the next step, the data order and the generator, the non-finite counters.
 #[derive(Clone, Debug)]
@@ -89,9 +88,8 @@ pub struct RunInputs<'a> {
     /// The resolved config ([`RunConfig::resolved`]).
     pub config: &'a RunConfig,
     pub draft_config: &'a DraftConfig,
-    pub data: &'a [TrainRow],
-    pub held_out: &'a [TrainRow],
-    pub head: &'a FrozenHead,
+    pub data: &'a dyn RowSource,
+    pub held_out: &'a dyn RowSource,
     /// Print nothing (tests); metrics.jsonl is written all the same.
     pub quiet: bool,
 }
@@ -183,7 +181,7 @@ impl<'a> Trainer<'a> {
             return Err(Error::option("rows", "no training rows"));
         }
         let total_steps = c.total_steps(inputs.data.len());
-        let data_sha256 = checkpoint::data_sha256(inputs.data)?;
+        let data_sha256 = inputs.data.sha256()?;
         let config_sha256 = sha256_hex(c.to_toml().as_bytes());
         let state = LoopState::new(inputs.data.len(), c.seed);
         Ok(Trainer { inputs, state, total_steps, config_sha256, data_sha256 })
@@ -265,12 +263,14 @@ impl<'a> Trainer<'a> {
         let b = self.inputs.draft_config.block_size;
         let gamma = c.gamma_for(b);
         let mut summary = RunSummary { first_step: self.state.step, ..RunSummary::default() };
-        let data: &'a [TrainRow] = self.inputs.data;
+        let data: &'a dyn RowSource = self.inputs.data;
         let n_rows = data.len();
         while self.state.step < total && summary.steps_run < max_steps {
             let step = self.state.step;
             let ids: Vec<Vec<usize>> = (0..c.grad_accum).map(|_| self.state.next_rows(c.rows_per_step)).collect();
-            let micro_batches = ids.iter().map(|m| m.iter().map(|&i| &data[i]).collect()).collect();
+            let rows: Vec<Vec<TrainRow>> =
+                ids.iter().map(|m| m.iter().map(|&i| data.row(i)).collect::<Result<_>>()).collect::<Result<_>>()?;
+            let micro_batches = rows.iter().map(|m| m.iter().collect()).collect();
             let log_now = (step + 1).is_multiple_of(c.log_every) || step == 0 || step + 1 == total;
             let lr = lr_at(step, total, c.lr, c.warmup_frac);
             let batch = StepBatch {
@@ -285,7 +285,7 @@ impl<'a> Trainer<'a> {
             let outcome =
                 engine.step(&batch, &mut self.state.rng).map_err(|e| Error::Step { step, message: e.to_string() })?;
             let tokens: usize = batch.micro_batches.iter().flatten().map(|r| r.len()).sum();
-            reporter.count(step, tokens as u64, (c.rows_per_update()) as u64);
+            reporter.count(step, tokens as u64, (c.rows_per_update()) as u64, outcome.flops);
             self.state.step += 1;
             summary.steps_run += 1;
             if let Some(tensor) = &outcome.non_finite {
@@ -312,16 +312,14 @@ impl<'a> Trainer<'a> {
                         lr,
                         outcome.grad_norm,
                         self.state.nonfinite_total,
+                        outcome.device_bytes,
                     )?;
                 }
             }
             let done = self.state.step;
-            if c.eval_every > 0 && done.is_multiple_of(c.eval_every) && done < total {
-                let e = evaluate(engine.drafter()?, self.inputs.head, self.inputs.held_out, c.anchors, gamma, c.seed)?;
-                reporter.eval(step, e.loss, &e.accuracy, e.tau_hat)?;
-            }
-            if done == total {
-                let e = evaluate(engine.drafter()?, self.inputs.head, self.inputs.held_out, c.anchors, gamma, c.seed)?;
+            let eval_now = c.eval_every > 0 && done.is_multiple_of(c.eval_every);
+            if (eval_now || done == total) && !self.inputs.held_out.is_empty() {
+                let e = engine.evaluate(self.inputs.held_out, c.anchors, gamma, c.seed)?;
                 reporter.eval(step, e.loss, &e.accuracy, e.tau_hat)?;
             }
             if (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total {

@@ -58,12 +58,11 @@ fn resume_is_exact_for_both_engines() {
         let stop = rand::rng().random_range(1..steps - 1);
         let mut c2 = tiny_config(split_dir.path(), seed, steps);
         c2.checkpoint_every = stop;
-        let head = s.target.frozen_head();
         {
             // The first process: stopped ("killed") a step or two after its first checkpoint,
             // leaving metrics lines past it, and a line cut short.
             let mut e = engine(&c2, &s, kind);
-            let mut t = Trainer::new(inputs(&c2, &s, &head)).unwrap();
+            let mut t = Trainer::new(inputs(&c2, &s)).unwrap();
             let extra = rand::rng().random_range(0..=(steps - stop - 1).min(stop - 1).min(2));
             t.run_steps(&mut e, stop + extra).unwrap();
             let metrics = dflash_trainer::metrics::metrics_file(split_dir.path());
@@ -75,7 +74,7 @@ fn resume_is_exact_for_both_engines() {
         let found = find_resumable(split_dir.path()).unwrap();
         assert_eq!(found.state.step, stop);
         let mut e = engine(&c2, &s, kind);
-        let mut t = Trainer::new(inputs(&c2, &s, &head)).unwrap();
+        let mut t = Trainer::new(inputs(&c2, &s)).unwrap();
         t.resume(&mut e, &found).unwrap();
         t.run(&mut e).unwrap();
         assert_eq!(losses(split_dir.path()), whole, "{kind:?}, seed {seed}, stopped after {stop} steps");
@@ -136,9 +135,8 @@ fn incomplete_checkpoints_are_never_loaded() {
     assert_eq!(find_resumable(out).unwrap().state.step, 2);
 
     // Resuming from it removes the leftover temporary folder.
-    let head = s.target.frozen_head();
     let mut e = engine(&c, &s, StepKind::Reference);
-    let mut t = Trainer::new(inputs(&c, &s, &head)).unwrap();
+    let mut t = Trainer::new(inputs(&c, &s)).unwrap();
     let notes = t.resume(&mut e, &find_resumable(out).unwrap()).unwrap();
     assert!(!out.join(".checkpoint-8.tmp").exists(), "{notes:?}");
 
@@ -164,9 +162,8 @@ fn checkpoint_holds_the_servable_drafter() {
     let mut c = tiny_config(dir.path(), fresh_seed(), 5);
     (c.checkpoint_every, c.keep_checkpoints) = (1, 2);
     let s = setup(&c);
-    let head = s.target.frozen_head();
     let mut e = engine(&c, &s, StepKind::Reference);
-    Trainer::new(inputs(&c, &s, &head)).unwrap().run(&mut e).unwrap();
+    Trainer::new(inputs(&c, &s)).unwrap().run(&mut e).unwrap();
     let mut left: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -255,9 +252,8 @@ fn resume_refuses_other_data() {
     let s = setup(&c);
     run_to_end(&c, &s, StepKind::Reference);
     let other = setup(&tiny_config(dir.path(), seed + 1, 2));
-    let head = other.target.frozen_head();
     let mut e = engine(&c, &other, StepKind::Reference);
-    let mut t = Trainer::new(inputs(&c, &other, &head)).unwrap();
+    let mut t = Trainer::new(inputs(&c, &other)).unwrap();
     let message = t.resume(&mut e, &find_resumable(dir.path()).unwrap()).expect_err("refused").to_string();
     assert!(message.contains("training rows (sha256"), "{message}");
 }

@@ -129,6 +129,9 @@ fn unknown_keys_are_named() {
                     "somewhere"
                 }
             }
+            dflash_trainer::config::Kind::Bool => "yes",
+            dflash_trainer::config::Kind::Ints => "1,2",
+            dflash_trainer::config::Kind::Paths => "a.jsonl",
         };
         set(&RunConfig::builtin(), &[(&name.replace('_', "-"), value)]).unwrap_or_else(|e| panic!("--{name}: {e}"));
     }

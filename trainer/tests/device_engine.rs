@@ -7,7 +7,7 @@ use dflash_optimized::backend::host::Host;
 use dflash_optimized::memory::step::Checkpointing;
 use dflash_trainer::builtin;
 use dflash_trainer::config::{RunConfig, StepKind};
-use dflash_trainer::engine::{CpuEngine, DeviceEngine, StepBatch, StepEngine};
+use dflash_trainer::engine::{CpuEngine, DeviceEngine, Frozen, StepBatch, StepEngine};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -36,7 +36,7 @@ fn device(setup: &builtin::BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<f32
     DeviceEngine::new(
         || Ok(Host::<f32>::default()),
         drafter,
-        setup.target.frozen_head(),
+        Frozen::Host(setup.target.frozen_head()),
         builtin::adamw_config(c),
         Checkpointing::PerLayer,
     )

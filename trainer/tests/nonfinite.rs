@@ -52,6 +52,15 @@ impl StepEngine for Poisoned {
     fn drafter(&mut self) -> dflash_trainer::Result<&dflash_reference::drafter::Drafter> {
         self.inner.drafter()
     }
+    fn evaluate(
+        &mut self,
+        rows: &dyn dflash_trainer::rows::RowSource,
+        max_anchors: usize,
+        gamma: f64,
+        seed: u64,
+    ) -> dflash_trainer::Result<dflash_reference::eval::EvalReport> {
+        self.inner.evaluate(rows, max_anchors, gamma, seed)
+    }
 }
 
 /// Isolated NaN steps are skipped (no update), reported in metrics.jsonl with their rows and
@@ -64,12 +73,11 @@ fn non_finite_steps_are_skipped_counted_and_stop_the_run_after_k_in_a_row() {
     let mut c = tiny_config(dir.path(), seed, steps);
     c.max_nonfinite_in_a_row = 3;
     let s = setup(&c);
-    let head = s.target.frozen_head();
     // Two isolated NaN steps and a pair: never 3 in a row.
     let first = rand::rng().random_range(1..3);
     let poisoned: BTreeSet<usize> = [first, first + 3, first + 4].into();
     let mut e = Poisoned { inner: engine(&c, &s, StepKind::Reference), steps: poisoned.clone(), unchanged: Vec::new() };
-    let summary = Trainer::new(inputs(&c, &s, &head)).unwrap().run(&mut e).expect("the run goes on");
+    let summary = Trainer::new(inputs(&c, &s)).unwrap().run(&mut e).expect("the run goes on");
     assert_eq!(summary.skipped_total, 3);
     assert_eq!(e.unchanged, vec![true; 3], "a skipped step does not update the weights");
     let lines = metrics::read_lines(&metrics::metrics_file(dir.path())).unwrap();
@@ -97,7 +105,7 @@ fn non_finite_steps_are_skipped_counted_and_stop_the_run_after_k_in_a_row() {
         steps: (start..start + 3).collect(),
         unchanged: Vec::new(),
     };
-    let message = Trainer::new(inputs(&c, &s, &head)).unwrap().run(&mut e).unwrap_err().to_string();
+    let message = Trainer::new(inputs(&c, &s)).unwrap().run(&mut e).unwrap_err().to_string();
     assert!(message.contains(&format!("stopped at step {}", start + 2)), "{message}");
     assert!(message.contains("3 steps in a row") && message.contains("loss"), "{message}");
     assert!(!dir.path().join("latest").exists());

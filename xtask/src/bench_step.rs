@@ -3,6 +3,7 @@
 //! PyTorch implementation of the same step measured in the same run in two forms (compiled
 //! flex_attention with the rest eager; every layer compiled); writes `results/step-h200.json`.
 
+use dflash_optimized::flops::{step_model_flops, PEAK_FLOPS, STEP_FLOP_CONVENTION};
 use std::path::PathBuf;
 
 use dflash_optimized::backend::cuda::Cuda;
@@ -56,11 +57,6 @@ const OPTIONS: &[&str] = &[
     "profile",
 ];
 
-/// Dense bf16 peak of the H200 (and H100 SXM) that MFU divides by, in FLOP/s.
-const PEAK_FLOPS: f64 = 989e12;
-const FLOP_CONVENTION: &str = "model FLOPs of one step, no recompute: each trainable linear 3 x 2*rows*in*out \
-    (forward, input and weight gradients); fc 2 x (features need no gradient); the frozen LM head 2 x over the \
-    rows with CE weight; attention 3.5 x 4*head_dim*heads*allowed pairs per layer. MFU = FLOPs / (time x 989 TFLOP/s)";
 const MEMORY_CONVENTION: &str = "peak: memory-pool high-water of one step (bf16 weights, fp32 gradients, frozen LM \
     head, inputs, activations, scratch; no optimizer state or fp32 master weights); PyTorch: \
     max_memory_allocated of one step (bf16 weights and gradients, frozen tables, inputs, activations); GB = 1e9 bytes";
@@ -77,22 +73,6 @@ fn random_anchors(s: usize, block: usize, n: usize, seed: u64) -> Result<Vec<usi
         picked.insert(rng.random_range(1..=span));
     }
     Ok(picked.into_iter().collect())
-}
-
-/// Model FLOPs of one step (see [`FLOP_CONVENTION`]): `weighted_rows` rows reach the LM head,
-/// `pairs[l]` is layer `l`'s allowed (query, key) pairs.
-fn step_model_flops(config: &DraftConfig, shape: StepShape, weighted_rows: usize, pairs: &[u64]) -> f64 {
-    let c = &config.dims;
-    let (h, i, v) = (c.hidden_size as f64, c.intermediate_size as f64, c.vocab_size as f64);
-    let (qd, kd) = ((c.num_heads * c.head_dim) as f64, (c.num_kv_heads * c.head_dim) as f64);
-    let q = (shape.num_anchors * config.block_size) as f64;
-    let k = shape.context_len as f64 + q;
-    let linear = |rows: f64, fan_in: f64, fan_out: f64| 2.0 * rows * fan_in * fan_out;
-    let layer = linear(q, h, qd) + 2.0 * linear(k, h, kd) + linear(q, qd, h) + 3.0 * linear(q, h, i);
-    let fc = linear(shape.context_len as f64, (config.num_features() * c.hidden_size) as f64, h);
-    let lm_head = linear(weighted_rows as f64, h, v);
-    let attention: f64 = pairs.iter().map(|&p| 3.5 * 4.0 * (c.head_dim * c.num_heads) as f64 * p as f64).sum();
-    3.0 * layer * c.num_layers() as f64 + 2.0 * fc + 2.0 * lm_head + attention
 }
 
 /// Our measurement of one policy.
@@ -344,7 +324,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "warmup": warmup,
             "iters": iters,
             "torch": torch_version,
-            "flop_convention": FLOP_CONVENTION,
+            "flop_convention": STEP_FLOP_CONVENTION,
             "memory_convention": MEMORY_CONVENTION,
             "date": date,
             "gpu": gpu_name,
@@ -401,18 +381,6 @@ fn print_table(objects: &[Value]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The FLOP count reproduces GPU.md's (the project's H200 notes) 73.4 model TFLOP of the Qwen3-8B drafter step
-    /// (S=3072, N=512, LM head over all 8192 rows, attention at its anchor table's density).
-    #[test]
-    fn model_flops_of_the_named_step_match_gpu_md() {
-        let named = named_configs().into_iter().next().unwrap();
-        let q = named.shape.num_anchors * named.config.block_size;
-        // Allowed pairs of the S=3072 N=512 anchor case: density 0.138 of 8192 x 11264 (GPU.md).
-        let pairs = (0.138 * (q * (named.shape.context_len + q)) as f64) as u64;
-        let tflop = step_model_flops(&named.config, named.shape, q, &[pairs; 5]) / 1e12;
-        assert!((tflop - 73.4).abs() < 0.2, "{tflop:.2} TFLOP, GPU.md says 73.4");
-    }
 
     #[test]
     fn anchors_are_sorted_distinct_and_fit() {

@@ -3,6 +3,7 @@
 //! same run; nothing is downloaded), next to transformers' own forward with hidden states in the
 //! same run; writes `results/target-h200.json`.
 
+use dflash_optimized::flops::{target_forward_flops, PEAK_FLOPS, TARGET_FLOP_CONVENTION};
 use std::path::{Path, PathBuf};
 
 use dflash_optimized::backend::cuda::Cuda;
@@ -47,14 +48,8 @@ options:
 const OPTIONS: &[&str] =
     &["target", "seqs", "warmup", "iters", "torch", "python", "script", "out", "seed", "commit", "profile"];
 
-/// Dense bf16 peak of the H200 that MFU divides by, in FLOP/s.
-const PEAK_FLOPS: f64 = 989e12;
-const FLOP_CONVENTION: &str = "model FLOPs of the forward that ran: per layer 2*T*(in*out) over q, k, v, o, gate, \
-    up, down plus causal attention 4*head_dim*heads*T(T+1)/2; ours over layers 0..=max(layer ids), transformers' \
-    over all layers and the LM head 2*T*H*V; MFU = FLOPs / (time x 989 TFLOP/s)";
-
 /// Qwen3-8B's config for transformers' `Qwen3Config` (the named target's dims; random weights).
-fn qwen3_8b_config() -> Value {
+pub fn qwen3_8b_config() -> Value {
     let t = qwen3_8b_target();
     let c = &t.dims;
     json!({
@@ -64,18 +59,6 @@ fn qwen3_8b_config() -> Value {
         "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta, "tie_word_embeddings": t.tie_word_embeddings,
     })
-}
-
-/// Model FLOPs of a causal forward of `t` tokens (one document) through `layers` layers, plus an
-/// LM head when `lm_head`.
-fn forward_flops(config: &TargetConfig, layers: usize, t: usize, lm_head: bool) -> f64 {
-    let c = &config.dims;
-    let (h, qd, kd, i) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
-    let t = t as f64;
-    let linears = 2.0 * t * (h * qd + 2 * h * kd + qd * h + 3 * h * i) as f64;
-    let attention = 4.0 * (c.head_dim * c.num_heads) as f64 * t * (t + 1.0) / 2.0;
-    let head = if lm_head { 2.0 * t * (h * c.vocab_size) as f64 } else { 0.0 };
-    layers as f64 * (linears + attention) + head
 }
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
@@ -139,8 +122,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         let hf_ms = hf_row.and_then(|r| r["ms"].as_f64());
         let hf_peak = hf_row.and_then(|r| r["peak_bytes"].as_f64());
         let tokens = |ms: f64| seq as f64 / (ms * 1e-3);
-        let ours_flops = forward_flops(&config, layers, seq, false);
-        let hf_flops = forward_flops(&config, config.dims.num_layers(), seq, true);
+        let ours_flops = target_forward_flops(&config, layers, seq, false);
+        let hf_flops = target_forward_flops(&config, config.dims.num_layers(), seq, true);
         objects.push(json!({
             "seq": seq,
             "ours_ms": ms,
@@ -156,7 +139,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "layers_run": layers,
             "layer_ids": layer_ids,
             "baseline": versions,
-            "flop_convention": FLOP_CONVENTION,
+            "flop_convention": TARGET_FLOP_CONVENTION,
             "warmup": warmup,
             "iters": iters,
             "date": date,

@@ -17,6 +17,7 @@ mod bench_data;
 mod bench_gemm;
 mod bench_step;
 mod bench_target;
+mod bench_train;
 mod data;
 mod features;
 mod gpu_bundle;

@@ -31,6 +31,9 @@ options:
   --device-gib X    device memory to fit, GiB                 (default 139.8, one H200)
   --chunk-rows N    query rows per chunk of the chunked-attention failure mode (default 256)";
 
+/// Device memory of one H200 a run may plan for, GiB (`--device-gib`'s default).
+pub const H200_GIB: f64 = 139.8;
+
 const OPTIONS: &[&str] = &["target", "config", "seq", "anchors", "lm-chunk", "device-gib", "chunk-rows"];
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
@@ -39,7 +42,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Ok(());
     };
     let lm_chunk_rows: usize = opts.get("lm-chunk", DEFAULT_LM_CHUNK_ROWS)?;
-    let device_gib: f64 = opts.get("device-gib", 139.8)?;
+    let device_gib: f64 = opts.get("device-gib", H200_GIB)?;
     let chunk_rows: usize = opts.get("chunk-rows", 256)?;
     if lm_chunk_rows == 0 || chunk_rows == 0 || device_gib <= 0.0 {
         return Err("--lm-chunk and --chunk-rows must be at least 1, --device-gib positive".into());
@@ -99,19 +102,33 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
 /// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
 fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Result<(), String> {
-    use dflash_optimized::memory::target::TargetLayout;
-    use dflash_optimized::memory::{BF16, F32};
     let file = dir.join("config.json");
     let target = dflash_reference::config::TargetConfig::from_file(&file).map_err(|e| e.to_string())?;
     let t = &target.dims;
     let features = 5.min(t.num_layers());
     let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, features);
-    let layout = TargetLayout::new(&target, &config.target_layer_ids, shape.context_len, (BF16, F32), true, true)
-        .map_err(|e| format!("{}: {e}", file.display()))?;
+    print_target_plan(&file.display().to_string(), &target, &config, shape, device_bytes, &Checkpointing::ALL)?;
+    Ok(())
+}
+
+/// Prints the target's forward (`name`) for `config`'s layers and the drafter's step under each
+/// of `policies` on one device of `device_bytes`; returns whether the last one fits.
+pub fn print_target_plan(
+    name: &str,
+    target: &dflash_reference::config::TargetConfig,
+    config: &DraftConfig,
+    shape: StepShape,
+    device_bytes: u64,
+    policies: &[Checkpointing],
+) -> Result<bool, String> {
+    use dflash_optimized::memory::target::TargetLayout;
+    use dflash_optimized::memory::{BF16, F32};
+    let t = &target.dims;
+    let layout = TargetLayout::new(target, &config.target_layer_ids, shape.context_len, (BF16, F32), true, true)
+        .map_err(|e| format!("{name}: {e}"))?;
     let target_bytes = layout.total_bytes().map_err(|e| e.to_string())?;
     println!(
-        "== target {} ({} layers, hidden {}, vocab {}): forward over layers 0..={} for features of {:?}, {} tokens per launch ==",
-        file.display(),
+        "== target {name} ({} layers, hidden {}, vocab {}): forward over layers 0..={} for features of {:?}, {} tokens per launch ==",
         t.num_layers(),
         t.hidden_size,
         t.vocab_size,
@@ -120,8 +137,9 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
         shape.context_len
     );
     print!("{}", layout.render());
-    for policy in Checkpointing::ALL {
-        let plan = plan_step(&config, shape, policy, true).map_err(|e| e.to_string())?;
+    let mut fits = false;
+    for &policy in policies {
+        let plan = plan_step(config, shape, policy, true).map_err(|e| e.to_string())?;
         println!(
             "-- drafter step ({} policy, S={} N={}, LM head shared with the target):",
             policy.name(),
@@ -130,8 +148,9 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
         );
         print!("{}", plan.render(device_bytes));
         let total = target_bytes.saturating_add(plan.peak);
-        let verdict = if total <= device_bytes { "fits" } else { "DOES NOT FIT" };
+        fits = total <= device_bytes;
+        let verdict = if fits { "fits" } else { "DOES NOT FIT" };
         println!("  {:<58} {:>12}  {verdict} in {}", "target + drafter step", gb(total), gb(device_bytes));
     }
-    Ok(())
+    Ok(fits)
 }

@@ -1,46 +1,70 @@
 //! `cargo xtask train`: a training run through the trainer crate (`dflash-trainer`): config
-//! (preset, `--config FILE`, `--key value`), validation, the loop with a CPU step engine,
-//! checkpoints, exact `--resume`, metrics and the plot. Today the built-in tiny default only.
+//! (preset, `--config FILE`, `--key value`), validation, the loop with a step engine,
+//! checkpoints, exact `--resume`, metrics and the plot. Two kinds of run: the built-in default
+//! (a random target built in code, data sampled from it) and a real run (`--target DIR --data
+//! FILE...`: the target's features online on the device, or from a feature cache).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use candle_core::DType;
 use dflash_optimized::backend::cuda::Cuda;
-use dflash_optimized::memory::step::Checkpointing;
-use dflash_reference::eval::evaluate;
+use dflash_optimized::backend::host::Host;
+use dflash_optimized::flops::PEAK_FLOPS;
+use dflash_optimized::memory::step::{Checkpointing, StepShape};
+use dflash_optimized::model::target_forward::TargetForward;
+use dflash_reference::config::DraftConfig;
+use dflash_reference::drafter::{Drafter, FrozenHead};
+use dflash_reference::eval::{evaluate, EvalReport};
+use dflash_reference::io::WeightSet;
+use dflash_reference::target::TargetModel;
 use dflash_trainer::builtin::{self, mean_tau};
-use dflash_trainer::checkpoint::{self, find_resumable, load_config};
-use dflash_trainer::config::StepKind;
-use dflash_trainer::config::{known_flags, options_help, RunConfig, FIELDS};
-use dflash_trainer::engine::{CpuEngine, DeviceEngine, StepEngine};
+use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
+use dflash_trainer::config::{known_flags, options_help, RunConfig, StepKind, FIELDS};
+use dflash_trainer::engine::{CpuEngine, DeviceEngine, Frozen, StepEngine};
 use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
-use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, Trainer};
+use dflash_trainer::real::{self, RealSetup};
+use dflash_trainer::rows::{RowFeatures, RowSource};
+use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, RunSummary, Trainer};
 
-const HELP_HEAD: &str = "usage: cargo xtask train [--config FILE] [--plan] [--resume OUT] [--key value ...]
+const HELP_HEAD: &str = "usage: cargo xtask train [--target DIR --data FILE... [--features CACHE]] [--config FILE] [--plan] [--resume OUT] [--key value ...]
 
-Trains a tiny DFlash drafter against a tiny random Qwen3 target built in code, on data sampled
-from that target, on the CPU. Prints the loss as it falls, then the acceptance length tau of
-greedy speculative decoding before and after training.
+Without --target: trains a tiny DFlash drafter against a tiny random Qwen3 target built in code,
+on data sampled from that target, on the CPU (`--step gpu --builtin-target gpu`: on the GPU).
+Prints the loss as it falls, then the acceptance length tau of greedy speculative decoding
+before and after training.
 
-The options come from the built-in preset, then the keys of `--config FILE` (TOML, the names
-below with `_`), then `--key value` on the command line. Unknown keys are errors.
+With --target DIR --data FILE...: a real run. The target's HF folder (config.json, safetensors
+weights, tokenizer, chat template) and jsonl conversations (as `cargo xtask data` reads them);
+the drafter is derived from the target (dims, RoPE, vocab) with the spec's recipe (5 layers,
+block 16, 5 feature layers, AdamW lr 6e-4, warmup 4% + cosine, clip 1, 6 epochs, S 3072, 512
+anchors). The target runs on the GPU in the same process (online features; `--step host`: the
+CPU twins, for small targets), or `--features CACHE` reads the features `cargo xtask features`
+wrote. Everything (options, files, the drafter against the target, the mask token, the cache's
+provenance, the memory plan) is checked before the device is touched.
+
+The options come from a preset (the built-in one, or the recipe with --target), then the keys of
+`--config FILE` (TOML, the names below with `_`), then `--key value` on the command line.
+Unknown keys are errors.
 
   --config FILE              a TOML file of options
-  --plan                     print the resolved config, steps, epochs, tokens and an estimated
-                             time, then exit without training
+  --plan                     print the resolved config, the memory plan (real runs), steps,
+                             epochs, tokens and an estimated time, then exit without training
   --resume OUT               continue the run in OUT from its latest complete checkpoint, with
                              losses identical to an uninterrupted run (its config is loaded;
                              only options that do not change the run may differ, e.g. --steps)
-  --target DIR --data FILE   real targets and data (not built yet: they need the GPU loop)
 
 The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
 model.safetensors in bf16; training.safetensors, run.toml, state.json), latest, metrics.jsonl
 (one JSON object per line), training.svg, and drafter/ (the final servable drafter). A fresh
 run replaces a finished run in its folder and refuses an unfinished one (--resume continues it).
 
-options (built-in defaults):";
+options (built-in defaults; real runs start from the recipe):";
+
+/// The MFU `--plan` estimates a GPU run's time with (the planned step measured 57% on the H200).
+const PLANNED_MFU: f64 = 0.5;
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
     let err = |e: dflash_trainer::Error| e.to_string();
@@ -48,9 +72,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         println!("{HELP_HEAD}\n{}", options_help());
         return Ok(());
     };
-    if cli.real_data {
-        return Err("`--target` / `--data`: real targets need the GPU loop, not built yet (today `cargo xtask train` trains the built-in tiny default; `cargo xtask data` prepares real data)".into());
-    }
 
     // The config: preset (or the checkpoint's), file, command line; then validation.
     let mut resume_notes = Vec::new();
@@ -63,6 +84,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             saved.out = dir.clone();
             (base, Some((found, saved)))
         }
+        None if cli.real_preset()? => (RunConfig::default(), None),
         None => (RunConfig::builtin(), None),
     };
     if let Some(file) = &cli.config {
@@ -79,27 +101,133 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
     }
     config.validate().map_err(err)?;
+    match config.target.is_some() {
+        true => real_run(config, cli.plan, resume, resume_notes),
+        false => builtin_run(config, cli.plan, resume, resume_notes),
+    }
+}
+
+/// The checkpoint to resume from and the config it was saved with.
+type Resume = Option<(Found, RunConfig)>;
+
+/// The resolved config's resume notes (an error when it may not resume the checkpoint).
+fn check_resume(config: &RunConfig, resume: &Resume, notes: &mut Vec<String>) -> Result<(), String> {
+    if let Some((_, saved)) = resume {
+        notes.extend(check_resume_config(config, saved).map_err(|e| e.to_string())?);
+    }
+    Ok(())
+}
+
+/// `--out` checked writable and made ready for a fresh run (a finished run there is replaced).
+fn prepare_out(config: &RunConfig, resume: &Resume) -> Result<(), String> {
+    config.check_out().map_err(|e| e.to_string())?;
+    if resume.is_none() {
+        for note in prepare_fresh_out(&config.out).map_err(|e| e.to_string())? {
+            println!("{note}");
+        }
+    }
+    Ok(())
+}
+
+/// The loop: resume when asked, then every remaining step.
+fn train_loop(inputs: RunInputs, engine: &mut dyn StepEngine, resume: &Resume, mut notes: Vec<String>) -> Result<RunSummary, String> {
+    let err = |e: dflash_trainer::Error| e.to_string();
+    let config = inputs.config;
+    let mut trainer = Trainer::new(inputs).map_err(err)?;
+    if let Some((found, _)) = resume {
+        notes.extend(trainer.resume(engine, found).map_err(err)?);
+    }
+    for note in &notes {
+        println!("resume: {note}");
+    }
+    println!(
+        "training ({} step) {} steps of {} rows x {} anchors{}, AdamW peak lr {:e}, warmup {:.0}% + cosine, clip {}",
+        engine.name(),
+        trainer.total_steps(),
+        config.rows_per_step,
+        config.anchors,
+        if config.grad_accum > 1 { format!(" x {} accumulated", config.grad_accum) } else { String::new() },
+        config.lr,
+        config.warmup_frac * 100.0,
+        config.clip_norm
+    );
+    trainer.run(engine).map_err(err)
+}
+
+/// The end of a run: the final servable drafter, the plot, the loss and held-out summary.
+fn report_end(
+    config: &RunConfig,
+    draft_config: &DraftConfig,
+    engine: &mut dyn StepEngine,
+    summary: &RunSummary,
+    held_out: Option<(usize, &EvalReport, &EvalReport)>,
+) -> Result<(PathBuf, PathBuf), String> {
+    let err = |e: dflash_trainer::Error| e.to_string();
+    let final_dir = config.out.join("drafter");
+    checkpoint::save_servable_folder(&final_dir, draft_config, &engine.state().map_err(err)?).map_err(err)?;
+    let svg = metrics::plot(&config.out).map_err(err)?;
+    let lines = metrics::read_lines(&metrics::metrics_file(&config.out)).map_err(err)?;
+    let losses: Vec<f64> = lines
+        .iter()
+        .filter(|v| v.get("kind").and_then(|k| k.as_str()) == Some("train"))
+        .filter_map(|v| v.get("loss")?.as_f64())
+        .collect();
+    let window = (losses.len() / 10).max(1).min(losses.len());
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+    println!();
+    if !losses.is_empty() {
+        println!(
+            "loss: {:.4} (mean of the first {window} logged steps) -> {:.4} (mean of the last {window})",
+            mean(&losses[..window]),
+            mean(&losses[losses.len() - window..])
+        );
+    }
+    if summary.skipped_total > 0 {
+        println!("skipped steps (non-finite loss or gradient): {}", summary.skipped_total);
+    }
+    if let Some((n, before, after)) = held_out {
+        println!("held-out loss ({n} rows): {:.4} before -> {:.4} after", before.loss, after.loss);
+        let percent = |acc: &[f64]| acc[1..].iter().map(|a| format!("{:.0}", a * 100.0)).collect::<Vec<_>>().join(" ");
+        println!(
+            "held-out top-1 accuracy % at offsets 1..{}: [{}] before -> [{}] after",
+            draft_config.block_size - 1,
+            percent(&before.accuracy),
+            percent(&after.accuracy)
+        );
+        println!("held-out tau_hat: {:.2} before -> {:.2} after", before.tau_hat, after.tau_hat);
+    }
+    Ok((final_dir, svg))
+}
+
+/// The last lines: where the drafter and the run's files are.
+fn report_files(config: &RunConfig, summary: &RunSummary, final_dir: &Path, svg: &Path, started: Instant) {
+    println!("saved the drafter (HF format: config.json + model.safetensors, bf16) to {}", final_dir.display());
+    println!(
+        "run folder {}: {} checkpoint(s) written by this run (latest: {}), metrics.jsonl, {}",
+        config.out.display(),
+        summary.checkpoints.len(),
+        summary.checkpoints.last().map_or("-".into(), |p| p.display().to_string()),
+        svg.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    );
+    println!("total {:.1}s", started.elapsed().as_secs_f64());
+}
+
+/// The built-in default: a random target built in code, rows sampled from it.
+fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec<String>) -> Result<(), String> {
+    let err = |e: dflash_trainer::Error| e.to_string();
     let draft_config = builtin::draft_config(&config);
     let config = config.resolved(draft_config.block_size, config.rows);
-    if let Some((_, saved)) = &resume {
-        resume_notes.extend(check_resume_config(&config, saved).map_err(err)?);
-    }
-    if cli.plan {
+    check_resume(&config, &resume, &mut resume_notes)?;
+    if plan {
         let target_config = builtin::target_config(&config);
         let plan = Plan::new(&config, &draft_config, &target_config, config.rows);
         println!("# resolved config\n{}", config.to_toml());
         println!("{}", plan.describe());
         return Ok(());
     }
-    config.check_out().map_err(err)?;
-    if resume.is_none() {
-        for note in prepare_fresh_out(&config.out).map_err(err)? {
-            println!("{note}");
-        }
-    }
+    prepare_out(&config, &resume)?;
 
     let started = Instant::now();
-    let setup_started = Instant::now();
     print!(
         "data: sampling {} rows of {}+{} tokens from the target ... ",
         config.rows, config.prompt_len, config.continuation_len
@@ -108,7 +236,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let setup = builtin::setup(&config).map_err(err)?;
     println!(
         "done in {:.1}s (target's next-token entropy: {:.3} nats)",
-        setup_started.elapsed().as_secs_f64(),
+        started.elapsed().as_secs_f64(),
         setup.entropy
     );
     let drafter = builtin::init_drafter(&config, &setup.draft_config).map_err(err)?;
@@ -135,96 +263,194 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             println!("step on {}", gpu.name());
             let d = setup.draft_config.dims.head_dim;
             let make = move || Cuda::new(&gpu, d);
-            Box::new(DeviceEngine::new(
-                make,
-                drafter,
-                head.clone(),
-                builtin::adamw_config(&config),
-                Checkpointing::PerLayer,
-            ))
+            let adamw = builtin::adamw_config(&config);
+            Box::new(DeviceEngine::new(make, drafter, Frozen::Host(head.clone()), adamw, Checkpointing::PerLayer))
         }
         kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
     };
-
     let inputs = RunInputs {
         config: &config,
         draft_config: &setup.draft_config,
         data: &setup.data,
         held_out: &setup.held_out,
-        head: &head,
         quiet: false,
     };
-    let mut trainer = Trainer::new(inputs).map_err(err)?;
-    if let Some((found, _)) = &resume {
-        resume_notes.extend(trainer.resume(engine.as_mut(), found).map_err(err)?);
-    }
-    for note in &resume_notes {
-        println!("resume: {note}");
-    }
-    let steps = trainer.total_steps();
-    println!(
-        "training ({} step) {steps} steps of {} rows x {} anchors{}, AdamW peak lr {:e}, warmup {:.0}% + cosine, clip {}",
-        engine.name(),
-        config.rows_per_step,
-        config.anchors,
-        if config.grad_accum > 1 { format!(" x {} accumulated", config.grad_accum) } else { String::new() },
-        config.lr,
-        config.warmup_frac * 100.0,
-        config.clip_norm
-    );
-    let summary = trainer.run(engine.as_mut()).map_err(err)?;
+    let summary = train_loop(inputs, engine.as_mut(), &resume, resume_notes)?;
 
     let drafter = engine.drafter().map_err(err)?;
     let tau_after = mean_tau(&setup.target, drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
     let eval_after =
         evaluate(drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
-    let final_dir = config.out.join("drafter");
-    checkpoint::save_servable_folder(&final_dir, &setup.draft_config, &engine.state().map_err(err)?).map_err(err)?;
-    let svg = metrics::plot(&config.out).map_err(err)?;
-
-    let lines = metrics::read_lines(&metrics::metrics_file(&config.out)).map_err(err)?;
-    let losses: Vec<f64> = lines
-        .iter()
-        .filter(|v| v.get("kind").and_then(|k| k.as_str()) == Some("train"))
-        .filter_map(|v| v.get("loss")?.as_f64())
-        .collect();
-    let window = (losses.len() / 10).max(1).min(losses.len());
-    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
-    println!();
-    println!(
-        "loss: {:.4} (mean of the first {window} logged steps) -> {:.4} (mean of the last {window})",
-        mean(&losses[..window]),
-        mean(&losses[losses.len() - window..])
-    );
-    if summary.skipped_total > 0 {
-        println!("skipped steps (non-finite loss or gradient): {}", summary.skipped_total);
-    }
-    let n_eval = setup.held_out.len();
-    println!("held-out loss ({n_eval} rows): {:.4} before -> {:.4} after", eval_before.loss, eval_after.loss);
-    let percent = |acc: &[f64]| acc[1..].iter().map(|a| format!("{:.0}", a * 100.0)).collect::<Vec<_>>().join(" ");
-    println!(
-        "held-out top-1 accuracy % at offsets 1..{}: [{}] before -> [{}] after",
-        d.block_size - 1,
-        percent(&eval_before.accuracy),
-        percent(&eval_after.accuracy)
-    );
-    println!("held-out tau_hat: {:.2} before -> {:.2} after", eval_before.tau_hat, eval_after.tau_hat);
+    let held = Some((setup.held_out.len(), &eval_before, &eval_after));
+    let (final_dir, svg) = report_end(&config, &setup.draft_config, engine.as_mut(), &summary, held)?;
     println!(
         "tau (greedy speculative decoding, {} held-out prompts x {} tokens, block {}): {tau_before:.2} before -> {tau_after:.2} after; output identical to plain greedy decoding",
         setup.prompts.len(),
         config.tau_tokens,
         d.block_size
     );
-    println!("saved the drafter (HF format: config.json + model.safetensors, bf16) to {}", final_dir.display());
-    println!(
-        "run folder {}: {} checkpoint(s) written by this run (latest: {}), metrics.jsonl, {}",
-        config.out.display(),
-        summary.checkpoints.len(),
-        summary.checkpoints.last().map_or("-".into(), |p| p.display().to_string()),
-        svg.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
-    );
-    println!("total {:.1}s", started.elapsed().as_secs_f64());
+    report_files(&config, &summary, &final_dir, &svg, started);
     Ok(())
+}
+
+/// A real run: the user's target and data (features online or from a cache).
+fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec<String>) -> Result<(), String> {
+    let err = |e: dflash_trainer::Error| e.to_string();
+    let started = Instant::now();
+    let setup = real::prepare(&config).map_err(err)?;
+    let (t, d) = (&setup.target_config, &setup.draft_config);
+    for note in &setup.notes {
+        println!("{note}");
+    }
+    let stats = setup.dataset.stats();
+    println!(
+        "data: {} documents ({} tokens, {} supervised) from {} conversations; {} documents held out",
+        stats.documents,
+        stats.tokens,
+        stats.supervised_tokens,
+        stats.conversations,
+        setup.dataset.held_out.len()
+    );
+    let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
+    // The reference engine computes features with the reference target on the CPU.
+    let reference_target = match (config.step, &setup.cache) {
+        (StepKind::Reference, None) => Some(TargetModel::load(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?),
+        _ => None,
+    };
+    let features = || match &reference_target {
+        Some(target) => setup.features(dtype, RowFeatures::Reference(target, d.target_layer_ids.clone())),
+        None => setup.features(dtype, RowFeatures::Online),
+    };
+    let (train_rows, held_rows) = setup.rows(&config, features).map_err(err)?;
+    let config = config.resolved(d.block_size, train_rows.len());
+    check_resume(&config, &resume, &mut resume_notes)?;
+    let source = match &config.features {
+        Some(cache) => format!("features from the cache {}", cache.display()),
+        None => format!("features online from target layers {:?}", d.target_layer_ids),
+    };
+    println!(
+        "target: {} ({} layers, hidden {}, vocab {}); drafter: {} layers, block {}, mask token {}, {source}; rows: {} of {} tokens for training, {} held out",
+        setup.target_dir.display(),
+        t.dims.num_layers(),
+        t.dims.hidden_size,
+        t.dims.vocab_size,
+        d.dims.num_layers(),
+        d.block_size,
+        d.mask_token_id,
+        train_rows.len(),
+        config.max_len,
+        held_rows.as_ref().map_or(0, |h| h.len())
+    );
+    let shape = StepShape { context_len: config.max_len, num_anchors: config.anchors, lm_chunk_rows: 1024 };
+    if plan {
+        println!("# resolved config\n{}", config.to_toml());
+        let name = setup.target_dir.display().to_string();
+        let fits = crate::plan::print_target_plan(&name, t, d, shape, (crate::plan::H200_GIB * (1u64 << 30) as f64) as u64, &[Checkpointing::PerLayer])?;
+        if !fits {
+            println!("the run does not fit one H200: lower --max-len or --anchors");
+        }
+        let steps = config.total_steps(train_rows.len());
+        let rows = (steps * config.rows_per_update()) as f64;
+        let per_row = real_flops_per_row(&config, &setup);
+        println!(
+            "steps: {steps}\nepochs: {:.2}\ntokens: {:.0}\nestimated time on one H200: {:.0}s ({:.1e} model FLOP at {:.0}% MFU)",
+            rows / train_rows.len() as f64,
+            rows * config.max_len as f64,
+            rows * per_row / (PEAK_FLOPS * PLANNED_MFU),
+            rows * per_row,
+            PLANNED_MFU * 100.0
+        );
+        return Ok(());
+    }
+    prepare_out(&config, &resume)?;
+
+    let drafter = Drafter::init(d.clone(), config.seed + 1, DType::F32).map_err(|e| e.to_string())?;
+    println!("drafter: {} trainable parameters", drafter.num_params());
+    let adamw = builtin::adamw_config(&config);
+    let policy = Checkpointing::PerLayer;
+    let weights = || WeightSet::load_dir(&setup.target_dir).map_err(|e| e.to_string());
+    let host_head = |dtype: DType| -> Result<FrozenHead, String> {
+        let w = weights()?;
+        let (v, h) = (t.dims.vocab_size, t.dims.hidden_size);
+        let embed = w.get("model.embed_tokens.weight", &[v, h], dtype).map_err(|e| e.to_string())?;
+        let lm_head = match t.tie_word_embeddings {
+            true => embed.clone(),
+            false => w.get("lm_head.weight", &[v, h], dtype).map_err(|e| e.to_string())?,
+        };
+        Ok(FrozenHead { embed, lm_head })
+    };
+    let ids = d.target_layer_ids.clone();
+    let online = setup.cache.is_none();
+    let mut engine: Box<dyn StepEngine> = match config.step {
+        StepKind::Gpu => {
+            let gpu = crate::gpu_conformance::open_gpu()?;
+            let head_dim = d.dims.head_dim;
+            let frozen = match online {
+                true => {
+                    let cuda = Cuda::new(&gpu, head_dim).map_err(|e| e.to_string())?;
+                    let mut forward = TargetForward::new(cuda, t, &ids, config.max_len, true).map_err(|e| e.to_string())?;
+                    let w = weights()?;
+                    forward.load_weights(|n, s| w.get(n, s, DType::BF16)).map_err(|e| e.to_string())?;
+                    Frozen::Target(forward)
+                }
+                false => Frozen::Host(host_head(DType::F32)?),
+            };
+            println!("step on {}", gpu.name());
+            Box::new(DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy))
+        }
+        StepKind::Host => {
+            let frozen = match online {
+                true => {
+                    let mut forward = TargetForward::new(Host::<f32>::default(), t, &ids, config.max_len, true)
+                        .map_err(|e| e.to_string())?;
+                    let w = weights()?;
+                    forward.load_weights(|n, s| w.get(n, s, DType::F32)).map_err(|e| e.to_string())?;
+                    Frozen::Target(forward)
+                }
+                false => Frozen::Host(host_head(DType::F32)?),
+            };
+            Box::new(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, policy))
+        }
+        StepKind::Reference => {
+            let head = host_head(DType::F32)?;
+            Box::new(CpuEngine::new(drafter, head, adamw, StepKind::Reference).map_err(err)?)
+        }
+    };
+    let gamma = config.gamma_for(d.block_size);
+    let no_rows: Vec<dflash_reference::data::TrainRow> = Vec::new();
+    let held: &dyn RowSource = match &held_rows {
+        Some(rows) => rows,
+        None => &no_rows,
+    };
+    let eval = |engine: &mut dyn StepEngine| -> Result<Option<EvalReport>, String> {
+        match held.is_empty() {
+            true => Ok(None),
+            false => engine.evaluate(held, config.anchors, gamma, config.seed).map(Some).map_err(err),
+        }
+    };
+    let eval_before = eval(engine.as_mut())?;
+    let inputs = RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, quiet: false };
+    let summary = train_loop(inputs, engine.as_mut(), &resume, resume_notes)?;
+    let eval_after = eval(engine.as_mut())?;
+    let held_summary = eval_before.as_ref().zip(eval_after.as_ref()).map(|(b, a)| (held.len(), b, a));
+    let (final_dir, svg) = report_end(&config, d, engine.as_mut(), &summary, held_summary)?;
+    report_files(&config, &summary, &final_dir, &svg, started);
+    Ok(())
+}
+
+/// Model FLOPs of one real row at `S` (the target's forward over one document of `S` tokens, the
+/// drafter's step with every block row weighted and every context key allowed: an upper bound).
+fn real_flops_per_row(c: &RunConfig, setup: &RealSetup) -> f64 {
+    let d = &setup.draft_config;
+    let layers = d.target_layer_ids.iter().max().map_or(0, |&l| l + 1);
+    let target = match setup.cache {
+        Some(_) => 0.0,
+        None => dflash_optimized::flops::target_forward_flops(&setup.target_config, layers, c.max_len, false),
+    };
+    let q = c.anchors * d.block_size;
+    let shape = StepShape { context_len: c.max_len, num_anchors: c.anchors, lm_chunk_rows: 1 };
+    let pairs = vec![(q * (c.max_len + q)) as u64 / 2; d.dims.num_layers()];
+    target + dflash_optimized::flops::step_model_flops(d, shape, q, &pairs)
 }
 
 /// The command line of `train`.
@@ -232,14 +458,13 @@ struct Cli {
     config: Option<PathBuf>,
     resume: Option<PathBuf>,
     plan: bool,
-    real_data: bool,
     overrides: Vec<(String, String)>,
 }
 
 impl Cli {
     /// `Ok(None)` for `--help`.
     fn parse(args: Vec<String>) -> Result<Option<Self>, String> {
-        let mut cli = Cli { config: None, resume: None, plan: false, real_data: false, overrides: Vec::new() };
+        let mut cli = Cli { config: None, resume: None, plan: false, overrides: Vec::new() };
         let mut it = args.into_iter().peekable();
         while let Some(arg) = it.next() {
             if arg == "--help" || arg == "-h" {
@@ -251,27 +476,38 @@ impl Cli {
                 continue;
             }
             let is_option = FIELDS.iter().any(|(f, _, _)| *f == name.replace('-', "_"));
-            if !is_option && !["config", "resume", "target", "data"].contains(&name.as_str()) {
+            if !is_option && !["config", "resume"].contains(&name.as_str()) {
                 return Err(format!(
                     "unknown option `--{name}` (known: --config, --plan, --resume, {})",
                     known_flags().join(", ")
                 ));
             }
-            let value =
+            let mut value =
                 it.next_if(|v| !v.starts_with("--")).ok_or_else(|| format!("option `--{name}` needs a value"))?;
             match name.as_str() {
                 "config" => cli.config = Some(PathBuf::from(value)),
                 "resume" => cli.resume = Some(PathBuf::from(value)),
-                "target" => cli.real_data = true,
                 "data" => {
-                    cli.real_data = true;
-                    while it.peek().is_some_and(|a| !a.starts_with("--")) {
-                        it.next();
+                    while let Some(more) = it.next_if(|a| !a.starts_with("--")) {
+                        value = format!("{value}\n{more}");
                     }
+                    cli.overrides.push((name, value));
                 }
                 _ => cli.overrides.push((name, value)),
             }
         }
         Ok(Some(cli))
+    }
+
+    /// Whether the run is a real one (the recipe's preset): `--target` on the command line or
+    /// `target` in the config file.
+    fn real_preset(&self) -> Result<bool, String> {
+        if self.overrides.iter().any(|(k, _)| k == "target") {
+            return Ok(true);
+        }
+        let Some(file) = &self.config else { return Ok(false) };
+        let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let table: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+        Ok(table.contains_key("target"))
     }
 }

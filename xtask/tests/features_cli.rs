@@ -7,43 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use dflash_conformance::tolerance::{rel_error, GPU_KERNEL_BF16};
 use dflash_data::features::FeatureCache;
-use dflash_reference::config::{AttnKind, ModelDims, RopeScaling, TargetArch, TargetConfig};
-use dflash_reference::target::TargetModel;
+use dflash_conformance::target_cases::write_target_folder;
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
-}
-
-/// A target folder: the fixture tokenizer and a random Qwen3 of 3 layers whose vocab covers it.
-fn make_target(dir: &Path, seed: u64) -> TargetModel {
-    std::fs::create_dir_all(dir).unwrap();
-    for entry in std::fs::read_dir(repo("fixtures/data/tokenizer-qwen")).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
-    }
-    let config = TargetConfig {
-        arch: TargetArch::Qwen3,
-        dims: ModelDims {
-            hidden_size: 32,
-            intermediate_size: 48,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 8,
-            vocab_size: 768,
-            rms_norm_eps: 1e-6,
-            rope_theta: 1e4,
-            max_position_embeddings: 4096,
-            layer_kinds: vec![AttnKind::Full; 3],
-        },
-        tie_word_embeddings: false,
-        rope_scaling: RopeScaling::Default,
-    };
-    let model = TargetModel::random(config, seed, 0.1, DType::F32).unwrap();
-    model.save(dir).unwrap();
-    model
 }
 
 fn command(target: &Path, out: &Path, data_cache: &Path, extra: &[&str]) -> Command {
@@ -82,7 +52,7 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn the_cache_holds_every_document_with_the_reference_features() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
-    let model = make_target(&target, 1);
+    let model = write_target_folder(&target, 1);
     let stdout = ok(&run(command(&target, &out, &data, &[])));
     assert!(stdout.contains("documents,") && stdout.contains("free at"), "size estimate missing:\n{stdout}");
     let cache = FeatureCache::open(&out, None).unwrap();
@@ -124,7 +94,7 @@ fn kill_after_first_shard(mut child: Child, out: &Path) {
 fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, data) = (tmp.path().join("target"), tmp.path().join("data"));
-    make_target(&target, 2);
+    write_target_folder(&target, 2);
     let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
     ok(&run(command(&target, &whole, &data, &[])));
 
@@ -161,7 +131,7 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
 fn bad_options_are_refused_before_any_work() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
-    make_target(&target, 3);
+    write_target_folder(&target, 3);
     let cases: [(&[&str], &str); 6] = [
         (&["--layer-ids", "9"], "layer 9 is out of range for the target's 3 layers"),
         (&["--layer-ids", "1,x"], "`x` is not a layer number"),

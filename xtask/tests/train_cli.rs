@@ -7,6 +7,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use dflash_conformance::target_cases::write_target_folder;
+use dflash_conformance::tolerance::{GPU_STEP_BF16, STEP_F32};
 use rand::Rng;
 
 fn xtask(args: &[&str]) -> std::process::Output {
@@ -215,13 +217,43 @@ fn killed_and_resumed_run_has_the_uninterrupted_losses() {
         args.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
         args
     };
-    let whole = tmp.path().join("whole");
+    let (expected, out) = killed_and_resumed_equals_uninterrupted(tmp.path(), run_args, 24, &seed);
+
+    // Resuming the finished run with a changed option that alters it is refused, naming it.
+    let result = xtask(&["train", "--resume", out.to_str().unwrap(), "--lr", "0.01"]);
+    assert!(!result.status.success());
+    assert!(text(&result.stderr).contains("option `lr`"), "{}", text(&result.stderr));
+    // The newest checkpoint without its marker: resumption falls back to the previous one and
+    // says so, and (extended by 2 steps) recomputes the same losses up to the old end.
+    std::fs::remove_file(out.join("checkpoint-24/state.json")).unwrap();
+    let result = xtask(&["train", "--resume", out.to_str().unwrap(), "--steps", "26"]);
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    assert!(stdout.contains("falling back to") && stdout.contains("checkpoint-20"), "{stdout}");
+    assert!(stdout.contains("`steps` changed from 24 to 26"), "{stdout}");
+    let extended = losses(&out);
+    assert_eq!(extended.len(), 26);
+    // Step 20's loss is taken before its update, with the weights of the old schedule.
+    assert_eq!(&extended[..21], &expected[..21], "the steps before the checkpoint are kept as they were");
+}
+
+/// Runs `run_args(out)` uninterrupted, then again killed (SIGKILL) at random moments after its
+/// first checkpoint, once while a checkpoint is half-written, resuming each time; asserts that
+/// every one of the `steps` losses is bitwise the uninterrupted run's, each step once in
+/// metrics.jsonl. Returns the uninterrupted losses and the killed run's folder.
+fn killed_and_resumed_equals_uninterrupted(
+    tmp: &Path,
+    run_args: impl Fn(&Path) -> Vec<String>,
+    steps: usize,
+    seed: &str,
+) -> (Vec<(u64, u64)>, std::path::PathBuf) {
+    let whole = tmp.join("whole");
     let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(run_args(&whole)).output().unwrap();
     assert!(result.status.success(), "{}", text(&result.stderr));
     let expected = losses(&whole);
-    assert_eq!(expected.len(), 24);
+    assert_eq!(expected.len(), steps);
 
-    let out = tmp.path().join("killed");
+    let out = tmp.join("killed");
     let mut kills = 0;
     let mut mid_checkpoint_kill = false;
     let (mut attempt, mut spawns) = (0, 0);
@@ -284,29 +316,14 @@ fn killed_and_resumed_run_has_the_uninterrupted_losses() {
     }
     eprintln!("killed {kills} times (one while a checkpoint was being written); {spawns} processes in all");
     let got = losses(&out);
-    assert_eq!(got.len(), 24, "each step once in metrics.jsonl: {:?}", got.iter().map(|g| g.0).collect::<Vec<_>>());
+    assert_eq!(got.len(), steps, "each step once in metrics.jsonl: {:?}", got.iter().map(|g| g.0).collect::<Vec<_>>());
     for ((s1, l1), (s2, l2)) in expected.iter().zip(&got) {
         assert_eq!(s1, s2);
         assert_eq!(l1, l2, "step {s1}: {} vs {} (seed {seed})", f64::from_bits(*l1), f64::from_bits(*l2));
     }
     assert!(!has_tmp(&out), "a leftover temporary checkpoint");
 
-    // Resuming the finished run with a changed option that alters it is refused, naming it.
-    let result = xtask(&["train", "--resume", out.to_str().unwrap(), "--lr", "0.01"]);
-    assert!(!result.status.success());
-    assert!(text(&result.stderr).contains("option `lr`"), "{}", text(&result.stderr));
-    // The newest checkpoint without its marker: resumption falls back to the previous one and
-    // says so, and (extended by 2 steps) recomputes the same losses up to the old end.
-    std::fs::remove_file(out.join("checkpoint-24/state.json")).unwrap();
-    let result = xtask(&["train", "--resume", out.to_str().unwrap(), "--steps", "26"]);
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
-    assert!(stdout.contains("falling back to") && stdout.contains("checkpoint-20"), "{stdout}");
-    assert!(stdout.contains("`steps` changed from 24 to 26"), "{stdout}");
-    let extended = losses(&out);
-    assert_eq!(extended.len(), 26);
-    // Step 20's loss is taken before its update, with the weights of the old schedule.
-    assert_eq!(&extended[..21], &expected[..21], "the steps before the checkpoint are kept as they were");
+    (expected, out)
 }
 
 fn has_tmp(out: &Path) -> bool {
@@ -328,4 +345,157 @@ fn losses(out: &Path) -> Vec<(u64, u64)> {
         .into_iter()
         .map(|(s, l)| (s, l.to_bits()))
         .collect()
+}
+
+/// A real run's options on the CPU twins: the fixture conversations through a small random
+/// Qwen3 target folder ([`write_target_folder`]), rows of 256 tokens, 8 anchors.
+fn real_args(target: &Path, cache: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["train", "--target", target.to_str().unwrap()]
+        .into_iter()
+        .chain(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
+        .chain(["--data-cache", cache.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .chain(["--max-len", "256", "--anchors", "8", "--target-layer-ids", "2,0", "--held-out", "0.2"])
+        .chain(["--lr", "3e-3", "--log-every", "1", "--eval-rows", "2", "--eval-every", "4"])
+        .map(String::from)
+        .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn repo(path: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+}
+
+/// `(step, loss)` of the train lines.
+fn loss_values(out: &Path) -> Vec<f64> {
+    losses(out).into_iter().map(|(_, l)| f64::from_bits(l)).collect()
+}
+
+/// A real run end to end on the CPU: online on the twins (the target's forward feeding the
+/// step in the same process), with the reference engine, and offline from a feature cache.
+/// Each trains (finite losses, per-offset accuracy on logged steps, held-out lines), saves a
+/// drafter that loads in the reference with the target's dims, vocab and the layers asked for;
+/// the first step's loss of the online twins equals the reference's within the f32 step bound,
+/// the cache's within the bf16 bound of its features.
+#[test]
+fn a_real_run_trains_online_offline_and_with_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    let seed: u64 = rand::rng().random_range(0..1 << 30);
+    write_target_folder(&target, seed);
+    let cache = tmp.path().join("data-cache");
+    let steps = ["--steps", "8", "--checkpoint-every", "4"];
+    // --plan: the resolved config, the target and step memory on one GPU, the run's size; no training.
+    let planned = tmp.path().join("planned");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(real_args(&target, &cache, &planned, &["--plan", "--epochs", "2"]))
+        .output()
+        .unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    for expected in ["# resolved config", "target + drafter step", "fits", "steps:", "epochs: 2.00", "estimated time"] {
+        assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
+    }
+    assert!(!planned.join("metrics.jsonl").exists(), "--plan trained");
+    let mut first = Vec::new();
+    for (name, step) in [("host", "host"), ("reference", "reference")] {
+        let out = tmp.path().join(name);
+        let mut extra = vec!["--step", step];
+        extra.extend(steps);
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
+        let stdout = text(&result.stdout);
+        assert!(result.status.success(), "{name}:\n{stdout}\n{}", text(&result.stderr));
+        for expected in ["training (", "held-out loss", "held-out tau_hat", "saved the drafter"] {
+            assert!(stdout.contains(expected), "{name}: no `{expected}` in\n{stdout}");
+        }
+        let lines = dflash_trainer::metrics::read_lines(&out.join("metrics.jsonl")).unwrap();
+        let train: Vec<_> = lines.iter().filter(|v| v["kind"] == "train").collect();
+        assert_eq!(train.len(), 8, "{name}");
+        assert!(train.iter().all(|v| v["loss"].as_f64().is_some_and(f64::is_finite)), "{name}");
+        assert!(train.iter().all(|v| v["acc"].as_array().is_some_and(|a| a.len() == 15)), "{name}: {:?}", train[0]);
+        assert!(lines.iter().filter(|v| v["kind"] == "eval").count() >= 2, "{name}");
+        let drafter = dflash_reference::drafter::Drafter::load(&out.join("drafter"), candle_core::DType::F32).unwrap();
+        assert_eq!(drafter.config.target_layer_ids, vec![2, 0]);
+        assert_eq!((drafter.config.dims.hidden_size, drafter.config.dims.vocab_size), (32, 768));
+        assert_eq!((drafter.config.block_size, drafter.config.dims.num_layers()), (16, 5));
+        first.push(loss_values(&out)[0]);
+    }
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+    assert!(rel(first[0], first[1]) <= STEP_F32.rel, "online twins {} vs reference {}", first[0], first[1]);
+
+    // Offline: the features of every document cached, then trained from.
+    let features = tmp.path().join("features");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["features", "--device", "cpu", "--target", target.to_str().unwrap()])
+        .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
+        .args(["--out", features.to_str().unwrap(), "--cache", cache.to_str().unwrap()])
+        .args(["--max-len", "256", "--layer-ids", "2,0", "--held-out", "0.2"])
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let out = tmp.path().join("offline");
+    let mut extra = vec!["--step", "host", "--features", features.to_str().unwrap()];
+    extra.extend(steps);
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    assert!(stdout.contains("features from the cache"), "{stdout}");
+    let offline = loss_values(&out)[0];
+    assert!(rel(offline, first[0]) <= GPU_STEP_BF16.rel, "from the cache {offline} vs online {}", first[0]);
+}
+
+/// A real run on the CPU twins, killed at random moments and resumed, has bitwise the losses of
+/// an uninterrupted one.
+#[test]
+fn a_killed_real_run_resumes_with_the_uninterrupted_losses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    let seed = rand::rng().random_range(0..1u64 << 30).to_string();
+    write_target_folder(&target, 7);
+    let cache = tmp.path().join("data-cache");
+    let run_args = |out: &Path| {
+        let extra = ["--step", "host", "--steps", "12", "--checkpoint-every", "3", "--keep-checkpoints", "2"];
+        let mut args = real_args(&target, &cache, out, &extra);
+        args.extend(["--seed".to_string(), seed.clone()]);
+        args
+    };
+    killed_and_resumed_equals_uninterrupted(tmp.path(), run_args, 12, &seed);
+}
+
+/// Bad real-run input is refused before any training, naming the option, file or token.
+#[test]
+fn bad_real_runs_are_refused_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    write_target_folder(&target, 3);
+    let cache = tmp.path().join("data-cache");
+    let out = tmp.path().join("out");
+    let fails = |extra: &[&str], want: &[&str]| {
+        let mut args = real_args(&target, &cache, &out, &["--step", "host", "--steps", "2"]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+        let stderr = text(&result.stderr);
+        assert!(!result.status.success(), "{extra:?} was accepted");
+        for w in want {
+            assert!(stderr.contains(w), "{extra:?}: no `{w}` in {stderr}");
+        }
+        assert!(!out.join("metrics.jsonl").exists(), "{extra:?}: training started");
+    };
+    fails(&["--target-layer-ids", "1,3"], &["target_layer_ids", "layer 3", "3 layers"]);
+    fails(&["--anchors", "1000"], &["anchors", "1000"]);
+    fails(&["--max-len", "1"], &["max_len"]);
+    fails(&["--mask-token-id", "9999"], &["mask_token_id", "9999", "768"]);
+    fails(&["--held-out", "1.5"], &["held_out"]);
+    fails(&["--features", tmp.path().join("nothing").to_str().unwrap()], &["features", "index.json"]);
+    // A mask token the data holds (a token of the first conversation).
+    let tokenizer = dflash_data::target::TargetTokenizer::load(&target).unwrap();
+    let common = tokenizer.encode("the").unwrap()[0].to_string();
+    fails(&["--mask-token-id", &common], &["mask_token_id", "occurs in the data"]);
+    let missing = tmp.path().join("absent");
+    let args = real_args(&missing, &cache, &out, &["--steps", "2"]);
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    assert!(!result.status.success() && text(&result.stderr).contains("target"), "{}", text(&result.stderr));
+    // Data without a target.
+    let result = xtask(&["train", "--data", "a.jsonl", "--steps", "2"]);
+    assert!(!result.status.success() && text(&result.stderr).contains("needs `target`"), "{}", text(&result.stderr));
 }

@@ -49,20 +49,15 @@ pub fn engine(c: &RunConfig, s: &BuiltinSetup, kind: StepKind) -> CpuEngine {
     CpuEngine::new(drafter, s.target.frozen_head(), builtin::adamw_config(c), kind).expect("engine")
 }
 
-pub fn inputs<'a>(
-    c: &'a RunConfig,
-    s: &'a BuiltinSetup,
-    head: &'a dflash_reference::drafter::FrozenHead,
-) -> RunInputs<'a> {
-    RunInputs { config: c, draft_config: &s.draft_config, data: &s.data, held_out: &s.held_out, head, quiet: true }
+pub fn inputs<'a>(c: &'a RunConfig, s: &'a BuiltinSetup) -> RunInputs<'a> {
+    RunInputs { config: c, draft_config: &s.draft_config, data: &s.data, held_out: &s.held_out, quiet: true }
 }
 
 /// A whole run of `c` from scratch; returns the trainer's losses by step from metrics.jsonl.
 pub fn run_to_end(c: &RunConfig, s: &BuiltinSetup, kind: StepKind) -> Vec<(u64, u64)> {
     std::fs::create_dir_all(&c.out).unwrap();
-    let head = s.target.frozen_head();
     let mut e = engine(c, s, kind);
-    let mut t = Trainer::new(inputs(c, s, &head)).expect("trainer");
+    let mut t = Trainer::new(inputs(c, s)).expect("trainer");
     t.run(&mut e).expect("run");
     losses(&c.out)
 }

@@ -1,0 +1,185 @@
+//! [`RowSource`]: where a run's rows come from, one at a time (a real data set's features do not
+//! fit in memory). The built-in rows are a `Vec` of [`TrainRow`]s; a real run's rows are
+//! [`DataRows`]: the documents of a tokenized data set packed once into rows of `S` tokens (the
+//! run's RNG shuffles the rows every epoch), with their features from one of [`RowFeatures`].
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor};
+use dflash_data::features::FeatureCache;
+use dflash_data::rows::{Packing, RowBuilder};
+use dflash_data::Dataset;
+use dflash_reference::data::{document_runs, Row, TrainRow};
+use dflash_reference::target::TargetModel;
+use sha2::{Digest, Sha256};
+
+use crate::checkpoint::data_sha256;
+use crate::error::{Error, Result};
+
+/// The rows of a run, by index.
+pub trait RowSource {
+    /// Number of rows.
+    fn len(&self) -> usize;
+    /// Whether there is no row.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Row `i` with its features (`[S, 0]` when the engine computes them online).
+    fn row(&self, i: usize) -> Result<TrainRow>;
+    /// A sha256 naming the rows (a checkpoint of other rows is refused on resume).
+    fn sha256(&self) -> Result<String>;
+}
+
+impl RowSource for Vec<TrainRow> {
+    fn len(&self) -> usize {
+        <[TrainRow]>::len(self)
+    }
+
+    fn row(&self, i: usize) -> Result<TrainRow> {
+        self.get(i).cloned().ok_or_else(|| Error::option("rows", format!("no row {i} of {}", self.len())))
+    }
+
+    fn sha256(&self) -> Result<String> {
+        data_sha256(self)
+    }
+}
+
+/// Where a real row's features come from.
+pub enum RowFeatures<'a> {
+    /// Computed by the engine's target forward (the row carries `[S, 0]`).
+    Online,
+    /// The offline cache (`xtask features`): each document's features, in `dtype`.
+    Cache(&'a FeatureCache, DType),
+    /// The reference target on the CPU (small targets; the reference engine).
+    Reference(&'a TargetModel, Vec<usize>),
+}
+
+/// A data set's documents (`docs`, in this order) packed into rows of `seq_len` tokens, every
+/// row padded to `seq_len` (one document per row when the data set does not pack).
+pub struct DataRows<'a> {
+    dataset: &'a Dataset,
+    /// The documents of each row.
+    rows: Vec<Vec<usize>>,
+    seq_len: usize,
+    pad_id: u32,
+    features: RowFeatures<'a>,
+    /// What the features are made from (target, layer ids, data: `features::provenance`).
+    provenance: BTreeMap<String, String>,
+}
+
+impl<'a> DataRows<'a> {
+    /// Packs `docs` (at most `max_rows` rows) whose features `features` gives, made from
+    /// `provenance`; an error when no row is left.
+    pub fn new(
+        dataset: &'a Dataset,
+        docs: &[usize],
+        seq_len: usize,
+        max_rows: usize,
+        features: RowFeatures<'a>,
+        provenance: BTreeMap<String, String>,
+    ) -> Result<Self> {
+        let pad_id = match dataset.packing {
+            Packing::Packed { pad_id, .. } => pad_id,
+            Packing::OnePerRow => 0,
+        };
+        let mut rows = Vec::new();
+        let mut next = 0;
+        for row in RowBuilder::new(docs.iter().map(|&i| dataset.cache.document(i)), dataset.packing) {
+            if rows.len() == max_rows {
+                break;
+            }
+            let row = row.map_err(|e| Error::option("data", e.to_string()))?;
+            let n = row.doc_ids.iter().filter(|&&d| d >= 0).max().map_or(0, |&d| d as usize + 1);
+            rows.push(docs[next..next + n].to_vec());
+            next += n;
+        }
+        if rows.is_empty() {
+            return Err(Error::option("data", "no rows"));
+        }
+        Ok(DataRows { dataset, rows, seq_len, pad_id, features, provenance })
+    }
+
+    /// Row `i` without features (tokens, mask, document ids, positions), padded to `S`.
+    pub fn plain_row(&self, i: usize) -> Result<Row> {
+        let docs = self.rows.get(i).ok_or_else(|| Error::option("rows", format!("no row {i} of {}", self.len())))?;
+        let mut row = Row { tokens: vec![], loss_mask: vec![], doc_ids: vec![], positions: vec![] };
+        for (id, &d) in docs.iter().enumerate() {
+            let doc = self.dataset.cache.document(d).map_err(|e| Error::option("data", e.to_string()))?;
+            row.positions.extend(0..doc.tokens.len());
+            row.doc_ids.extend(std::iter::repeat_n(id as i64, doc.tokens.len()));
+            row.tokens.extend(doc.tokens);
+            row.loss_mask.extend(doc.loss_mask);
+        }
+        if row.tokens.len() > self.seq_len {
+            return Err(Error::option("data", format!("row {i}: {} tokens, above S = {}", row.tokens.len(), self.seq_len)));
+        }
+        let pad = self.seq_len - row.tokens.len();
+        row.tokens.extend(std::iter::repeat_n(self.pad_id, pad));
+        row.loss_mask.extend(std::iter::repeat_n(false, pad));
+        row.doc_ids.extend(std::iter::repeat_n(-1, pad));
+        row.positions.extend(std::iter::repeat_n(0, pad));
+        Ok(row)
+    }
+
+    /// `S`, the tokens of every row.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+}
+
+impl RowSource for DataRows<'_> {
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn row(&self, i: usize) -> Result<TrainRow> {
+        let row = self.plain_row(i)?;
+        let s = row.tokens.len();
+        let features = match &self.features {
+            RowFeatures::Online => Tensor::zeros((s, 0), DType::F32, &Device::Cpu)?,
+            RowFeatures::Reference(target, layer_ids) => target.row_features(&row, layer_ids)?,
+            RowFeatures::Cache(cache, dtype) => {
+                let width = cache.index.feature_width();
+                let mut bits = vec![0u16; s * width];
+                for (run, &d) in document_runs(&row.doc_ids).into_iter().zip(&self.rows[i]) {
+                    let doc = cache.doc(d).map_err(|e| Error::option("features", e.to_string()))?;
+                    if doc.tokens[..] != row.tokens[run.clone()] {
+                        return Err(Error::option(
+                            "features",
+                            format!(
+                                "{}: document {d} holds other tokens than the data's (the cache was made from other data)",
+                                cache.dir.display()
+                            ),
+                        ));
+                    }
+                    bits[run.start * width..run.end * width].copy_from_slice(doc.features);
+                }
+                let values: Vec<half::bf16> = bits.into_iter().map(half::bf16::from_bits).collect();
+                Tensor::from_vec(values, (s, width), &Device::Cpu)?.to_dtype(*dtype)?
+            }
+        };
+        Ok(TrainRow::from_row(row, features)?)
+    }
+
+    /// Over the data set's key, the documents of every row, `S`, the feature source and its
+    /// provenance.
+    fn sha256(&self) -> Result<String> {
+        let mut h = Sha256::new();
+        h.update(self.dataset.cache.key);
+        for (k, v) in &self.provenance {
+            h.update(k.as_bytes());
+            h.update(v.as_bytes());
+        }
+        h.update((self.seq_len as u64).to_le_bytes());
+        for docs in &self.rows {
+            h.update((docs.len() as u64).to_le_bytes());
+            docs.iter().for_each(|&d| h.update((d as u64).to_le_bytes()));
+        }
+        match &self.features {
+            RowFeatures::Online => h.update(b"online"),
+            RowFeatures::Cache(..) => h.update(b"cache"),
+            RowFeatures::Reference(..) => h.update(b"reference"),
+        }
+        Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+}

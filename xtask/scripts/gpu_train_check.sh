@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# On the GPU machine (from the repository root): a real run on the GPU, end to end, and its exact
+# resumption. transformers makes a small random Qwen3 target folder (heads of 64, which the GPU
+# kernels need) with the fixture tokenizer; `xtask train --target ... --data ... --step gpu` trains
+# on the fixture conversations with the target's features computed online on the GPU. Then:
+#   - the same run killed with SIGKILL after its first checkpoint and resumed gives bitwise the
+#     uninterrupted run's losses (the GPU kernels are deterministic: no atomics, fixed orders);
+#   - the first losses equal those of the same run on the CPU twins in f32 (`--step host`) within
+#     the bf16 step bound (2e-2 relative).
+# usage: xtask/scripts/gpu_train_check.sh BUNDLE_DIR OUT_DIR
+set -euo pipefail
+bundle=$1
+out=$2
+work=$(mktemp -d)
+mkdir -p "$out"
+
+cat > "$work/make.json" <<EOF
+{"mode": "make", "model_dir": "$work/target", "seed": 1,
+ "config": {"vocab_size": 768, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": false}}
+EOF
+python3 "$bundle/target_torch.py" "$work/make.json" > /dev/null
+cp fixtures/data/tokenizer-qwen/* "$work/target/"
+
+run() { # run OUT STEP EXTRA...: one training run into OUT
+  local dir=$1 step=$2
+  shift 2
+  "$bundle/xtask" train --target "$work/target" --data fixtures/data/conversations.jsonl \
+    --data-cache "$work/cache" --out "$dir" --step "$step" --max-len 512 --anchors 64 \
+    --target-layer-ids 1,3 --held-out 0.2 --lr 3e-3 --log-every 1 --eval-every 20 --eval-rows 4 \
+    --checkpoint-every 20 --keep-checkpoints 2 "$@"
+}
+
+run "$work/whole" gpu --steps 60 > "$out/whole.log"
+run "$work/killed" gpu --steps 60 > "$out/killed.log" 2>&1 &
+pid=$!
+while [ ! -e "$work/killed/checkpoint-20/state.json" ]; do
+  kill -0 "$pid" 2> /dev/null || { echo "the run ended before its first checkpoint"; exit 1; }
+  sleep 0.02
+done
+sleep 0.$((RANDOM % 9 + 1))
+kill -9 "$pid"
+wait "$pid" 2> /dev/null || true
+echo "killed after $(ls -d "$work"/killed/checkpoint-* | tr '\n' ' ')"
+"$bundle/xtask" train --resume "$work/killed" > "$out/resumed.log"
+run "$work/host" host --steps 5 > "$out/host.log"
+cp "$work/whole/metrics.jsonl" "$out/whole-metrics.jsonl"
+cp "$work/killed/metrics.jsonl" "$out/resumed-metrics.jsonl"
+cp "$work/host/metrics.jsonl" "$out/host-metrics.jsonl"
+
+python3 - "$work" <<'EOF'
+import json, sys
+work = sys.argv[1]
+def losses(name):
+    # The loss's text as written (parsed exactly), per step.
+    out = {}
+    for line in open(f"{work}/{name}/metrics.jsonl"):
+        v = json.loads(line)
+        if v["kind"] == "train":
+            out[v["step"]] = v["loss"]
+    return out
+whole, resumed, host = losses("whole"), losses("killed"), losses("host")
+assert len(whole) == 60 and sorted(resumed) == sorted(whole), (len(whole), sorted(resumed))
+diff = [s for s in whole if whole[s] != resumed[s]]
+print(f"killed and resumed: {60 - len(diff)}/60 losses bitwise equal to the uninterrupted run")
+worst = max(abs(host[s] - whole[s]) / abs(host[s]) for s in host)
+print(f"GPU vs CPU twins f32, first {len(host)} losses: worst relative difference {worst:.2e} (bound 2e-2)")
+evals = [json.loads(l) for l in open(f"{work}/whole/metrics.jsonl") if '"eval"' in l]
+print("held-out:", " -> ".join(f"loss {e['loss']:.3f} tau_hat {e['tau_hat']:.3f}" for e in evals))
+first, last = whole[0], whole[59]
+print(f"training loss {first:.3f} -> {last:.3f}")
+sys.exit(1 if diff or worst > 2e-2 else 0)
+EOF
