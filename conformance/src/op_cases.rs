@@ -311,5 +311,30 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
             ("weight grad", buf.get(s, dw, nn * kk)?, GPU_KERNEL_BF16),
         ],
     });
+
+    // The rows' argmax, exact: a vocab of a multiple of 8 and one of another, on bf16 values
+    // (exact in every storage) with deliberate ties (the maximum copied to a later and to an
+    // earlier index) and NaNs (skipped; a row starting with one gives 0).
+    let vocab8 = 8 * rng.random_range(1..=20_000);
+    for vocab in [vocab8, vocab8 + rng.random_range(1..8)] {
+        let am_rows = rng.random_range(6..=40);
+        let mut z = draw_bf16(am_rows * vocab, 0.0, 3.0, &mut rng);
+        for (r, row) in z.chunks_mut(vocab).enumerate() {
+            let first = (1..vocab).fold(0, |m, i| if row[i] > row[m] { i } else { m });
+            match r % 6 {
+                1 if first + 1 < vocab => row[rng.random_range(first + 1..vocab)] = row[first],
+                2 if first > 0 => row[rng.random_range(0..first)] = row[first],
+                3 => row[rng.random_range(0..vocab)] = f64::NAN,
+                4 => row[0] = f64::NAN,
+                _ => {}
+            }
+        }
+        let (zb, idx) = (buf.put(s, &z)?, buf.zeros(u, am_rows)?);
+        ops.argmax_rows(zb, am_rows, vocab, idx)?;
+        out.push(OpOutputs {
+            op: format!("argmax_rows [{am_rows}, {vocab}]"),
+            outputs: vec![("index", buf.get(u, idx, am_rows)?, EXACT)],
+        });
+    }
     Ok(out)
 }

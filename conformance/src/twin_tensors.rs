@@ -232,3 +232,14 @@ pub fn ce_grad_rows(z: &Tensor, labels: &[u32], weights: &[f64], scale: f64) -> 
         Ok((tensor(b.get(Kind::Stored, zp, rows * vocab)?, &[rows, vocab], z.dtype())?, b.get(Kind::Acc, loss, rows)?))
     })
 }
+
+/// The argmax twin over `z [rows, V]`: the first index of each row's maximum.
+pub fn argmax_rows(z: &Tensor) -> Result<Vec<u32>> {
+    let (rows, vocab) = z.dims2()?;
+    both!(z, |dev| {
+        let mut b = Buffers::new(dev);
+        let (zp, out) = (b.put(Kind::Stored, &values(z)?)?, b.zeros(Kind::U32, rows)?);
+        dev.ops().argmax_rows(zp, rows, vocab, out)?;
+        Ok(b.get(Kind::U32, out, rows)?.into_iter().map(|i| i as u32).collect())
+    })
+}

@@ -55,6 +55,7 @@ fn kernel_sources_match_a_passing_gpu_attestation() {
         "op rope_forward",
         "op swiglu",
         "op ce_grad_rows",
+        "op argmax_rows",
         "op adamw",
         "op fill_normal, gather/scatter, sum_squares, accumulate",
         "op matmul",

@@ -194,3 +194,104 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     let err = step.grad_sum_squares(Grads::Step).expect_err("NaN gradients").to_string();
     assert!(err.contains("gradient of ") && err.contains("after step 2") && err.contains("NaN"), "{err}");
 }
+
+/// The step's recorded predictions (`set_record_predictions`, `predictions`) on the CPU twins
+/// storing `E` (f64 or f32, `tolerance` the step's bound), for random drafters and rows (several
+/// anchors, `keep = false` blocks, every policy, LM-head chunks of 1 to 7 rows): on every weighted
+/// block row the argmax of the reference drafter's logits in f64 on the same (storage-exact)
+/// weights and inputs (`Drafter::forward` with the frozen head, as the CPU engine scores its
+/// steps), `u32::MAX` on the others; and recording changes neither the loss nor any gradient
+/// (bitwise). A near tie, reference logits closer than the step's bound, may go either way: such
+/// rows are counted and held to the tie only (none are expected).
+fn check_predictions<E: Elem>(storage: candle_core::DType, tolerance: dflash_conformance::tolerance::Tolerance) {
+    use candle_core::DType;
+    use dflash_conformance::gpu_step::rounded_to;
+    use dflash_conformance::setups::gpu_draft_case;
+    use dflash_optimized::memory::step::{Checkpointing, StepShape};
+    use dflash_optimized::model::drafter_step::DrafterStep;
+    use dflash_reference::drafter::DraftInput;
+    use dflash_reference::loss::BlockTargets;
+    use dflash_reference::speculative::argmax_rows;
+
+    let (mut weighted, mut unweighted, mut near_ties) = (0, 0, 0);
+    for seed in [21u64, 22, 23] {
+        let case = rounded_to(gpu_draft_case(seed, DType::F64).expect("case"), storage).expect("rounded");
+        let config = &case.drafter.config;
+        let b = config.block_size;
+        let input = DraftInput::training(&case.row, &case.anchors, b).expect("input");
+        let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
+        let logits = case.drafter.forward(&case.head, &input).expect("reference forward");
+        let want = argmax_rows(&logits).expect("reference argmax");
+        let logits: Vec<Vec<f64>> = logits.to_dtype(DType::F64).unwrap().to_vec2().unwrap();
+        let shape = StepShape {
+            context_len: case.row.len(),
+            num_anchors: case.anchors.positions.len(),
+            lm_chunk_rows: 1 + seed as usize % 7,
+        };
+        let policy = Checkpointing::ALL[seed as usize % 3];
+        let label = format!("seed {seed} {} S={} Q={}", policy.name(), shape.context_len, want.len());
+        let total = targets.total_weight();
+        let run = |record: bool| {
+            let mut step = DrafterStep::new(Host::<E>::default(), config, shape, policy, false).expect("step");
+            step.load_weights(&case.drafter).expect("weights");
+            step.load_lm_head(&case.head).expect("lm head");
+            step.set_input(&input, &case.head, &targets).expect("input");
+            step.set_record_predictions(record);
+            let loss = step.step(1.0 / total).expect("step").loss;
+            let grads: Vec<Vec<u64>> = step
+                .grads_to_host()
+                .expect("grads")
+                .into_iter()
+                .map(|(_, g)| g.into_iter().map(f64::to_bits).collect())
+                .collect();
+            let predictions = step.predictions();
+            // A new input forgets the last step's predictions.
+            step.set_input(&input, &case.head, &targets).expect("input");
+            assert!(step.predictions().is_err(), "{label}: predictions of a previous input");
+            (loss.to_bits(), grads, predictions)
+        };
+        let (loss_off, grads_off, none) = run(false);
+        assert!(none.is_err(), "{label}: predictions without recording");
+        let (loss_on, grads_on, predictions) = run(true);
+        assert_eq!(loss_on, loss_off, "{label}: recording changed the loss");
+        assert!(grads_on == grads_off, "{label}: recording changed a gradient");
+        let predictions = predictions.expect("recorded predictions");
+        assert_eq!(predictions.len(), want.len(), "{label}: one prediction per block row");
+        for (r, (&got, &w)) in predictions.iter().zip(&want).enumerate() {
+            if targets.weights[r] == 0.0 {
+                assert_eq!(got, u32::MAX, "{label}: row {r} has no CE weight");
+                unweighted += 1;
+                continue;
+            }
+            weighted += 1;
+            let z = &logits[r];
+            let scale = z.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let runner_up =
+                z.iter().enumerate().filter(|&(i, _)| i != w as usize).fold(f64::MIN, |m, (_, &x)| m.max(x));
+            if z[w as usize] - runner_up > tolerance.rel * scale {
+                assert_eq!(got, w, "{label}: row {r}: the step predicts {got}, the reference {w}");
+            } else {
+                near_ties += 1;
+                assert!(
+                    z[w as usize] - z[got as usize] <= tolerance.rel * scale,
+                    "{label}: row {r}: {got} is not in the reference's near tie at {w}"
+                );
+            }
+        }
+    }
+    println!("{weighted} weighted rows, {unweighted} unweighted, {near_ties} near ties");
+    assert!(weighted > 0 && unweighted > 0, "the cases must have rows of both kinds");
+    assert!(near_ties * 100 <= weighted, "{near_ties} near ties in {weighted} rows");
+}
+
+#[test]
+fn recorded_predictions_in_f64_are_the_reference_argmax_and_change_nothing() {
+    let _serial = one_at_a_time();
+    check_predictions::<f64>(candle_core::DType::F64, dflash_conformance::tolerance::STEP_F64);
+}
+
+#[test]
+fn recorded_predictions_in_f32_are_the_reference_argmax_and_change_nothing() {
+    let _serial = one_at_a_time();
+    check_predictions::<f32>(candle_core::DType::F32, dflash_conformance::tolerance::STEP_F32);
+}

@@ -113,6 +113,8 @@ fn regions_are_aligned_disjoint_and_inside_the_allocation() {
                 i.weights_ce,
                 i.rows_ce,
                 i.loss_rows,
+                i.block_tokens,
+                i.predictions,
             ]);
             outside.extend([l.ctx_pre, l.ctx, l.inv_hidden, l.hf, l.inv_final, l.grad_b]);
             outside.extend(l.residual.iter().copied());

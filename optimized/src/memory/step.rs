@@ -145,7 +145,8 @@ pub struct OptimizerRegions {
 }
 
 /// One row's inputs: features `[S, F*H]` (stored), RoPE tables `[Q or K, d]` (arithmetic type),
-/// and the CE rows: their indices, labels (u32), weights and per-row loss (arithmetic type).
+/// and the CE rows: their indices, labels (u32), weights and per-row loss (arithmetic type) and
+/// top-1 predictions (u32).
 #[derive(Clone, Copy, Debug)]
 pub struct InputRegions {
     pub features: Region,
@@ -159,6 +160,9 @@ pub struct InputRegions {
     pub loss_rows: Region,
     /// The block tokens `[Q]` (u32) the block embeddings are gathered from on the device.
     pub block_tokens: Region,
+    /// The top-1 prediction (u32) of each weighted row, in the order of `rows_ce` (`[Q]`: at most
+    /// Q rows), when the step records them.
+    pub predictions: Region,
 }
 
 /// What a layer's backward reads of its forward: `kv_in [K, H]` (ctx rows, then xn), the
@@ -261,6 +265,7 @@ const SAVED_ATTENTION: &str = "saved attention out + logsumexp, all layers";
 const WORKSPACE: &str = "one layer's activations (recomputed in the backward)";
 const WORKSPACE_ATTENTION: &str = "one layer's attention out + logsumexp (recomputed)";
 const INPUTS: &str = "inputs: features, RoPE tables, labels, weights";
+const PREDICTIONS: &str = "top-1 predictions of the block rows (u32)";
 const KEY_RANGES: &str = "attention key ranges (uploaded with each input)";
 const PADDING: &str = "alignment padding";
 
@@ -319,6 +324,7 @@ impl StepLayout {
             rows_ce: ar.take(INPUTS, Saved, "rows_ce", &[z.q], F32)?,
             loss_rows: ar.take(INPUTS, Saved, "loss_rows", &[z.q], a)?,
             block_tokens: ar.take(INPUTS, Saved, "block_tokens", &[z.q], F32)?,
+            predictions: ar.take(PREDICTIONS, Saved, "predictions", &[z.q], F32)?,
         };
         let context = "context: fc output, ctx, inverse RMS";
         let ctx_pre = ar.take(context, Saved, "ctx_pre", &[z.s, z.h], e)?;

@@ -128,8 +128,12 @@ pub struct DrafterStep<B: Backend> {
     final_norm: Param,
     layers: Vec<LayerParams>,
     ranges: HashMap<AttnKind, B::Ranges>,
-    /// Rows with a nonzero CE weight, in the order their labels and weights were uploaded.
-    weighted_rows: usize,
+    /// The block rows with a nonzero CE weight, in the order their labels and weights were uploaded.
+    ce_rows: Vec<u32>,
+    /// Whether a step records the weighted rows' top-1 predictions ([`DrafterStep::predictions`]).
+    record_predictions: bool,
+    /// Whether the predictions region holds the last step's (on the current input).
+    predicted: bool,
     /// Steps run so far (named in errors: the step whose loss or gradient went bad).
     steps_done: u64,
     total_weight: f64,
@@ -211,7 +215,9 @@ impl<B: Backend> DrafterStep<B> {
             base,
             slots,
             ranges: HashMap::new(),
-            weighted_rows: 0,
+            ce_rows: Vec::new(),
+            record_predictions: false,
+            predicted: false,
             steps_done: 0,
             total_weight: 0.0,
         })
@@ -411,17 +417,27 @@ impl<B: Backend> DrafterStep<B> {
         self.upload("rows_ce", i.rows_ce, &rows)?;
         self.upload("labels", i.labels, &labels)?;
         self.upload("weights_ce", i.weights_ce, &weights)?;
-        self.weighted_rows = rows.len();
+        self.ce_rows = rows;
+        self.predicted = false;
         self.total_weight = targets.total_weight();
         Ok(())
     }
 
     /// One forward and backward of the uploaded row: writes `grad_scale * d(sum w CE)/dθ` into
     /// the parameter gradients (`grad_scale = 1 / total weight` gives the row's mean-loss
-    /// gradient) and returns the row's loss. Fails naming the step and the loss when the loss is
-    /// not finite.
+    /// gradient) and returns the row's loss (when recording, the weighted rows' predictions too).
+    /// Fails naming the step and the loss when the loss is not finite.
     pub fn step(&mut self, grad_scale: f64) -> Result<StepLoss> {
         self.steps_done += 1;
+        self.predicted = false;
+        self.forward(grad_scale)?;
+        self.predicted = self.record_predictions;
+        self.backward()
+    }
+
+    /// The step's forward through the LM head and the CE gradient (and the predictions when
+    /// recording): `grad.b` holds the gradient of `hf`.
+    fn forward(&self, grad_scale: f64) -> Result<()> {
         let (z, lay, ops) = (self.layout.dims, &self.layout, self.dev.ops());
         let at = |r: Region| r.at(self.base);
         let eps = self.config.dims.rms_norm_eps;
@@ -433,10 +449,16 @@ impl<B: Backend> DrafterStep<B> {
         }
         let last = at(lay.residual[z.layers]);
         ops.rms_norm_forward(last, self.final_norm.w, at(lay.hf), at(lay.inv_final), z.q, z.h, eps)?;
-        self.lm_head_ce(grad_scale)?;
+        self.lm_head_ce(grad_scale)
+    }
 
-        // Backward: grad.b = dhf (from the LM head), grad.a = the gradient of the last layer's output.
-        let scratch = lay.scratch;
+    /// The step's backward from `grad.b` (the gradient of `hf`) into every parameter gradient;
+    /// returns the loss.
+    fn backward(&self) -> Result<StepLoss> {
+        let (z, lay, ops) = (self.layout.dims, &self.layout, self.dev.ops());
+        let at = |r: Region| r.at(self.base);
+        // grad.b = dhf (from the LM head), grad.a = the gradient of the last layer's output.
+        let (scratch, last) = (lay.scratch, at(lay.residual[z.layers]));
         let g = RmsNormGrad { dy: at(lay.grad_b), x: last, w: self.final_norm.w, inv: at(lay.inv_final), dres: None };
         ops.rms_norm_backward(g, at(scratch.grad_a), self.final_norm.g, at(scratch.dw_partial), z.q, z.h)?;
         self.zero(scratch.dctx)?;
@@ -455,6 +477,31 @@ impl<B: Backend> DrafterStep<B> {
         ops.rms_norm_backward(g, dctx, self.hidden_norm.g, at(scratch.dw_partial), z.s, z.h)?;
         self.weight_grad(dctx, z.s, z.h, at(lay.input.features), z.fw, self.fc.g)?;
         self.loss()
+    }
+
+    /// Whether the following steps record the top-1 prediction of each weighted block row (the
+    /// argmax of its logits, on each LM-head chunk before the CE gradient overwrites them) for
+    /// [`DrafterStep::predictions`]; off by default. The loss and gradients are the same either way.
+    pub fn set_record_predictions(&mut self, on: bool) {
+        self.record_predictions = on;
+    }
+
+    /// The last step's top-1 prediction of every block row (`[Q]`, block-row order `j*B + o`),
+    /// `u32::MAX` on rows without CE weight (not computed); downloaded (waits for the step). Fails
+    /// unless that step, on the current input, recorded them ([`DrafterStep::set_record_predictions`]).
+    pub fn predictions(&self) -> Result<Vec<u32>> {
+        if !self.predicted {
+            return Err(Error::invalid(
+                "predictions",
+                "none recorded for the current input: set_record_predictions(true), then run a step",
+            ));
+        }
+        let mut all = vec![u32::MAX; self.layout.dims.q];
+        if !self.ce_rows.is_empty() {
+            let got: Vec<u32> = download(&self.dev, self.addr(self.layout.input.predictions), self.ce_rows.len())?;
+            self.ce_rows.iter().zip(got).for_each(|(&r, p)| all[r as usize] = p);
+        }
+        Ok(all)
     }
 
     /// Layer `l`'s forward from its input residual into the next, keeping its activations where
@@ -595,7 +642,8 @@ impl<B: Backend> DrafterStep<B> {
     }
 
     /// The frozen LM head and decayed CE over the weighted rows, `lm_rows` at a time: `grad.b
-    /// [Q, H]` gets `grad_scale * d(sum w CE)/dhf` (zero on unweighted rows).
+    /// [Q, H]` gets `grad_scale * d(sum w CE)/dhf` (zero on unweighted rows); when recording,
+    /// each chunk's argmax goes to the predictions before the CE gradient overwrites its logits.
     fn lm_head_ce(&self, grad_scale: f64) -> Result<()> {
         let (z, lay, ops) = (self.layout.dims, &self.layout, self.dev.ops());
         let at = |r: Region| r.at(self.base);
@@ -603,11 +651,15 @@ impl<B: Backend> DrafterStep<B> {
         let (hd, i) = (lay.head, lay.input);
         let acc = <B::Elem as Elem>::Acc::BYTES as u64;
         let mut start = 0;
-        while start < self.weighted_rows {
-            let n = z.lm_rows.min(self.weighted_rows - start);
+        let weighted = self.ce_rows.len();
+        while start < weighted {
+            let n = z.lm_rows.min(weighted - start);
             let rows = at(i.rows_ce) + 4 * start as u64;
             ops.copy_rows(false, at(lay.hf), rows, at(hd.rows), n, z.h)?;
             self.linear(at(hd.rows), n, z.h, self.lm_head, z.v, at(hd.logits), 0.0)?;
+            if self.record_predictions {
+                ops.argmax_rows(at(hd.logits), n, z.v, at(i.predictions) + 4 * start as u64)?;
+            }
             let (labels, weights, loss) = (
                 at(i.labels) + 4 * start as u64,
                 at(i.weights_ce) + acc * start as u64,
@@ -624,7 +676,7 @@ impl<B: Backend> DrafterStep<B> {
     /// The loss of the last step from its per-row CE (downloaded: waits for the step).
     fn loss(&self) -> Result<StepLoss> {
         let losses: Vec<<B::Elem as Elem>::Acc> =
-            download(&self.dev, self.addr(self.layout.input.loss_rows), self.weighted_rows)?;
+            download(&self.dev, self.addr(self.layout.input.loss_rows), self.ce_rows.len())?;
         let sum: f64 = losses.iter().map(|&x| x.to_f64()).sum();
         let loss = if self.total_weight > 0.0 { sum / self.total_weight } else { 0.0 };
         if !loss.is_finite() {

@@ -37,6 +37,7 @@ pub struct ElementwiseKernels {
     swiglu_forward: CudaFunction,
     swiglu_backward: CudaFunction,
     ce_grad_rows: CudaFunction,
+    argmax_rows: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -65,6 +66,7 @@ impl ElementwiseKernels {
             swiglu_forward: f("swiglu_forward")?,
             swiglu_backward: f("swiglu_backward")?,
             ce_grad_rows: f("ce_grad_rows")?,
+            argmax_rows: f("argmax_rows")?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -264,6 +266,22 @@ impl ElementwiseOps for ElementwiseKernels {
         let mut b = self.stream.launch_builder(&self.ce_grad_rows);
         b.arg(&z).arg(&labels).arg(&weights).arg(&loss).arg(&r).arg(&v).arg(&scale);
         self.launch("ce_grad_rows", b, Self::rows_cfg(rows, 1024))
+    }
+
+    fn argmax_rows(&self, z: u64, rows: usize, vocab: usize, out: u64) -> Result<()> {
+        if vocab.is_multiple_of(8) {
+            Self::check_aligned("argmax_rows", &[z])?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        if vocab == 0 {
+            return Err(Error::invalid("argmax_rows", "rows of 0 values have no maximum"));
+        }
+        let (r, v) = (i32_of("rows", rows)?, i32_of("vocab", vocab)?);
+        let mut b = self.stream.launch_builder(&self.argmax_rows);
+        b.arg(&z).arg(&out).arg(&r).arg(&v);
+        self.launch("argmax_rows", b, Self::rows_cfg(rows, ROW_THREADS))
     }
 
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()> {

@@ -457,6 +457,75 @@ extern "C" __global__ void ce_grad_rows(bf16* __restrict__ z, const unsigned* __
     if (threadIdx.x == 0) loss[row] = w * (lse - zy);
 }
 
+// Whether candidate (v, i) of a row's argmax beats the best so far (bv, bi): a larger value, or an
+// equal one at a smaller index; index -1 is no candidate (a NaN value never becomes one). A total
+// order on the candidates, so the reduction's result does not depend on its order.
+__device__ __forceinline__ bool argmax_beats(float v, int i, float bv, int bi) {
+    return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+// This thread's best (value, index) over its `V`-value chunks of a row, NaNs skipped.
+template <int V>
+__device__ void row_argmax(const bf16* zr, int vocab, float* v_out, int* i_out) {
+    float bv = NEG_INF;
+    int bi = -1;
+    for (int c = threadIdx.x; c < vocab / V; c += blockDim.x) {
+        float v[V];
+        load_v<V>(zr + c * V, v);
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+            if (!isnan(v[e]) && argmax_beats(v[e], c * V + e, bv, bi)) {
+                bv = v[e];
+                bi = c * V + e;
+            }
+    }
+    *v_out = bv;
+    *i_out = bi;
+}
+
+// Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
+// row whose value 0 is NaN gives 0, as candle keeps a NaN it starts from). One CTA per row, 8
+// logits per load when vocab % 8 == 0 (rows 16-byte aligned), else one at a time; a (value,
+// index) reduction over the warp, then over the warps in order.
+// z [rows, vocab] -> out [rows] (u32).
+extern "C" __global__ void argmax_rows(const bf16* __restrict__ z, unsigned* __restrict__ out, int rows, int vocab) {
+    __shared__ float scratch_v[WARP];
+    __shared__ int scratch_i[WARP];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const bf16* zr = z + (size_t)row * vocab;
+    float bv;
+    int bi;
+    if (vocab % VEC == 0) {
+        row_argmax<VEC>(zr, vocab, &bv, &bi);
+    } else {
+        row_argmax<1>(zr, vocab, &bv, &bi);
+    }
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (argmax_beats(v2, i2, bv, bi)) {
+            bv = v2;
+            bi = i2;
+        }
+    }
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    if (lane == 0) {
+        scratch_v[warp] = bv;
+        scratch_i[warp] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int wi = 1; wi < warps; ++wi)
+            if (argmax_beats(scratch_v[wi], scratch_i[wi], bv, bi)) {
+                bv = scratch_v[wi];
+                bi = scratch_i[wi];
+            }
+        out[row] = (bi < 0 || isnan(to_f(zr[0]))) ? 0u : (unsigned)bi;
+    }
+}
+
 // dst [count, cols] = src [idx[r], cols] for r < count.
 extern "C" __global__ void gather_rows(const bf16* __restrict__ src, const unsigned* __restrict__ idx,
                                        bf16* __restrict__ dst, int count, int cols) {

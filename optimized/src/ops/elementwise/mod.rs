@@ -1,9 +1,10 @@
 //! The step's elementwise and reduction operations on raw addresses (device pointers for the
 //! CUDA kernels of `elementwise.cu`, host pointers for their CPU twins in [`twin`]): norms, head
-//! norm + RoPE, SwiGLU, the CE gradient, row copies, sums of squares, gradient accumulation,
-//! AdamW and the random fill. "Stored" values are the backend's element type (`Elem`: bf16 on
-//! the GPU); side values (inverse RMS, RoPE tables, CE weights and losses, partials, optimizer
-//! state) are its arithmetic type (`Elem::Acc`: fp32 on the GPU).
+//! norm + RoPE, SwiGLU, the CE gradient, the rows' argmax, row copies, sums of squares, gradient
+//! accumulation, AdamW and the random fill. "Stored" values are the backend's element type
+//! (`Elem`: bf16 on the GPU); side values (inverse RMS, RoPE tables, CE weights and losses,
+//! partials, optimizer state) are its arithmetic type (`Elem::Acc`: fp32 on the GPU); indices
+//! (labels, rows, argmax) are u32.
 
 pub mod cuda;
 pub mod twin;
@@ -113,6 +114,9 @@ pub trait ElementwiseOps {
 
     /// Logits `z [rows, vocab]` := `scale * w * (softmax(z) - onehot(y))`, `loss [rows] = w * CE`.
     fn ce_grad_rows(&self, ce: CeRows, rows: usize, vocab: usize, scale: f64) -> Result<()>;
+
+    /// `out [rows]` (u32) := the first index of each row's maximum in `z [rows, vocab]` (stored).
+    fn argmax_rows(&self, z: u64, rows: usize, vocab: usize, out: u64) -> Result<()>;
 
     /// `dst [count, cols] = src [idx[r], cols]` (`scatter`: `dst [idx[r]] = src [r]`), idx u32.
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()>;

@@ -48,6 +48,11 @@ fn ld_u32(p: u64, i: usize) -> u32 {
     unsafe { *(p as *const u32).add(i) }
 }
 
+fn st_u32(p: u64, i: usize, v: u32) {
+    // SAFETY: as `ld`.
+    unsafe { *(p as *mut u32).add(i) = v }
+}
+
 fn sigmoid<A: Real>(x: A) -> A {
     A::ONE / (A::ONE + (-x).exp())
 }
@@ -220,6 +225,28 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
                 let p = (zf(i) - lse).exp();
                 st::<E>(z, base + i, E::Acc::from_f64(scale * w * (p - if i == y { 1.0 } else { 0.0 })));
             }
+        }
+        Ok(())
+    }
+
+    /// Candle's argmax, as `dflash_reference::speculative::argmax_rows`: from value 0, a later
+    /// value replaces the best only when strictly larger, so ties keep the first index and a NaN
+    /// is never taken (a row whose value 0 is NaN gives 0). The kernel reduces in parallel to the
+    /// same index.
+    fn argmax_rows(&self, z: u64, rows: usize, vocab: usize, out: u64) -> Result<()> {
+        if vocab == 0 && rows > 0 {
+            return Err(crate::Error::invalid("argmax_rows", "rows of 0 values have no maximum"));
+        }
+        for r in 0..rows {
+            let base = r * vocab;
+            let (mut best, mut best_v) = (0, ld::<E>(z, base));
+            for i in 1..vocab {
+                let v = ld::<E>(z, base + i);
+                if best_v < v {
+                    (best, best_v) = (i, v);
+                }
+            }
+            st_u32(out, r, best as u32);
         }
         Ok(())
     }
