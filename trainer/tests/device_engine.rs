@@ -5,6 +5,7 @@
 
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::memory::step::Checkpointing;
+use dflash_optimized::ops::Elem;
 use dflash_trainer::builtin;
 use dflash_trainer::config::{RunConfig, StepKind};
 use dflash_trainer::engine::{CpuEngine, DeviceEngine, Frozen, StepBatch, StepEngine};
@@ -31,10 +32,10 @@ fn batch<'a>(setup: &'a builtin::BuiltinSetup, step: usize, c: &RunConfig) -> St
     }
 }
 
-fn device(setup: &builtin::BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<f32>> {
+fn device<E: Elem + 'static>(setup: &builtin::BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<E>> {
     let drafter = builtin::init_drafter(c, &setup.draft_config).expect("drafter");
     DeviceEngine::new(
-        || Ok(Host::<f32>::default()),
+        || Ok(Host::<E>::default()),
         drafter,
         Frozen::Host(setup.target.frozen_head()),
         builtin::adamw_config(c),
@@ -49,7 +50,7 @@ fn the_device_engine_follows_the_cpu_engine() {
     let drafter = builtin::init_drafter(&c, &setup.draft_config).expect("drafter");
     let mut cpu =
         CpuEngine::new(drafter, setup.target.frozen_head(), builtin::adamw_config(&c), StepKind::Host).unwrap();
-    let mut dev = device(&setup, &c);
+    let mut dev = device::<f32>(&setup, &c);
     let (mut r1, mut r2) = (ChaCha8Rng::seed_from_u64(5), ChaCha8Rng::seed_from_u64(5));
     for step in 0..6 {
         let (a, b) = (
@@ -69,11 +70,20 @@ fn the_device_engine_follows_the_cpu_engine() {
     assert!((trained - init).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
 }
 
+/// A state taken mid-run and restored continues with bitwise the same losses: into a fresh
+/// engine (the state applied when its step is made) and into one that has already stepped on
+/// other rows (as a resumed run's held-out evaluation does first), storing f32 and storing bf16
+/// (the GPU's storage: the restored compute weights are the masters rounded as the update rounds them).
 #[test]
 fn a_restored_device_engine_continues_bitwise() {
+    restored_continues_bitwise::<f32>();
+    restored_continues_bitwise::<half::bf16>();
+}
+
+fn restored_continues_bitwise<E: Elem + 'static>() {
     let c = small_config();
     let setup = builtin::setup(&c).expect("setup");
-    let mut whole = device(&setup, &c);
+    let mut whole = device::<E>(&setup, &c);
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let mut losses = Vec::new();
     let mut at_3 = None;
@@ -83,11 +93,18 @@ fn a_restored_device_engine_continues_bitwise() {
         }
         losses.push(whole.step(&batch(&setup, step, &c), &mut rng).unwrap().loss);
     }
-    let (state, mut rng) = at_3.unwrap();
-    let mut resumed = device(&setup, &c);
-    resumed.restore(&state).unwrap();
-    for (step, want) in losses.iter().enumerate().skip(3) {
-        let got = resumed.step(&batch(&setup, step, &c), &mut rng).unwrap().loss;
-        assert_eq!(got.to_bits(), want.to_bits(), "step {step}: {got} vs {want}");
+    let (state, rng_3) = at_3.unwrap();
+    for stepped_first in [false, true] {
+        let mut resumed = device::<E>(&setup, &c);
+        if stepped_first {
+            let held: Vec<_> = setup.held_out.clone();
+            resumed.evaluate(&held, c.anchors, 3.0, 1).unwrap();
+        }
+        resumed.restore(&state).unwrap();
+        let mut rng = rng_3.clone();
+        for (step, want) in losses.iter().enumerate().skip(3) {
+            let got = resumed.step(&batch(&setup, step, &c), &mut rng).unwrap().loss;
+            assert_eq!(got.to_bits(), want.to_bits(), "{}, stepped first {stepped_first}: step {step}: {got} vs {want}", std::any::type_name::<E>());
+        }
     }
 }

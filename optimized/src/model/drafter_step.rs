@@ -294,7 +294,10 @@ impl<B: Backend> DrafterStep<B> {
             }
             flat.extend(t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?);
         }
-        let stored: Vec<B::Elem> = flat.iter().map(|&x| B::Elem::from_f64(x)).collect();
+        // The compute copy is the masters rounded as the update rounds them (from the arithmetic
+        // type), so a restored step continues bitwise.
+        let stored: Vec<B::Elem> =
+            flat.iter().map(|&x| B::Elem::from_acc(<B::Elem as Elem>::Acc::from_f64(x))).collect();
         self.upload("weights", self.layout.weights, &stored)?;
         if let Some(opt) = self.layout.optimizer {
             self.upload("master", opt.master, &Self::acc(flat))?;
