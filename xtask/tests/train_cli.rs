@@ -143,7 +143,7 @@ fn bad_options_are_named_before_any_work() {
         (vec!["--rows", "0"], "option `rows`".into()),
         (vec!["--config", bad_toml_s], format!("line {line}")),
         (vec!["--config", bad_toml_s], "unknown field `warmup`".into()),
-        (vec!["--target", "somewhere", "--data", "a.jsonl"], "real targets need the GPU loop, not built yet".into()),
+        (vec!["--target", "somewhere", "--data", "a.jsonl"], "option `target`: somewhere: not a folder".into()),
     ];
     let mut all = cases;
     all.push((vec!["--out", a_file.to_str().unwrap()], "option `out`".into()));
