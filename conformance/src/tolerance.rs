@@ -76,7 +76,8 @@ pub const TWIN_F32: Tolerance = Tolerance {
 };
 
 /// The f32 twin's attention gradients vs the f64 reference, divided by the norm of the sum of
-/// their terms' absolute values (`|scale * p * (dp - Dsum) * k|` and the like), not by their own.
+/// their terms' absolute values (`scale * p * (|dout|.|v| + |dout|.|out|) * |k|` and the like:
+/// every product summed, inside the dot products too), not by their own.
 pub const TWIN_F32_GRAD_TERMS: Tolerance = Tolerance {
     rel: 1e-5,
     reason: "the backward sums signed terms (ds = p (dp - Dsum), p * dout) that can cancel to 1e-4 of their \

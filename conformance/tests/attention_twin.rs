@@ -179,15 +179,18 @@ fn gradient_terms(p: &Problem, [q, k, v, dout]: [&[f64]; 4], out: &[f64], lse: &
     let (nq, nk) = (p.plan.num_queries, p.plan.num_keys);
     let scale = (d as f64).powf(-0.5);
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    // The dot products dp = dout.v and Dsum = dout.out are sums of signed terms too: their size is
+    // the sum of the terms' absolute values, which f32 rounding scales with.
+    let dot_abs = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x * y).abs()).sum::<f64>();
     let (mut tq, mut tk, mut tv) = (vec![0.0; nq * nh * d], vec![0.0; nk * nkv * d], vec![0.0; nk * nkv * d]);
     for i in 0..nq {
         for h in 0..nh {
             let row = (i * nh + h) * d;
-            let dsum = dot(&dout[row..][..d], &out[row..][..d]);
+            let dsum = dot_abs(&dout[row..][..d], &out[row..][..d]);
             for j in (0..nk).filter(|&j| p.mask[i * nk + j]) {
                 let kv = (j * nkv + h / (nh / nkv)) * d;
                 let prob = (scale * dot(&q[row..][..d], &k[kv..][..d]) - lse[h * nq + i]).exp();
-                let ds = scale * prob * (dot(&dout[row..][..d], &v[kv..][..d]).abs() + dsum.abs());
+                let ds = scale * prob * (dot_abs(&dout[row..][..d], &v[kv..][..d]) + dsum);
                 for x in 0..d {
                     tq[row + x] += ds * k[kv + x].abs();
                     tk[kv + x] += ds * q[row + x].abs();

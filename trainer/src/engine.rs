@@ -6,13 +6,13 @@
 //! same trait (its state is downloaded for checkpoints and uploaded on resume).
 
 use candle_core::{DType, Tensor};
-use dflash_optimized::backend::{download, Backend};
+use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::flops::{step_model_flops, target_forward_flops};
 use dflash_optimized::memory::step::{Checkpointing, StepShape};
 use dflash_optimized::model::drafter_step::DrafterStep;
 use dflash_optimized::model::target_forward::TargetForward;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
-use dflash_optimized::ops::{Elem, Real};
+use dflash_optimized::ops::{bytes_of, stored, Elem, Real};
 use dflash_optimized::train::adamw::DeviceAdamW;
 use dflash_reference::config::DraftConfig;
 use dflash_reference::data::{document_runs, Row};
@@ -313,6 +313,15 @@ pub struct DeviceEngine<B: Backend> {
     host_copy: Option<Drafter>,
     /// Moments and step count restored before the step existed (applied when it is made).
     pending: Option<EngineState>,
+    /// With [`Frozen::Host`]: the device copies the rows read (made with the step).
+    host_tables: Option<HostTables<B>>,
+}
+
+/// What a [`Frozen::Host`] engine keeps on the device, stored: the embedding table `[V, H]` the
+/// block embeddings are gathered from, and a row's features `[S, F*H]` uploaded per row.
+struct HostTables<B: Backend> {
+    embed: B::Alloc,
+    features: B::Alloc,
 }
 
 impl<B: Backend> DeviceEngine<B> {
@@ -335,6 +344,7 @@ impl<B: Backend> DeviceEngine<B> {
             step: None,
             host_copy: None,
             pending: None,
+            host_tables: None,
         }
     }
 
@@ -387,7 +397,24 @@ impl<B: Backend> DeviceEngine<B> {
         let (step, _) = self.step.as_mut().expect("made above");
         match &mut self.frozen {
             Frozen::Host(head) => {
-                step.set_input(&p.input, head, &p.targets)?;
+                let z = step.layout.dims;
+                if self.host_tables.is_none() {
+                    let dev = step.backend();
+                    let embed: Vec<B::Elem> = stored(&head.embed)?;
+                    let table = dev.alloc("embedding table", std::mem::size_of_val(&embed[..]))?;
+                    dev.upload(table.ptr(), bytes_of(&embed))?;
+                    let features = dev.alloc("features", z.s * z.fw * B::Elem::BYTES)?;
+                    self.host_tables = Some(HostTables { embed: table, features });
+                }
+                let tables = self.host_tables.as_ref().expect("made above");
+                if row.features.dims() != [z.s, z.fw] {
+                    return Err(Error::option(
+                        "features",
+                        format!("shape {:?}, the step expects [{}, {}]", row.features.dims(), z.s, z.fw),
+                    ));
+                }
+                step.backend().upload(tables.features.ptr(), bytes_of(&stored::<B::Elem>(&row.features)?))?;
+                step.set_input_device(tables.features.ptr(), tables.embed.ptr(), &p.input, &p.targets)?;
                 Ok(0.0)
             }
             Frozen::Target(forward) => {
@@ -409,13 +436,17 @@ impl<B: Backend> DeviceEngine<B> {
         }
     }
 
-    /// The device memory planned for the step and the target's forward.
+    /// The device memory planned for the step and the target's forward (or the host-frozen
+    /// engine's embedding table and features).
     fn planned_bytes(&self) -> Option<u64> {
-        let step = self.step.as_ref()?.0.planned_peak();
-        Some(match &self.frozen {
-            Frozen::Host(_) => step,
-            Frozen::Target(forward) => step.saturating_add(forward.layout.bytes),
-        })
+        let step = &self.step.as_ref()?.0;
+        let elem = B::Elem::BYTES as u64;
+        let z = step.layout.dims;
+        let extra = match &self.frozen {
+            Frozen::Host(head) => (head.embed.elem_count() as u64 + (z.s * z.fw) as u64) * elem,
+            Frozen::Target(forward) => forward.layout.bytes,
+        };
+        Some(step.planned_peak().saturating_add(extra))
     }
 
     /// The optimizer regions' values (master, m, v) per parameter, as f32 tensors.

@@ -24,26 +24,29 @@ EOF
 python3 "$bundle/target_torch.py" "$work/make.json" > /dev/null
 cp fixtures/data/tokenizer-qwen/* "$work/target/"
 
-run() { # run OUT STEP EXTRA...: one training run into OUT
+args() { # args OUT STEP EXTRA...: the options of one training run into OUT
   local dir=$1 step=$2
   shift 2
-  "$bundle/xtask" train --target "$work/target" --data fixtures/data/conversations.jsonl \
+  echo train --target "$work/target" --data fixtures/data/conversations.jsonl \
     --data-cache "$work/cache" --out "$dir" --step "$step" --max-len 512 --anchors 64 \
     --target-layer-ids 1,3 --held-out 0.2 --lr 3e-3 --log-every 1 --eval-every 20 --eval-rows 4 \
     --checkpoint-every 20 --keep-checkpoints 2 "$@"
 }
+run() { "$bundle/xtask" $(args "$@"); }
 
 run "$work/whole" gpu --steps 60 > "$out/whole.log"
-run "$work/killed" gpu --steps 60 > "$out/killed.log" 2>&1 &
+# The killed run: checkpoints slowed down (a pause between their files) so that the kill can
+# land anywhere after the first one, a checkpoint's writing included.
+DFLASH_TEST_PAUSE_IN_CHECKPOINT=40 "$bundle/xtask" $(args "$work/killed" gpu --steps 60) > "$out/killed.log" 2>&1 &
 pid=$!
 while [ ! -e "$work/killed/checkpoint-20/state.json" ]; do
   kill -0 "$pid" 2> /dev/null || { echo "the run ended before its first checkpoint"; exit 1; }
-  sleep 0.02
+  sleep 0.01
 done
-sleep 0.$((RANDOM % 9 + 1))
+sleep 0.$((RANDOM % 5))$((RANDOM % 10))
 kill -9 "$pid"
 wait "$pid" 2> /dev/null || true
-echo "killed after $(ls -d "$work"/killed/checkpoint-* | tr '\n' ' ')"
+echo "killed with $(ls -d "$work"/killed/checkpoint-* "$work"/killed/.checkpoint-* 2> /dev/null | xargs -n1 basename | tr '\n' ' ')"
 "$bundle/xtask" train --resume "$work/killed" > "$out/resumed.log"
 run "$work/gpu3" gpu --steps 3 --eval-rows 1 > "$out/gpu3.log"
 run "$work/host" host --steps 3 --eval-rows 1 > "$out/host.log"

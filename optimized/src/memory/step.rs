@@ -154,6 +154,13 @@ pub struct InputRegions {
     pub sin_q: Region,
     pub cos_k: Region,
     pub sin_k: Region,
+    /// The RoPE tables of positions `0..P`, `P = S + B` (every context and block position),
+    /// `[P, d]` (arithmetic type): the rows' tables are gathered from them on the device.
+    pub rope_cos: Region,
+    pub rope_sin: Region,
+    /// The positions (u32) of the queries `[Q]` and the keys `[K]` the tables are gathered at.
+    pub positions_q: Region,
+    pub positions_k: Region,
     pub labels: Region,
     pub weights_ce: Region,
     pub rows_ce: Region,
@@ -265,6 +272,12 @@ const SAVED_ATTENTION: &str = "saved attention out + logsumexp, all layers";
 const WORKSPACE: &str = "one layer's activations (recomputed in the backward)";
 const WORKSPACE_ATTENTION: &str = "one layer's attention out + logsumexp (recomputed)";
 const INPUTS: &str = "inputs: features, RoPE tables, labels, weights";
+
+/// `S + B`: positions below it cover every context and block position of a row (a block's
+/// offset `o` sits at its anchor's position `+ o`, the inference block at `S + o`).
+pub fn rope_positions(z: &StepDims, config: &DraftConfig) -> Result<usize> {
+    z.s.checked_add(config.block_size).ok_or_else(|| crate::Error::invalid("block_size", "S + B overflows"))
+}
 const PREDICTIONS: &str = "top-1 predictions of the block rows (u32)";
 const KEY_RANGES: &str = "attention key ranges (uploaded with each input)";
 const PADDING: &str = "alignment padding";
@@ -319,6 +332,10 @@ impl StepLayout {
             sin_q: ar.take(INPUTS, Saved, "sin_q", &[z.q, z.d], a)?,
             cos_k: ar.take(INPUTS, Saved, "cos_k", &[z.k, z.d], a)?,
             sin_k: ar.take(INPUTS, Saved, "sin_k", &[z.k, z.d], a)?,
+            rope_cos: ar.take(INPUTS, Saved, "rope_cos", &[rope_positions(&z, config)?, z.d], a)?,
+            rope_sin: ar.take(INPUTS, Saved, "rope_sin", &[rope_positions(&z, config)?, z.d], a)?,
+            positions_q: ar.take(INPUTS, Saved, "positions_q", &[z.q], F32)?,
+            positions_k: ar.take(INPUTS, Saved, "positions_k", &[z.k], F32)?,
             labels: ar.take(INPUTS, Saved, "labels", &[z.q], F32)?,
             weights_ce: ar.take(INPUTS, Saved, "weights_ce", &[z.q], a)?,
             rows_ce: ar.take(INPUTS, Saved, "rows_ce", &[z.q], F32)?,

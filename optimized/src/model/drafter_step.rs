@@ -201,6 +201,13 @@ impl<B: Backend> DrafterStep<B> {
             (None, Some(r)) => r.at(base),
             (None, None) => return Err(Error::invalid("lm_head", "the layout holds no LM head and none is shared")),
         };
+        // The RoPE tables of every position a row can hold, uploaded once.
+        let positions: Vec<usize> = (0..shape.context_len + config.block_size).collect();
+        let c = &config.dims;
+        let (cos, sin) = rope_tables(&positions, c.head_dim, c.rope_theta, DType::F64)?;
+        for (t, r) in [(cos, layout.input.rope_cos), (sin, layout.input.rope_sin)] {
+            dev.upload(r.at(base), crate::ops::bytes_of(&Self::acc(t.flatten_all()?.to_vec1::<f64>()?)))?;
+        }
         Ok(DrafterStep {
             lm_head,
             fc: param("fc.weight")?,
@@ -262,8 +269,7 @@ impl<B: Backend> DrafterStep<B> {
 
     /// Copies `host` to the start of `r`.
     fn upload<T: Copy>(&self, what: &str, r: Region, host: &[T]) -> Result<()> {
-        // SAFETY: plain-old-data values viewed as their bytes.
-        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, std::mem::size_of_val(host)) };
+        let bytes = crate::ops::bytes_of(host);
         if bytes.len() as u64 > r.bytes {
             return Err(Error::invalid(what, format!("{} bytes for a region of {}", bytes.len(), r.bytes)));
         }
@@ -272,7 +278,7 @@ impl<B: Backend> DrafterStep<B> {
 
     /// `t` as stored values.
     fn stored(t: &Tensor) -> Result<Vec<B::Elem>> {
-        Ok(t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?.into_iter().map(B::Elem::from_f64).collect())
+        crate::ops::stored(t)
     }
 
     /// Values in the arithmetic type.
@@ -384,17 +390,23 @@ impl<B: Backend> DrafterStep<B> {
         targets: &BlockTargets,
     ) -> Result<()> {
         self.check_blocks(layout)?;
-        let c = &self.config.dims;
-        let table = |pos: &[usize]| -> Result<(Vec<f64>, Vec<f64>)> {
-            let (cos, sin) = rope_tables(pos, c.head_dim, c.rope_theta, DType::F64)?;
-            Ok((cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?))
-        };
-        let ((cq, sq), (ck, sk)) = (table(query_positions)?, table(key_positions)?);
+        // The rows of the position tables (arithmetic-type rows copied as stored-width columns).
         let i = self.layout.input;
-        self.upload("cos_q", i.cos_q, &Self::acc(cq))?;
-        self.upload("sin_q", i.sin_q, &Self::acc(sq))?;
-        self.upload("cos_k", i.cos_k, &Self::acc(ck))?;
-        self.upload("sin_k", i.sin_k, &Self::acc(sk))?;
+        let p = self.layout.dims.s + self.config.block_size;
+        let cols = self.layout.dims.d * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
+        for (name, positions, region, (cos, sin)) in [
+            ("query positions", query_positions, i.positions_q, (i.cos_q, i.sin_q)),
+            ("key positions", key_positions, i.positions_k, (i.cos_k, i.sin_k)),
+        ] {
+            if let Some(&bad) = positions.iter().find(|&&x| x >= p) {
+                return Err(Error::invalid(name, format!("position {bad} is not below S + B = {p}")));
+            }
+            let idx: Vec<u32> = positions.iter().map(|&x| x as u32).collect();
+            self.upload(name, region, &idx)?;
+            let ops = self.dev.ops();
+            ops.copy_rows(false, self.addr(i.rope_cos), self.addr(region), self.addr(cos), idx.len(), cols)?;
+            ops.copy_rows(false, self.addr(i.rope_sin), self.addr(region), self.addr(sin), idx.len(), cols)?;
+        }
         self.ranges.clear();
         for &kind in &self.config.dims.layer_kinds {
             if !self.ranges.contains_key(&kind) {

@@ -21,7 +21,7 @@ use crate::memory::Region;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::{ElementwiseOps, HeadNormRope, Heads};
-use crate::ops::{Elem, Real};
+use crate::ops::{bytes_of, stored, Elem, Real};
 use crate::{Error, Result};
 
 /// The target's forward at a launch capacity of `layout.dims.t` tokens, on a backend.
@@ -275,19 +275,4 @@ impl<B: Backend> TargetForward<B> {
 /// `t`'s values in the arithmetic type of `E`.
 fn acc<E: Elem>(t: Tensor) -> Result<Vec<E::Acc>> {
     Ok(t.flatten_all()?.to_vec1::<f64>()?.into_iter().map(E::Acc::from_f64).collect())
-}
-
-/// `t`'s values as stored values (bf16 tensors without a detour through f64).
-fn stored<E: Elem>(t: &Tensor) -> Result<Vec<E>> {
-    let t = t.flatten_all()?;
-    Ok(match t.dtype() {
-        DType::BF16 => t.to_vec1::<half::bf16>()?.into_iter().map(|x| E::from_f64(x.to_f64())).collect(),
-        _ => t.to_dtype(DType::F64)?.to_vec1::<f64>()?.into_iter().map(E::from_f64).collect(),
-    })
-}
-
-/// Plain-old-data values viewed as their bytes.
-fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
-    // SAFETY: plain-old-data values viewed as their bytes.
-    unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
 }

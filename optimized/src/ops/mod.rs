@@ -120,3 +120,25 @@ macro_rules! impl_elem_float {
 }
 impl_elem_float!(f32);
 impl_elem_float!(f64);
+
+/// `t`'s values as stored values `E`: a bf16 tensor into bf16 storage is taken as it is (no
+/// rounding, no detour through f64); otherwise each value through f64.
+pub fn stored<E: Elem>(t: &candle_core::Tensor) -> crate::Result<Vec<E>> {
+    let t = t.flatten_all()?;
+    if t.dtype() == candle_core::DType::BF16 {
+        let values = t.to_vec1::<half::bf16>()?;
+        if std::any::TypeId::of::<E>() == std::any::TypeId::of::<half::bf16>() {
+            let mut values = std::mem::ManuallyDrop::new(values);
+            // SAFETY: E is half::bf16 (checked above): the same type, length and capacity.
+            return Ok(unsafe { Vec::from_raw_parts(values.as_mut_ptr() as *mut E, values.len(), values.capacity()) });
+        }
+        return Ok(values.into_iter().map(|x| E::from_f64(x.to_f64())).collect());
+    }
+    Ok(t.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?.into_iter().map(E::from_f64).collect())
+}
+
+/// Plain-old-data values viewed as their bytes.
+pub fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
+    // SAFETY: plain-old-data values viewed as their bytes.
+    unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
+}
