@@ -10,12 +10,14 @@ use crate::memory::step::StepShape;
 pub const PEAK_FLOPS: f64 = 989e12;
 
 /// How [`step_model_flops`] counts.
-pub const STEP_FLOP_CONVENTION: &str = "model FLOPs of one step, no recompute: each trainable linear 3 x 2*rows*in*out \
+pub const STEP_FLOP_CONVENTION: &str =
+    "model FLOPs of one step, no recompute: each trainable linear 3 x 2*rows*in*out \
     (forward, input and weight gradients); fc 2 x (features need no gradient); the frozen LM head 2 x over the \
     rows with CE weight; attention 3.5 x 4*head_dim*heads*allowed pairs per layer. MFU = FLOPs / (time x 989 TFLOP/s)";
 
 /// How [`target_forward_flops`] counts.
-pub const TARGET_FLOP_CONVENTION: &str = "model FLOPs of the forward that ran: per layer 2*T*(in*out) over q, k, v, o, gate, \
+pub const TARGET_FLOP_CONVENTION: &str =
+    "model FLOPs of the forward that ran: per layer 2*T*(in*out) over q, k, v, o, gate, \
     up, down plus causal attention 4*head_dim*heads*T(T+1)/2; ours over layers 0..=max(layer ids), transformers' \
     over all layers and the LM head 2*T*H*V; MFU = FLOPs / (time x 989 TFLOP/s)";
 

@@ -228,17 +228,29 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("continuation_len", Kind::Int, "built-in data: tokens the target continues each prompt with"),
     ("target", Kind::Text, "real runs: the target's HF folder (config.json, safetensors, tokenizer, chat template)"),
     ("data", Kind::Paths, "real runs: jsonl conversation files (`--data A B ...`)"),
-    ("features", Kind::Text, "real runs: train from this feature cache (`xtask features`) instead of running the target"),
+    (
+        "features",
+        Kind::Text,
+        "real runs: train from this feature cache (`xtask features`) instead of running the target",
+    ),
     ("max_len", Kind::Int, "real runs: S, tokens per document and per packed row"),
     ("packing", Kind::Bool, "real runs: pack documents into rows (no: one per row, padded)"),
     ("thinking", Kind::Bool, "real runs: the chat template's enable_thinking"),
     ("system_prompt", Kind::Text, "real runs: system message for conversations without one"),
     ("held_out", Kind::Text, "real runs: held-out conversations, a fraction or a jsonl file"),
     ("data_cache", Kind::Text, "real runs: the tokenized data's cache folder (default OUT/data-cache)"),
-    ("mask_token_id", Kind::Int, "real runs: the mask token (default: the tokenizer's, else the first id past its vocabulary)"),
+    (
+        "mask_token_id",
+        Kind::Int,
+        "real runs: the mask token (default: the tokenizer's, else the first id past its vocabulary)",
+    ),
     ("draft_layers", Kind::Int, "real runs: drafter layers"),
     ("block_size", Kind::Int, "real runs: tokens per block"),
-    ("target_layer_ids", Kind::Ints, "real runs: target layers of the features, e.g. 1,9,17,25,33 (default: the spec's rule)"),
+    (
+        "target_layer_ids",
+        Kind::Ints,
+        "real runs: target layers of the features, e.g. 1,9,17,25,33 (default: the spec's rule)",
+    ),
 ];
 
 /// Options that may change between a checkpoint and its resumption: they do not change the

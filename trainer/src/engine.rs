@@ -14,10 +14,10 @@ use dflash_optimized::model::target_forward::TargetForward;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
 use dflash_optimized::ops::{bytes_of, stored, Elem, Real};
 use dflash_optimized::train::adamw::DeviceAdamW;
-use dflash_reference::config::DraftConfig;
-use dflash_reference::data::{document_runs, Row};
 use dflash_optimized::train::gradients::HostGradients;
+use dflash_reference::config::DraftConfig;
 use dflash_reference::data::TrainRow;
+use dflash_reference::data::{document_runs, Row};
 use dflash_reference::drafter::{Drafter, FrozenHead};
 use dflash_reference::eval::{evaluate_rows, BlockStats, EvalReport, Evaluation};
 use dflash_reference::optim::{clip_grad_norm, collect_grads, AdamW, AdamWConfig};
@@ -231,7 +231,15 @@ impl StepEngine for CpuEngine {
         let non_finite =
             if loss.is_finite() { first_non_finite(&self.drafter, &grads)? } else { Some("loss".to_string()) };
         if non_finite.is_some() {
-            return Ok(StepOutcome { loss, weight, grad_norm: f64::NAN, non_finite, stats, flops: 0.0, device_bytes: None });
+            return Ok(StepOutcome {
+                loss,
+                weight,
+                grad_norm: f64::NAN,
+                non_finite,
+                stats,
+                flops: 0.0,
+                device_bytes: None,
+            });
         }
         let params = self.drafter.named_params();
         let grad_norm = clip_grad_norm(params, &mut grads, batch.clip_norm)?;
@@ -286,12 +294,12 @@ impl StepEngine for CpuEngine {
 
 /// The frozen tables a [`DeviceEngine`]'s step reads, and where its rows' features come from.
 pub enum Frozen<B: Backend> {
-    /// On the host, with features in the rows: block embeddings gathered on the host, the LM
-    /// head uploaded into the step.
+    /// On the host, with features in the rows: the LM head is uploaded into the step and the
+    /// embedding table into a device copy the block embeddings are gathered from.
     Host(FrozenHead),
     /// The target's forward on the same device computes each row's features; its embedding
     /// table and LM head are the step's (no second copy). Rows carry `[S, 0]` features.
-    Target(TargetForward<B>),
+    Target(Box<TargetForward<B>>),
 }
 
 /// The engine of the optimized step on a backend (`Cuda` on the GPU; `Host` on the CPU twins):
@@ -653,11 +661,7 @@ impl<B: Backend> StepEngine for DeviceEngine<B> {
 }
 
 /// Uploads a checkpoint's AdamW moments into `step`'s optimizer regions and its step count.
-fn upload_moments<B: Backend>(
-    step: &DrafterStep<B>,
-    adam: &mut DeviceAdamW,
-    state: &EngineState,
-) -> Result<()> {
+fn upload_moments<B: Backend>(step: &DrafterStep<B>, adam: &mut DeviceAdamW, state: &EngineState) -> Result<()> {
     let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "no optimizer regions"))?;
     for (region, tensors) in [(opt.adam_m, &state.m), (opt.adam_v, &state.v)] {
         let mut values: Vec<Acc<B>> = Vec::with_capacity(step.num_params());

@@ -138,7 +138,18 @@ impl Reporter {
             );
         }
         let now = Instant::now();
-        Ok(Reporter { file, jsonl, bar, total_steps, since: now, tokens: 0, samples: 0, flops: 0.0, started: now, quiet })
+        Ok(Reporter {
+            file,
+            jsonl,
+            bar,
+            total_steps,
+            since: now,
+            tokens: 0,
+            samples: 0,
+            flops: 0.0,
+            started: now,
+            quiet,
+        })
     }
 
     fn write(&mut self, value: &Value) -> Result<()> {

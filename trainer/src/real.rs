@@ -70,9 +70,10 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
     let mut notes = Vec::new();
 
     let cache_index = match &c.features {
-        Some(dir) => Some(dflash_data::features::FeatureIndex::read(&dir.join("index.json")).map_err(|e| {
-            Error::option("features", e.to_string())
-        })?),
+        Some(dir) => Some(
+            dflash_data::features::FeatureIndex::read(&dir.join("index.json"))
+                .map_err(|e| Error::option("features", e.to_string()))?,
+        ),
         None => None,
     };
     let layer_ids = match (&c.target_layer_ids, &cache_index) {
@@ -111,16 +112,15 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
             id as u32
         }
     };
-    let mut draft_config =
-        DraftConfig::for_target(&target_config, c.draft_layers, c.block_size, mask, layer_ids.len());
+    let mut draft_config = DraftConfig::for_target(&target_config, c.draft_layers, c.block_size, mask, layer_ids.len());
     draft_config.target_layer_ids = layer_ids.clone();
     draft_config.check_target(&target_config)?;
 
     let files: Vec<PathBuf> = c.data.clone();
     let dataset = Dataset::prepare(&tokenizer, &files, &data_options(c)).map_err(data_error)?;
-    if let Some(doc) = (0..dataset.cache.len()).find(|&i| {
-        dataset.cache.document(i).is_ok_and(|d| d.tokens.contains(&mask))
-    }) {
+    if let Some(doc) =
+        (0..dataset.cache.len()).find(|&i| dataset.cache.document(i).is_ok_and(|d| d.tokens.contains(&mask)))
+    {
         return Err(Error::option(
             "mask_token_id",
             format!(
@@ -133,7 +133,8 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
         provenance(&target_dir, &layer_ids, &dataset.cache.key).map_err(|e| Error::option("target", e.to_string()))?;
     let cache = match &c.features {
         Some(dir) => {
-            let cache = FeatureCache::open(dir, Some(&provenance)).map_err(|e| Error::option("features", e.to_string()))?;
+            let cache =
+                FeatureCache::open(dir, Some(&provenance)).map_err(|e| Error::option("features", e.to_string()))?;
             if cache.index.hidden_size != target_config.dims.hidden_size {
                 return Err(Error::option(
                     "features",

@@ -111,7 +111,10 @@ impl<'a> DataRows<'a> {
             row.loss_mask.extend(doc.loss_mask);
         }
         if row.tokens.len() > self.seq_len {
-            return Err(Error::option("data", format!("row {i}: {} tokens, above S = {}", row.tokens.len(), self.seq_len)));
+            return Err(Error::option(
+                "data",
+                format!("row {i}: {} tokens, above S = {}", row.tokens.len(), self.seq_len),
+            ));
         }
         let pad = self.seq_len - row.tokens.len();
         row.tokens.extend(std::iter::repeat_n(self.pad_id, pad));

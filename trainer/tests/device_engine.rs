@@ -104,7 +104,41 @@ fn restored_continues_bitwise<E: Elem + 'static>() {
         let mut rng = rng_3.clone();
         for (step, want) in losses.iter().enumerate().skip(3) {
             let got = resumed.step(&batch(&setup, step, &c), &mut rng).unwrap().loss;
-            assert_eq!(got.to_bits(), want.to_bits(), "{}, stepped first {stepped_first}: step {step}: {got} vs {want}", std::any::type_name::<E>());
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "{}, stepped first {stepped_first}: step {step}: {got} vs {want}",
+                std::any::type_name::<E>()
+            );
         }
     }
+}
+
+/// The block stats of a step (per-offset hits and tau_hat's runs) from the step's recorded
+/// predictions equal the CPU engine's (the reference drafter's argmax) on the same weights: a
+/// drafter trained 40 steps first (so that predictions are right at several offsets), its state
+/// restored into both engines.
+#[test]
+fn the_device_engine_counts_the_reference_drafters_predictions() {
+    let c = small_config();
+    let setup = builtin::setup(&c).expect("setup");
+    let drafter = builtin::init_drafter(&c, &setup.draft_config).expect("drafter");
+    let mut cpu =
+        CpuEngine::new(drafter, setup.target.frozen_head(), builtin::adamw_config(&c), StepKind::Host).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for step in 0..40 {
+        cpu.step(&batch(&setup, step, &c), &mut rng).unwrap();
+    }
+    let mut dev = device::<f32>(&setup, &c);
+    dev.restore(&cpu.state().unwrap()).unwrap();
+    let b = StepBatch { want_stats: true, ..batch(&setup, 40, &c) };
+    let (want, got) = (
+        cpu.step(&b, &mut rng.clone()).unwrap().stats.expect("stats"),
+        dev.step(&b, &mut rng.clone()).unwrap().stats.expect("stats"),
+    );
+    assert_eq!(
+        (&got.hits, &got.counts, got.run_sum, got.blocks),
+        (&want.hits, &want.counts, want.run_sum, want.blocks)
+    );
+    assert!(want.hits[1..].iter().sum::<u64>() > 0, "the trained drafter predicts some tokens: {:?}", want.hits);
 }

@@ -99,7 +99,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
     if !dir.join("config.json").is_file() {
         println!("making a random Qwen3-8B-shaped checkpoint in {} with transformers", dir.display());
-        let spec = json!({"mode": "make", "model_dir": dir, "config": crate::bench_target::qwen3_8b_config(), "seed": seed});
+        let spec =
+            json!({"mode": "make", "model_dir": dir, "config": crate::bench_target::qwen3_8b_config(), "seed": seed});
         run_python_json(&python, &target_script, &spec)?;
     }
     let target = TargetConfig::from_file(&dir.join("config.json")).map_err(|e| e.to_string())?;
@@ -108,28 +109,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
     let gpu = Arc::new(open_gpu()?);
     let (online, offline) = measure_ours(&gpu, &dir, &target, &draft, &shapes, (warmup, iters, seed))?;
-    let mut objects = Vec::new();
     let mut errors = Vec::new();
     let (date, name) = (utc_now(), gpu.name().to_string());
     drop(gpu);
-    for (k, &(s, n)) in shapes.iter().enumerate() {
-        let torch = match with_torch {
-            true => {
-                let spec = torch_spec(&dir, &draft, s, n, (warmup, iters, seed));
-                match run_python_json(&python, &script, &spec) {
-                    Ok(v) => Some(v),
-                    Err(e) => {
-                        errors.push(format!("PyTorch at S={s} N={n}: {e}"));
-                        None
-                    }
-                }
-            }
-            false => None,
-        };
+    let object = |k: usize, torch: Option<&Value>| {
+        let (s, n) = shapes[k];
         let per_s = |ms: f64| 1e3 / ms;
         let (on, off) = (&online[k], &offline[k]);
-        let torch_ms = torch.as_ref().and_then(|t| t["ms_per_step"].as_f64());
-        objects.push(json!({
+        let torch_ms = torch.and_then(|t| t["ms_per_step"].as_f64());
+        json!({
             "shape": format!("S={s} N={n}"),
             "seq": s,
             "anchors": n,
@@ -143,21 +131,34 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "torch_ms_per_step": torch_ms,
             "torch_samples_per_s": torch_ms.map(per_s),
             "torch_tokens_per_s": torch_ms.map(|ms| per_s(ms) * s as f64),
-            "torch_peak_gb": torch.as_ref().and_then(|t| t["peak_gb"].as_f64()),
-            "torch_target_ms": torch.as_ref().and_then(|t| t["target_ms"].as_f64()),
-            "torch_step_ms": torch.as_ref().and_then(|t| t["step_ms"].as_f64()),
-            "torch_form": torch.as_ref().map(|t| t["form"].clone()),
-            "torch_errors": torch.as_ref().map(|t| t["errors"].clone()),
-            "torch_losses": torch.as_ref().map(|t| t["losses"].clone()),
+            "torch_peak_gb": torch.and_then(|t| t["peak_gb"].as_f64()),
+            "torch_target_ms": torch.and_then(|t| t["target_ms"].as_f64()),
+            "torch_step_ms": torch.and_then(|t| t["step_ms"].as_f64()),
+            "torch_form": torch.map(|t| t["form"].clone()),
+            "torch_errors": torch.map(|t| t["errors"].clone()),
+            "torch_losses": torch.map(|t| t["losses"].clone()),
             "speedup": torch_ms.map(|t| t / on.ms),
             "warmup": warmup,
             "iters": iters,
             "date": date,
             "gpu": name,
             "commit": commit,
-        }));
-    }
+        })
+    };
+    // Ours first (written at once, so a run cut short keeps them), then each shape's PyTorch.
+    let mut objects: Vec<Value> = (0..shapes.len()).map(|k| object(k, None)).collect();
     write_json(&out, &Value::Array(objects.clone()))?;
+    for (k, &(s, n)) in shapes.iter().enumerate() {
+        if !with_torch {
+            break;
+        }
+        let spec = torch_spec(&dir, &draft, s, n, (warmup, iters, seed));
+        match run_python_json(&python, &script, &spec) {
+            Ok(v) => objects[k] = object(k, Some(&v)),
+            Err(e) => errors.push(format!("PyTorch at S={s} N={n}: {e}")),
+        }
+        write_json(&out, &Value::Array(objects.clone()))?;
+    }
     let f = |v: &Value, digits: usize| v.as_f64().map_or("-".to_string(), |x| format!("{x:.digits$}"));
     println!(
         "{:>14} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9}",
@@ -186,7 +187,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 }
 
 /// The PyTorch pipeline's spec at one shape (the drafter of `draft`, its target's folder).
-fn torch_spec(dir: &Path, draft: &DraftConfig, s: usize, n: usize, (warmup, iters, seed): (usize, usize, u64)) -> Value {
+fn torch_spec(
+    dir: &Path,
+    draft: &DraftConfig,
+    s: usize,
+    n: usize,
+    (warmup, iters, seed): (usize, usize, u64),
+) -> Value {
     let c = &draft.dims;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut anchors = std::collections::BTreeSet::new();
@@ -312,7 +319,7 @@ fn measure_ours(
     let adamw = AdamWConfig { lr: 6e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
     let head_dim = draft.dims.head_dim;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut frozen = Frozen::Target(forward);
+    let mut frozen = Frozen::Target(Box::new(forward));
     let (mut online, mut offline_rows) = (Vec::new(), Vec::new());
     for &(s, n) in shapes {
         let rows = random_rows(s, warmup + iters, draft, &mut rng);

@@ -130,7 +130,12 @@ fn prepare_out(config: &RunConfig, resume: &Resume) -> Result<(), String> {
 }
 
 /// The loop: resume when asked, then every remaining step.
-fn train_loop(inputs: RunInputs, engine: &mut dyn StepEngine, resume: &Resume, mut notes: Vec<String>) -> Result<RunSummary, String> {
+fn train_loop(
+    inputs: RunInputs,
+    engine: &mut dyn StepEngine,
+    resume: &Resume,
+    mut notes: Vec<String>,
+) -> Result<RunSummary, String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     let config = inputs.config;
     let mut trainer = Trainer::new(inputs).map_err(err)?;
@@ -314,7 +319,9 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
     let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
     // The reference engine computes features with the reference target on the CPU.
     let reference_target = match (config.step, &setup.cache) {
-        (StepKind::Reference, None) => Some(TargetModel::load(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?),
+        (StepKind::Reference, None) => {
+            Some(TargetModel::load(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?)
+        }
         _ => None,
     };
     let features = || match &reference_target {
@@ -345,7 +352,14 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
     if plan {
         println!("# resolved config\n{}", config.to_toml());
         let name = setup.target_dir.display().to_string();
-        let fits = crate::plan::print_target_plan(&name, t, d, shape, (crate::plan::H200_GIB * (1u64 << 30) as f64) as u64, &[Checkpointing::PerLayer])?;
+        let fits = crate::plan::print_target_plan(
+            &name,
+            t,
+            d,
+            shape,
+            (crate::plan::H200_GIB * (1u64 << 30) as f64) as u64,
+            &[Checkpointing::PerLayer],
+        )?;
         if !fits {
             println!("the run does not fit one H200: lower --max-len or --anchors");
         }
@@ -388,10 +402,11 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
             let frozen = match online {
                 true => {
                     let cuda = Cuda::new(&gpu, head_dim).map_err(|e| e.to_string())?;
-                    let mut forward = TargetForward::new(cuda, t, &ids, config.max_len, true).map_err(|e| e.to_string())?;
+                    let mut forward =
+                        TargetForward::new(cuda, t, &ids, config.max_len, true).map_err(|e| e.to_string())?;
                     let w = weights()?;
                     forward.load_weights(|n, s| w.get(n, s, DType::BF16)).map_err(|e| e.to_string())?;
-                    Frozen::Target(forward)
+                    Frozen::Target(Box::new(forward))
                 }
                 false => Frozen::Host(host_head(DType::F32)?),
             };
@@ -405,7 +420,7 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
                         .map_err(|e| e.to_string())?;
                     let w = weights()?;
                     forward.load_weights(|n, s| w.get(n, s, DType::F32)).map_err(|e| e.to_string())?;
-                    Frozen::Target(forward)
+                    Frozen::Target(Box::new(forward))
                 }
                 false => Frozen::Host(host_head(DType::F32)?),
             };

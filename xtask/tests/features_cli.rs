@@ -8,9 +8,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
+use dflash_conformance::target_cases::write_target_folder;
 use dflash_conformance::tolerance::{rel_error, GPU_KERNEL_BF16};
 use dflash_data::features::FeatureCache;
-use dflash_conformance::target_cases::write_target_folder;
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)

@@ -397,12 +397,13 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
     assert!(!planned.join("metrics.jsonl").exists(), "--plan trained");
-    let mut first = Vec::new();
+    let (mut first, mut stats) = (Vec::new(), Vec::new());
     for (name, step) in [("host", "host"), ("reference", "reference")] {
         let out = tmp.path().join(name);
         let mut extra = vec!["--step", step];
         extra.extend(steps);
-        let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
+        let result =
+            Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
         let stdout = text(&result.stdout);
         assert!(result.status.success(), "{name}:\n{stdout}\n{}", text(&result.stderr));
         for expected in ["training (", "held-out loss", "held-out tau_hat", "saved the drafter"] {
@@ -419,9 +420,13 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         assert_eq!((drafter.config.dims.hidden_size, drafter.config.dims.vocab_size), (32, 768));
         assert_eq!((drafter.config.block_size, drafter.config.dims.num_layers()), (16, 5));
         first.push(loss_values(&out)[0]);
+        stats.push((train[0]["acc"].clone(), train[0]["tau_hat"].clone()));
     }
     let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
     assert!(rel(first[0], first[1]) <= STEP_F32.rel, "online twins {} vs reference {}", first[0], first[1]);
+    // The first step's predictions (the step's recorded argmax vs the reference's logits): the
+    // same weights and anchors, so the same accuracy per offset and tau_hat.
+    assert_eq!(stats[0], stats[1], "step 0's accuracy and tau_hat: online twins vs reference");
 
     // Offline: the features of every document cached, then trained from.
     let features = tmp.path().join("features");
@@ -436,7 +441,8 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let out = tmp.path().join("offline");
     let mut extra = vec!["--step", "host", "--features", features.to_str().unwrap()];
     extra.extend(steps);
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
+    let result =
+        Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
     let stdout = text(&result.stdout);
     assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
     assert!(stdout.contains("features from the cache"), "{stdout}");
