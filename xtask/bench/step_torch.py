@@ -866,23 +866,34 @@ def self_test():
 # ----------------------------------------------------------------------------------------------
 
 
-def main():
+def read_spec(script, self_test, parse):
+    """The spec file named on `script`'s command line, parsed by `parse(raw, file)`; with
+    `--self-test`, runs `self_test()` and exits with its status."""
     if sys.argv[1:] == ["--self-test"]:
         sys.exit(self_test())
     if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
-        fail("usage: python3 step_torch.py STEP.json | --self-test")
+        fail(f"usage: python3 {script} SPEC.json | --self-test")
     try:
         with open(sys.argv[1]) as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         fail(f"{sys.argv[1]}: {type(e).__name__}: {e}")
-    spec = parse_spec(raw, sys.argv[1])
+    return parse(raw, sys.argv[1])
 
-    # Only the final JSON goes to the real stdout; Python, torch.compile and its worker processes
-    # (which inherit file descriptor 1) write to stderr.
+
+def json_stdout():
+    """The real stdout, for the final JSON only; from here on everything else (Python, torch.compile
+    and its worker processes, which inherit file descriptor 1) writes to stderr."""
     json_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    return json_out
+
+
+def main():
+    spec = read_spec("step_torch.py", self_test, parse_spec)
+
+    json_out = json_stdout()
 
     import torch
 

@@ -535,24 +535,11 @@ def self_test():
 
 
 def main():
-    if sys.argv[1:] == ["--self-test"]:
-        sys.exit(self_test())
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
-        fail("usage: python3 train_torch.py TRAIN.json | --self-test")
-    try:
-        with open(sys.argv[1]) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        fail(f"{sys.argv[1]}: {type(e).__name__}: {e}")
-    spec = parse_spec(raw, sys.argv[1])
+    spec = step_torch.read_spec("train_torch.py", self_test, parse_spec)
     if not os.path.isfile(os.path.join(spec["target_dir"], "config.json")):
         fail(f"{sys.argv[1]}: field 'target_dir': {spec['target_dir']} has no config.json")
 
-    # Only the final JSON goes to the real stdout; Python, torch.compile and its worker processes
-    # (which inherit file descriptor 1) write to stderr.
-    json_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    json_out = step_torch.json_stdout()
 
     import torch
     import transformers
