@@ -9,7 +9,8 @@
 //! - [`rows`]: truncation, the anchor-candidate filter, packing;
 //! - [`epoch`]: the held-out split and the order of each epoch;
 //! - [`cache`]: the tokenized cache; [`stats`]: the counts; [`pipeline`]: all of it in one pass;
-//! - [`features`]: the offline cache of the target's features per document.
+//! - [`features`]: the offline cache of the target's features per document;
+//! - [`prompts`]: prompts for evaluation by speculative decoding.
 
 pub mod cache;
 pub mod epoch;
@@ -18,6 +19,7 @@ pub mod features;
 pub mod format;
 pub mod mask;
 pub mod pipeline;
+pub mod prompts;
 pub mod rows;
 pub mod source;
 pub mod stats;

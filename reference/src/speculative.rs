@@ -23,6 +23,48 @@ impl SpecOutput {
     }
 }
 
+/// The acceptance of many speculative decodes with blocks of `B`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Acceptance {
+    /// `reached[k]`: verify steps whose `A + 1` is above `k` (`reached[0]` = all steps).
+    pub reached: Vec<usize>,
+    /// Sum of `A + 1` over all verify steps.
+    pub sum: usize,
+    /// Each decode's own tau.
+    pub per_prompt: Vec<f64>,
+}
+
+impl Acceptance {
+    pub fn new(block_size: usize) -> Self {
+        Acceptance { reached: vec![0; block_size], sum: 0, per_prompt: Vec::new() }
+    }
+
+    /// Adds one decode.
+    pub fn add(&mut self, out: &SpecOutput) {
+        for &a in &out.accept_lengths {
+            self.sum += a;
+            self.reached.iter_mut().take(a).for_each(|r| *r += 1);
+        }
+        self.per_prompt.push(out.tau());
+    }
+
+    /// Tau as the mean of `A + 1` over every verify step of every decode.
+    pub fn tau_over_steps(&self) -> f64 {
+        self.sum as f64 / self.reached[0].max(1) as f64
+    }
+
+    /// Tau as the mean of the decodes' own taus.
+    pub fn tau_over_prompts(&self) -> f64 {
+        self.per_prompt.iter().sum::<f64>() / self.per_prompt.len().max(1) as f64
+    }
+
+    /// For block positions `k = 1..B-1`: the fraction of verify steps that accepted draft `k`.
+    pub fn per_position(&self) -> Vec<f64> {
+        let steps = self.reached[0].max(1) as f64;
+        self.reached[1..].iter().map(|&r| r as f64 / steps).collect()
+    }
+}
+
 /// The argmax token of every row of `logits` `[R, V]`.
 pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
     Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
@@ -86,4 +128,25 @@ pub fn speculative_decode(
     }
     out.tokens.truncate(max_new);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two decodes, [3, 1] and [1, 1, 4]: both means are 2 (10 over 5 steps; 2 and 2). A third,
+    /// [4], makes them differ: 14/6 over the steps, (2 + 2 + 4)/3 over the prompts.
+    #[test]
+    fn acceptance_counts_steps_and_prompts_apart() {
+        let mut a = Acceptance::new(4);
+        a.add(&SpecOutput { tokens: vec![], accept_lengths: vec![3, 1] });
+        a.add(&SpecOutput { tokens: vec![], accept_lengths: vec![1, 1, 4] });
+        assert_eq!(a.reached, vec![5, 2, 2, 1]);
+        assert_eq!(a.per_position(), vec![0.4, 0.4, 0.2]);
+        assert_eq!(a.tau_over_steps(), 2.0);
+        assert_eq!(a.tau_over_prompts(), 2.0);
+        a.add(&SpecOutput { tokens: vec![], accept_lengths: vec![4] });
+        assert_eq!(a.tau_over_steps(), 14.0 / 6.0);
+        assert_eq!(a.tau_over_prompts(), 8.0 / 3.0);
+    }
 }

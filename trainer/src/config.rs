@@ -157,7 +157,7 @@ impl Default for RunConfig {
             log_every: 10,
             eval_every: 1000,
             eval_rows: 64,
-            tau_prompts: 8,
+            tau_prompts: 0,
             tau_tokens: 128,
             max_nonfinite_in_a_row: 5,
             rows: 64,
@@ -219,7 +219,7 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("log_every", Kind::Int, "a metrics line every N steps"),
     ("eval_every", Kind::Int, "held-out loss, accuracy and tau_hat every N steps (0: before and after only)"),
     ("eval_rows", Kind::Int, "held-out rows"),
-    ("tau_prompts", Kind::Int, "held-out prompts of the speculative-decoding tau before and after"),
+    ("tau_prompts", Kind::Int, "held-out prompts of the real tau (speculative decoding, the reference decoders on the CPU: small targets) at each evaluation; 0: none (real runs' default)"),
     ("tau_tokens", Kind::Int, "tokens generated per tau prompt"),
     ("max_nonfinite_in_a_row", Kind::Int, "stop after this many skipped non-finite steps in a row"),
     ("rows", Kind::Int, "built-in data: training rows sampled from the tiny target"),
@@ -427,7 +427,6 @@ impl RunConfig {
             ("keep_checkpoints", self.keep_checkpoints),
             ("log_every", self.log_every),
             ("eval_rows", self.eval_rows),
-            ("tau_prompts", self.tau_prompts),
             ("tau_tokens", self.tau_tokens),
             ("max_nonfinite_in_a_row", self.max_nonfinite_in_a_row),
             ("rows", self.rows),
@@ -487,6 +486,7 @@ impl RunConfig {
                         "needs `target` (the target folder whose data and features these are)",
                     ));
                 }
+                at_least("tau_prompts", self.tau_prompts, 1)?;
                 let row_len = self.builtin_row_len();
                 if row_len > BUILTIN_MAX_POSITIONS {
                     return Err(Error::option(

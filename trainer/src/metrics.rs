@@ -218,13 +218,14 @@ impl Reporter {
         Ok(())
     }
 
-    /// An `eval` line (held-out rows).
-    pub fn eval(&mut self, step: usize, loss: f64, accuracy: &[f64], tau_hat: f64) -> Result<()> {
+    /// An `eval` line (held-out rows; `tau`: the real tau by speculative decoding, when measured).
+    pub fn eval(&mut self, step: usize, loss: f64, accuracy: &[f64], tau_hat: f64, tau: Option<f64>) -> Result<()> {
         let acc: Vec<f64> = accuracy.iter().skip(1).copied().collect();
-        self.write(&json!({"kind": "eval", "step": step, "loss": loss, "acc": acc, "tau_hat": tau_hat}))?;
+        self.write(&json!({"kind": "eval", "step": step, "loss": loss, "acc": acc, "tau_hat": tau_hat, "tau": tau}))?;
         let percent = acc.iter().map(|a| format!("{:.0}", a * 100.0)).collect::<Vec<_>>().join(" ");
+        let tau = tau.map_or(String::new(), |t| format!(", real tau {t:.3}"));
         self.say(&format!(
-            "  held-out after step {step}: loss {loss:.4}, tau_hat {tau_hat:.3}, accuracy % [{percent}]"
+            "  held-out after step {step}: loss {loss:.4}, tau_hat {tau_hat:.3}{tau}, accuracy % [{percent}]"
         ));
         Ok(())
     }

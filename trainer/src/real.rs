@@ -184,6 +184,23 @@ impl RealSetup {
         Ok((train, held))
     }
 
+    /// Up to `n` prompts for the real tau: held-out documents up to their first supervised token
+    /// (what the target was asked before the answer the drafter learns to draft).
+    pub fn tau_prompts(&self, n: usize) -> Result<Vec<Vec<u32>>> {
+        let mut prompts = Vec::new();
+        for &d in &self.dataset.held_out {
+            if prompts.len() == n {
+                break;
+            }
+            let doc = self.dataset.cache.document(d).map_err(data_error)?;
+            let first = doc.loss_mask.iter().position(|&m| m).unwrap_or(doc.tokens.len());
+            if first > 0 {
+                prompts.push(doc.tokens[..first].to_vec());
+            }
+        }
+        Ok(prompts)
+    }
+
     /// The features of rows for an engine: the cache's (in `dtype`) when the run has one,
     /// else `otherwise`.
     pub fn features<'a>(&'a self, dtype: DType, otherwise: RowFeatures<'a>) -> RowFeatures<'a> {

@@ -90,6 +90,9 @@ pub struct RunInputs<'a> {
     pub draft_config: &'a DraftConfig,
     pub data: &'a dyn RowSource,
     pub held_out: &'a dyn RowSource,
+    /// The real tau of a drafter (speculative decoding on held-out prompts), measured at each
+    /// evaluation when given.
+    pub tau: Option<&'a dyn Fn(&dflash_reference::drafter::Drafter) -> Result<f64>>,
     /// Print nothing (tests); metrics.jsonl is written all the same.
     pub quiet: bool,
 }
@@ -320,7 +323,11 @@ impl<'a> Trainer<'a> {
             let eval_now = c.eval_every > 0 && done.is_multiple_of(c.eval_every);
             if (eval_now || done == total) && !self.inputs.held_out.is_empty() {
                 let e = engine.evaluate(self.inputs.held_out, c.anchors, gamma, c.seed)?;
-                reporter.eval(step, e.loss, &e.accuracy, e.tau_hat)?;
+                let tau = match self.inputs.tau {
+                    Some(tau) => Some(tau(engine.drafter()?)?),
+                    None => None,
+                };
+                reporter.eval(step, e.loss, &e.accuracy, e.tau_hat, tau)?;
             }
             if (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total {
                 reporter.sync()?;

@@ -35,12 +35,13 @@ options:
 const OPTIONS: &[&str] =
     &["target", "show", "max-len", "packing", "thinking", "system-prompt", "held-out", "seed", "cache"];
 
-/// `--data FILE...`: the files after `--data` up to the next option, and the other arguments.
-pub fn take_files(args: Vec<String>) -> (Vec<PathBuf>, Vec<String>) {
+/// `FLAG FILE...` (e.g. `--data`): the files after `flag` up to the next option, and the other
+/// arguments.
+pub fn take_files(args: Vec<String>, flag: &str) -> (Vec<PathBuf>, Vec<String>) {
     let (mut files, mut rest) = (vec![], vec![]);
     let mut in_data = false;
     for arg in args {
-        if arg == "--data" {
+        if arg == flag {
             in_data = true;
         } else if in_data && !arg.starts_with("--") {
             files.push(PathBuf::from(arg));
@@ -59,7 +60,7 @@ pub fn parse_data_args(
     known: &[&str],
     help: &str,
 ) -> Result<Option<(Vec<PathBuf>, Options)>, String> {
-    let (files, rest) = take_files(args);
+    let (files, rest) = take_files(args, "--data");
     let Some(opts) = Options::parse(rest, known)? else {
         println!("{help}");
         return Ok(None);

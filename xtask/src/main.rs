@@ -19,6 +19,7 @@ mod bench_step;
 mod bench_target;
 mod bench_train;
 mod data;
+mod eval;
 mod features;
 mod gpu_bundle;
 mod gpu_conformance;
@@ -34,12 +35,14 @@ commands:
   plan               the memory planner: itemised peak per checkpointing policy
   data               conversations + the target's tokenizer -> packed rows; stats, samples
   features           the offline feature cache: every document through the target, in shards
+  eval               a drafter by speculative decoding with its target: tau, acceptance, speed
   gpu-bundle         build the release binary into gpu-bundle/ for the GPU machine
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
   bench gemm         (GPU machine) the cuBLAS bf16 linear: checked against the CPU, timed
   bench step         (GPU machine) the GPU training step per policy vs PyTorch, MFU, peaks
   bench target       (GPU machine) the target forward (features) vs transformers, 8B shape
+  bench train        (GPU machine) training steps end to end vs a PyTorch pipeline, 8B target
   bench data         the data pipeline vs Python transformers on the CPU; peak memory
 
 run `cargo xtask <command> --help` for a command's options";
@@ -51,6 +54,7 @@ fn main() -> ExitCode {
         Some("plan") => plan::run(argv.collect()),
         Some("data") => data::run(argv.collect()),
         Some("features") => features::run(argv.collect()),
+        Some("eval") => eval::run(argv.collect()),
         Some("gpu-bundle") => gpu_bundle::run(argv.collect()),
         Some("gpu-conformance") => gpu_conformance::run(argv.collect()),
         Some("bench") => bench::run(argv.collect()),

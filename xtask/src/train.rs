@@ -273,11 +273,13 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
         }
         kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
     };
+    let tau = |d: &Drafter| mean_tau(&setup.target, d, &setup.prompts, config.tau_tokens);
     let inputs = RunInputs {
         config: &config,
         draft_config: &setup.draft_config,
         data: &setup.data,
         held_out: &setup.held_out,
+        tau: Some(&tau),
         quiet: false,
     };
     let summary = train_loop(inputs, engine.as_mut(), &resume, resume_notes)?;
@@ -317,14 +319,13 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
         setup.dataset.held_out.len()
     );
     let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
-    // The reference engine computes features with the reference target on the CPU.
-    let reference_target = match (config.step, &setup.cache) {
-        (StepKind::Reference, None) => {
-            Some(TargetModel::load(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?)
-        }
-        _ => None,
+    // The reference target on the CPU: the reference engine's features, and the real tau.
+    let reference_features = config.step == StepKind::Reference && setup.cache.is_none();
+    let reference_target = match reference_features || config.tau_prompts > 0 {
+        true => Some(TargetModel::load(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?),
+        false => None,
     };
-    let features = || match &reference_target {
+    let features = || match reference_target.as_ref().filter(|_| reference_features) {
         Some(target) => setup.features(dtype, RowFeatures::Reference(target, d.target_layer_ids.clone())),
         None => setup.features(dtype, RowFeatures::Online),
     };
@@ -444,11 +445,28 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
         }
     };
     let eval_before = eval(engine.as_mut())?;
-    let inputs = RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, quiet: false };
+    let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
+    let measure_tau = |drafter: &Drafter| {
+        let target = reference_target.as_ref().expect("loaded when tau_prompts > 0");
+        mean_tau(target, drafter, &prompts, config.tau_tokens)
+    };
+    let tau: Option<&dyn Fn(&Drafter) -> dflash_trainer::Result<f64>> =
+        (config.tau_prompts > 0 && !prompts.is_empty()).then_some(&measure_tau);
+    let tau_before = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
+    let inputs = RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, tau, quiet: false };
     let summary = train_loop(inputs, engine.as_mut(), &resume, resume_notes)?;
     let eval_after = eval(engine.as_mut())?;
+    let tau_after = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
     let held_summary = eval_before.as_ref().zip(eval_after.as_ref()).map(|(b, a)| (held.len(), b, a));
     let (final_dir, svg) = report_end(&config, d, engine.as_mut(), &summary, held_summary)?;
+    if let (Some(before), Some(after)) = (tau_before, tau_after) {
+        println!(
+            "tau (greedy speculative decoding, {} held-out prompts x {} tokens, block {}, the reference decoders): {before:.2} before -> {after:.2} after; output identical to plain greedy decoding",
+            prompts.len(),
+            config.tau_tokens,
+            d.block_size
+        );
+    }
     report_files(&config, &summary, &final_dir, &svg, started);
     Ok(())
 }

@@ -400,7 +400,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let (mut first, mut stats) = (Vec::new(), Vec::new());
     for (name, step) in [("host", "host"), ("reference", "reference")] {
         let out = tmp.path().join(name);
-        let mut extra = vec!["--step", step];
+        let mut extra = vec!["--step", step, "--tau-prompts", "2", "--tau-tokens", "6"];
         extra.extend(steps);
         let result =
             Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
@@ -414,7 +414,14 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         assert_eq!(train.len(), 8, "{name}");
         assert!(train.iter().all(|v| v["loss"].as_f64().is_some_and(f64::is_finite)), "{name}");
         assert!(train.iter().all(|v| v["acc"].as_array().is_some_and(|a| a.len() == 15)), "{name}: {:?}", train[0]);
-        assert!(lines.iter().filter(|v| v["kind"] == "eval").count() >= 2, "{name}");
+        let evals: Vec<_> = lines.iter().filter(|v| v["kind"] == "eval").collect();
+        assert!(evals.len() >= 2, "{name}");
+        // The real tau by speculative decoding (identical to greedy, checked) next to tau_hat.
+        assert!(
+            evals.iter().all(|v| v["tau"].as_f64().is_some_and(|t| (1.0..=16.0).contains(&t))),
+            "{name}: {evals:?}"
+        );
+        assert!(stdout.contains("tau (greedy speculative decoding, 2 held-out prompts"), "{name}: {stdout}");
         let drafter = dflash_reference::drafter::Drafter::load(&out.join("drafter"), candle_core::DType::F32).unwrap();
         assert_eq!(drafter.config.target_layer_ids, vec![2, 0]);
         assert_eq!((drafter.config.dims.hidden_size, drafter.config.dims.vocab_size), (32, 768));
@@ -504,4 +511,74 @@ fn bad_real_runs_are_refused_before_any_work() {
     // Data without a target.
     let result = xtask(&["train", "--data", "a.jsonl", "--steps", "2"]);
     assert!(!result.status.success() && text(&result.stderr).contains("needs `target`"), "{}", text(&result.stderr));
+}
+
+/// `cargo xtask eval` on a drafter a real run saved: every prompt decodes to exactly the target's
+/// greedy tokens, tau is reported both ways and within [1, B], the JSON says the same; a drafter
+/// of another target, an empty prompt file, a prompt past the context, the GPU (not built) and a
+/// bad prompt line are refused before decoding, each named.
+#[test]
+fn eval_decodes_losslessly_and_refuses_bad_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    write_target_folder(&target, 11);
+    let (cache, out) = (tmp.path().join("data-cache"), tmp.path().join("run"));
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(real_args(&target, &cache, &out, &["--step", "host", "--steps", "4", "--block-size", "4"]))
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let drafter = out.join("drafter");
+    let prompts = repo("fixtures/data/conversations.jsonl");
+    let eval = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(["eval", "--target", target.to_str().unwrap(), "--drafter", drafter.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let report = tmp.path().join("eval.json");
+    let p = prompts.to_str().unwrap();
+    let result =
+        eval(&["--prompts", p, "--max-new-tokens", "12", "--max-prompts", "3", "--out", report.to_str().unwrap()]);
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    assert!(stdout.contains("mean of A+1 over all") && stdout.contains("mean of the prompts' taus"), "{stdout}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(v["prompts"], 3);
+    assert_eq!(v["all_identical_to_greedy"], true);
+    for key in ["tau_over_steps", "tau_over_prompts"] {
+        let tau = v[key].as_f64().unwrap();
+        assert!((1.0..=4.0).contains(&tau), "{key} {tau}");
+    }
+    assert_eq!(v["acceptance_per_position"].as_array().unwrap().len(), 3);
+    assert!(v["per_prompt"].as_array().unwrap().iter().all(|p| p["tokens"].as_array().unwrap().len() == 12));
+
+    let refused = |extra: &[&str], want: &[&str]| {
+        let result = eval(extra);
+        let stderr = text(&result.stderr);
+        assert!(!result.status.success(), "{extra:?} was accepted");
+        for w in want {
+            assert!(stderr.contains(w), "{extra:?}: no `{w}` in {stderr}");
+        }
+        assert!(!text(&result.stdout).contains("identical"), "{extra:?}: decoding started");
+    };
+    let empty = tmp.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n").unwrap();
+    refused(&["--prompts", empty.to_str().unwrap()], &["no prompt"]);
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"hello\"}\n{not json\n").unwrap();
+    refused(&["--prompts", bad.to_str().unwrap()], &["bad.jsonl", "line 2"]);
+    refused(&["--prompts", p, "--max-new-tokens", "5000"], &["line 1", "4096 positions"]);
+    refused(&["--prompts", p, "--device", "gpu"], &["--device", "not built yet"]);
+    let other = repo("fixtures/drafter");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["eval", "--target", target.to_str().unwrap(), "--drafter", other.to_str().unwrap(), "--prompts", p])
+        .output()
+        .unwrap();
+    assert!(
+        !result.status.success() && text(&result.stderr).contains("does not fit the target"),
+        "{}",
+        text(&result.stderr)
+    );
 }

@@ -1,0 +1,183 @@
+//! `cargo xtask eval`: a drafter measured by greedy speculative decoding with its target (spec
+//! section 4) on prompts in the data formats: per prompt tau, the tokens and whether they equal
+//! the target's own greedy decode; in total tau two ways, acceptance per block position and the
+//! decode speeds. The reference decoder on the CPU (f32, every step recomputed: small targets).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::DType;
+use dflash_data::mask::RenderOptions;
+use dflash_data::prompts::read_prompts;
+use dflash_data::target::TargetTokenizer;
+use dflash_reference::drafter::Drafter;
+use dflash_reference::speculative::{greedy_decode, speculative_decode, Acceptance};
+use dflash_reference::target::TargetModel;
+use serde_json::{json, Value};
+
+use crate::args::Options;
+use crate::data::take_files;
+use crate::gpu_conformance::{utc_now, write_json};
+
+const HELP: &str = "usage: cargo xtask eval --target DIR --drafter DIR --prompts FILE... [options]
+
+Greedy speculative decoding of every prompt with the target and the drafter, and plain greedy
+decoding with the target alone; checks that both give the same tokens. Prompts are jsonl lines
+in the data formats: a conversation up to its first assistant turn, rendered with the target's
+chat template and the generation prompt; `text` as it is; `input_ids` as given.
+
+Prints a line per prompt (tau, tokens/s, identical or not) and the totals: tau as the mean of
+A+1 over all verify steps, and as the mean of the prompts' own taus (engines report one or the
+other), the acceptance of each block position, decode tokens/s with and without the drafter,
+and the speed-up. Writes the same as JSON.
+
+The decoders run on the CPU (the reference in f32, each step recomputed from the start): for
+small targets. Decoding on the GPU with KV caches is not built yet (--device gpu is refused).
+
+options:
+  --target DIR          the target's HF folder (config.json, weights, tokenizer, chat template)
+  --drafter DIR         the drafter folder a training run saved (config.json, model.safetensors)
+  --prompts FILE...     jsonl prompt files
+  --max-new-tokens N    tokens generated per prompt                     (default 128)
+  --max-prompts N       prompts used, in file order                     (default all)
+  --thinking yes|no     the chat template's enable_thinking             (default no)
+  --system-prompt T     system message for conversations without one    (default none)
+  --device cpu|gpu      where the decoders run                           (default cpu)
+  --out FILE            the JSON report                 (default DRAFTER/eval.json)";
+
+const OPTIONS: &[&str] =
+    &["target", "drafter", "max-new-tokens", "max-prompts", "thinking", "system-prompt", "device", "out"];
+
+pub fn run(args: Vec<String>) -> Result<(), String> {
+    let (files, rest) = take_files(args, "--prompts");
+    let Some(opts) = Options::parse(rest, OPTIONS)? else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    let dir = |name: &str| -> Result<PathBuf, String> {
+        let d: PathBuf = opts.get(name, PathBuf::new())?;
+        if d.as_os_str().is_empty() {
+            return Err(format!("--{name} DIR is required"));
+        }
+        if !d.is_dir() {
+            return Err(format!("option `--{name}`: {} is not a folder", d.display()));
+        }
+        Ok(d)
+    };
+    let (target_dir, drafter_dir) = (dir("target")?, dir("drafter")?);
+    if files.is_empty() {
+        return Err("--prompts FILE... is required".into());
+    }
+    let max_new: usize = opts.get("max-new-tokens", 128)?;
+    let max_prompts: usize = opts.get("max-prompts", usize::MAX)?;
+    if max_new == 0 || max_prompts == 0 {
+        return Err("--max-new-tokens and --max-prompts must be at least 1".into());
+    }
+    match opts.get("device", "cpu".to_string())?.as_str() {
+        "cpu" => {}
+        "gpu" => return Err("option `--device`: decoding on the GPU (KV caches) is not built yet; --device cpu runs the reference decoders".into()),
+        other => return Err(format!("option `--device`: `{other}` (cpu or gpu)")),
+    }
+    let out: PathBuf = opts.get("out", drafter_dir.join("eval.json"))?;
+    let render = RenderOptions {
+        thinking: opts.yes_no("thinking", false)?,
+        system_prompt: Some(opts.get("system-prompt", String::new())?).filter(|s| !s.is_empty()),
+    };
+
+    // Everything checked before decoding: the drafter against the target, every prompt's length.
+    let err = |e: dflash_reference::Error| e.to_string();
+    let target = TargetModel::load(&target_dir, DType::F32).map_err(err)?;
+    let drafter = Drafter::load(&drafter_dir, DType::F32).map_err(err)?;
+    drafter
+        .config
+        .check_target(&target.config)
+        .map_err(|e| format!("{} does not fit the target {}: {e}", drafter_dir.display(), target_dir.display()))?;
+    let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
+    let prompts = read_prompts(&tokenizer, &files, &render, max_prompts).map_err(|e| e.to_string())?;
+    let b = drafter.config.block_size;
+    let context = target.config.dims.max_position_embeddings;
+    for p in &prompts {
+        // A verify step may run up to B - 1 positions past the last token kept.
+        let need = p.tokens.len() + max_new + b;
+        if need > context {
+            return Err(format!(
+                "{} line {}: {} prompt tokens + {max_new} new + a block of {b} exceed the target's {context} positions",
+                p.file.display(),
+                p.line,
+                p.tokens.len()
+            ));
+        }
+        if p.tokens.contains(&drafter.config.mask_token_id) {
+            return Err(format!(
+                "{} line {}: the prompt holds the drafter's mask token {}",
+                p.file.display(),
+                p.line,
+                drafter.config.mask_token_id
+            ));
+        }
+    }
+
+    println!(
+        "{} prompts x {max_new} new tokens; drafter {} (block {b}, layers {:?} of the target)",
+        prompts.len(),
+        drafter_dir.display(),
+        drafter.config.target_layer_ids
+    );
+    println!("{:>5} {:>7} {:>7} {:>11} {:>11} {:>9}", "#", "prompt", "tau", "spec tok/s", "plain tok/s", "identical");
+    let mut acceptance = Acceptance::new(b);
+    let (mut spec_secs, mut plain_secs) = (0.0, 0.0);
+    let mut per_prompt = Vec::new();
+    let mut all_identical = true;
+    for (i, p) in prompts.iter().enumerate() {
+        let started = Instant::now();
+        let spec = speculative_decode(&target, &drafter, &p.tokens, max_new).map_err(err)?;
+        let s = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let plain = greedy_decode(&target, &p.tokens, max_new).map_err(err)?;
+        let g = started.elapsed().as_secs_f64();
+        let identical = spec.tokens == plain;
+        all_identical &= identical;
+        (spec_secs, plain_secs) = (spec_secs + s, plain_secs + g);
+        acceptance.add(&spec);
+        println!(
+            "{i:>5} {:>7} {:>7.3} {:>11.1} {:>11.1} {:>9}",
+            p.tokens.len(),
+            spec.tau(),
+            max_new as f64 / s,
+            max_new as f64 / g,
+            if identical { "yes" } else { "NO" }
+        );
+        per_prompt.push(json!({
+            "file": p.file, "line": p.line, "prompt_tokens": p.tokens.len(), "tau": spec.tau(),
+            "accept_lengths": spec.accept_lengths, "tokens": spec.tokens, "identical_to_greedy": identical,
+        }));
+    }
+    let tokens = (prompts.len() * max_new) as f64;
+    let (spec_rate, plain_rate) = (tokens / spec_secs, tokens / plain_secs);
+    let report = json!({
+        "target": target_dir, "drafter": drafter_dir, "device": "cpu (reference decoders, f32, no KV caches)",
+        "prompts": prompts.len(), "max_new_tokens": max_new, "block_size": b,
+        "tau_over_steps": acceptance.tau_over_steps(), "tau_over_prompts": acceptance.tau_over_prompts(),
+        "acceptance_per_position": acceptance.per_position(),
+        "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate,
+        "all_identical_to_greedy": all_identical, "per_prompt": Value::Array(per_prompt), "date": utc_now(),
+    });
+    write_json(&out, &report)?;
+    println!(
+        "tau: {:.3} (mean of A+1 over all {} verify steps), {:.3} (mean of the prompts' taus)",
+        acceptance.tau_over_steps(),
+        acceptance.reached[0],
+        acceptance.tau_over_prompts()
+    );
+    let positions: Vec<String> = acceptance.per_position().iter().map(|a| format!("{:.0}", a * 100.0)).collect();
+    println!("accepted % at block positions 1..{}: [{}]", b - 1, positions.join(" "));
+    println!(
+        "decode: {spec_rate:.1} tokens/s speculative, {plain_rate:.1} tokens/s plain ({:.2}x; the reference decoders recompute every step)",
+        spec_rate / plain_rate
+    );
+    println!("wrote {}", out.display());
+    if !all_identical {
+        return Err("speculative decoding changed the output of some prompt (see `identical`)".into());
+    }
+    Ok(())
+}
