@@ -48,8 +48,9 @@ kill -9 "$pid"
 wait "$pid" 2> /dev/null || true
 echo "killed with $(ls -d "$work"/killed/checkpoint-* "$work"/killed/.checkpoint-* 2> /dev/null | xargs -n1 basename | tr '\n' ' ')"
 "$bundle/xtask" train --resume "$work/killed" > "$out/resumed.log"
-run "$work/gpu3" gpu --steps 3 --eval-rows 1 > "$out/gpu3.log"
-run "$work/host" host --steps 3 --eval-rows 1 > "$out/host.log"
+# Shorter rows and fewer anchors for the comparison: the CPU twins run single-threaded.
+run "$work/gpu3" gpu --steps 3 --eval-rows 1 --max-len 256 --anchors 16 > "$out/gpu3.log"
+run "$work/host" host --steps 3 --eval-rows 1 --max-len 256 --anchors 16 > "$out/host.log"
 cp "$work/whole/metrics.jsonl" "$out/whole-metrics.jsonl"
 cp "$work/killed/metrics.jsonl" "$out/resumed-metrics.jsonl"
 cp "$work/host/metrics.jsonl" "$out/host-metrics.jsonl"
