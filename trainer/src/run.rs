@@ -83,6 +83,9 @@ impl LoopState {
     }
 }
 
+/// Measures a drafter's real tau (speculative decoding on held-out prompts).
+pub type TauProbe<'a> = &'a dyn Fn(&dflash_reference::drafter::Drafter) -> Result<f64>;
+
 /// What a run trains on and with.
 pub struct RunInputs<'a> {
     /// The resolved config ([`RunConfig::resolved`]).
@@ -92,7 +95,7 @@ pub struct RunInputs<'a> {
     pub held_out: &'a dyn RowSource,
     /// The real tau of a drafter (speculative decoding on held-out prompts), measured at each
     /// evaluation when given.
-    pub tau: Option<&'a dyn Fn(&dflash_reference::drafter::Drafter) -> Result<f64>>,
+    pub tau: Option<TauProbe<'a>>,
     /// Print nothing (tests); metrics.jsonl is written all the same.
     pub quiet: bool,
 }

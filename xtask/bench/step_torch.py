@@ -111,7 +111,8 @@ def log(message):
 
 
 def fail(message):
-    print(f"step_torch.py: {message}", file=sys.stderr, flush=True)
+    """Exits 2 with `message`, named by the script that runs (this one, or one importing it)."""
+    print(f"{os.path.basename(sys.argv[0])}: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 

@@ -79,13 +79,8 @@ CLIP_NORM = 1.0
 LOSSES_KEPT = 8
 
 
-def log(message):
-    print(message, file=sys.stderr, flush=True)
-
-
-def fail(message):
-    print(f"train_torch.py: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+log = step_torch.log
+fail = step_torch.fail
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
 use dflash_trainer::real::{self, RealSetup};
 use dflash_trainer::rows::{RowFeatures, RowSource};
-use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, RunSummary, Trainer};
+use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, RunSummary, TauProbe, Trainer};
 
 const HELP_HEAD: &str = "usage: cargo xtask train [--target DIR --data FILE... [--features CACHE]] [--config FILE] [--plan] [--resume OUT] [--key value ...]
 
@@ -450,8 +450,7 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
         let target = reference_target.as_ref().expect("loaded when tau_prompts > 0");
         mean_tau(target, drafter, &prompts, config.tau_tokens)
     };
-    let tau: Option<&dyn Fn(&Drafter) -> dflash_trainer::Result<f64>> =
-        (config.tau_prompts > 0 && !prompts.is_empty()).then_some(&measure_tau);
+    let tau: Option<TauProbe> = (config.tau_prompts > 0 && !prompts.is_empty()).then_some(&measure_tau);
     let tau_before = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
     let inputs = RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, tau, quiet: false };
     let summary = train_loop(inputs, engine.as_mut(), &resume, resume_notes)?;
