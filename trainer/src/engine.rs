@@ -363,7 +363,7 @@ impl<B: Backend> DeviceEngine<B> {
 
     /// Makes (and loads) the step for rows of `s` tokens and `n` anchors on first use; refuses
     /// another shape later.
-    fn ensure_step(&mut self, s: usize, n: usize) -> Result<()> {
+    pub fn ensure_step(&mut self, s: usize, n: usize) -> Result<()> {
         if let Some((step, _)) = &self.step {
             let have = (step.shape.context_len, step.shape.num_anchors);
             if have != (s, n) {
@@ -457,6 +457,78 @@ impl<B: Backend> DeviceEngine<B> {
         Some(step.planned_peak().saturating_add(extra))
     }
 
+    /// Accumulates the gradients of `rows` (prepared in the run's order), each row's scaled by
+    /// `1 / total` (the step's total weight, over every worker's rows), recording the block
+    /// stats when asked; a non-finite loss stops at its row (`Share::failed`).
+    pub fn accumulate_rows(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, want_stats: bool) -> Result<Share> {
+        self.host_copy = None;
+        let b = self.config.block_size;
+        let mut share = Share { loss: 0.0, flops: 0.0, stats: want_stats.then(|| BlockStats::new(b)), failed: None };
+        for (row, p) in rows.iter().filter(|(_, p)| p.targets.total_weight() > 0.0) {
+            share.flops += self.set_row(row, p)? + step_flops(&self.config, p)?;
+            let (step, adam) = self.step.as_mut().expect("made by set_row");
+            step.set_record_predictions(share.stats.is_some());
+            match step.step(1.0 / total) {
+                Ok(l) => share.loss += l.loss * l.total_weight / total,
+                Err(dflash_optimized::Error::NonFinite { what, .. }) => {
+                    share.failed = Some(what);
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+            if let Some(stats) = &mut share.stats {
+                stats.add(&step.predictions()?, &p.targets);
+            }
+            adam.accumulate(step)?;
+        }
+        Ok(share)
+    }
+
+    /// Clips and applies the accumulated gradients: `Ok(norm)`, or `Err(tensor)` when a
+    /// gradient is not finite (nothing applied). Either way the accumulator is left empty.
+    pub fn apply(&mut self, lr: f64, clip_norm: f64) -> Result<std::result::Result<f64, String>> {
+        let Some((step, adam)) = &mut self.step else { return Ok(Ok(0.0)) };
+        match adam.update(step, lr, clip_norm) {
+            Ok(norm) => Ok(Ok(norm)),
+            Err(dflash_optimized::Error::NonFinite { what, .. }) => {
+                adam.discard(step)?;
+                Ok(Err(what))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Drops the accumulated gradients (a step skipped on some worker).
+    pub fn discard(&mut self) -> Result<()> {
+        if let Some((step, adam)) = &self.step {
+            adam.discard(step)?;
+        }
+        Ok(())
+    }
+
+    /// The accumulated gradients (flat, in the arithmetic type, as f64); empty before the step
+    /// exists.
+    pub fn accumulated(&self) -> Result<Vec<f64>> {
+        let Some((step, _)) = &self.step else { return Ok(Vec::new()) };
+        let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
+        let v: Vec<Acc<B>> = download(step.backend(), step.addr(opt.grad_acc), step.num_params())?;
+        Ok(v.into_iter().map(Real::to_f64).collect())
+    }
+
+    /// Replaces the accumulated gradients (the all-reduced sum); makes the step for rows of `s`
+    /// tokens and `n` anchors first if it does not exist.
+    pub fn set_accumulated(&mut self, (s, n): (usize, usize), values: &[f64]) -> Result<()> {
+        self.ensure_step(s, n)?;
+        let (step, _) = self.step.as_ref().expect("made above");
+        let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
+        if values.len() != step.num_params() {
+            return Err(Error::option("gradients", format!("{} values for {} parameters", values.len(), step.num_params())));
+        }
+        let acc: Vec<Acc<B>> = values.iter().map(|&x| <Acc<B> as Real>::from_f64(x)).collect();
+        step.backend().upload(step.addr(opt.grad_acc), bytes_of(&acc))?;
+        Ok(())
+    }
+
     /// The optimizer regions' values (master, m, v) per parameter, as f32 tensors.
     fn download_state(&self) -> Result<Option<EngineState>> {
         let Some((step, adam)) = &self.step else { return Ok(None) };
@@ -510,6 +582,54 @@ fn step_flops(config: &DraftConfig, p: &PreparedRow) -> Result<f64> {
     Ok(step_model_flops(config, shape, weighted, &pairs))
 }
 
+/// What one engine's rows added to a step: their share of the loss, their model FLOPs, their
+/// block stats, and the first non-finite tensor.
+#[derive(Clone, Debug)]
+pub struct Share {
+    pub loss: f64,
+    pub flops: f64,
+    pub stats: Option<BlockStats>,
+    pub failed: Option<String>,
+}
+
+impl Share {
+    /// Adds another engine's share (same step).
+    pub fn merge(&mut self, other: Share) {
+        self.loss += other.loss;
+        self.flops += other.flops;
+        if let (Some(a), Some(b)) = (&mut self.stats, &other.stats) {
+            a.merge(b);
+        }
+        self.failed = self.failed.take().or(other.failed);
+    }
+
+    /// The step's outcome over `total` weight: `update` is the applied update's gradient norm (or
+    /// the non-finite gradient), `None` when a loss was not finite.
+    pub fn outcome(self, total: f64, update: Option<std::result::Result<f64, String>>, device_bytes: Option<u64>) -> StepOutcome {
+        let (grad_norm, non_finite) = match (update, self.failed) {
+            (_, Some(what)) => (f64::NAN, Some(what)),
+            (Some(Ok(norm)), None) => (norm, None),
+            (Some(Err(what)), None) => (f64::NAN, Some(what)),
+            (None, None) => (f64::NAN, Some("loss".into())),
+        };
+        let loss = if non_finite.as_deref().is_some_and(|w| w.starts_with("loss")) { f64::NAN } else { self.loss };
+        StepOutcome { loss, weight: total, grad_norm, non_finite, stats: self.stats, flops: self.flops, device_bytes }
+    }
+}
+
+/// Every row of `batch` with its anchors drawn from `rng` in order (as the CPU engines draw
+/// them), and the step's total weight.
+pub fn prepare_rows<'a>(batch: &StepBatch<'a>, block_size: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<(&'a TrainRow, PreparedRow)>, f64)> {
+    let mut prepared = Vec::new();
+    for rows in &batch.micro_batches {
+        for &row in rows {
+            prepared.push((row, PreparedRow::new(row, batch.anchors, block_size, batch.gamma, rng)?));
+        }
+    }
+    let total = prepared.iter().map(|(_, p)| p.targets.total_weight()).sum();
+    Ok((prepared, total))
+}
+
 impl<B: Backend> StepEngine for DeviceEngine<B> {
     fn name(&self) -> String {
         match self.frozen {
@@ -519,60 +639,17 @@ impl<B: Backend> StepEngine for DeviceEngine<B> {
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
-        // Every row's anchors first, in order (as the CPU engines draw them), then the total weight.
-        let b = self.config.block_size;
-        let mut prepared = Vec::new();
-        for rows in &batch.micro_batches {
-            for &row in rows {
-                prepared.push((row, PreparedRow::new(row, batch.anchors, b, batch.gamma, rng)?));
+        let (prepared, total) = prepare_rows(batch, self.config.block_size, rng)?;
+        let rows: Vec<(&TrainRow, &PreparedRow)> = prepared.iter().map(|(r, p)| (*r, p)).collect();
+        let share = self.accumulate_rows(&rows, total, batch.want_stats)?;
+        let update = match share.failed.is_some() {
+            true => {
+                self.discard()?;
+                None
             }
-        }
-        let total: f64 = prepared.iter().map(|(_, p)| p.targets.total_weight()).sum();
-        self.host_copy = None;
-        let mut loss = 0.0;
-        let mut flops = 0.0;
-        let mut stats = batch.want_stats.then(|| BlockStats::new(b));
-        let mut failed: Option<String> = None;
-        for (row, p) in prepared.iter().filter(|(_, p)| p.targets.total_weight() > 0.0) {
-            flops += self.set_row(row, p)? + step_flops(&self.config, p)?;
-            let (step, adam) = self.step.as_mut().expect("made by set_row");
-            step.set_record_predictions(stats.is_some());
-            match step.step(1.0 / total) {
-                Ok(l) => loss += l.loss * l.total_weight / total,
-                Err(dflash_optimized::Error::NonFinite { what, .. }) => {
-                    failed = Some(what);
-                    break;
-                }
-                Err(e) => return Err(e.into()),
-            }
-            if let Some(stats) = &mut stats {
-                stats.add(&step.predictions()?, &p.targets);
-            }
-            adam.accumulate(step)?;
-        }
-        let device_bytes = self.planned_bytes();
-        let outcome = |loss, grad_norm, non_finite, stats| StepOutcome {
-            loss,
-            weight: total,
-            grad_norm,
-            non_finite,
-            stats,
-            flops,
-            device_bytes,
+            false => Some(self.apply(batch.lr, batch.clip_norm)?),
         };
-        let Some((step, adam)) = &mut self.step else {
-            return Ok(StepOutcome { weight: 0.0, ..outcome(0.0, 0.0, None, None) });
-        };
-        if failed.is_none() {
-            match adam.update(step, batch.lr, batch.clip_norm) {
-                Ok(grad_norm) => return Ok(outcome(loss, grad_norm, None, stats)),
-                Err(dflash_optimized::Error::NonFinite { what, .. }) => failed = Some(what),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        adam.discard(step)?;
-        let loss = if failed.as_deref().is_some_and(|w| w.starts_with("loss")) { f64::NAN } else { loss };
-        Ok(outcome(loss, f64::NAN, failed, stats))
+        Ok(share.outcome(total, update, self.planned_bytes()))
     }
 
     fn state(&self) -> Result<EngineState> {

@@ -7,6 +7,7 @@
 pub mod builtin;
 pub mod checkpoint;
 pub mod config;
+pub mod dist;
 pub mod engine;
 pub mod error;
 pub mod metrics;

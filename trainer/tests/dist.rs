@@ -1,0 +1,180 @@
+//! Data parallelism on the CPU (`DataParallel` over `DeviceEngine<Host<f32>>` workers, one
+//! thread each, the in-process all-reduce in worker order): 2 and 3 workers train like 1 with
+//! the same rows per step; a checkpoint of a 2-worker run resumes on 1 and on 3 workers with the
+//! same next losses; a worker that fails mid-run stops the run with its error, naming it.
+
+use std::sync::Arc;
+
+use dflash_optimized::backend::host::Host;
+use dflash_optimized::memory::step::Checkpointing;
+use dflash_reference::data::TrainRow;
+use dflash_reference::eval::EvalReport;
+use dflash_reference::train::PreparedRow;
+use dflash_trainer::builtin::{self, BuiltinSetup};
+use dflash_trainer::config::RunConfig;
+use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
+use dflash_trainer::engine::{DeviceEngine, EngineState, Frozen, Share, StepBatch, StepEngine};
+use dflash_trainer::rows::RowSource;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+/// The workers' f32 accumulators are summed per worker, then across workers: the same terms in
+/// another grouping (f32 rounding ~6e-8 per add over a few rows), not bitwise. Losses.
+const DP_F32: f64 = 1e-6;
+/// Weights after a few updates, relative to the largest weight: AdamW's update direction
+/// m / sqrt(v) carries the gradients' grouping error, amplified on elements whose gradient is
+/// small against its own history (measured 1.0e-6 after 6 steps of 2 or 3 workers).
+const DP_WEIGHTS_F32: f64 = 1e-5;
+
+fn config() -> RunConfig {
+    RunConfig { rows: 8, eval_rows: 1, tau_prompts: 1, continuation_len: 24, anchors: 6, ..RunConfig::builtin() }
+}
+
+fn engine(setup: &BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<f32>> {
+    let drafter = builtin::init_drafter(c, &setup.draft_config).expect("drafter");
+    DeviceEngine::new(
+        || Ok(Host::<f32>::default()),
+        drafter,
+        Frozen::Host(setup.target.frozen_head()),
+        builtin::adamw_config(c),
+        Checkpointing::PerLayer,
+    )
+}
+
+/// `count` workers, each with the built-in setup's engine (made in its thread).
+fn workers(count: usize, setup: &Arc<BuiltinSetup>, c: &RunConfig) -> DataParallel {
+    let (setup2, c2) = (setup.clone(), c.clone());
+    let make: Arc<MakeReplica> = Arc::new(move |_| Ok(Box::new(engine(&setup2, &c2)) as Box<dyn Replica>));
+    DataParallel::new(count, setup.draft_config.clone(), make).expect("workers")
+}
+
+/// Step `step`'s batch: 4 rows of the data, as one micro-batch.
+fn batch<'a>(setup: &'a BuiltinSetup, step: usize, c: &RunConfig) -> StepBatch<'a> {
+    let n = setup.data.len();
+    StepBatch {
+        step,
+        micro_batches: vec![(0..4).map(|i| &setup.data[(4 * step + i) % n]).collect()],
+        anchors: c.anchors,
+        gamma: c.gamma_for(setup.draft_config.block_size),
+        lr: 3e-3,
+        clip_norm: 1.0,
+        want_stats: step % 2 == 0,
+    }
+}
+
+fn losses(engine: &mut dyn StepEngine, setup: &BuiltinSetup, c: &RunConfig, steps: std::ops::Range<usize>, rng: &mut ChaCha8Rng) -> Vec<f64> {
+    steps.map(|s| engine.step(&batch(setup, s, c), rng).expect("step").loss).collect()
+}
+
+fn close(a: &[f64], b: &[f64], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (s, (x, y)) in a.iter().zip(b).enumerate() {
+        let rel = (x - y).abs() / y.abs();
+        assert!(rel <= DP_F32, "{what}: step {s}: {x} vs {y} (rel {rel:.2e})");
+    }
+}
+
+#[test]
+fn two_and_three_workers_train_like_one() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let mut one = engine(&setup, &c);
+    let want = losses(&mut one, &setup, &c, 0..6, &mut ChaCha8Rng::seed_from_u64(4));
+    for count in [2, 3] {
+        let mut dp = workers(count, &setup, &c);
+        let got = losses(&mut dp, &setup, &c, 0..6, &mut ChaCha8Rng::seed_from_u64(4));
+        close(&got, &want, &format!("{count} workers"));
+        // The weights too (from worker 0; every replica applies the same update).
+        let (a, b) = (dp.state().unwrap(), StepEngine::state(&one).unwrap());
+        for ((name, x), y) in a.names.iter().zip(&a.params).zip(&b.params) {
+            let (x, y) = (x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), y.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let err = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+            let scale = y.iter().map(|q| q.abs()).fold(0.0f32, f32::max);
+            assert!(f64::from(err / scale) <= DP_WEIGHTS_F32, "{count} workers: {name}: {err:.2e} of {scale:.2e}");
+        }
+    }
+}
+
+#[test]
+fn a_two_worker_checkpoint_resumes_on_one_and_three_workers() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let mut two = workers(2, &setup, &c);
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    losses(&mut two, &setup, &c, 0..3, &mut rng);
+    let (state, rng_3) = (two.state().unwrap(), rng.clone());
+    let want = losses(&mut two, &setup, &c, 3..6, &mut rng);
+    for count in [1, 3] {
+        let mut resumed = workers(count, &setup, &c);
+        resumed.restore(&state).unwrap();
+        let got = losses(&mut resumed, &setup, &c, 3..6, &mut rng_3.clone());
+        close(&got, &want, &format!("resumed on {count}"));
+    }
+}
+
+/// A replica that fails at its `fail_at`-th accumulation.
+struct Failing {
+    inner: DeviceEngine<Host<f32>>,
+    calls: usize,
+    fail_at: usize,
+}
+
+impl Replica for Failing {
+    fn accumulate_rows(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, want: bool) -> dflash_trainer::Result<Share> {
+        self.calls += 1;
+        if self.calls == self.fail_at {
+            return Err(dflash_trainer::Error::option("device", "out of memory (injected)"));
+        }
+        Replica::accumulate_rows(&mut self.inner, rows, total, want)
+    }
+    fn accumulated(&self) -> dflash_trainer::Result<Vec<f64>> {
+        Replica::accumulated(&self.inner)
+    }
+    fn set_accumulated(&mut self, shape: (usize, usize), values: &[f64]) -> dflash_trainer::Result<()> {
+        Replica::set_accumulated(&mut self.inner, shape, values)
+    }
+    fn apply(&mut self, lr: f64, clip: f64) -> dflash_trainer::Result<std::result::Result<f64, String>> {
+        Replica::apply(&mut self.inner, lr, clip)
+    }
+    fn discard(&mut self) -> dflash_trainer::Result<()> {
+        Replica::discard(&mut self.inner)
+    }
+    fn state(&self) -> dflash_trainer::Result<EngineState> {
+        Replica::state(&self.inner)
+    }
+    fn restore(&mut self, state: &EngineState) -> dflash_trainer::Result<()> {
+        Replica::restore(&mut self.inner, state)
+    }
+    fn evaluate(&mut self, rows: &dyn RowSource, n: usize, gamma: f64, seed: u64) -> dflash_trainer::Result<EvalReport> {
+        Replica::evaluate(&mut self.inner, rows, n, gamma, seed)
+    }
+}
+
+#[test]
+fn a_failing_worker_stops_the_run_with_its_error() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let (setup2, c2) = (setup.clone(), c.clone());
+    let make: Arc<MakeReplica> = Arc::new(move |k| {
+        let inner = engine(&setup2, &c2);
+        Ok(match k {
+            1 => Box::new(Failing { inner, calls: 0, fail_at: 3 }) as Box<dyn Replica>,
+            _ => Box::new(inner),
+        })
+    });
+    let mut dp = DataParallel::new(2, setup.draft_config.clone(), make).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for s in 0..2 {
+        dp.step(&batch(&setup, s, &c), &mut rng).expect("the first steps run");
+    }
+    let message = dp.step(&batch(&setup, 2, &c), &mut rng).unwrap_err().to_string();
+    assert!(message.contains("drafter worker 1") && message.contains("out of memory (injected)"), "{message}");
+    // A worker whose engine cannot be made is named before any step.
+    let (setup3, c3) = (setup.clone(), c.clone());
+    let make: Arc<MakeReplica> = Arc::new(move |k| match k {
+        2 => Err(dflash_trainer::Error::option("device", "no such GPU")),
+        _ => Ok(Box::new(engine(&setup3, &c3)) as Box<dyn Replica>),
+    });
+    let message = DataParallel::new(3, setup.draft_config.clone(), make).err().expect("refused").to_string();
+    assert!(message.contains("drafter worker 2") && message.contains("no such GPU"), "{message}");
+}
