@@ -117,8 +117,8 @@ pub struct RunConfig {
     /// Real runs: the tokenized data's cache folder (default `OUT/data-cache`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_cache: Option<PathBuf>,
-    /// Real runs: the drafter's mask token (default: the tokenizer's mask token, else the first
-    /// id past the tokenizer's vocabulary, as the published Qwen3 drafters use).
+    /// Real runs: the drafter's mask token (default: the first id past the tokenizer's
+    /// vocabulary, as the published Qwen3 drafters use).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask_token_id: Option<u32>,
     /// Real runs: the drafter's layers and block size.
@@ -128,6 +128,8 @@ pub struct RunConfig {
     /// for 5 features, or the feature cache's layers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_layer_ids: Option<Vec<usize>>,
+    /// Data-parallel drafter workers (`dist::DataParallel`; `host` step: one thread each).
+    pub drafter_workers: usize,
 }
 
 impl Default for RunConfig {
@@ -177,6 +179,7 @@ impl Default for RunConfig {
             draft_layers: 5,
             block_size: 16,
             target_layer_ids: None,
+            drafter_workers: 1,
         }
     }
 }
@@ -242,7 +245,7 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     (
         "mask_token_id",
         Kind::Int,
-        "real runs: the mask token (default: the tokenizer's, else the first id past its vocabulary)",
+        "real runs: the mask token (default: the first id past the tokenizer's vocabulary)",
     ),
     ("draft_layers", Kind::Int, "real runs: drafter layers"),
     ("block_size", Kind::Int, "real runs: tokens per block"),
@@ -250,6 +253,11 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
         "target_layer_ids",
         Kind::Ints,
         "real runs: target layers of the features, e.g. 1,9,17,25,33 (default: the spec's rule)",
+    ),
+    (
+        "drafter_workers",
+        Kind::Int,
+        "data-parallel drafter workers (the host step: one thread each; the global batch is unchanged)",
     ),
 ];
 
@@ -269,6 +277,7 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "tau_tokens",
     "max_nonfinite_in_a_row",
     "data_cache",
+    "drafter_workers",
 ];
 
 /// The block size of the built-in tiny drafter.
@@ -429,12 +438,23 @@ impl RunConfig {
             ("eval_rows", self.eval_rows),
             ("tau_tokens", self.tau_tokens),
             ("max_nonfinite_in_a_row", self.max_nonfinite_in_a_row),
+            ("drafter_workers", self.drafter_workers),
             ("rows", self.rows),
             ("prompt_len", self.prompt_len),
         ] {
             at_least(name, value, 1)?;
         }
         at_least("continuation_len", self.continuation_len, 2)?;
+        if self.drafter_workers > 1 && self.step != StepKind::Host {
+            return Err(Error::option(
+                "drafter_workers",
+                format!(
+                    "{} workers with the `{}` step: several drafter workers run the `host` step (one thread each); on GPUs they need several GPUs, which are not supported yet",
+                    self.drafter_workers,
+                    self.step.name()
+                ),
+            ));
+        }
         if self.target.is_none() && self.step == StepKind::Gpu && self.builtin_target == BuiltinTarget::Tiny {
             return Err(Error::option(
                 "step",

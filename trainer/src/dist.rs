@@ -106,7 +106,11 @@ pub struct DataParallel {
 impl DataParallel {
     /// Starts `count` workers, each making its engine with `make(k)` in its thread; an error
     /// of any names the worker.
-    pub fn new(count: usize, config: dflash_reference::config::DraftConfig, make: std::sync::Arc<MakeReplica>) -> Result<Self> {
+    pub fn new(
+        count: usize,
+        config: dflash_reference::config::DraftConfig,
+        make: std::sync::Arc<MakeReplica>,
+    ) -> Result<Self> {
         if count == 0 {
             return Err(Error::option("drafter_workers", "at least 1 worker"));
         }
@@ -244,7 +248,9 @@ impl StepEngine for DataParallel {
         let mut share: Option<Share> = None;
         let mut sum: Vec<f64> = Vec::new();
         for k in 0..self.workers.len() {
-            let Reply::Accumulated(s, acc) = self.wait(k)? else { return Err(worker_error(k, "an unexpected reply".into())) };
+            let Reply::Accumulated(s, acc) = self.wait(k)? else {
+                return Err(worker_error(k, "an unexpected reply".into()));
+            };
             match &mut share {
                 None => share = Some(*s),
                 Some(all) => all.merge(*s),

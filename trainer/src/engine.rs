@@ -460,7 +460,12 @@ impl<B: Backend> DeviceEngine<B> {
     /// Accumulates the gradients of `rows` (prepared in the run's order), each row's scaled by
     /// `1 / total` (the step's total weight, over every worker's rows), recording the block
     /// stats when asked; a non-finite loss stops at its row (`Share::failed`).
-    pub fn accumulate_rows(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, want_stats: bool) -> Result<Share> {
+    pub fn accumulate_rows(
+        &mut self,
+        rows: &[(&TrainRow, &PreparedRow)],
+        total: f64,
+        want_stats: bool,
+    ) -> Result<Share> {
         self.host_copy = None;
         let b = self.config.block_size;
         let mut share = Share { loss: 0.0, flops: 0.0, stats: want_stats.then(|| BlockStats::new(b)), failed: None };
@@ -522,7 +527,10 @@ impl<B: Backend> DeviceEngine<B> {
         let (step, _) = self.step.as_ref().expect("made above");
         let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
         if values.len() != step.num_params() {
-            return Err(Error::option("gradients", format!("{} values for {} parameters", values.len(), step.num_params())));
+            return Err(Error::option(
+                "gradients",
+                format!("{} values for {} parameters", values.len(), step.num_params()),
+            ));
         }
         let acc: Vec<Acc<B>> = values.iter().map(|&x| <Acc<B> as Real>::from_f64(x)).collect();
         step.backend().upload(step.addr(opt.grad_acc), bytes_of(&acc))?;
@@ -605,7 +613,12 @@ impl Share {
 
     /// The step's outcome over `total` weight: `update` is the applied update's gradient norm (or
     /// the non-finite gradient), `None` when a loss was not finite.
-    pub fn outcome(self, total: f64, update: Option<std::result::Result<f64, String>>, device_bytes: Option<u64>) -> StepOutcome {
+    pub fn outcome(
+        self,
+        total: f64,
+        update: Option<std::result::Result<f64, String>>,
+        device_bytes: Option<u64>,
+    ) -> StepOutcome {
         let (grad_norm, non_finite) = match (update, self.failed) {
             (_, Some(what)) => (f64::NAN, Some(what)),
             (Some(Ok(norm)), None) => (norm, None),
@@ -619,7 +632,11 @@ impl Share {
 
 /// Every row of `batch` with its anchors drawn from `rng` in order (as the CPU engines draw
 /// them), and the step's total weight.
-pub fn prepare_rows<'a>(batch: &StepBatch<'a>, block_size: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<(&'a TrainRow, PreparedRow)>, f64)> {
+pub fn prepare_rows<'a>(
+    batch: &StepBatch<'a>,
+    block_size: usize,
+    rng: &mut ChaCha8Rng,
+) -> Result<(Vec<(&'a TrainRow, PreparedRow)>, f64)> {
     let mut prepared = Vec::new();
     for rows in &batch.micro_batches {
         for &row in rows {

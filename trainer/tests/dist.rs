@@ -58,11 +58,17 @@ fn batch<'a>(setup: &'a BuiltinSetup, step: usize, c: &RunConfig) -> StepBatch<'
         gamma: c.gamma_for(setup.draft_config.block_size),
         lr: 3e-3,
         clip_norm: 1.0,
-        want_stats: step % 2 == 0,
+        want_stats: step.is_multiple_of(2),
     }
 }
 
-fn losses(engine: &mut dyn StepEngine, setup: &BuiltinSetup, c: &RunConfig, steps: std::ops::Range<usize>, rng: &mut ChaCha8Rng) -> Vec<f64> {
+fn losses(
+    engine: &mut dyn StepEngine,
+    setup: &BuiltinSetup,
+    c: &RunConfig,
+    steps: std::ops::Range<usize>,
+    rng: &mut ChaCha8Rng,
+) -> Vec<f64> {
     steps.map(|s| engine.step(&batch(setup, s, c), rng).expect("step").loss).collect()
 }
 
@@ -87,7 +93,10 @@ fn two_and_three_workers_train_like_one() {
         // The weights too (from worker 0; every replica applies the same update).
         let (a, b) = (dp.state().unwrap(), StepEngine::state(&one).unwrap());
         for ((name, x), y) in a.names.iter().zip(&a.params).zip(&b.params) {
-            let (x, y) = (x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), y.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let (x, y) = (
+                x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
             let err = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
             let scale = y.iter().map(|q| q.abs()).fold(0.0f32, f32::max);
             assert!(f64::from(err / scale) <= DP_WEIGHTS_F32, "{count} workers: {name}: {err:.2e} of {scale:.2e}");
@@ -120,7 +129,12 @@ struct Failing {
 }
 
 impl Replica for Failing {
-    fn accumulate_rows(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, want: bool) -> dflash_trainer::Result<Share> {
+    fn accumulate_rows(
+        &mut self,
+        rows: &[(&TrainRow, &PreparedRow)],
+        total: f64,
+        want: bool,
+    ) -> dflash_trainer::Result<Share> {
         self.calls += 1;
         if self.calls == self.fail_at {
             return Err(dflash_trainer::Error::option("device", "out of memory (injected)"));
@@ -145,7 +159,13 @@ impl Replica for Failing {
     fn restore(&mut self, state: &EngineState) -> dflash_trainer::Result<()> {
         Replica::restore(&mut self.inner, state)
     }
-    fn evaluate(&mut self, rows: &dyn RowSource, n: usize, gamma: f64, seed: u64) -> dflash_trainer::Result<EvalReport> {
+    fn evaluate(
+        &mut self,
+        rows: &dyn RowSource,
+        n: usize,
+        gamma: f64,
+        seed: u64,
+    ) -> dflash_trainer::Result<EvalReport> {
         Replica::evaluate(&mut self.inner, rows, n, gamma, seed)
     }
 }

@@ -6,6 +6,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::DType;
@@ -22,6 +23,7 @@ use dflash_reference::target::TargetModel;
 use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
 use dflash_trainer::config::{known_flags, options_help, RunConfig, StepKind, FIELDS};
+use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
 use dflash_trainer::engine::{CpuEngine, DeviceEngine, Frozen, StepEngine};
 use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
@@ -271,6 +273,18 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
             let adamw = builtin::adamw_config(&config);
             Box::new(DeviceEngine::new(make, drafter, Frozen::Host(head.clone()), adamw, Checkpointing::PerLayer))
         }
+        StepKind::Host if config.drafter_workers > 1 => {
+            let (c, draft, frozen_head) = (config.clone(), setup.draft_config.clone(), head.clone());
+            let make: Arc<MakeReplica> = Arc::new(move |_| {
+                let drafter = builtin::init_drafter(&c, &draft)?;
+                let frozen = Frozen::Host(frozen_head.clone());
+                let adamw = builtin::adamw_config(&c);
+                let policy = Checkpointing::PerLayer;
+                Ok(Box::new(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, policy))
+                    as Box<dyn Replica>)
+            });
+            Box::new(DataParallel::new(config.drafter_workers, setup.draft_config.clone(), make).map_err(err)?)
+        }
         kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
     };
     let tau = |d: &Drafter| mean_tau(&setup.target, d, &setup.prompts, config.tau_tokens);
@@ -415,17 +429,39 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
             Box::new(DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy))
         }
         StepKind::Host => {
-            let frozen = match online {
-                true => {
-                    let mut forward = TargetForward::new(Host::<f32>::default(), t, &ids, config.max_len, true)
-                        .map_err(|e| e.to_string())?;
-                    let w = weights()?;
-                    forward.load_weights(|n, s| w.get(n, s, DType::F32)).map_err(|e| e.to_string())?;
-                    Frozen::Target(Box::new(forward))
-                }
-                false => Frozen::Host(host_head(DType::F32)?),
+            // One engine per worker: its own target forward (online) or tables, made in its thread.
+            let (dir, target, max_len) = (setup.target_dir.clone(), t.clone(), config.max_len);
+            let head = match online {
+                true => None,
+                false => Some(host_head(DType::F32)?),
             };
-            Box::new(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, policy))
+            let (draft, seed, opt) = (d.clone(), config.seed, adamw.clone());
+            let make = move || -> dflash_trainer::Result<DeviceEngine<Host<f32>>> {
+                let frozen = match &head {
+                    None => {
+                        let mut forward = TargetForward::new(
+                            Host::<f32>::default(),
+                            &target,
+                            &draft.target_layer_ids,
+                            max_len,
+                            true,
+                        )?;
+                        let w = WeightSet::load_dir(&dir)?;
+                        forward.load_weights(|n, s| w.get(n, s, DType::F32))?;
+                        Frozen::Target(Box::new(forward))
+                    }
+                    Some(head) => Frozen::Host(head.clone()),
+                };
+                let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
+                Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, opt.clone(), policy))
+            };
+            match config.drafter_workers {
+                1 => Box::new(make().map_err(err)?),
+                n => {
+                    let make: Arc<MakeReplica> = Arc::new(move |_| Ok(Box::new(make()?) as Box<dyn Replica>));
+                    Box::new(DataParallel::new(n, d.clone(), make).map_err(err)?)
+                }
+            }
         }
         StepKind::Reference => {
             let head = host_head(DType::F32)?;

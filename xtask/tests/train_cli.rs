@@ -582,3 +582,53 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
         text(&result.stderr)
     );
 }
+
+/// Data-parallel drafter workers through the binary (the host step, one thread each): 2 workers
+/// train like 1 with the same rows per step (losses within 1e-6: the same f32 sums in another
+/// grouping), and a 2-worker run's checkpoint resumes on 3 workers with the same next losses.
+#[test]
+fn drafter_workers_train_like_one_and_resume_on_another_count() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    write_target_folder(&target, 5);
+    let cache = tmp.path().join("data-cache");
+    let run = |out: &Path, workers: &str| {
+        let extra = ["--step", "host", "--steps", "6", "--checkpoint-every", "3", "--rows-per-step", "3"];
+        let mut args = real_args(&target, &cache, out, &extra);
+        args.extend(["--drafter-workers".to_string(), workers.to_string()]);
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+        assert!(result.status.success(), "{workers} workers: {}", text(&result.stderr));
+        text(&result.stdout)
+    };
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    run(&one, "1");
+    let stdout = run(&two, "2");
+    assert!(stdout.contains("2 data-parallel workers"), "{stdout}");
+    let close = |a: &[f64], b: &[f64], what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (s, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() / y.abs() <= 1e-6, "{what}: step {s}: {x} vs {y}");
+        }
+    };
+    let want = loss_values(&one);
+    close(&loss_values(&two), &want, "2 workers vs 1");
+    // The 2-worker run back at its checkpoint of step 3, resumed on 3 workers.
+    std::fs::remove_dir_all(two.join("checkpoint-6")).unwrap();
+    std::fs::remove_file(two.join("latest")).unwrap();
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["train", "--resume", two.to_str().unwrap(), "--drafter-workers", "3"])
+        .output()
+        .unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    assert!(
+        stdout.contains("3 data-parallel workers") && stdout.contains("`drafter_workers` changed from 2 to 3"),
+        "{stdout}"
+    );
+    close(&loss_values(&two), &want, "resumed on 3 workers vs 1");
+    // Several workers need the host step.
+    let mut args = real_args(&target, &cache, &tmp.path().join("gpu"), &["--drafter-workers", "2", "--steps", "2"]);
+    args.extend(["--step".to_string(), "reference".to_string()]);
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    assert!(!result.status.success() && text(&result.stderr).contains("drafter_workers"), "{}", text(&result.stderr));
+}
