@@ -2,8 +2,9 @@
 //! the rows of its micro-batches, draws their anchors from the run's RNG (row by row, in
 //! order), computes the loss and gradients, and, unless a loss or gradient is NaN or Inf,
 //! clips and applies AdamW. The CPU engines ([`CpuEngine`]: the reference's autograd, or the
-//! GPU step's driver on the CPU twins) are the two engines today; a GPU engine implements the
-//! same trait (its state is downloaded for checkpoints and uploaded on resume).
+//! GPU step's driver on the CPU twins), and [`DeviceEngine`]: the optimized step on a backend
+//! (the GPU, or the twins), its state downloaded for checkpoints and uploaded on resume, the
+//! target's forward online when [`Frozen::Target`]. `dist::DataParallel` runs several.
 
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::{download, Allocation, Backend};

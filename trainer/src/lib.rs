@@ -1,6 +1,7 @@
 //! The machinery of a DFlash training run, around a step engine: the run's config and its
 //! validation ([`config`]), the loop with its data order, schedule and non-finite handling
-//! ([`run`]), the step engines ([`engine`]: the CPU ones today, a GPU one later), atomic
+//! ([`run`]), the step engines ([`engine`]: the CPU ones and the device one), data-parallel
+//! workers ([`dist`]), a run's rows ([`rows`]), a real run's checked setup ([`real`]), atomic
 //! checkpoints and exact resumption ([`checkpoint`]), metrics, evaluation and the plot
 //! ([`metrics`]), the built-in tiny setup ([`builtin`]) and `--plan`'s estimate ([`plan`]).
 
