@@ -130,6 +130,9 @@ pub struct RunConfig {
     pub target_layer_ids: Option<Vec<usize>>,
     /// Data-parallel drafter workers (`dist::DataParallel`; `host` step: one thread each).
     pub drafter_workers: usize,
+    /// Real runs, online: target workers computing the rows' features for the drafter workers
+    /// (`dist::TargetPool`); 0: each drafter worker runs the target itself.
+    pub target_workers: usize,
 }
 
 impl Default for RunConfig {
@@ -180,6 +183,7 @@ impl Default for RunConfig {
             block_size: 16,
             target_layer_ids: None,
             drafter_workers: 1,
+            target_workers: 0,
         }
     }
 }
@@ -259,6 +263,11 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
         Kind::Int,
         "data-parallel drafter workers (the host step: one thread each; the global batch is unchanged)",
     ),
+    (
+        "target_workers",
+        Kind::Int,
+        "real runs, online, host step: target workers feeding the drafter workers (0: each drafter worker runs the target)",
+    ),
 ];
 
 /// Options that may change between a checkpoint and its resumption: they do not change the
@@ -278,6 +287,7 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "max_nonfinite_in_a_row",
     "data_cache",
     "drafter_workers",
+    "target_workers",
 ];
 
 /// The block size of the built-in tiny drafter.
@@ -453,6 +463,13 @@ impl RunConfig {
                     self.drafter_workers,
                     self.step.name()
                 ),
+            ));
+        }
+        if self.target_workers > 0 && (self.step != StepKind::Host || self.target.is_none() || self.features.is_some())
+        {
+            return Err(Error::option(
+                "target_workers",
+                "target workers compute features online in a real run with the `host` step (`--target`, no `--features`)",
             ));
         }
         if self.target.is_none() && self.step == StepKind::Gpu && self.builtin_target == BuiltinTarget::Tiny {

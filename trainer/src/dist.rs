@@ -9,6 +9,12 @@
 //! (every replica is the same) and restore into any number of workers. A worker's error stops
 //! the step, naming the worker.
 //!
+//! Target workers ([`TargetPool`]) are threads that each own a target's forward: a step's rows
+//! go to them through bounded queues (round robin, in order), their features come back, and the
+//! drafter workers read them from the rows; each step reports how long the drafters waited for
+//! the features and the targets for the drafters. Without target workers each drafter worker's
+//! engine runs the target itself (a target and a drafter sharing a device).
+//!
 //! This is the CPU pipeline (threads, an in-process all-reduce); NCCL between GPUs replaces the
 //! reduction, not the protocol.
 
@@ -98,6 +104,8 @@ struct Worker {
 /// A [`StepEngine`] over `workers` data-parallel replicas (see the module doc).
 pub struct DataParallel {
     workers: Vec<Worker>,
+    /// Target workers computing the rows' features (rows that carry `[S, 0]`), when given.
+    targets: Option<TargetPool>,
     config: dflash_reference::config::DraftConfig,
     /// The drafter as of the last [`StepEngine::drafter`] call.
     host_copy: Option<Drafter>,
@@ -125,11 +133,18 @@ impl DataParallel {
                 .map_err(|e| Error::option("drafter_workers", format!("worker {k}: cannot start its thread: {e}")))?;
             workers.push(Worker { commands, replies, thread: Some(thread) });
         }
-        let dp = DataParallel { workers, config, host_copy: None };
+        let dp = DataParallel { workers, targets: None, config, host_copy: None };
         for k in 0..count {
             dp.wait(k)?;
         }
         Ok(dp)
+    }
+
+    /// The same with `targets` computing every row's features (the drafter workers' engines then
+    /// read the features from the rows).
+    pub fn with_targets(mut self, targets: TargetPool) -> Self {
+        self.targets = Some(targets);
+        self
     }
 
     /// Number of workers.
@@ -232,11 +247,66 @@ fn split<T>(rows: Vec<T>, parts: usize) -> Vec<Vec<T>> {
 
 impl StepEngine for DataParallel {
     fn name(&self) -> String {
-        format!("device, {} data-parallel workers", self.workers.len())
+        let targets =
+            self.targets.as_ref().map_or(String::new(), |t| format!(" fed by {} target workers", t.workers.len()));
+        format!("device, {} data-parallel workers{targets}", self.workers.len())
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
         self.host_copy = None;
+        // With target workers: the rows' features first (the drafter workers wait for them).
+        let mut waits = None;
+        let featured: Vec<Vec<TrainRow>>;
+        let with_features;
+        let batch = match &self.targets {
+            None => batch,
+            Some(pool) => {
+                let rows: Vec<&TrainRow> = batch.micro_batches.iter().flatten().copied().collect();
+                let (features, waited) = pool.features(&rows)?;
+                let mut features = features.into_iter();
+                featured = batch
+                    .micro_batches
+                    .iter()
+                    .map(|m| {
+                        m.iter()
+                            .map(|r| TrainRow { features: features.next().expect("one per row"), ..(*r).clone() })
+                            .collect()
+                    })
+                    .collect();
+                with_features = StepBatch {
+                    micro_batches: featured.iter().map(|m| m.iter().collect()).collect(),
+                    ..batch.clone_options()
+                };
+                waits = Some(waited);
+                &with_features
+            }
+        };
+        let started = std::time::Instant::now();
+        let outcome = self.step_rows(batch, rng)?;
+        Ok(StepOutcome { waits: waits.map(|w| (w, started.elapsed().as_secs_f64())), ..outcome })
+    }
+
+    fn state(&self) -> Result<EngineState> {
+        self.state_of_worker_0()
+    }
+
+    fn restore(&mut self, state: &EngineState) -> Result<()> {
+        self.restore_all(state)
+    }
+
+    fn drafter(&mut self) -> Result<&Drafter> {
+        self.drafter_copy()
+    }
+
+    /// On worker 0 (every replica holds the same weights).
+    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
+        self.evaluate_on_worker_0(rows, max_anchors, gamma, seed)
+    }
+}
+
+impl DataParallel {
+    /// One step over rows that carry their features.
+    fn step_rows(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
         let (prepared, total) = prepare_rows(batch, self.config.block_size, rng)?;
         let shape = prepared.first().map(|(_, p)| (p.input.layout.context_len, p.input.layout.anchors.len()));
         let owned: Vec<(TrainRow, PreparedRow)> = prepared.into_iter().map(|(r, p)| (r.clone(), p)).collect();
@@ -277,7 +347,7 @@ impl StepEngine for DataParallel {
         Ok(share.outcome(total, Some(update), None))
     }
 
-    fn state(&self) -> Result<EngineState> {
+    fn state_of_worker_0(&self) -> Result<EngineState> {
         self.send(0, Command::State)?;
         match self.wait(0)? {
             Reply::State(s) => Ok(*s),
@@ -285,14 +355,14 @@ impl StepEngine for DataParallel {
         }
     }
 
-    fn restore(&mut self, state: &EngineState) -> Result<()> {
+    fn restore_all(&mut self, state: &EngineState) -> Result<()> {
         self.host_copy = None;
         self.all(|_| Command::Restore(Box::new(state.clone()))).map(|_| ())
     }
 
-    fn drafter(&mut self) -> Result<&Drafter> {
+    fn drafter_copy(&mut self) -> Result<&Drafter> {
         if self.host_copy.is_none() {
-            let state = self.state()?;
+            let state = self.state_of_worker_0()?;
             let mut params = state.params.into_iter();
             self.host_copy = Some(Drafter::from_fn(self.config.clone(), |_, _| {
                 params.next().ok_or_else(|| dflash_reference::Error::invalid("checkpoint", "too few tensors"))
@@ -301,13 +371,139 @@ impl StepEngine for DataParallel {
         Ok(self.host_copy.as_ref().expect("made above"))
     }
 
-    /// On worker 0 (every replica holds the same weights).
-    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
-        let rows = (0..rows.len()).map(|i| rows.row(i)).collect::<Result<Vec<_>>>()?;
+    fn evaluate_on_worker_0(
+        &mut self,
+        rows: &dyn RowSource,
+        max_anchors: usize,
+        gamma: f64,
+        seed: u64,
+    ) -> Result<EvalReport> {
+        let mut rows = (0..rows.len()).map(|i| rows.row(i)).collect::<Result<Vec<_>>>()?;
+        if let Some(pool) = &self.targets {
+            let (features, _) = pool.features(&rows.iter().collect::<Vec<_>>())?;
+            rows.iter_mut().zip(features).for_each(|(r, f)| r.features = f);
+        }
         self.send(0, Command::Evaluate { rows, max_anchors, gamma, seed })?;
         match self.wait(0)? {
             Reply::Evaluated(e) => Ok(e),
             _ => Err(worker_error(0, "an unexpected reply".into())),
+        }
+    }
+}
+
+/// What a target worker computes: a row's features `[S, F*H]` (f32, on the host).
+pub trait FeatureSource {
+    fn features(&mut self, row: &dflash_reference::data::Row) -> Result<candle_core::Tensor>;
+}
+
+impl<B: dflash_optimized::backend::Backend> FeatureSource
+    for dflash_optimized::model::target_forward::TargetForward<B>
+{
+    fn features(&mut self, row: &dflash_reference::data::Row) -> Result<candle_core::Tensor> {
+        self.run(&[row])?;
+        let (s, fw) = (row.tokens.len(), self.layout.dims.fw);
+        let values: Vec<f32> = self.features_to_host()?.into_iter().map(|x| x as f32).collect();
+        Ok(candle_core::Tensor::from_vec(values, (s, fw), &candle_core::Device::Cpu)?)
+    }
+}
+
+/// Makes target worker `k`'s forward, in its own thread.
+pub type MakeFeatures = dyn Fn(usize) -> Result<Box<dyn FeatureSource>> + Send + Sync;
+
+struct TargetWorker {
+    rows: std::sync::mpsc::SyncSender<dflash_reference::data::Row>,
+    features: Receiver<std::result::Result<candle_core::Tensor, String>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Target workers: threads that each own a target's forward and compute the features of the
+/// rows handed to them through a bounded queue (`capacity` rows each), in order.
+pub struct TargetPool {
+    workers: Vec<TargetWorker>,
+}
+
+impl TargetPool {
+    /// Starts `count` target workers, each making its forward with `make(k)` in its thread.
+    pub fn new(count: usize, capacity: usize, make: std::sync::Arc<MakeFeatures>) -> Result<Self> {
+        if count == 0 || capacity == 0 {
+            return Err(Error::option("target_workers", "at least 1 worker with a queue of at least 1 row"));
+        }
+        let mut workers = Vec::with_capacity(count);
+        for k in 0..count {
+            let (rows, inbox) = std::sync::mpsc::sync_channel::<dflash_reference::data::Row>(capacity);
+            let (outbox, features) = channel();
+            let make = make.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("target-worker-{k}"))
+                .spawn(move || {
+                    let mut forward = match make(k) {
+                        Ok(f) => f,
+                        Err(e) => {
+                            let _ = outbox.send(Err(format!("making its forward: {e}")));
+                            return;
+                        }
+                    };
+                    for row in inbox {
+                        if outbox.send(forward.features(&row).map_err(|e| e.to_string())).is_err() {
+                            return;
+                        }
+                    }
+                })
+                .map_err(|e| Error::option("target_workers", format!("worker {k}: cannot start its thread: {e}")))?;
+            workers.push(TargetWorker { rows, features, thread: Some(thread) });
+        }
+        Ok(TargetPool { workers })
+    }
+
+    /// The features of `rows`, row `i` computed by worker `i mod count`; returns them in order
+    /// and the seconds spent waiting for them after the last row was queued.
+    pub fn features(&self, rows: &[&TrainRow]) -> Result<(Vec<candle_core::Tensor>, f64)> {
+        let n = self.workers.len();
+        let fail = |k: usize, m: String| Error::option(format!("target worker {k}"), m);
+        let mut out = Vec::with_capacity(rows.len());
+        let mut waited = 0.0;
+        // Queue a window of rows, then collect in order while queueing the rest.
+        let mut sent = 0;
+        let send = |i: usize| -> Result<()> {
+            let r = rows[i];
+            let row = dflash_reference::data::Row {
+                tokens: r.tokens.clone(),
+                loss_mask: r.loss_mask.clone(),
+                doc_ids: r.doc_ids.clone().unwrap_or_else(|| vec![0; r.len()]),
+                positions: r.positions.clone(),
+            };
+            self.workers[i % n].rows.send(row).map_err(|_| fail(i % n, "stopped".into()))
+        };
+        while sent < rows.len().min(n) {
+            send(sent)?;
+            sent += 1;
+        }
+        for i in 0..rows.len() {
+            let started = std::time::Instant::now();
+            let got = self.workers[i % n].features.recv();
+            waited += started.elapsed().as_secs_f64();
+            match got {
+                Ok(Ok(t)) => out.push(t),
+                Ok(Err(m)) => return Err(fail(i % n, m)),
+                Err(_) => return Err(fail(i % n, "stopped without a reply (its thread ended)".into())),
+            }
+            if sent < rows.len() {
+                send(sent)?;
+                sent += 1;
+            }
+        }
+        Ok((out, waited))
+    }
+}
+
+impl Drop for TargetPool {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            let (closed, _) = std::sync::mpsc::sync_channel(1);
+            drop(std::mem::replace(&mut w.rows, closed));
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
         }
     }
 }

@@ -45,6 +45,21 @@ pub struct StepBatch<'a> {
     pub want_stats: bool,
 }
 
+impl StepBatch<'_> {
+    /// The options of the step without its rows (to give it other rows).
+    pub fn clone_options(&self) -> StepBatch<'static> {
+        StepBatch {
+            step: self.step,
+            micro_batches: Vec::new(),
+            anchors: self.anchors,
+            gamma: self.gamma,
+            lr: self.lr,
+            clip_norm: self.clip_norm,
+            want_stats: self.want_stats,
+        }
+    }
+}
+
 /// What one step did.
 #[derive(Clone, Debug)]
 pub struct StepOutcome {
@@ -63,6 +78,9 @@ pub struct StepOutcome {
     pub flops: f64,
     /// The device memory the step and the target's forward were planned to take (bytes).
     pub device_bytes: Option<u64>,
+    /// With target workers (`dist::TargetPool`): the seconds the drafter workers waited for the
+    /// rows' features, and the seconds the target workers then waited for the drafters' step.
+    pub waits: Option<(f64, f64)>,
 }
 
 /// Everything of an engine that exact resumption needs: fp32 master weights and AdamW moments
@@ -240,12 +258,22 @@ impl StepEngine for CpuEngine {
                 stats,
                 flops: 0.0,
                 device_bytes: None,
+                waits: None,
             });
         }
         let params = self.drafter.named_params();
         let grad_norm = clip_grad_norm(params, &mut grads, batch.clip_norm)?;
         self.adamw.step(params, &grads, batch.lr)?;
-        Ok(StepOutcome { loss, weight, grad_norm, non_finite: None, stats, flops: 0.0, device_bytes: None })
+        Ok(StepOutcome {
+            loss,
+            weight,
+            grad_norm,
+            non_finite: None,
+            stats,
+            flops: 0.0,
+            device_bytes: None,
+            waits: None,
+        })
     }
 
     fn state(&self) -> Result<EngineState> {
@@ -627,7 +655,16 @@ impl Share {
             (None, None) => (f64::NAN, Some("loss".into())),
         };
         let loss = if non_finite.as_deref().is_some_and(|w| w.starts_with("loss")) { f64::NAN } else { self.loss };
-        StepOutcome { loss, weight: total, grad_norm, non_finite, stats: self.stats, flops: self.flops, device_bytes }
+        StepOutcome {
+            loss,
+            weight: total,
+            grad_norm,
+            non_finite,
+            stats: self.stats,
+            flops: self.flops,
+            device_bytes,
+            waits: None,
+        }
     }
 }
 

@@ -110,6 +110,8 @@ pub struct Reporter {
     tokens: u64,
     samples: u64,
     flops: f64,
+    /// Seconds the drafter workers waited for features, and the target workers for the drafters.
+    waits: Option<(f64, f64)>,
     started: Instant,
     quiet: bool,
 }
@@ -147,6 +149,7 @@ impl Reporter {
             tokens: 0,
             samples: 0,
             flops: 0.0,
+            waits: None,
             started: now,
             quiet,
         })
@@ -172,11 +175,16 @@ impl Reporter {
         }
     }
 
-    /// Counts a step's tokens, rows and model FLOPs for the throughput and MFU; advances the bar.
-    pub fn count(&mut self, step: usize, tokens: u64, samples: u64, flops: f64) {
+    /// Counts a step's tokens, rows, model FLOPs (throughput and MFU) and the pipeline's waits;
+    /// advances the bar.
+    pub fn count(&mut self, step: usize, tokens: u64, samples: u64, flops: f64, waits: Option<(f64, f64)>) {
         self.tokens += tokens;
         self.samples += samples;
         self.flops += flops;
+        if let Some((d, t)) = waits {
+            let (a, b) = self.waits.unwrap_or((0.0, 0.0));
+            self.waits = Some((a + d, b + t));
+        }
         if let Some(bar) = &self.bar {
             bar.set_position(step as u64 + 1);
         }
@@ -198,6 +206,7 @@ impl Reporter {
         let secs = self.since.elapsed().as_secs_f64().max(1e-9);
         let (tokens_per_s, samples_per_s) = (self.tokens as f64 / secs, self.samples as f64 / secs);
         let mfu = (self.flops > 0.0).then(|| self.flops / (secs * PEAK_FLOPS));
+        let waits = self.waits.take();
         (self.since, self.tokens, self.samples, self.flops) = (Instant::now(), 0, 0, 0.0);
         let tau_hat = stats.map(BlockStats::tau_hat);
         self.write(&json!({
@@ -205,6 +214,7 @@ impl Reporter {
             "acc": stats.map(offsets_accuracy), "tau_hat": tau_hat, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s, "samples_per_s": samples_per_s, "mfu": mfu,
             "device_memory_planned_gb": device_bytes.map(|b| b as f64 / 1e9), "skipped_total": skipped_total,
+            "drafters_waited_s": waits.map(|w| w.0), "targets_waited_s": waits.map(|w| w.1),
         }))?;
         let tau = tau_hat.map_or("-".to_string(), |t| format!("{t:.3}"));
         match &self.bar {

@@ -291,7 +291,7 @@ impl<'a> Trainer<'a> {
             let outcome =
                 engine.step(&batch, &mut self.state.rng).map_err(|e| Error::Step { step, message: e.to_string() })?;
             let tokens: usize = batch.micro_batches.iter().flatten().map(|r| r.len()).sum();
-            reporter.count(step, tokens as u64, (c.rows_per_update()) as u64, outcome.flops);
+            reporter.count(step, tokens as u64, (c.rows_per_update()) as u64, outcome.flops, outcome.waits);
             self.state.step += 1;
             summary.steps_run += 1;
             if let Some(tensor) = &outcome.non_finite {

@@ -198,3 +198,21 @@ fn a_failing_worker_stops_the_run_with_its_error() {
     let message = DataParallel::new(3, setup.draft_config.clone(), make).err().expect("refused").to_string();
     assert!(message.contains("drafter worker 2") && message.contains("no such GPU"), "{message}");
 }
+
+/// A target worker that fails stops the step with its error, naming it.
+#[test]
+fn a_failing_target_worker_stops_the_run_with_its_error() {
+    struct Broken;
+    impl dflash_trainer::dist::FeatureSource for Broken {
+        fn features(&mut self, _: &dflash_reference::data::Row) -> dflash_trainer::Result<candle_core::Tensor> {
+            Err(dflash_trainer::Error::option("target", "the forward failed (injected)"))
+        }
+    }
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let make: Arc<dflash_trainer::dist::MakeFeatures> = Arc::new(|_| Ok(Box::new(Broken) as _));
+    let pool = dflash_trainer::dist::TargetPool::new(2, 1, make).unwrap();
+    let mut dp = workers(2, &setup, &c).with_targets(pool);
+    let message = dp.step(&batch(&setup, 0, &c), &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
+    assert!(message.contains("target worker 0") && message.contains("the forward failed (injected)"), "{message}");
+}

@@ -23,7 +23,7 @@ use dflash_reference::target::TargetModel;
 use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
 use dflash_trainer::config::{known_flags, options_help, RunConfig, StepKind, FIELDS};
-use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
+use dflash_trainer::dist::{DataParallel, FeatureSource, MakeFeatures, MakeReplica, Replica, TargetPool};
 use dflash_trainer::engine::{CpuEngine, DeviceEngine, Frozen, StepEngine};
 use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
@@ -455,11 +455,37 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
                 let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
                 Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, opt.clone(), policy))
             };
-            match config.drafter_workers {
-                1 => Box::new(make().map_err(err)?),
-                n => {
+            match (config.drafter_workers, config.target_workers) {
+                (1, 0) => Box::new(make().map_err(err)?),
+                (n, 0) => {
                     let make: Arc<MakeReplica> = Arc::new(move |_| Ok(Box::new(make()?) as Box<dyn Replica>));
                     Box::new(DataParallel::new(n, d.clone(), make).map_err(err)?)
+                }
+                (n, targets) => {
+                    // Target workers compute the features; the drafter workers read them from the rows.
+                    let (dir, target, draft) = (setup.target_dir.clone(), t.clone(), d.clone());
+                    let forward: Arc<MakeFeatures> = Arc::new(move |_| {
+                        let mut f = TargetForward::new(
+                            Host::<f32>::default(),
+                            &target,
+                            &draft.target_layer_ids,
+                            max_len,
+                            false,
+                        )?;
+                        let w = WeightSet::load_dir(&dir)?;
+                        f.load_weights(|n, s| w.get(n, s, DType::F32))?;
+                        Ok(Box::new(f) as Box<dyn FeatureSource>)
+                    });
+                    let pool = TargetPool::new(targets, 2, forward).map_err(err)?;
+                    let (draft, head) = (d.clone(), host_head(DType::F32)?);
+                    let replica: Arc<MakeReplica> = Arc::new(move |_| {
+                        let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
+                        let frozen = Frozen::Host(head.clone());
+                        let engine =
+                            DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy);
+                        Ok(Box::new(engine) as Box<dyn Replica>)
+                    });
+                    Box::new(DataParallel::new(n, d.clone(), replica).map_err(err)?.with_targets(pool))
                 }
             }
         }

@@ -612,6 +612,20 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     };
     let want = loss_values(&one);
     close(&loss_values(&two), &want, "2 workers vs 1");
+    // 1 target worker feeding 2 drafter workers through its queue: the same losses; the train
+    // lines say how long each side waited.
+    let fed = tmp.path().join("fed");
+    let mut args = real_args(&target, &cache, &fed, &["--step", "host", "--steps", "6", "--checkpoint-every", "3"]);
+    args.extend(["--rows-per-step", "3", "--drafter-workers", "2", "--target-workers", "1"].map(String::from));
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    assert!(text(&result.stdout).contains("fed by 1 target workers"), "{}", text(&result.stdout));
+    close(&loss_values(&fed), &want, "1 target + 2 drafter workers vs 1");
+    let lines = dflash_trainer::metrics::read_lines(&fed.join("metrics.jsonl")).unwrap();
+    let train: Vec<_> = lines.iter().filter(|v| v["kind"] == "train").collect();
+    assert!(train
+        .iter()
+        .all(|v| v["drafters_waited_s"].as_f64().is_some() && v["targets_waited_s"].as_f64().is_some()));
     // The 2-worker run back at its checkpoint of step 3, resumed on 3 workers.
     std::fs::remove_dir_all(two.join("checkpoint-6")).unwrap();
     std::fs::remove_file(two.join("latest")).unwrap();
