@@ -429,63 +429,43 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
             Box::new(DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy))
         }
         StepKind::Host => {
-            // One engine per worker: its own target forward (online) or tables, made in its thread.
+            // One engine per worker, made in its thread: its own target forward (online, without
+            // target workers), or the tables on the host (offline, or fed by target workers).
             let (dir, target, max_len) = (setup.target_dir.clone(), t.clone(), config.max_len);
-            let head = match online {
+            let forward = move |with_lm_head: bool| -> dflash_trainer::Result<TargetForward<Host<f32>>> {
+                let mut f = TargetForward::new(Host::<f32>::default(), &target, &ids, max_len, with_lm_head)?;
+                let w = WeightSet::load_dir(&dir)?;
+                f.load_weights(|n, s| w.get(n, s, DType::F32))?;
+                Ok(f)
+            };
+            let head = match online && config.target_workers == 0 {
                 true => None,
                 false => Some(host_head(DType::F32)?),
             };
-            let (draft, seed, opt) = (d.clone(), config.seed, adamw.clone());
+            let (draft, seed) = (d.clone(), config.seed);
+            let forward_for_engine = forward.clone();
             let make = move || -> dflash_trainer::Result<DeviceEngine<Host<f32>>> {
                 let frozen = match &head {
-                    None => {
-                        let mut forward = TargetForward::new(
-                            Host::<f32>::default(),
-                            &target,
-                            &draft.target_layer_ids,
-                            max_len,
-                            true,
-                        )?;
-                        let w = WeightSet::load_dir(&dir)?;
-                        forward.load_weights(|n, s| w.get(n, s, DType::F32))?;
-                        Frozen::Target(Box::new(forward))
-                    }
+                    None => Frozen::Target(Box::new(forward_for_engine(true)?)),
                     Some(head) => Frozen::Host(head.clone()),
                 };
                 let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
-                Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, opt.clone(), policy))
+                Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy))
             };
             match (config.drafter_workers, config.target_workers) {
                 (1, 0) => Box::new(make().map_err(err)?),
-                (n, 0) => {
-                    let make: Arc<MakeReplica> = Arc::new(move |_| Ok(Box::new(make()?) as Box<dyn Replica>));
-                    Box::new(DataParallel::new(n, d.clone(), make).map_err(err)?)
-                }
                 (n, targets) => {
-                    // Target workers compute the features; the drafter workers read them from the rows.
-                    let (dir, target, draft) = (setup.target_dir.clone(), t.clone(), d.clone());
-                    let forward: Arc<MakeFeatures> = Arc::new(move |_| {
-                        let mut f = TargetForward::new(
-                            Host::<f32>::default(),
-                            &target,
-                            &draft.target_layer_ids,
-                            max_len,
-                            false,
-                        )?;
-                        let w = WeightSet::load_dir(&dir)?;
-                        f.load_weights(|n, s| w.get(n, s, DType::F32))?;
-                        Ok(Box::new(f) as Box<dyn FeatureSource>)
-                    });
-                    let pool = TargetPool::new(targets, 2, forward).map_err(err)?;
-                    let (draft, head) = (d.clone(), host_head(DType::F32)?);
-                    let replica: Arc<MakeReplica> = Arc::new(move |_| {
-                        let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
-                        let frozen = Frozen::Host(head.clone());
-                        let engine =
-                            DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy);
-                        Ok(Box::new(engine) as Box<dyn Replica>)
-                    });
-                    Box::new(DataParallel::new(n, d.clone(), replica).map_err(err)?.with_targets(pool))
+                    let replica: Arc<MakeReplica> = Arc::new(move |_| Ok(Box::new(make()?) as Box<dyn Replica>));
+                    let workers = DataParallel::new(n, d.clone(), replica).map_err(err)?;
+                    match targets {
+                        0 => Box::new(workers),
+                        _ => {
+                            // Target workers compute the features; the drafter workers read them from the rows.
+                            let features: Arc<MakeFeatures> =
+                                Arc::new(move |_| Ok(Box::new(forward(false)?) as Box<dyn FeatureSource>));
+                            Box::new(workers.with_targets(TargetPool::new(targets, 2, features).map_err(err)?))
+                        }
+                    }
                 }
             }
         }
