@@ -147,16 +147,6 @@ impl DataParallel {
         self
     }
 
-    /// Number of workers.
-    pub fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    /// Whether there is no worker (never: [`DataParallel::new`] refuses 0).
-    pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
-    }
-
     fn send(&self, k: usize, command: Command) -> Result<()> {
         self.workers[k].commands.send(command).map_err(|_| worker_error(k, "stopped".into()))
     }

@@ -610,12 +610,20 @@ fn step_flops(config: &DraftConfig, p: &PreparedRow) -> Result<f64> {
         lm_chunk_rows: 1,
     };
     let weighted = p.targets.weights.iter().filter(|&&w| w > 0.0).count();
-    let pairs = config
-        .dims
-        .layer_kinds
-        .iter()
-        .map(|&kind| Ok(KeyRanges::dflash(&p.input.layout, kind)?.allowed_pairs()))
-        .collect::<Result<Vec<u64>>>()?;
+    // The allowed pairs of each distinct layer kind, counted once (full layers share one plan).
+    let mut per_kind: Vec<(dflash_reference::config::AttnKind, u64)> = Vec::new();
+    let mut pairs = Vec::with_capacity(config.dims.layer_kinds.len());
+    for &kind in &config.dims.layer_kinds {
+        let count = match per_kind.iter().find(|(k, _)| *k == kind) {
+            Some(&(_, count)) => count,
+            None => {
+                let count = KeyRanges::dflash(&p.input.layout, kind)?.allowed_pairs();
+                per_kind.push((kind, count));
+                count
+            }
+        };
+        pairs.push(count);
+    }
     Ok(step_model_flops(config, shape, weighted, &pairs))
 }
 

@@ -52,7 +52,7 @@ fn absurd_configs_are_clear_errors() {
 }
 
 /// `plan --target` plans a target folder next to its drafter; a missing folder, and `bench
-/// target`'s bad values, are clear errors before any work (no GPU needed to see them).
+/// target`'s and `bench train`'s bad values, are clear errors before any work (no GPU needed to see them).
 #[test]
 fn plan_target_and_bench_target_options() {
     let xtask = env!("CARGO_BIN_EXE_xtask");
@@ -64,12 +64,17 @@ fn plan_target_and_bench_target_options() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("target LM head") && stdout.contains("target + drafter step"), "{stdout}");
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
         (&["bench", "target", "--iters", "0"], "--iters must be at least 1"),
         (&["bench", "target", "--torch", "maybe"], "option `--torch`"),
+        (&["bench", "train", "--shapes", "3072"], "`3072` is not SxN"),
+        (&["bench", "train", "--shapes", "768x768"], "768 anchors do not fit rows of 768 tokens"),
+        (&["bench", "train", "--shapes", "768x0"], "0 anchors do not fit"),
+        (&["bench", "train", "--iters", "0"], "--iters must be at least 1"),
+        (&["bench", "train", "--torch", "maybe"], "option `--torch`"),
     ];
     for (args, needle) in cases {
         let out = std::process::Command::new(xtask).args(args).output().unwrap();

@@ -500,6 +500,15 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--mask-token-id", "9999"], &["mask_token_id", "9999", "768"]);
     fails(&["--held-out", "1.5"], &["held_out"]);
     fails(&["--features", tmp.path().join("nothing").to_str().unwrap()], &["features", "index.json"]);
+    fails(&["--block-size", "1"], &["block_size", "at least 2"]);
+    fails(&["--draft-layers", "0"], &["draft_layers", "at least 1"]);
+    fails(&["--target-layer-ids", "1,x"], &["--target-layer-ids", "comma-separated whole numbers"]);
+    fails(&["--packing", "maybe"], &["--packing", "yes or no"]);
+    fails(&["--drafter-workers", "0"], &["drafter_workers", "at least 1"]);
+    fails(&["--drafter-workers", "2", "--step", "gpu"], &["drafter_workers", "host"]);
+    fails(&["--target-workers", "1", "--step", "reference"], &["target_workers", "host"]);
+    let cached = tmp.path().join("nothing").to_str().unwrap().to_string();
+    fails(&["--target-workers", "1", "--features", &cached], &["target_workers", "no `--features`"]);
     // A mask token the data holds (a token of the first conversation).
     let tokenizer = dflash_data::target::TargetTokenizer::load(&target).unwrap();
     let common = tokenizer.encode("the").unwrap()[0].to_string();
@@ -571,6 +580,20 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     refused(&["--prompts", bad.to_str().unwrap()], &["bad.jsonl", "line 2"]);
     refused(&["--prompts", p, "--max-new-tokens", "5000"], &["line 1", "4096 positions"]);
     refused(&["--prompts", p, "--device", "gpu"], &["--device", "not built yet"]);
+    refused(&["--prompts", p, "--device", "tpu"], &["--device", "`tpu`"]);
+    refused(&["--prompts", p, "--max-new-tokens", "0"], &["--max-new-tokens"]);
+    refused(&["--prompts", p, "--max-prompts", "0"], &["--max-prompts"]);
+    refused(&["--prompts", p, "--thinking", "maybe"], &["--thinking"]);
+    refused(&[], &["--prompts FILE... is required"]);
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["eval", "--target", target.to_str().unwrap(), "--prompts", p])
+        .output()
+        .unwrap();
+    assert!(
+        !result.status.success() && text(&result.stderr).contains("--drafter DIR is required"),
+        "{}",
+        text(&result.stderr)
+    );
     let other = repo("fixtures/drafter");
     let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
         .args(["eval", "--target", target.to_str().unwrap(), "--drafter", other.to_str().unwrap(), "--prompts", p])
