@@ -3,6 +3,7 @@
 //! `xtask gpu-conformance` runs on the H200. The tests themselves live in `tests/`.
 
 pub mod attention_cases;
+pub mod decode_cases;
 pub mod gpu_attention;
 pub mod gpu_step;
 pub mod heap;

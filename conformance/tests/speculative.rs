@@ -5,68 +5,18 @@
 use std::cell::Cell;
 
 use candle_core::DType;
+use dflash_conformance::decode_cases::{
+    random_draft_config, random_drafter, random_pair, random_prompt, Pair, TARGET_STD,
+};
 use dflash_conformance::setups::random_target_config;
-use dflash_reference::config::{AttnKind, DraftConfig, TargetConfig};
-use dflash_reference::drafter::{is_norm, random_normal, DraftInput, Drafter};
+use dflash_reference::config::AttnKind;
+use dflash_reference::drafter::DraftInput;
 use dflash_reference::speculative::{argmax_rows, greedy_decode, speculative_decode, SpecOutput};
 use dflash_reference::target::TargetModel;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-/// Init std of the random targets: peaked next-token distributions, unlike a near-uniform 0.02.
-const TARGET_STD: f64 = 0.5;
-
-/// A random tiny target and a random drafter of block size `block_size` for it, in f64.
-struct Pair {
-    target: TargetModel,
-    drafter: Drafter,
-}
-
-/// A drafter config for `target` with `block_size`, 1-2 layers of a random full/sliding mix and
-/// 1-2 features whose default layer ids fall inside the target.
-fn random_draft_config(target: &TargetConfig, block_size: usize, rng: &mut ChaCha8Rng) -> DraftConfig {
-    let layers = rng.random_range(1..=2);
-    let mask = (target.dims.vocab_size - 1) as u32;
-    let num_target_layers = target.dims.num_layers();
-    let mut config = DraftConfig::for_target(target, layers, block_size, mask, 2);
-    if rng.random_bool(0.5) || config.target_layer_ids.iter().any(|&l| l >= num_target_layers) {
-        config = DraftConfig::for_target(target, layers, block_size, mask, 1);
-    }
-    // One window per config, as HF's config.json has a single `sliding_window`.
-    let window = rng.random_range(1..=6);
-    config.dims.layer_kinds =
-        (0..layers).map(|_| if rng.random_bool(0.5) { AttnKind::Full } else { AttnKind::Sliding { window } }).collect();
-    config
-}
-
-/// Random parameters: linears normal(0, 0.5), norms 1 + normal(0, 0.1).
-fn random_drafter(config: DraftConfig, rng: &mut ChaCha8Rng) -> Drafter {
-    Drafter::from_fn(config, |name, shape| {
-        if is_norm(name) {
-            Ok(random_normal(shape, 0.1, rng, DType::F64)?.affine(1.0, 1.0)?)
-        } else {
-            random_normal(shape, 0.5, rng, DType::F64)
-        }
-    })
-    .expect("random drafter")
-}
-
-fn random_pair(seed: u64, block_size: usize) -> Pair {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let target_config = random_target_config(&mut rng);
-    let target =
-        TargetModel::random(target_config.clone(), rng.random(), TARGET_STD, DType::F64).expect("random target");
-    let config = random_draft_config(&target_config, block_size, &mut rng);
-    let drafter = random_drafter(config, &mut rng);
-    Pair { target, drafter }
-}
-
-/// `len` random tokens below `vocab - 1` (the drafter's mask id is `vocab - 1`).
-fn random_prompt(len: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<u32> {
-    (0..len).map(|_| rng.random_range(0..vocab as u32 - 1)).collect()
-}
 
 /// The accept lengths a correct speculative decode must report, recomputed from the greedy
 /// continuation: at each step, the bonus is the next greedy token, the drafter proposes from
@@ -196,7 +146,7 @@ fn mismatched_drafter_is_an_error() {
         let cases = [(wider, "hidden_size"), (bigger_vocab, "vocab_size"), (deeper, "num_target_layers")];
         for (other, field) in cases {
             let config = random_draft_config(&other, 3, &mut rng);
-            let drafter = random_drafter(config, &mut rng);
+            let drafter = random_drafter(config, 0.5, &mut rng, DType::F64);
             let result = speculative_decode(&target, &drafter, &prompt, 4);
             match result {
                 Ok(out) => panic!("seed {seed}: {field} mismatch accepted, gave {out:?}"),
@@ -205,7 +155,7 @@ fn mismatched_drafter_is_an_error() {
         }
         // The matching drafter for the same target works (the error above is the mismatch).
         let config = random_draft_config(&target_config, 3, &mut rng);
-        let drafter = random_drafter(config, &mut rng);
+        let drafter = random_drafter(config, 0.5, &mut rng, DType::F64);
         speculative_decode(&target, &drafter, &prompt, 4).expect("matching drafter");
     }
 }

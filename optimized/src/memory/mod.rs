@@ -5,6 +5,7 @@
 //! configurations ([`named`]) live next to it.
 
 pub mod attention;
+pub mod drafter_decode;
 pub mod failure;
 pub mod named;
 pub mod step;

@@ -2,7 +2,10 @@
 //! (the embedding table, layers `0..=max(target_layer_ids)` and, untied, the LM head the drafter
 //! shares), one layer's activations for a launch of up to `T` tokens, and the feature buffer
 //! `[T, F*H]` it writes, as a typed layout over one allocation (`model::target_forward` consumes
-//! it as is). The layers after the last tapped one, the final norm and the logits are never run.
+//! it as is). The layers after the last tapped one, the final norm and the logits are never run,
+//! except by the decoding layout ([`TargetLayout::decoding`], spec section 4): every layer, the
+//! final norm, the LM head, a K/V cache of `C` positions per layer and the logits of the rows
+//! whose next token is taken.
 //!
 //! Shapes: T tokens per launch, H hidden, I SwiGLU, nh/nkv heads of d, F tapped layers, V vocab.
 
@@ -72,6 +75,22 @@ pub struct MlpScratch {
     pub h: Region,
 }
 
+/// What decoding adds to the layout: every layer runs, then the final norm and the LM head.
+#[derive(Clone, Debug)]
+pub struct DecodeRegions {
+    /// Positions the caches hold (`C`).
+    pub context: usize,
+    /// Rows whose logits one launch takes (`R`).
+    pub logit_rows: usize,
+    pub final_norm: Region,
+    /// Per layer, the cached keys (after norm and RoPE) and values `[C, kv heads * d]`.
+    pub k_cache: Vec<Region>,
+    pub v_cache: Vec<Region>,
+    /// The logits `[R, V]` (stored) and their argmax, the next tokens (u32 `[R]`).
+    pub logits: Region,
+    pub next: Region,
+}
+
 /// The target's typed layout over one allocation.
 #[derive(Clone, Debug)]
 pub struct TargetLayout {
@@ -100,6 +119,8 @@ pub struct TargetLayout {
     pub mlp: MlpScratch,
     /// The features `[T, F*H]`, when the layout holds them (else the caller's buffer).
     pub features: Option<Region>,
+    /// The decoding parts, in a decoding layout.
+    pub decode: Option<DecodeRegions>,
     pub bytes: u64,
     pub items: Vec<Item>,
 }
@@ -115,6 +136,38 @@ impl TargetLayout {
         widths: (u64, u64),
         with_lm_head: bool,
         with_features: bool,
+    ) -> Result<Self> {
+        Self::build(config, layer_ids, tokens, widths, with_lm_head, with_features, None)
+    }
+
+    /// The decoding layout (spec section 4) of `config`: launches of up to `tokens` tokens at
+    /// positions below `context` (the caches' size), every layer, the features of the tapped
+    /// `layer_ids`, and the logits of up to `logit_rows` rows per launch.
+    pub fn decoding(
+        config: &TargetConfig,
+        layer_ids: &[usize],
+        tokens: usize,
+        context: usize,
+        logit_rows: usize,
+        widths: (u64, u64),
+    ) -> Result<Self> {
+        if logit_rows == 0 || logit_rows > tokens || context < tokens {
+            return Err(Error::invalid(
+                "decoding layout",
+                format!("{logit_rows} logit rows, {tokens} tokens per launch and a context of {context}: need 1 <= rows <= tokens <= context"),
+            ));
+        }
+        Self::build(config, layer_ids, tokens, widths, true, true, Some((context, logit_rows)))
+    }
+
+    fn build(
+        config: &TargetConfig,
+        layer_ids: &[usize],
+        tokens: usize,
+        widths: (u64, u64),
+        with_lm_head: bool,
+        with_features: bool,
+        decode: Option<(usize, usize)>,
     ) -> Result<Self> {
         let c = &config.dims;
         let last = *layer_ids.iter().max().ok_or_else(|| Error::invalid("target_layer_ids", "is empty"))?;
@@ -137,7 +190,7 @@ impl TargetLayout {
             qd: mul_usize("q width (heads x head_dim)", c.num_heads, c.head_dim)?,
             kd: mul_usize("k width (kv heads x head_dim)", c.num_kv_heads, c.head_dim)?,
             v: c.vocab_size,
-            layers: last + 1,
+            layers: if decode.is_some() { c.num_layers() } else { last + 1 },
             f: layer_ids.len(),
             fw: mul_usize("feature width (features x hidden)", layer_ids.len(), c.hidden_size)?,
         };
@@ -167,9 +220,11 @@ impl TargetLayout {
             });
         }
         let t = z.t;
+        let positions_held = decode.map_or(t, |(context, _)| context);
+        const TABLES: &str = "target RoPE tables of positions 0..T (decoding: 0..C)";
+        let cos_table = ar.take(TABLES, Model, "cos table", &[positions_held, z.d], a)?;
+        let sin_table = ar.take(TABLES, Model, "sin table", &[positions_held, z.d], a)?;
         const INPUTS: &str = "target inputs (tokens, RoPE tables, feature rows)";
-        let cos_table = ar.take("target RoPE tables of positions 0..T", Model, "cos table", &[t, z.d], a)?;
-        let sin_table = ar.take("target RoPE tables of positions 0..T", Model, "sin table", &[t, z.d], a)?;
         let tokens = ar.take(INPUTS, Saved, "tokens", &[t], 4)?;
         let positions = ar.take(INPUTS, Saved, "positions", &[t], 4)?;
         let cos = ar.take(INPUTS, Saved, "cos", &[t, z.d], a)?;
@@ -209,6 +264,20 @@ impl TargetLayout {
             true => Some(ar.take("target features", Saved, "features", &[t, z.fw], e)?),
             false => None,
         };
+        let decode = match decode {
+            None => None,
+            Some((context, logit_rows)) => {
+                let final_norm = ar.take("target final norm", Model, "norm", &[z.h], e)?;
+                let (mut k_cache, mut v_cache) = (Vec::new(), Vec::new());
+                for _ in 0..z.layers {
+                    k_cache.push(ar.take("target K/V cache", Saved, "k cache", &[context, z.kd], e)?);
+                    v_cache.push(ar.take("target K/V cache", Saved, "v cache", &[context, z.kd], e)?);
+                }
+                let logits = ar.take("target logits", Layer, "logits", &[logit_rows, z.v], e)?;
+                let next = ar.take("target next tokens", Saved, "next", &[logit_rows], 4)?;
+                Some(DecodeRegions { context, logit_rows, final_norm, k_cache, v_cache, logits, next })
+            }
+        };
         Ok(TargetLayout {
             dims: z,
             embed,
@@ -227,6 +296,7 @@ impl TargetLayout {
             attn,
             mlp,
             features,
+            decode,
             bytes: ar.bytes(),
             items: ar.items,
         })

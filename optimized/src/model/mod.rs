@@ -1,5 +1,8 @@
-//! The models of the production path: the drafter's training step ([`drafter_step`]) and the
-//! frozen target's forward that feeds it ([`target_forward`]).
+//! The models of the production path: the drafter's training step ([`drafter_step`]), the frozen
+//! target's forward that feeds it and decodes ([`target_forward`]), the drafter at inference
+//! ([`drafter_decode`]) and speculative decoding with both ([`speculative`]).
 
+pub mod drafter_decode;
 pub mod drafter_step;
+pub mod speculative;
 pub mod target_forward;

@@ -6,23 +6,38 @@
 //!
 //! Packed rows: attention runs once per document (a causal plan over its own tokens, positions
 //! from the row's `positions`), so a document sees no other; padding tokens get zero features.
-//! Shapes: T tokens per launch (rows concatenated), H hidden, I SwiGLU, nh/nkv heads of d.
+//! Decoding (spec section 4, [`TargetForward::decoding`]): every layer runs over new tokens
+//! against a K/V cache (the causal plan after the cached positions), then the final norm, the LM
+//! head and the argmax of the last rows, on the device; the cache is rolled back by decoding the
+//! next tokens at a smaller `past`.
+//!
+//! Shapes: T tokens per launch (rows concatenated), H hidden, I SwiGLU, nh/nkv heads of d,
+//! C cached positions, R logit rows.
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
-use dflash_reference::config::{TargetArch, TargetConfig};
+use dflash_reference::config::{AttnKind, TargetArch, TargetConfig};
 use dflash_reference::data::{document_runs, Row};
 use dflash_reference::ops::rope_tables_scaled;
 
 use crate::backend::{download, Allocation, Backend};
-use crate::memory::target::TargetLayout;
+use crate::memory::target::{DecodeRegions, TargetLayout};
 use crate::memory::Region;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::{ElementwiseOps, HeadNormRope, Heads};
-use crate::ops::{bytes_of, stored, Elem, Real};
+use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
 use crate::{Error, Result};
+
+/// Where a launch's attention finds its keys.
+enum Attend<'a, R> {
+    /// Packed rows: each document causal over its own tokens, with its plan by (length, kind).
+    Documents { docs: &'a [std::ops::Range<usize>], plans: &'a HashMap<(usize, AttnKind), R> },
+    /// Decoding: the launch's tokens sit after `past` cached positions (its K/V appended to the
+    /// cache there), with the plan of each layer kind.
+    Cached { past: usize, plans: &'a HashMap<AttnKind, R> },
+}
 
 /// The target's forward at a launch capacity of `layout.dims.t` tokens, on a backend.
 pub struct TargetForward<B: Backend> {
@@ -50,22 +65,53 @@ impl<B: Backend> TargetForward<B> {
         max_tokens: usize,
         with_lm_head: bool,
     ) -> Result<Self> {
-        let widths = (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64);
-        let layout = TargetLayout::new(config, layer_ids, max_tokens, widths, with_lm_head, true)?;
+        let layout = TargetLayout::new(config, layer_ids, max_tokens, Self::widths(), with_lm_head, true)?;
         let device = format!("{} (target, {max_tokens} tokens per launch)", dev.name());
-        layout.check_fits(dev.available_bytes()?, &device)?;
+        Self::allocate(dev, config, layer_ids, layout, &device)
+    }
+
+    /// The decoding forward (spec section 4): launches of up to `max_tokens` tokens at positions
+    /// below `context`, every layer with its K/V cache, the final norm, the LM head and the next
+    /// tokens of up to `logit_rows` rows per launch; refused before allocating when it cannot fit.
+    pub fn decoding(
+        dev: B,
+        config: &TargetConfig,
+        layer_ids: &[usize],
+        max_tokens: usize,
+        context: usize,
+        logit_rows: usize,
+    ) -> Result<Self> {
+        let layout = TargetLayout::decoding(config, layer_ids, max_tokens, context, logit_rows, Self::widths())?;
+        let device = format!("{} (target decoding, a context of {context})", dev.name());
+        Self::allocate(dev, config, layer_ids, layout, &device)
+    }
+
+    fn widths() -> (u64, u64) {
+        (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64)
+    }
+
+    fn allocate(
+        dev: B,
+        config: &TargetConfig,
+        layer_ids: &[usize],
+        layout: TargetLayout,
+        device: &str,
+    ) -> Result<Self> {
+        layout.check_fits(dev.available_bytes()?, device)?;
         let bytes = usize::try_from(layout.bytes)
             .map_err(|_| Error::Memory(format!("{device}: {} bytes exceed the address space", layout.bytes)))?;
         let memory = dev.alloc("target", bytes)?;
         let base = memory.ptr();
         let c = &config.dims;
-        let all: Vec<usize> = (0..max_tokens).collect();
+        let z = layout.dims;
+        let held = layout.decode.as_ref().map_or(z.t, |d| d.context);
+        let all: Vec<usize> = (0..held).collect();
         let (cos, sin) = rope_tables_scaled(&all, c.head_dim, c.rope_theta, &config.rope_scaling, DType::F64)?;
-        dev.upload(layout.cos_table.at(base), bytes_of(&acc::<B::Elem>(cos)?))?;
-        dev.upload(layout.sin_table.at(base), bytes_of(&acc::<B::Elem>(sin)?))?;
+        dev.upload(layout.cos_table.at(base), bytes_of(&arithmetic::<B::Elem>(cos)?))?;
+        dev.upload(layout.sin_table.at(base), bytes_of(&arithmetic::<B::Elem>(sin)?))?;
         let f = layer_ids.len() as u32;
         for (i, rows) in layout.feature_rows.iter().enumerate() {
-            let idx: Vec<u32> = (0..max_tokens as u32).map(|t| t * f + i as u32).collect();
+            let idx: Vec<u32> = (0..z.t as u32).map(|t| t * f + i as u32).collect();
             dev.upload(rows.at(base), bytes_of(&idx))?;
         }
         Ok(TargetForward {
@@ -100,6 +146,9 @@ impl<B: Backend> TargetForward<B> {
         put(self.layout.embed, "model.embed_tokens.weight", &[z.v, z.h])?;
         if let Some(head) = self.layout.lm_head {
             put(head, "lm_head.weight", &[z.v, z.h])?;
+        }
+        if let Some(d) = &self.layout.decode {
+            put(d.final_norm, "model.norm.weight", &[z.h])?;
         }
         for (l, w) in self.layout.layers.iter().enumerate() {
             let name = |n: &str| format!("model.layers.{l}.{n}.weight");
@@ -179,12 +228,7 @@ impl<B: Backend> TargetForward<B> {
         let lay = &self.layout;
         let positions: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         self.dev.upload(self.at(lay.tokens), bytes_of(&tokens))?;
-        self.dev.upload(self.at(lay.positions), bytes_of(&positions))?;
-        // The launch's RoPE tables: rows of the position tables (copied as stored-width columns).
-        let cols = z.d * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
-        let ops = self.dev.ops();
-        ops.copy_rows(false, self.at(lay.cos_table), self.at(lay.positions), self.at(lay.cos), total, cols)?;
-        ops.copy_rows(false, self.at(lay.sin_table), self.at(lay.positions), self.at(lay.sin), total, cols)?;
+        self.positions(&positions)?;
         // The causal plan of each distinct document length and layer kind, uploaded once.
         let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
         let mut plans = HashMap::new();
@@ -195,16 +239,80 @@ impl<B: Backend> TargetForward<B> {
                 }
             }
         }
-        self.forward(total, &docs, &plans)
+        self.forward(total, Attend::Documents { docs: &docs, plans: &plans })
+    }
+
+    /// Uploads a launch's positions and gathers its RoPE tables from the position tables (rows
+    /// copied as stored-width columns).
+    fn positions(&self, positions: &[u32]) -> Result<()> {
+        let lay = &self.layout;
+        self.dev.upload(self.at(lay.positions), bytes_of(positions))?;
+        let cols = lay.dims.d * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
+        let (ops, t) = (self.dev.ops(), positions.len());
+        ops.copy_rows(false, self.at(lay.cos_table), self.at(lay.positions), self.at(lay.cos), t, cols)?;
+        ops.copy_rows(false, self.at(lay.sin_table), self.at(lay.positions), self.at(lay.sin), t, cols)
+    }
+
+    fn decode_regions(&self) -> Result<&DecodeRegions> {
+        self.layout
+            .decode
+            .as_ref()
+            .ok_or_else(|| Error::invalid("target", "this forward was not laid out for decoding"))
+    }
+
+    /// Where a launch's token ids (u32 `[T]`) live: [`TargetForward::decode`] reads them there.
+    pub fn tokens_addr(&self) -> u64 {
+        self.at(self.layout.tokens)
+    }
+
+    /// Where the next tokens (u32 `[R]`) of the last decoding launch live.
+    pub fn next_addr(&self) -> Result<u64> {
+        Ok(self.at(self.decode_regions()?.next))
+    }
+
+    /// Decodes `t` tokens whose ids are at [`TargetForward::tokens_addr`], at positions
+    /// `past..past+t` after `past` cached ones: their K/V overwrite the cache from `past` on
+    /// (so decoding at a smaller `past` rolls it back), their features `[t, F*H]` are written,
+    /// and the argmax of the logits of the last `logit_rows` rows goes to the next tokens.
+    pub fn decode(&mut self, t: usize, past: usize, logit_rows: usize) -> Result<()> {
+        let (z, d) = (self.layout.dims, self.decode_regions()?.clone());
+        if t == 0 || t > z.t || logit_rows == 0 || logit_rows > t.min(d.logit_rows) {
+            return Err(Error::invalid(
+                "decode",
+                format!("{t} tokens with {logit_rows} logit rows; the target was laid out for 1..={} tokens and up to {} rows", z.t, d.logit_rows),
+            ));
+        }
+        if past + t > d.context {
+            return Err(Error::invalid(
+                "decode",
+                format!("positions {past}..{} exceed the context of {} the caches hold", past + t, d.context),
+            ));
+        }
+        self.tokens = t;
+        self.padding.clear();
+        self.positions(&(past..past + t).map(|p| p as u32).collect::<Vec<_>>())?;
+        let (lay, ops) = (&self.layout, self.dev.ops());
+        let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
+        let mut plans = HashMap::new();
+        for &kind in &self.config.dims.layer_kinds {
+            if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(kind) {
+                e.insert(self.dev.upload_ranges(&KeyRanges::causal_after(past, t, kind, group_rows)?)?);
+            }
+        }
+        self.forward(t, Attend::Cached { past, plans: &plans })?;
+        // next = argmax(lm_head(norm(x))) of the last rows.
+        let e = B::Elem::BYTES as u64;
+        let (x, xn, inv) = (self.at(lay.x), self.at(lay.xn), self.at(lay.inv));
+        let first = (t - logit_rows) as u64 * z.h as u64 * e;
+        let eps = self.config.dims.rms_norm_eps;
+        ops.rms_norm_forward(x + first, self.at(d.final_norm), xn, inv, logit_rows, z.h, eps)?;
+        let head = self.frozen_tables().1.expect("a decoding layout holds its LM head");
+        self.dev.linear(xn, logit_rows, z.h, head, z.v, self.at(d.logits), 0.0)?;
+        ops.argmax_rows(self.at(d.logits), logit_rows, z.v, self.at(d.next))
     }
 
     /// The layers over the uploaded launch of `t` tokens.
-    fn forward(
-        &self,
-        t: usize,
-        docs: &[std::ops::Range<usize>],
-        plans: &HashMap<(usize, dflash_reference::config::AttnKind), B::Ranges>,
-    ) -> Result<()> {
+    fn forward(&self, t: usize, attend: Attend<'_, B::Ranges>) -> Result<()> {
         let (z, lay, ops) = (self.layout.dims, &self.layout, self.dev.ops());
         let at = |r: Region| r.at(self.base);
         let e = B::Elem::BYTES as u64;
@@ -215,29 +323,51 @@ impl<B: Backend> TargetForward<B> {
         for (l, w) in lay.layers.iter().enumerate() {
             // q, k = rope(head_norm(xn W^T)) (Qwen3) or rope(xn W^T) (Llama); v = xn Wv^T.
             ops.rms_norm_forward(x, at(w.input_norm), xn, at(lay.inv), t, z.h, eps)?;
+            // Decoding writes this launch's k and v into the caches after the past positions.
+            let (k, v) = match (&attend, &lay.decode) {
+                (Attend::Cached { past, .. }, Some(d)) => {
+                    let skip = (past * z.kd) as u64 * e;
+                    (at(d.k_cache[l]) + skip, at(d.v_cache[l]) + skip)
+                }
+                _ => (at(s.k), at(s.v)),
+            };
             self.dev.linear(xn, t, z.h, at(w.q), z.qd, at(s.q_pre), 0.0)?;
             self.dev.linear(xn, t, z.h, at(w.k), z.kd, at(s.k_pre), 0.0)?;
-            self.dev.linear(xn, t, z.h, at(w.v), z.kd, at(s.v), 0.0)?;
-            let sides = [(s.q_pre, w.q_norm, s.q, s.inv_q, z.nh), (s.k_pre, w.k_norm, s.k, s.inv_k, z.nkv)];
+            self.dev.linear(xn, t, z.h, at(w.v), z.kd, v, 0.0)?;
+            let sides = [(s.q_pre, w.q_norm, at(s.q), s.inv_q, z.nh), (s.k_pre, w.k_norm, k, s.inv_k, z.nkv)];
             for (pre, norm, out, inv, heads) in sides {
                 let dims = Heads { tokens: t, heads, head_dim: z.d };
                 match (self.config.arch, norm) {
                     (TargetArch::Qwen3, Some(norm)) => {
                         let f = HeadNormRope { x: at(pre), w: at(norm), cos: at(lay.cos), sin: at(lay.sin) };
-                        ops.head_norm_rope_forward(f, at(out), at(inv), dims, eps)?
+                        ops.head_norm_rope_forward(f, out, at(inv), dims, eps)?
                     }
-                    _ => ops.rope_forward(at(pre), at(lay.cos), at(lay.sin), at(out), dims)?,
+                    _ => ops.rope_forward(at(pre), at(lay.cos), at(lay.sin), out, dims)?,
                 }
             }
-            // Causal attention per document; padding rows attend to nothing (zero output).
             let kind = self.config.dims.layer_kinds[l];
-            for run in docs {
-                let (q_off, k_off) = ((run.start * z.qd) as u64 * e, (run.start * z.kd) as u64 * e);
-                let qkv = (at(s.q) + q_off, at(s.k) + k_off, at(s.v) + k_off);
-                self.dev.attention_forward(&plans[&(run.len(), kind)], shape, qkv, (at(s.out) + q_off, at(s.lse)))?;
-            }
-            for pad in &self.padding {
-                self.dev.zero(at(s.out) + (pad.start * z.qd) as u64 * e, pad.len() * z.qd * e as usize)?;
+            match &attend {
+                // Causal attention per document; padding rows attend to nothing (zero output).
+                Attend::Documents { docs, plans } => {
+                    for run in docs.iter() {
+                        let (q_off, k_off) = ((run.start * z.qd) as u64 * e, (run.start * z.kd) as u64 * e);
+                        let qkv = (at(s.q) + q_off, k + k_off, v + k_off);
+                        self.dev.attention_forward(
+                            &plans[&(run.len(), kind)],
+                            shape,
+                            qkv,
+                            (at(s.out) + q_off, at(s.lse)),
+                        )?;
+                    }
+                    for pad in &self.padding {
+                        self.dev.zero(at(s.out) + (pad.start * z.qd) as u64 * e, pad.len() * z.qd * e as usize)?;
+                    }
+                }
+                Attend::Cached { past, plans } => {
+                    let skip = (past * z.kd) as u64 * e;
+                    let qkv = (at(s.q), k - skip, v - skip);
+                    self.dev.attention_forward(&plans[&kind], shape, qkv, (at(s.out), at(s.lse)))?;
+                }
             }
             // x += out Wo^T; x += down(silu(gate) * up) of post_norm(x).
             self.dev.linear(at(s.out), t, z.qd, at(w.o), z.h, x, 1.0)?;
@@ -270,9 +400,4 @@ impl<B: Backend> TargetForward<B> {
         let n = self.tokens * self.layout.dims.fw;
         Ok(download::<B::Elem, B>(&self.dev, self.features_addr(), n)?.into_iter().map(Elem::to_f64).collect())
     }
-}
-
-/// `t`'s values in the arithmetic type of `E`.
-fn acc<E: Elem>(t: Tensor) -> Result<Vec<E::Acc>> {
-    Ok(t.flatten_all()?.to_vec1::<f64>()?.into_iter().map(E::Acc::from_f64).collect())
 }

@@ -142,3 +142,13 @@ pub fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
     // SAFETY: plain-old-data values viewed as their bytes.
     unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
 }
+
+/// `t`'s values in the arithmetic type of `E` (side values: RoPE tables).
+pub fn arithmetic<E: Elem>(t: candle_core::Tensor) -> crate::Result<Vec<E::Acc>> {
+    Ok(t.flatten_all()?
+        .to_dtype(candle_core::DType::F64)?
+        .to_vec1::<f64>()?
+        .into_iter()
+        .map(E::Acc::from_f64)
+        .collect())
+}

@@ -95,15 +95,22 @@ impl KeyRanges {
         })
     }
 
-    /// The causal plan of a sequence of `t` positions (the target, and inference), in groups of
+    /// The causal plan of a sequence of `t` positions (the target's training rows), in groups of
     /// `group_rows` positions.
     pub fn causal(t: usize, kind: AttnKind, group_rows: usize) -> Result<Self> {
+        Self::causal_after(0, t, kind, group_rows)
+    }
+
+    /// The causal plan of `t` new positions after `past` cached ones (decoding, spec section 4):
+    /// query `r` sits at position `past + r` and sees keys `[0, past + r + 1)` (within the
+    /// window), the keys being the cache's `past + t` positions.
+    pub fn causal_after(past: usize, t: usize, kind: AttnKind, group_rows: usize) -> Result<Self> {
         if group_rows == 0 {
             return Err(Error::invalid("group_rows", "must be at least 1"));
         }
         let groups = (0..t.div_ceil(group_rows))
             .map(|g| {
-                let first = g * group_rows;
+                let first = past + g * group_rows;
                 Ok(RowGroup {
                     ctx_lo: 0,
                     ctx_hi: to_u32("position", first + 1)?,
@@ -118,7 +125,8 @@ impl KeyRanges {
             AttnKind::Full => None,
             AttnKind::Sliding { window } => Some(window),
         };
-        Ok(KeyRanges { num_queries: t, num_keys: t, group_rows, window, causal_in_block: false, groups })
+        let num_keys = past.checked_add(t).ok_or_else(|| Error::invalid("past", "past + t overflows"))?;
+        Ok(KeyRanges { num_queries: t, num_keys, group_rows, window, causal_in_block: false, groups })
     }
 
     /// Positions per row group of a causal plan for `group_size` query heads per K/V head: the

@@ -1,0 +1,80 @@
+//! The optimized decoder (`dflash_optimized::model::speculative`: K/V caches for the target and
+//! the drafter, the causal plan after the cached positions, the drafter's context cache, the
+//! rollback by the accepted length) on the CPU twins in f64 against the reference decoder
+//! (spec section 4), which recomputes everything every step: the same tokens and the same accept
+//! length at every step, and a greedy decode equal to the reference's. The GPU runs the same
+//! check (`decode_cases::decode_check`) in `xtask gpu-conformance`.
+
+use dflash_conformance::decode_cases::{decode_check, fixture_pairs, random_pair, random_prompt, Pair};
+use dflash_optimized::backend::host::Host;
+use dflash_optimized::model::speculative::SpecDecoder;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn host() -> dflash_optimized::Result<Host<f64>> {
+    Ok(Host::default())
+}
+
+fn prompts(pair: &Pair, count: usize, lens: std::ops::RangeInclusive<usize>, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let vocab = pair.target.config.dims.vocab_size;
+    (0..count).map(|_| random_prompt(rng.random_range(lens.clone()), vocab, &mut rng)).collect()
+}
+
+/// Proves on 24 random tiny targets (both architectures, tied or not, full and sliding layers)
+/// with random drafters of blocks 2-6 that the cached decoder on the twins gives the reference's
+/// tokens and accept lengths exactly, for prompts of 1-9 tokens and 20 new tokens; and that drafts
+/// were accepted (the rollback and the multi-token appends ran), some whole blocks among them.
+#[test]
+fn cached_decoding_equals_the_reference_decoder() {
+    let (mut accepted, mut cases) = (0, 0);
+    for seed in 0..24u64 {
+        let pair = random_pair(seed, 2 + seed as usize % 5);
+        let (check, n) = decode_check(&pair, host, &prompts(&pair, 2, 1..=9, seed), 20).expect("decode");
+        assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+        accepted += n;
+        cases += 1;
+    }
+    assert!(accepted > cases, "only {accepted} drafts accepted over {cases} cases: the multi-token path barely ran");
+}
+
+/// Proves the same on the checked-in Qwen3 (q/k norms, untied) and Llama (tied, bf16 shards)
+/// fixtures with drafters of a sliding and a full layer, on prompts longer than the drafter's
+/// window.
+#[test]
+fn cached_decoding_equals_the_reference_on_the_fixtures() {
+    for pair in fixture_pairs(11) {
+        let (check, _) = decode_check(&pair, host, &prompts(&pair, 2, 6..=14, 3), 24).expect("decode");
+        assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+    }
+}
+
+/// Proves that prompts the decoder cannot take are errors naming the prompt, before any decoding:
+/// empty, a token outside the vocab, longer than the context with the new tokens.
+#[test]
+fn bad_prompts_are_errors() {
+    let pair = random_pair(3, 4);
+    let mut decoder = SpecDecoder::new(host, &pair.target.config, Some(&pair.drafter.config), 8).expect("decoder");
+    decoder.target.load_weights(|name, _| pair.target.weight(name)).expect("target weights");
+    let vocab = pair.target.config.dims.vocab_size as u32;
+    for (prompt, max_new, says) in
+        [(vec![], 2, "is empty"), (vec![1, vocab], 2, "not below the vocab"), (vec![1, 2, 3], 6, "exceed")]
+    {
+        let spec = decoder.speculative_decode(&prompt, max_new).expect_err("bad prompt accepted");
+        let greedy = decoder.greedy_decode(&prompt, max_new).expect_err("bad prompt accepted");
+        for e in [spec, greedy] {
+            assert!(e.to_string().contains("prompt") && e.to_string().contains(says), "{prompt:?}: {e}");
+        }
+    }
+}
+
+/// Proves that a drafter made for another target is refused when the decoder is built, naming
+/// the mismatched field.
+#[test]
+fn a_mismatched_drafter_is_refused() {
+    let pair = random_pair(5, 3);
+    let mut other = pair.target.config.clone();
+    other.dims.vocab_size += 1;
+    let err = SpecDecoder::new(host, &other, Some(&pair.drafter.config), 16).err().expect("mismatch accepted");
+    assert!(err.to_string().contains("vocab_size"), "{err}");
+}

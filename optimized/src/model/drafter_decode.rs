@@ -1,0 +1,212 @@
+//! The drafter at inference (spec section 4), over a backend: the committed positions' features
+//! are projected once into each layer's context K/V cache ([`DrafterDecode::append_context`]);
+//! each draft runs the block `[bonus, MASK x (B-1)]` at positions `n..n+B` through the layers,
+//! its own K/V written into the cache's slots after the context and recomputed every step, under
+//! the DFlash plan of one block anchored at `n` (context `[0, n)`, the block bidirectional in full
+//! layers, causal in sliding ones); the argmax of rows `1..B` are the proposals, written where
+//! the caller asks (the target's verify tokens). The embedding table and LM head are the target's.
+
+use candle_core::{DType, Tensor};
+use dflash_reference::config::DraftConfig;
+use dflash_reference::mask::BlockLayout;
+use dflash_reference::ops::rope_tables;
+
+use crate::backend::{Allocation, Backend};
+use crate::memory::drafter_decode::{DrafterDecodeLayout, RowsScratch};
+use crate::memory::target::TargetLayerWeights;
+use crate::memory::Region;
+use crate::ops::attention::ranges::KeyRanges;
+use crate::ops::attention::AttnShape;
+use crate::ops::elementwise::{ElementwiseOps, HeadNormRope, Heads};
+use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
+use crate::{Error, Result};
+
+/// The drafter's inference forward over one allocation of its layout.
+pub struct DrafterDecode<B: Backend> {
+    dev: B,
+    pub config: DraftConfig,
+    pub layout: DrafterDecodeLayout,
+    _memory: B::Alloc,
+    base: u64,
+    /// The target's embedding table and LM head `[V, H]` (stored), shared.
+    embed: u64,
+    head: u64,
+}
+
+impl<B: Backend> DrafterDecode<B> {
+    /// Lays out `config` for contexts of up to `context` positions appended `append_rows` at a
+    /// time, reading the target's `embed` table and LM `head` at those addresses of `dev`'s
+    /// memory; refused before allocating when it cannot fit.
+    pub fn new(
+        dev: B,
+        config: &DraftConfig,
+        context: usize,
+        append_rows: usize,
+        (embed, head): (u64, u64),
+    ) -> Result<Self> {
+        let widths = (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64);
+        let layout = DrafterDecodeLayout::new(config, context, append_rows, widths)?;
+        let device = format!("{} (drafter decoding, a context of {context})", dev.name());
+        layout.check_fits(dev.available_bytes()?, &device)?;
+        let bytes = usize::try_from(layout.bytes)
+            .map_err(|_| Error::Memory(format!("{device}: {} bytes exceed the address space", layout.bytes)))?;
+        let memory = dev.alloc("drafter decoding", bytes)?;
+        let base = memory.ptr();
+        let c = &config.dims;
+        let all: Vec<usize> = (0..context + config.block_size).collect();
+        let (cos, sin) = rope_tables(&all, c.head_dim, c.rope_theta, DType::F64)?;
+        dev.upload(layout.cos_table.at(base), bytes_of(&arithmetic::<B::Elem>(cos)?))?;
+        dev.upload(layout.sin_table.at(base), bytes_of(&arithmetic::<B::Elem>(sin)?))?;
+        Ok(DrafterDecode { dev, config: config.clone(), layout, _memory: memory, base, embed, head })
+    }
+
+    fn at(&self, r: Region) -> u64 {
+        r.at(self.base)
+    }
+
+    /// Loads every weight from `get(checkpoint_key, shape)` (a drafter's named parameters), as
+    /// stored values; gate and up are stacked.
+    pub fn load_weights(&mut self, get: impl Fn(&str, &[usize]) -> dflash_reference::Result<Tensor>) -> Result<()> {
+        let z = self.layout.dims;
+        let put = |r: Region, name: &str, shape: &[usize]| -> Result<()> {
+            let values = stored::<B::Elem>(&get(name, shape)?)?;
+            self.dev.upload(self.at(r), bytes_of(&values))
+        };
+        put(self.layout.fc, "fc.weight", &[z.h, z.fw])?;
+        put(self.layout.hidden_norm, "hidden_norm.weight", &[z.h])?;
+        put(self.layout.norm, "norm.weight", &[z.h])?;
+        for (l, w) in self.layout.layers.iter().enumerate() {
+            let name = |n: &str| format!("layers.{l}.{n}.weight");
+            put(w.input_norm, &name("input_layernorm"), &[z.h])?;
+            put(w.q, &name("self_attn.q_proj"), &[z.qd, z.h])?;
+            put(w.k, &name("self_attn.k_proj"), &[z.kd, z.h])?;
+            put(w.v, &name("self_attn.v_proj"), &[z.kd, z.h])?;
+            put(w.o, &name("self_attn.o_proj"), &[z.h, z.qd])?;
+            put(w.q_norm.expect("drafter layers have q norms"), &name("self_attn.q_norm"), &[z.d])?;
+            put(w.k_norm.expect("drafter layers have k norms"), &name("self_attn.k_norm"), &[z.d])?;
+            put(w.post_norm, &name("post_attention_layernorm"), &[z.h])?;
+            let half = (z.i * z.h * B::Elem::BYTES) as u64;
+            put(Region { bytes: half, ..w.gate_up }, &name("mlp.gate_proj"), &[z.i, z.h])?;
+            put(w.gate_up.skip(half), &name("mlp.up_proj"), &[z.i, z.h])?;
+            put(w.down, &name("mlp.down_proj"), &[z.h, z.i])?;
+        }
+        Ok(())
+    }
+
+    /// Uploads positions `first..first+n` into `rows` and gathers their RoPE tables.
+    fn positions(&self, rows: &RowsScratch, first: usize, n: usize) -> Result<()> {
+        let positions: Vec<u32> = (first..first + n).map(|p| p as u32).collect();
+        self.dev.upload(self.at(rows.positions), bytes_of(&positions))?;
+        let cols = self.layout.dims.d * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
+        let ops = self.dev.ops();
+        ops.copy_rows(false, self.at(self.layout.cos_table), self.at(rows.positions), self.at(rows.cos), n, cols)?;
+        ops.copy_rows(false, self.at(self.layout.sin_table), self.at(rows.positions), self.at(rows.sin), n, cols)
+    }
+
+    /// `k [n, nkv, d] = rope(k_norm(x W_k^T))` and `v = x W_v^T` of `n` rows `x [n, H]` of layer
+    /// `w`, into the caches of layer `l` from position `first` on.
+    fn keys_values(
+        &self,
+        l: usize,
+        w: &TargetLayerWeights,
+        x: u64,
+        rows: &RowsScratch,
+        first: usize,
+        n: usize,
+    ) -> Result<()> {
+        let (z, lay) = (self.layout.dims, &self.layout);
+        let skip = (first * z.kd * B::Elem::BYTES) as u64;
+        self.dev.linear(x, n, z.h, self.at(w.k), z.kd, self.at(rows.k_pre), 0.0)?;
+        self.dev.linear(x, n, z.h, self.at(w.v), z.kd, self.at(lay.v_cache[l]) + skip, 0.0)?;
+        let f = HeadNormRope {
+            x: self.at(rows.k_pre),
+            w: self.at(w.k_norm.expect("drafter layers have k norms")),
+            cos: self.at(rows.cos),
+            sin: self.at(rows.sin),
+        };
+        let dims = Heads { tokens: n, heads: z.nkv, head_dim: z.d };
+        let eps = self.config.dims.rms_norm_eps;
+        self.dev.ops().head_norm_rope_forward(f, self.at(lay.k_cache[l]) + skip, self.at(rows.inv_k), dims, eps)
+    }
+
+    /// Appends the features `[n, F*H]` at address `features` (the target's, of positions
+    /// `past..past+n`) to the context: `ctx = hidden_norm(features W_fc^T)`, then each layer's
+    /// keys and values of `ctx` into its cache at `past`.
+    pub fn append_context(&self, features: u64, past: usize, n: usize) -> Result<()> {
+        let (z, lay) = (self.layout.dims, &self.layout);
+        if n == 0 || n > z.m || past + n > z.c {
+            return Err(Error::invalid(
+                "drafter context",
+                format!("{n} rows at {past}: appends of 1..={} rows within a context of {}", z.m, z.c),
+            ));
+        }
+        self.positions(&lay.append, past, n)?;
+        let eps = self.config.dims.rms_norm_eps;
+        self.dev.linear(features, n, z.fw, self.at(lay.fc), z.h, self.at(lay.ctx_pre), 0.0)?;
+        let ops = self.dev.ops();
+        ops.rms_norm_forward(
+            self.at(lay.ctx_pre),
+            self.at(lay.hidden_norm),
+            self.at(lay.ctx),
+            self.at(lay.ctx_inv),
+            n,
+            z.h,
+            eps,
+        )?;
+        for (l, w) in lay.layers.iter().enumerate() {
+            self.keys_values(l, w, self.at(lay.ctx), &lay.append, past, n)?;
+        }
+        Ok(())
+    }
+
+    /// Drafts the block after a context of `n` positions opened by `bonus`: the proposals
+    /// `d_1..d_{B-1}` (u32) are written to address `out`.
+    pub fn draft(&self, n: usize, bonus: u32, out: u64) -> Result<()> {
+        let (z, lay) = (self.layout.dims, &self.layout);
+        if n == 0 || n > z.c {
+            return Err(Error::invalid("drafter context", format!("{n} positions; this drafter holds 1..={}", z.c)));
+        }
+        let mut tokens = vec![self.config.mask_token_id; z.b];
+        tokens[0] = bonus;
+        self.dev.upload(self.at(lay.tokens), bytes_of(&tokens))?;
+        self.positions(&lay.block, n, z.b)?;
+        let eps = self.config.dims.rms_norm_eps;
+        let ops = self.dev.ops();
+        let (x, xn, inv) = (self.at(lay.x), self.at(lay.xn), self.at(lay.inv));
+        ops.copy_rows(false, self.embed, self.at(lay.tokens), x, z.b, z.h)?;
+        let layout = BlockLayout::new(n, z.b, vec![n], vec![true], None)?;
+        let shape = AttnShape { num_heads: z.nh, num_kv_heads: z.nkv, head_dim: z.d };
+        for (l, w) in lay.layers.iter().enumerate() {
+            ops.rms_norm_forward(x, self.at(w.input_norm), xn, inv, z.b, z.h, eps)?;
+            self.dev.linear(xn, z.b, z.h, self.at(w.q), z.qd, self.at(lay.q_pre), 0.0)?;
+            let f = HeadNormRope {
+                x: self.at(lay.q_pre),
+                w: self.at(w.q_norm.expect("drafter layers have q norms")),
+                cos: self.at(lay.block.cos),
+                sin: self.at(lay.block.sin),
+            };
+            ops.head_norm_rope_forward(
+                f,
+                self.at(lay.q),
+                self.at(lay.inv_q),
+                Heads { tokens: z.b, heads: z.nh, head_dim: z.d },
+                eps,
+            )?;
+            self.keys_values(l, w, xn, &lay.block, n, z.b)?;
+            let plan = self.dev.upload_ranges(&KeyRanges::dflash(&layout, self.config.dims.layer_kinds[l])?)?;
+            let qkv = (self.at(lay.q), self.at(lay.k_cache[l]), self.at(lay.v_cache[l]));
+            self.dev.attention_forward(&plan, shape, qkv, (self.at(lay.out), self.at(lay.lse)))?;
+            self.dev.linear(self.at(lay.out), z.b, z.qd, self.at(w.o), z.h, x, 1.0)?;
+            ops.rms_norm_forward(x, self.at(w.post_norm), xn, inv, z.b, z.h, eps)?;
+            let (gate_up, h) = (self.at(lay.gate_up), self.at(lay.h));
+            self.dev.linear(xn, z.b, z.h, self.at(w.gate_up), 2 * z.i, gate_up, 0.0)?;
+            ops.swiglu_forward(gate_up, h, z.b, z.i)?;
+            self.dev.linear(h, z.b, z.i, self.at(w.down), z.h, x, 1.0)?;
+        }
+        // Proposals: argmax(lm_head(norm(x))) of rows 1..B.
+        let row1 = (z.h * B::Elem::BYTES) as u64;
+        ops.rms_norm_forward(x + row1, self.at(lay.norm), xn, inv, z.b - 1, z.h, eps)?;
+        self.dev.linear(xn, z.b - 1, z.h, self.head, z.v, self.at(lay.logits), 0.0)?;
+        ops.argmax_rows(self.at(lay.logits), z.b - 1, z.v, out)
+    }
+}

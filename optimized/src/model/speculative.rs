@@ -1,0 +1,153 @@
+//! Greedy speculative decoding (spec section 4) on a backend, with K/V caches for the target and
+//! the drafter, and the plain greedy decoding it must reproduce: the twins of
+//! `dflash_reference::speculative::{greedy_decode, speculative_decode}`.
+//!
+//! One verify step: the drafter writes its proposals straight into the target's token buffer
+//! after the bonus, the target verifies the block against its cache and takes the argmax of every
+//! row on the device, and the host reads those `2B` ids back for the accept/reject decision (the
+//! one round trip per step). The target's cache is rolled back by decoding the next block at the
+//! accepted length; the accepted positions' features extend the drafter's context cache.
+
+use dflash_reference::config::{DraftConfig, TargetConfig};
+use dflash_reference::speculative::SpecOutput;
+
+use crate::backend::{download, Allocation, Backend};
+use crate::model::drafter_decode::DrafterDecode;
+use crate::model::target_forward::TargetForward;
+use crate::ops::bytes_of;
+use crate::{Error, Result};
+
+/// Tokens per prefill launch unless the block is longer: long prompts run in chunks of this.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// A target, optionally a drafter, and their caches for contexts of up to `context` positions.
+pub struct SpecDecoder<B: Backend> {
+    pub target: TargetForward<B>,
+    pub drafter: Option<DrafterDecode<B>>,
+    context: usize,
+    /// The plain decode's tokens (u32) and their capacity, kept on the device until the end.
+    history: Option<(B::Alloc, usize)>,
+}
+
+impl<B: Backend> SpecDecoder<B> {
+    /// The decoders of `target` (and of `drafter`, checked against it) for prompts plus new tokens
+    /// of up to `context` positions, each on a backend from `make` (the same device); refused
+    /// before allocating what cannot fit.
+    pub fn new(
+        make: impl Fn() -> Result<B>,
+        target: &TargetConfig,
+        drafter: Option<&DraftConfig>,
+        context: usize,
+    ) -> Result<Self> {
+        if let Some(d) = drafter {
+            d.check_target(target)?;
+        }
+        let block = drafter.map_or(1, |d| d.block_size);
+        let launch = PREFILL_CHUNK.max(block).min(context.max(block));
+        // The drafter's verify blocks may run past the last kept token: room for one more block.
+        let held = context.checked_add(block).ok_or_else(|| Error::invalid("context", "overflows"))?;
+        let layer_ids = drafter.map_or(vec![0], |d| d.target_layer_ids.clone());
+        let target = TargetForward::decoding(make()?, target, &layer_ids, launch, held, block)?;
+        let tables = target.frozen_tables();
+        let tables = (tables.0, tables.1.expect("a decoding layout holds its LM head"));
+        let drafter = match drafter {
+            Some(d) => Some(DrafterDecode::new(make()?, d, held, launch, tables)?),
+            None => None,
+        };
+        Ok(SpecDecoder { target, drafter, context, history: None })
+    }
+
+    fn check_prompt(&self, prompt: &[u32], max_new: usize) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("prompt", "is empty"));
+        }
+        let vocab = self.target.config.dims.vocab_size;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::invalid("prompt", format!("token id {bad} is not below the vocab size {vocab}")));
+        }
+        if prompt.len() + max_new > self.context {
+            return Err(Error::invalid(
+                "prompt",
+                format!(
+                    "{} prompt tokens + {max_new} new exceed the decoder's context of {}",
+                    prompt.len(),
+                    self.context
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs the prompt through the target in chunks (and into the drafter's context); the
+    /// target's next token after it.
+    fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
+        let chunk = self.target.layout.dims.t;
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            let past = i * chunk;
+            self.target.backend().upload(self.target.tokens_addr(), bytes_of(part))?;
+            self.target.decode(part.len(), past, 1)?;
+            if let Some(d) = &self.drafter {
+                d.append_context(self.target.features_addr(), past, part.len())?;
+            }
+        }
+        Ok(download::<u32, B>(self.target.backend(), self.target.next_addr()?, 1)?[0])
+    }
+
+    /// Plain greedy decoding: `max_new` tokens, each the target's argmax after all before it
+    /// (every step's token fed back on the device; read back once at the end).
+    pub fn greedy_decode(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        self.check_prompt(prompt, max_new)?;
+        if max_new == 0 {
+            return Ok(Vec::new());
+        }
+        let first = self.prefill(prompt)?;
+        let dev = self.target.backend();
+        if self.history.as_ref().is_none_or(|(_, len)| *len < max_new) {
+            self.history = Some((dev.alloc("decoded tokens", max_new * 4)?, max_new));
+        }
+        let history = self.history.as_ref().expect("allocated above").0.ptr();
+        dev.upload(history, bytes_of(&[first]))?;
+        for i in 1..max_new {
+            let dev = self.target.backend();
+            dev.copy(self.target.tokens_addr(), history + (i as u64 - 1) * 4, 4)?;
+            self.target.decode(1, prompt.len() + i - 1, 1)?;
+            self.target.backend().copy(history + i as u64 * 4, self.target.next_addr()?, 4)?;
+        }
+        download::<u32, B>(self.target.backend(), history, max_new)
+    }
+
+    /// Greedy speculative decoding of `max_new` tokens (spec section 4): the output equals
+    /// [`SpecDecoder::greedy_decode`]'s; `A + 1` of every verify step.
+    pub fn speculative_decode(&mut self, prompt: &[u32], max_new: usize) -> Result<SpecOutput> {
+        self.check_prompt(prompt, max_new)?;
+        let Some(drafter) = &self.drafter else {
+            return Err(Error::invalid("drafter", "this decoder was built without a drafter"));
+        };
+        let b = drafter.config.block_size;
+        let mut out = SpecOutput { tokens: Vec::new(), accept_lengths: Vec::new() };
+        if max_new == 0 {
+            return Ok(out);
+        }
+        let mut bonus = self.prefill(prompt)?;
+        let mut n = prompt.len();
+        let verify = self.target.tokens_addr();
+        while out.tokens.len() < max_new {
+            let drafter = self.drafter.as_ref().expect("checked above");
+            drafter.draft(n, bonus, verify + 4)?;
+            self.target.backend().upload(verify, bytes_of(&[bonus]))?;
+            self.target.decode(b, n, b)?;
+            let dev = self.target.backend();
+            let drafts = download::<u32, B>(dev, verify + 4, b - 1)?;
+            let greedy = download::<u32, B>(dev, self.target.next_addr()?, b)?; // greedy[i]: the token after n + i
+            let accepted = drafts.iter().zip(&greedy).take_while(|(d, g)| d == g).count();
+            drafter.append_context(self.target.features_addr(), n, accepted + 1)?;
+            out.tokens.push(bonus);
+            out.tokens.extend(&drafts[..accepted]);
+            out.accept_lengths.push(accepted + 1);
+            n += accepted + 1;
+            bonus = greedy[accepted];
+        }
+        out.tokens.truncate(max_new);
+        Ok(out)
+    }
+}
