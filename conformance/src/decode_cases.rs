@@ -143,6 +143,22 @@ pub fn gpu_pairs(seed: u64, dtype: DType) -> Vec<Pair> {
         .collect()
 }
 
+/// The folder of the drafter trained by the GPU built-in default (`fixtures/scripts/README.md`).
+pub const BUILTIN_DRAFTER: &str = "drafter-gpu-builtin";
+
+/// The GPU built-in target (seed 0; weights rounded to bf16 as the GPU stores them, held in
+/// `dtype`) with the drafter its built-in training run made (`fixtures/drafter-gpu-builtin`):
+/// a trained pair, whose drafts are accepted several at a time.
+pub fn builtin_pair(dtype: DType) -> Pair {
+    let random = dflash_reference::builtin::gpu_target(0, DType::F32).expect("built-in target");
+    let target = TargetModel::from_fn(random.config.clone(), |n, _| {
+        Ok(random.weight(n)?.to_dtype(DType::BF16)?.to_dtype(dtype)?)
+    })
+    .expect("bf16 target");
+    let drafter = Drafter::load(&fixtures_dir().join(BUILTIN_DRAFTER), dtype).expect("the built-in trained drafter");
+    Pair { name: "GPU built-in target, its trained drafter".to_string(), target, drafter }
+}
+
 /// The optimized decoder of `pair` on `backend()`, for each prompt: its speculative output
 /// against the reference's speculative decode (tokens and every accept length) and its plain
 /// greedy decode against its own speculative output and the reference's greedy decode. Each

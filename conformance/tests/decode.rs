@@ -5,7 +5,7 @@
 //! length at every step, and a greedy decode equal to the reference's. The GPU runs the same
 //! check (`decode_cases::decode_check`) in `xtask gpu-conformance`.
 
-use dflash_conformance::decode_cases::{decode_check, fixture_pairs, random_pair, random_prompt, Pair};
+use dflash_conformance::decode_cases::{builtin_pair, decode_check, fixture_pairs, random_pair, random_prompt, Pair};
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::model::speculative::SpecDecoder;
 use rand::{Rng, SeedableRng};
@@ -77,4 +77,16 @@ fn a_mismatched_drafter_is_refused() {
     other.dims.vocab_size += 1;
     let err = SpecDecoder::new(host, &other, Some(&pair.drafter.config), 16).err().expect("mismatch accepted");
     assert!(err.to_string().contains("vocab_size"), "{err}");
+}
+
+/// Proves the same for a trained pair: the GPU built-in target with the drafter its built-in
+/// training run made (`fixtures/drafter-gpu-builtin`), whose drafts are accepted several at a
+/// time (tau above 1.5 over the prompts), on prompts like its training rows' (16 random tokens).
+#[test]
+fn a_trained_drafter_decodes_as_the_reference() {
+    let pair = builtin_pair(candle_core::DType::F64);
+    let (check, accepted) = decode_check(&pair, host, &prompts(&pair, 3, 16..=16, 21), 32).expect("decode");
+    assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+    // tau = tokens / steps above 1.5 is more than a third of the 96 tokens accepted drafts.
+    assert!(accepted > 96 / 3, "{accepted} drafts accepted over 3 x 32 tokens: {}", check.name);
 }

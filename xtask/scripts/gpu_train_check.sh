@@ -6,7 +6,9 @@
 #   - the same run killed with SIGKILL after its first checkpoint and resumed gives bitwise the
 #     uninterrupted run's losses (the GPU kernels are deterministic: no atomics, fixed orders);
 #   - a 3-step run's losses equal those of the same run on the CPU twins in f32 (`--step host`)
-#     within the bf16 step bound (2e-2 relative).
+#     within the bf16 step bound (2e-2 relative);
+#   - `xtask eval` decodes with the trained drafter on the GPU (K/V caches, bf16) and with the
+#     reference decoders on the CPU (f32): each lossless against its own greedy decode.
 # usage: xtask/scripts/gpu_train_check.sh BUNDLE_DIR OUT_DIR
 set -euo pipefail
 bundle=$1
@@ -51,11 +53,14 @@ echo "killed with $(ls -d "$work"/killed/checkpoint-* "$work"/killed/.checkpoint
 # Shorter rows and fewer anchors for the comparison: the CPU twins run single-threaded.
 run "$work/gpu3" gpu --steps 3 --eval-rows 1 --max-len 256 --anchors 16 > "$out/gpu3.log"
 run "$work/host" host --steps 3 --eval-rows 1 --max-len 256 --anchors 16 > "$out/host.log"
+eval_args="--target $work/target --drafter $work/whole/drafter --prompts fixtures/data/conversations.jsonl --max-prompts 4 --max-new-tokens 32"
+"$bundle/xtask" eval $eval_args --device gpu --out "$out/eval-gpu.json" > "$out/eval-gpu.log"
+"$bundle/xtask" eval $eval_args --device cpu --out "$out/eval-cpu.json" > "$out/eval-cpu.log"
 cp "$work/whole/metrics.jsonl" "$out/whole-metrics.jsonl"
 cp "$work/killed/metrics.jsonl" "$out/resumed-metrics.jsonl"
 cp "$work/host/metrics.jsonl" "$out/host-metrics.jsonl"
 
-python3 - "$work" <<'EOF'
+python3 - "$work" "$out" <<'EOF'
 import json, sys
 work = sys.argv[1]
 def losses(name):
@@ -76,5 +81,12 @@ evals = [json.loads(l) for l in open(f"{work}/whole/metrics.jsonl") if '"eval"' 
 print("held-out:", " -> ".join(f"loss {e['loss']:.3f} tau_hat {e['tau_hat']:.3f}" for e in evals))
 first, last = whole[0], whole[59]
 print(f"training loss {first:.3f} -> {last:.3f}")
+out_dir = sys.argv[2]
+gpu_eval, cpu_eval = (json.load(open(f"{out_dir}/eval-{d}.json")) for d in ("gpu", "cpu"))
+same = sum(a["tokens"] == b["tokens"] for a, b in zip(gpu_eval["per_prompt"], cpu_eval["per_prompt"]))
+print(f"eval: GPU tau {gpu_eval['tau_over_steps']:.3f} at {gpu_eval['spec_tokens_per_s']:.1f} tokens/s "
+      f"(plain {gpu_eval['plain_tokens_per_s']:.1f}), CPU reference tau {cpu_eval['tau_over_steps']:.3f}; "
+      f"lossless: GPU {gpu_eval['all_identical_to_greedy']}, CPU {cpu_eval['all_identical_to_greedy']}; "
+      f"{same}/{len(gpu_eval['per_prompt'])} prompts with the same tokens on both")
 sys.exit(1 if diff or worst > 2e-2 else 0)
 EOF

@@ -1,7 +1,8 @@
 //! `cargo xtask eval`: a drafter measured by greedy speculative decoding with its target (spec
 //! section 4) on prompts in the data formats: per prompt tau, the tokens and whether they equal
 //! the target's own greedy decode; in total tau two ways, acceptance per block position and the
-//! decode speeds. The reference decoder on the CPU (f32, every step recomputed: small targets).
+//! decode speeds. On the GPU the cached decoders (`dflash_optimized::model::speculative`, bf16);
+//! on the CPU the reference decoders (f32, every step recomputed: small targets).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -10,8 +11,13 @@ use candle_core::DType;
 use dflash_data::mask::RenderOptions;
 use dflash_data::prompts::read_prompts;
 use dflash_data::target::TargetTokenizer;
+use dflash_optimized::backend::cuda::Cuda;
+use dflash_optimized::backend::Backend;
+use dflash_optimized::model::speculative::SpecDecoder;
+use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::drafter::Drafter;
-use dflash_reference::speculative::{greedy_decode, speculative_decode, Acceptance};
+use dflash_reference::io::WeightSet;
+use dflash_reference::speculative::{greedy_decode, speculative_decode, Acceptance, SpecOutput};
 use dflash_reference::target::TargetModel;
 use serde_json::{json, Value};
 
@@ -31,8 +37,11 @@ A+1 over all verify steps, and as the mean of the prompts' own taus (engines rep
 other), the acceptance of each block position, decode tokens/s with and without the drafter,
 and the speed-up. Writes the same as JSON.
 
-The decoders run on the CPU (the reference in f32, each step recomputed from the start): for
-small targets. Decoding on the GPU with KV caches is not built yet (--device gpu is refused).
+On the GPU (--device gpu) the target and the drafter decode in bf16 with K/V caches: the
+target's cache rolled back to the accepted length after each verify, the drafter's holding the
+committed positions' context K/V, its block recomputed each step; one host round trip per verify
+step. On the CPU (--device cpu) the reference decoders run in f32, each step recomputed from the
+start: for small targets.
 
 options:
   --target DIR          the target's HF folder (config.json, weights, tokenizer, chat template)
@@ -42,7 +51,7 @@ options:
   --max-prompts N       prompts used, in file order                     (default all)
   --thinking yes|no     the chat template's enable_thinking             (default no)
   --system-prompt T     system message for conversations without one    (default none)
-  --device cpu|gpu      where the decoders run                           (default cpu)
+  --device gpu|cpu      where the decoders run            (default gpu when one is found, else cpu)
   --out FILE            the JSON report                 (default DRAFTER/eval.json)";
 
 const OPTIONS: &[&str] =
@@ -73,11 +82,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     if max_new == 0 || max_prompts == 0 {
         return Err("--max-new-tokens and --max-prompts must be at least 1".into());
     }
-    match opts.get("device", "cpu".to_string())?.as_str() {
-        "cpu" => {}
-        "gpu" => return Err("option `--device`: decoding on the GPU (KV caches) is not built yet; --device cpu runs the reference decoders".into()),
-        other => return Err(format!("option `--device`: `{other}` (cpu or gpu)")),
-    }
+    let default_device = if crate::gpu_conformance::open_gpu().is_ok() { "gpu" } else { "cpu" };
+    let on_gpu = match opts.get("device", default_device.to_string())?.as_str() {
+        "cpu" => false,
+        "gpu" => true,
+        other => return Err(format!("option `--device`: `{other}` (gpu or cpu)")),
+    };
     let out: PathBuf = opts.get("out", drafter_dir.join("eval.json"))?;
     let render = RenderOptions {
         thinking: opts.yes_no("thinking", false)?,
@@ -86,16 +96,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
     // Everything checked before decoding: the drafter against the target, every prompt's length.
     let err = |e: dflash_reference::Error| e.to_string();
-    let target = TargetModel::load(&target_dir, DType::F32).map_err(err)?;
-    let drafter = Drafter::load(&drafter_dir, DType::F32).map_err(err)?;
-    drafter
-        .config
-        .check_target(&target.config)
+    let target_config = TargetConfig::from_file(&target_dir.join("config.json")).map_err(err)?;
+    let draft_config = DraftConfig::from_file(&drafter_dir.join("config.json")).map_err(err)?;
+    draft_config
+        .check_target(&target_config)
         .map_err(|e| format!("{} does not fit the target {}: {e}", drafter_dir.display(), target_dir.display()))?;
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
     let prompts = read_prompts(&tokenizer, &files, &render, max_prompts).map_err(|e| e.to_string())?;
-    let b = drafter.config.block_size;
-    let context = target.config.dims.max_position_embeddings;
+    let b = draft_config.block_size;
+    let context = target_config.dims.max_position_embeddings;
     for p in &prompts {
         // A verify step may run up to B - 1 positions past the last token kept.
         let need = p.tokens.len() + max_new + b;
@@ -107,22 +116,31 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                 p.tokens.len()
             ));
         }
-        if p.tokens.contains(&drafter.config.mask_token_id) {
+        if p.tokens.contains(&draft_config.mask_token_id) {
             return Err(format!(
                 "{} line {}: the prompt holds the drafter's mask token {}",
                 p.file.display(),
                 p.line,
-                drafter.config.mask_token_id
+                draft_config.mask_token_id
             ));
         }
     }
+    let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
+    let mut decoders = match on_gpu {
+        true => Decoders::gpu(&target_dir, &drafter_dir, &target_config, &draft_config, longest + max_new)?,
+        false => Decoders::Reference {
+            target: Box::new(TargetModel::load(&target_dir, DType::F32).map_err(err)?),
+            drafter: Box::new(Drafter::load(&drafter_dir, DType::F32).map_err(err)?),
+        },
+    };
 
     println!(
         "{} prompts x {max_new} new tokens; drafter {} (block {b}, layers {:?} of the target)",
         prompts.len(),
         drafter_dir.display(),
-        drafter.config.target_layer_ids
+        draft_config.target_layer_ids
     );
+    println!("decoders: {}", decoders.describe());
     println!("{:>5} {:>7} {:>7} {:>11} {:>11} {:>9}", "#", "prompt", "tau", "spec tok/s", "plain tok/s", "identical");
     let mut acceptance = Acceptance::new(b);
     let (mut spec_secs, mut plain_secs) = (0.0, 0.0);
@@ -130,10 +148,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let mut all_identical = true;
     for (i, p) in prompts.iter().enumerate() {
         let started = Instant::now();
-        let spec = speculative_decode(&target, &drafter, &p.tokens, max_new).map_err(err)?;
+        let spec = decoders.speculative(&p.tokens, max_new)?;
         let s = started.elapsed().as_secs_f64();
         let started = Instant::now();
-        let plain = greedy_decode(&target, &p.tokens, max_new).map_err(err)?;
+        let plain = decoders.greedy(&p.tokens, max_new)?;
         let g = started.elapsed().as_secs_f64();
         let identical = spec.tokens == plain;
         all_identical &= identical;
@@ -155,7 +173,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let tokens = (prompts.len() * max_new) as f64;
     let (spec_rate, plain_rate) = (tokens / spec_secs, tokens / plain_secs);
     let report = json!({
-        "target": target_dir, "drafter": drafter_dir, "device": "cpu (reference decoders, f32, no KV caches)",
+        "target": target_dir, "drafter": drafter_dir, "device": decoders.describe(),
         "prompts": prompts.len(), "max_new_tokens": max_new, "block_size": b,
         "tau_over_steps": acceptance.tau_over_steps(), "tau_over_prompts": acceptance.tau_over_prompts(),
         "acceptance_per_position": acceptance.per_position(),
@@ -172,12 +190,68 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let positions: Vec<String> = acceptance.per_position().iter().map(|a| format!("{:.0}", a * 100.0)).collect();
     println!("accepted % at block positions 1..{}: [{}]", b - 1, positions.join(" "));
     println!(
-        "decode: {spec_rate:.1} tokens/s speculative, {plain_rate:.1} tokens/s plain ({:.2}x; the reference decoders recompute every step)",
-        spec_rate / plain_rate
+        "decode: {spec_rate:.1} tokens/s speculative, {plain_rate:.1} tokens/s plain ({:.2}x; {})",
+        spec_rate / plain_rate,
+        decoders.describe()
     );
     println!("wrote {}", out.display());
     if !all_identical {
         return Err("speculative decoding changed the output of some prompt (see `identical`)".into());
     }
     Ok(())
+}
+
+/// The decoders of one evaluation: the cached ones on the GPU, or the reference on the CPU.
+enum Decoders {
+    Gpu(Box<SpecDecoder<Cuda>>),
+    Reference { target: Box<TargetModel>, drafter: Box<Drafter> },
+}
+
+impl Decoders {
+    /// The cached decoders on the GPU for contexts of `context` positions, loaded in bf16.
+    fn gpu(
+        target_dir: &std::path::Path,
+        drafter_dir: &std::path::Path,
+        target: &TargetConfig,
+        draft: &DraftConfig,
+        context: usize,
+    ) -> Result<Self, String> {
+        let gpu = crate::gpu_conformance::open_gpu()?;
+        let d = target.dims.head_dim;
+        let err = |e: dflash_optimized::Error| e.to_string();
+        let mut decoder = SpecDecoder::new(|| Cuda::new(&gpu, d), target, Some(draft), context).map_err(err)?;
+        let w = WeightSet::load_dir(target_dir).map_err(|e| e.to_string())?;
+        decoder.target.load_weights(|n, s| w.get(n, s, DType::BF16)).map_err(err)?;
+        let w = WeightSet::load_dir(drafter_dir).map_err(|e| e.to_string())?;
+        decoder
+            .drafter
+            .as_mut()
+            .expect("built with a drafter")
+            .load_weights(|n, s| w.get(n, s, DType::BF16))
+            .map_err(err)?;
+        Ok(Decoders::Gpu(Box::new(decoder)))
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Decoders::Gpu(d) => format!("{} (bf16, K/V caches)", d.target.backend().name()),
+            Decoders::Reference { .. } => "cpu (reference decoders, f32, every step recomputed)".to_string(),
+        }
+    }
+
+    fn speculative(&mut self, prompt: &[u32], max_new: usize) -> Result<SpecOutput, String> {
+        match self {
+            Decoders::Gpu(d) => d.speculative_decode(prompt, max_new).map_err(|e| e.to_string()),
+            Decoders::Reference { target, drafter } => {
+                speculative_decode(target, drafter, prompt, max_new).map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>, String> {
+        match self {
+            Decoders::Gpu(d) => d.greedy_decode(prompt, max_new).map_err(|e| e.to_string()),
+            Decoders::Reference { target, .. } => greedy_decode(target, prompt, max_new).map_err(|e| e.to_string()),
+        }
+    }
 }

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use dflash_conformance::attention_cases::{conformance_cases, BF16_TOLERANCE};
+use dflash_conformance::decode_cases::{builtin_pair, decode_check, gpu_pairs, random_prompt};
 use dflash_conformance::gpu_attention::conformance_case;
 use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck, PoolMeter};
 use dflash_conformance::target_cases::{random_target_cases, target_check};
@@ -27,7 +28,9 @@ sliding) against their CPU twin and the reference (relative errors below 1e-2); 
 elementwise.cu kernel and the cuBLAS matmul against the same CPU twins CI runs, in f64 (below
 1e-2); the target's forward (Qwen3 and Llama, d 64/128, GQA, yarn/llama3 RoPE, packed documents)
 against the reference in f32 (features below 1e-2, each document alone as packed, memory-pool peak
-at most its layout); and the GPU training step of random drafters (sliding + full layer, packed
+at most its layout); greedy and speculative decoding with K/V caches (random GPU-sized targets and
+drafters, and the built-in target with its trained drafter) against the reference decoders in f32
+(the same tokens and accept lengths); and the GPU training step of random drafters (sliding + full layer, packed
 documents, keep=false blocks) under every checkpointing policy against the reference in f64 (loss
 and every parameter gradient below 2e-2, policies equal, measured memory-pool peak at most the plan
 and within 15% of it). Writes the attestation: the SHA-256 of the kernel sources with the constants prelude, the GPU, the
@@ -169,6 +172,8 @@ const STEP_SEEDS: [u64; 3] = [1, 2, 3];
 const KERNEL_SEED: u64 = 7;
 /// Seed of the random targets.
 const TARGET_SEED: u64 = 5;
+/// Seed of the decoding pairs and prompts.
+const DECODE_SEED: u64 = 9;
 
 /// The target's forward on the GPU (bf16) for the random targets against the reference in f32,
 /// with its memory-pool peak against its layout.
@@ -182,6 +187,25 @@ fn target_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
             target_check(case, || Cuda::new(gpu, d), GPU_KERNEL_BF16, Some(&mut meter))
         })
         .collect()
+}
+
+/// Greedy and speculative decoding on the GPU (bf16, K/V caches) against the reference decoders
+/// in f32: the random GPU-sized pairs (prompts shorter than a window, longer, and longer than one
+/// prefill chunk) and the built-in target with its trained drafter; tokens and accept lengths.
+fn decode_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(DECODE_SEED);
+    let mut checks = Vec::new();
+    let mut pairs = gpu_pairs(DECODE_SEED, candle_core::DType::F32);
+    pairs.push(builtin_pair(candle_core::DType::F32));
+    for pair in &pairs {
+        let vocab = pair.target.config.dims.vocab_size;
+        let lens = [rng.random_range(5..30), rng.random_range(60..200), rng.random_range(520..600)];
+        let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| random_prompt(n, vocab, &mut rng)).collect();
+        let d = pair.target.config.dims.head_dim;
+        checks.push(decode_check(pair, || Cuda::new(gpu, d), &prompts, 48)?.0);
+    }
+    Ok(checks)
 }
 
 /// The elementwise kernels and the matmul against the CPU twins and the GPU step against the
@@ -226,6 +250,8 @@ fn step_checks(gpu: &Gpu) -> Result<Vec<Value>, String> {
     record("kernel twins".to_string(), kernel_checks(gpu, KERNEL_SEED), started.elapsed().as_secs_f64());
     let started = Instant::now();
     record("target forward".to_string(), target_checks(gpu), started.elapsed().as_secs_f64());
+    let started = Instant::now();
+    record("decoding".to_string(), decode_checks(gpu), started.elapsed().as_secs_f64());
     for seed in STEP_SEEDS {
         let started = Instant::now();
         record(format!("step seed {seed}"), gpu_step::step_checks(gpu, seed), started.elapsed().as_secs_f64());

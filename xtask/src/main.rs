@@ -14,6 +14,7 @@ mod args;
 mod bench;
 mod bench_attention;
 mod bench_data;
+mod bench_eval;
 mod bench_gemm;
 mod bench_step;
 mod bench_target;
