@@ -510,8 +510,11 @@ mod tests {
         assert_eq!(c.layout.checkpoint_name("model.layers.0.linear_attn.A_log"), "model.language_model.layers.0.linear_attn.A_log");
         assert_eq!(c.layout.checkpoint_name("lm_head.weight"), "lm_head.weight");
         // The nested architectures, if any, name the text model.
-        let err = refused(&wrapped);
-        assert!(err.contains("text_config.architectures"), "{err}");
+        assert_eq!(parse(&wrapped).unwrap(), c);
+        let mut nested_wrong = wrapped.clone();
+        nested_wrong["text_config"]["architectures"] = json!(["Qwen3NextForCausalLM"]);
+        let err = refused(&nested_wrong);
+        assert!(err.contains("`text_config.architectures`"), "{err}");
         let mut disagree = wrapped_text.clone();
         disagree["tie_word_embeddings"] = json!(true);
         let err = refused(&disagree);
