@@ -212,7 +212,7 @@ impl HybridConfig {
             key_head_dim: f.positive("linear_key_head_dim")?,
             value_head_dim: f.positive("linear_value_head_dim")?,
         };
-        if gdn.num_value_heads % gdn.num_key_heads != 0 {
+        if !gdn.num_value_heads.is_multiple_of(gdn.num_key_heads) {
             return Err(f.error(
                 "linear_num_value_heads",
                 format!("{} is not a multiple of linear_num_key_heads {}", gdn.num_value_heads, gdn.num_key_heads),
@@ -361,8 +361,13 @@ fn parse_layer_kinds(f: &Fields) -> Result<Vec<HybridLayerKind>> {
 fn parse_rope(f: &Fields, head_dim: usize) -> Result<HybridRope> {
     const KNOWN: [&str; 6] =
         ["rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"];
-    let objects: Vec<Fields> =
-        ["rope_parameters", "rope_scaling"].iter().map(|key| f.object(key)).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
+    let objects: Vec<Fields> = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .map(|key| f.object(key))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .collect();
     for sub in &objects {
         if let Some(unknown) = sub.keys().into_iter().find(|k| !KNOWN.contains(k)) {
             return Err(sub.error(unknown, "unknown RoPE field (not implemented for the hybrid target)"));
@@ -379,7 +384,8 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<HybridRope> {
         }
     }
     // Every place a field may be given, the top level first; all that are given must agree.
-    let places = |key: &str| -> Vec<&Fields> { std::iter::once(f).chain(objects.iter()).filter(|o| o.has(key)).collect() };
+    let places =
+        |key: &str| -> Vec<&Fields> { std::iter::once(f).chain(objects.iter()).filter(|o| o.has(key)).collect() };
     let agreed_f64 = |key: &str| -> Result<Option<f64>> {
         let mut seen: Option<f64> = None;
         for o in places(key) {
@@ -401,7 +407,7 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<HybridRope> {
     let factor = agreed_f64("partial_rotary_factor")?.unwrap_or(DEFAULT_PARTIAL_ROTARY_FACTOR);
     let at = places("partial_rotary_factor").into_iter().last().unwrap_or(f);
     let rotated = head_dim as f64 * factor;
-    if !(factor > 0.0 && factor <= 1.0) || rotated.fract() != 0.0 || rotated as usize % 2 != 0 {
+    if !(factor > 0.0 && factor <= 1.0) || rotated.fract() != 0.0 || !(rotated as usize).is_multiple_of(2) {
         return Err(at.error(
             "partial_rotary_factor",
             format!("{factor}: head_dim {head_dim} * factor must be a positive even integer at most head_dim"),
@@ -418,7 +424,9 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<HybridRope> {
             ));
         }
         if mrope_section.as_ref().is_some_and(|prev| prev != &section) {
-            return Err(o.error("mrope_section", format!("{section:?} disagrees with {mrope_section:?} given elsewhere")));
+            return Err(
+                o.error("mrope_section", format!("{section:?} disagrees with {mrope_section:?} given elsewhere"))
+            );
         }
         mrope_section = Some(section);
     }
@@ -507,7 +515,10 @@ mod tests {
         let c = parse(&wrapped_text).unwrap();
         assert_eq!(c.layout, HybridLayout::Wrapped);
         assert_eq!(HybridConfig { layout: HybridLayout::Text, ..c.clone() }, parse(&text()).unwrap());
-        assert_eq!(c.layout.checkpoint_name("model.layers.0.linear_attn.A_log"), "model.language_model.layers.0.linear_attn.A_log");
+        assert_eq!(
+            c.layout.checkpoint_name("model.layers.0.linear_attn.A_log"),
+            "model.language_model.layers.0.linear_attn.A_log"
+        );
         assert_eq!(c.layout.checkpoint_name("lm_head.weight"), "lm_head.weight");
         // The nested architectures, if any, name the text model.
         assert_eq!(parse(&wrapped).unwrap(), c);
@@ -518,7 +529,10 @@ mod tests {
         let mut disagree = wrapped_text.clone();
         disagree["tie_word_embeddings"] = json!(true);
         let err = refused(&disagree);
-        assert!(err.contains("`tie_word_embeddings`") && err.contains("text_config.tie_word_embeddings is false"), "{err}");
+        assert!(
+            err.contains("`tie_word_embeddings`") && err.contains("text_config.tie_word_embeddings is false"),
+            "{err}"
+        );
         let mut moe = wrapped_text;
         moe["text_config"]["model_type"] = json!("qwen3_5_moe_text");
         assert!(refused(&moe).contains("text_config.model_type"));
@@ -552,7 +566,9 @@ mod tests {
             let err = refused(&v);
             assert!(err.contains(&format!("`{}", key)) && err.contains(want) && err.contains("config.json"), "{err}");
         }
-        for (key, value) in [("attn_output_gate", json!(false)), ("hidden_act", json!("gelu")), ("attention_bias", json!(true))] {
+        for (key, value) in
+            [("attn_output_gate", json!(false)), ("hidden_act", json!("gelu")), ("attention_bias", json!(true))]
+        {
             let mut v = text();
             v[key] = value;
             assert!(refused(&v).contains(&format!("`{key}`")));

@@ -190,14 +190,8 @@ pub fn gated_delta_chunked(inp: &DeltaInputs, starts: &[bool], chunk: usize) -> 
             for (h, state) in states.iter_mut().enumerate() {
                 let take = |x: &Tensor| -> Result<Tensor> { Ok(x.narrow(0, begin, n)?.narrow(1, h, 1)?.squeeze(1)?) };
                 let log_decay: Vec<f64> = (begin..begin + n).map(|t| g[t][h]).collect();
-                let (o, next) = chunk_step(
-                    &take(&inp.q)?,
-                    &take(&inp.k)?,
-                    &take(&inp.v)?,
-                    &log_decay,
-                    &take(&inp.beta)?,
-                    state,
-                )?;
+                let (o, next) =
+                    chunk_step(&take(&inp.q)?, &take(&inp.k)?, &take(&inp.v)?, &log_decay, &take(&inp.beta)?, state)?;
                 *state = next;
                 per_head.push(o);
             }
@@ -326,9 +320,8 @@ mod tests {
     /// Random delta-rule inputs as the layer makes them: unit k, q of norm `d_k^-0.5`, v normal,
     /// `g = -exp(A) softplus(a)` and `beta = sigmoid(b)` from normal A, a, b.
     fn random_inputs(t: usize, heads: usize, dk: usize, dv: usize, rng: &mut ChaCha8Rng) -> DeltaInputs {
-        let mut normal = |n: usize| -> Vec<f64> {
-            (0..n).map(|_| rng.sample::<f64, _>(rand_distr::StandardNormal)).collect()
-        };
+        let mut normal =
+            |n: usize| -> Vec<f64> { (0..n).map(|_| rng.sample::<f64, _>(rand_distr::StandardNormal)).collect() };
         let q = l2_normalize(&tensor(normal(t * heads * dk), &[t, heads, dk]), L2_NORM_EPS).unwrap();
         let k = l2_normalize(&tensor(normal(t * heads * dk), &[t, heads, dk]), L2_NORM_EPS).unwrap();
         let a_log = tensor(normal(heads), &[heads]).affine(0.5, 0.0).unwrap();

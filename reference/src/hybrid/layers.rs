@@ -133,7 +133,10 @@ mod tests {
         let want_sp = [0.0, (1.0 + (-1.0f64).exp()).ln(), 2f64.ln(), (1.0 + 2f64.exp()).ln(), 800.0];
         let want_sg = [0.0, 1.0 / (1.0 + 1f64.exp()), 0.5, 1.0 / (1.0 + (-2f64).exp()), 1.0];
         for i in 0..5 {
-            assert!((sp[i] - want_sp[i]).abs() < SCALAR_F64 && (sg[i] - want_sg[i]).abs() < SCALAR_F64, "{sp:?} {sg:?}");
+            assert!(
+                (sp[i] - want_sp[i]).abs() < SCALAR_F64 && (sg[i] - want_sg[i]).abs() < SCALAR_F64,
+                "{sp:?} {sg:?}"
+            );
         }
     }
 
@@ -146,7 +149,8 @@ mod tests {
         let x = Tensor::from_vec(x, (t, heads, d), &Device::Cpu).unwrap();
         let (cos, sin) = crate::ops::rope_tables(&[0, 1, 2], rotary, 1e4, candle_core::DType::F64).unwrap();
         let y = partial_rope(&x, &cos, &sin).unwrap();
-        let tail = |a: &Tensor| a.narrow(2, rotary, d - rotary).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let tail =
+            |a: &Tensor| a.narrow(2, rotary, d - rotary).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
         assert_eq!(tail(&y), tail(&x));
         let head = rope(&x.narrow(2, 0, rotary).unwrap(), &cos, &sin).unwrap();
         assert_eq!(

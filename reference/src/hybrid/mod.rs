@@ -86,7 +86,7 @@ const RANDOM_DECAY_STD: f64 = 0.5;
 pub struct HybridModel {
     pub config: HybridConfig,
     weights: HashMap<String, Tensor>,
-    /// Checkpoint tensors the text model does not use (`mtp.*`, `model.visual.*`), by name.
+    /// Checkpoint tensors the text model does not use, by name.
     ignored: Vec<String>,
 }
 
@@ -127,9 +127,9 @@ impl HybridModel {
     /// Loads `config.json` and the safetensors weights (one file or an index of shards) from
     /// `dir`; bf16, f16 and f32 weights are converted to `dtype` (f32 or f64). In the wrapper
     /// layout the weights are read from `model.language_model.*`. Tensors of the
-    /// multi-token-prediction head (`mtp.*`) and the vision tower (`model.visual.*`) are not
-    /// loaded; [`Self::ignored_weights`] lists them. Any other tensor the model does not have is
-    /// an error naming it.
+    /// multi-token-prediction head (`mtp.*`) and the vision tower (`model.visual.*`), and the
+    /// `lm_head.weight` of a tied model, are not loaded; [`Self::ignored_weights`] lists them. Any
+    /// other tensor the model does not have is an error naming it.
     pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
         let config = HybridConfig::from_file(&dir.join("config.json"))?;
         let set = WeightSet::load_dir(dir)?;
@@ -138,7 +138,8 @@ impl HybridModel {
             hybrid_param_shapes(&config).into_iter().map(|(name, _)| layout.checkpoint_name(&name)).collect();
         let mut ignored = Vec::new();
         for name in set.names() {
-            if HybridLayout::is_ignored(name) {
+            // A tied checkpoint may still carry its (duplicate) head; the embedding is used.
+            if HybridLayout::is_ignored(name) || (config.tie_word_embeddings && name == "lm_head.weight") {
                 ignored.push(name.to_string());
             } else if !expected.contains(name) {
                 return Err(Error::Tensor {
@@ -153,7 +154,8 @@ impl HybridModel {
         Ok(model)
     }
 
-    /// The checkpoint tensors [`Self::load`] left out (`mtp.*`, `model.visual.*`), sorted.
+    /// The checkpoint tensors [`Self::load`] left out (`mtp.*`, `model.visual.*`, a tied
+    /// model's `lm_head.weight`), sorted.
     pub fn ignored_weights(&self) -> &[String] {
         &self.ignored
     }

@@ -119,10 +119,8 @@ fn save_then_load_round_trips() {
 
 /// Writes `config` and the model's weights renamed by `rename`, plus `extra` tensors, into `dir`.
 fn write_checkpoint(dir: &Path, m: &HybridModel, config: &Value, rename: impl Fn(&str) -> String, extra: &[&str]) {
-    let mut tensors: HashMap<String, Tensor> = hybrid_param_shapes(&m.config)
-        .into_iter()
-        .map(|(name, _)| (rename(&name), m.weight(&name).unwrap()))
-        .collect();
+    let mut tensors: HashMap<String, Tensor> =
+        hybrid_param_shapes(&m.config).into_iter().map(|(name, _)| (rename(&name), m.weight(&name).unwrap())).collect();
     for name in extra {
         tensors.insert(name.to_string(), Tensor::ones((2, 3), DType::F32, &candle_core::Device::Cpu).unwrap());
     }
@@ -152,7 +150,13 @@ fn wrapper_checkpoint_loads_the_language_model() {
     let err = HybridModel::load(dir.path(), DType::F32).err().expect("text names in a wrapper").to_string();
     assert!(err.contains("tensor `model.embed_tokens.weight`: not a weight of this Wrapped-layout"), "{err}");
     // A Qwen3-Next-style fused projection is not a Qwen3.5 weight.
-    write_checkpoint(dir.path(), &m, &tiny_config(), |n| n.to_string(), &["model.layers.0.linear_attn.in_proj_qkvz.weight"]);
+    write_checkpoint(
+        dir.path(),
+        &m,
+        &tiny_config(),
+        |n| n.to_string(),
+        &["model.layers.0.linear_attn.in_proj_qkvz.weight"],
+    );
     let err = HybridModel::load(dir.path(), DType::F32).err().expect("an unknown tensor").to_string();
     assert!(err.contains("tensor `model.layers.0.linear_attn.in_proj_qkvz.weight`"), "{err}");
 }
@@ -169,6 +173,10 @@ fn tied_head_uses_the_embedding() {
     let normed = zero_centred_rms_norm(&out.hidden[0], &m.weight("model.norm.weight").unwrap(), 1e-6).unwrap();
     let want = linear(&normed, &m.weight("model.embed_tokens.weight").unwrap()).unwrap();
     assert!(rel_err(&out.logits, &want) < SAME_MATH_F64);
+    // A tied checkpoint that still carries a head loads, the head left out and listed.
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &m, &value, |n| n.to_string(), &["lm_head.weight"]);
+    assert_eq!(HybridModel::load(dir.path(), DType::F64).unwrap().ignored_weights(), ["lm_head.weight"]);
 }
 
 #[test]
