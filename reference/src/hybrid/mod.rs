@@ -77,9 +77,10 @@ pub fn hybrid_param_shapes(config: &HybridConfig) -> Vec<(String, Vec<usize>)> {
 /// The std of the random conv taps: about `1/sqrt(K)` for the published `K = 4`, so the conv keeps
 /// the scale of its input.
 const RANDOM_CONV_STD: f64 = 0.5;
-/// The std of random norm weights around their centre, and of `A_log` and `dt_bias`: far enough
-/// from the init values (0 and 1) that a norm missing its `1 +`, or a decay ignoring `A_log`, shows.
+/// The std of random norm weights around their centre (0 for the zero-centred norms, 1 for the
+/// GDN output norm): nonzero, so that a norm missing (or wrongly adding) its `1 +` shows.
 const RANDOM_NORM_STD: f64 = 0.1;
+/// The std of random `A_log` and `dt_bias` (init 0-ish and 1): decays `exp(g)` spread over (0, 1).
 const RANDOM_DECAY_STD: f64 = 0.5;
 
 /// A hybrid target model's weights, keyed by their text-layout HF names.
