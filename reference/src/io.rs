@@ -101,6 +101,13 @@ impl WeightSet {
         self.tensors.contains_key(name)
     }
 
+    /// The names of every tensor in the set, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
     /// The tensor `name`, checked to have `shape` and a float dtype, converted to `dtype`.
     pub fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
         let (t, file) = self.tensors.get(name).ok_or_else(|| Error::Tensor {

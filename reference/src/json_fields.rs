@@ -54,6 +54,11 @@ impl<'a> Fields<'a> {
         self.get(key).is_some()
     }
 
+    /// The keys of this object whose values are not null (sorted).
+    pub fn keys(&self) -> Vec<&'a str> {
+        self.obj.iter().filter(|(_, v)| !v.is_null()).map(|(k, _)| k.as_str()).collect()
+    }
+
     /// The nested object `key`, if present.
     pub fn object(&self, key: &str) -> Result<Option<Fields<'a>>> {
         match self.get(key) {

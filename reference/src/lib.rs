@@ -6,6 +6,7 @@
 //! - [`anchors`], [`loss`], [`optim`], [`train`]: training (spec 3); [`data`]: the training row
 //!   (spec 6: tokens, loss mask, packed documents, positions) and a row with its features;
 //! - [`drafter`], [`target`], [`attention`], [`ops`]: the models (spec 1);
+//! - [`hybrid`]: the Qwen3.5 / Qwen3.6 hybrid target, GatedDeltaNet and gated attention (spec 10);
 //! - [`speculative`]: greedy speculative decoding and tau (spec 4);
 //! - [`builtin`]: the tiny built-in target, drafter and data of `cargo xtask train`.
 
@@ -17,6 +18,7 @@ pub mod data;
 pub mod drafter;
 pub mod error;
 pub mod eval;
+pub mod hybrid;
 pub mod io;
 pub mod json_fields;
 pub mod loss;
