@@ -5,7 +5,9 @@
 //! length at every step, and a greedy decode equal to the reference's. The GPU runs the same
 //! check (`decode_cases::decode_check`) in `xtask gpu-conformance`.
 
-use dflash_conformance::decode_cases::{builtin_pair, decode_check, fixture_pairs, random_pair, random_prompt, Pair};
+use dflash_conformance::decode_cases::{
+    builtin_pair, decode_check, fixture_pairs, gpu_pairs, random_pair, random_prompt, DecodeMatch, Pair, BF16_NEAR_TIE,
+};
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::model::speculative::SpecDecoder;
 use rand::{Rng, SeedableRng};
@@ -30,7 +32,8 @@ fn cached_decoding_equals_the_reference_decoder() {
     let (mut accepted, mut cases) = (0, 0);
     for seed in 0..24u64 {
         let pair = random_pair(seed, 2 + seed as usize % 5);
-        let (check, n) = decode_check(&pair, host, &prompts(&pair, 2, 1..=9, seed), 20).expect("decode");
+        let (check, n) =
+            decode_check(&pair, host, &prompts(&pair, 2, 1..=9, seed), 20, DecodeMatch::Exact).expect("decode");
         assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
         accepted += n;
         cases += 1;
@@ -40,11 +43,18 @@ fn cached_decoding_equals_the_reference_decoder() {
 
 /// Proves the same on the checked-in Qwen3 (q/k norms, untied) and Llama (tied, bf16 shards)
 /// fixtures with drafters of a sliding and a full layer, on prompts longer than the drafter's
-/// window.
+/// window; and on the GPU check's random pairs of real head dims.
 #[test]
 fn cached_decoding_equals_the_reference_on_the_fixtures() {
     for pair in fixture_pairs(11) {
-        let (check, _) = decode_check(&pair, host, &prompts(&pair, 2, 6..=14, 3), 24).expect("decode");
+        let (check, _) =
+            decode_check(&pair, host, &prompts(&pair, 2, 6..=14, 3), 24, DecodeMatch::Exact).expect("decode");
+        assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+    }
+    // The GPU check's pairs in f64 (heads of 64 and 128: q, k and v of one token in one pass).
+    for pair in gpu_pairs(2, candle_core::DType::F64) {
+        let (check, _) =
+            decode_check(&pair, host, &prompts(&pair, 1, 30..=50, 4), 12, DecodeMatch::Exact).expect("decode");
         assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
     }
 }
@@ -85,8 +95,25 @@ fn a_mismatched_drafter_is_refused() {
 #[test]
 fn a_trained_drafter_decodes_as_the_reference() {
     let pair = builtin_pair(candle_core::DType::F64);
-    let (check, accepted) = decode_check(&pair, host, &prompts(&pair, 3, 16..=16, 21), 32).expect("decode");
+    let (check, accepted) =
+        decode_check(&pair, host, &prompts(&pair, 3, 16..=16, 21), 32, DecodeMatch::Exact).expect("decode");
     assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
     // tau = tokens / steps above 1.5 is more than a third of the 96 tokens accepted drafts.
     assert!(accepted > 96 / 3, "{accepted} drafts accepted over 3 x 32 tokens: {}", check.name);
+}
+
+/// Proves the teacher-forced judging the GPU check uses: on the f64 twins, with no margin at all
+/// (`rel` 0), every token and draft of the trained pair's decodes is the reference's exact
+/// argmax; on the f32 twins, within the bf16 near-tie margin.
+#[test]
+fn teacher_forced_judging_accepts_the_twins() {
+    let pair = builtin_pair(candle_core::DType::F64);
+    let prompts = prompts(&pair, 2, 16..=16, 5);
+    let (check, _) = decode_check(&pair, host, &prompts, 24, DecodeMatch::NearTie { rel: 0.0 }).expect("decode");
+    assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+    let f32_host = || Ok(Host::<f32>::default());
+    let near = DecodeMatch::NearTie { rel: BF16_NEAR_TIE };
+    let (check, _) =
+        decode_check(&builtin_pair(candle_core::DType::F32), f32_host, &prompts, 24, near).expect("decode");
+    assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
 }

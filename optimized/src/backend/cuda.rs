@@ -95,6 +95,15 @@ impl Backend for Cuda {
         self.blas.matmul(a, b, c, Out::Bf16, 1.0, beta)
     }
 
+    /// One row (batch-1 decoding) through `linear_row`, which reads `w` at full bandwidth where
+    /// cuBLAS's choices for `m = 1` reach half of it; more rows through cuBLAS.
+    fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
+        match rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
+            true => self.kernels.linear_row(x, w, y, n, k, beta),
+            false => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
+        }
+    }
+
     fn upload_ranges(&self, ranges: &KeyRanges) -> Result<DeviceKeyRanges> {
         DeviceKeyRanges::upload(&self.stream, ranges)
     }

@@ -119,14 +119,20 @@ impl<B: Backend> SpecDecoder<B> {
     /// Greedy speculative decoding of `max_new` tokens (spec section 4): the output equals
     /// [`SpecDecoder::greedy_decode`]'s; `A + 1` of every verify step.
     pub fn speculative_decode(&mut self, prompt: &[u32], max_new: usize) -> Result<SpecOutput> {
+        Ok(self.speculative_decode_traced(prompt, max_new)?.0)
+    }
+
+    /// [`SpecDecoder::speculative_decode`] with every verify step's proposals `d_1..d_{B-1}`.
+    pub fn speculative_decode_traced(&mut self, prompt: &[u32], max_new: usize) -> Result<(SpecOutput, Vec<Vec<u32>>)> {
         self.check_prompt(prompt, max_new)?;
         let Some(drafter) = &self.drafter else {
             return Err(Error::invalid("drafter", "this decoder was built without a drafter"));
         };
         let b = drafter.config.block_size;
         let mut out = SpecOutput { tokens: Vec::new(), accept_lengths: Vec::new() };
+        let mut proposals = Vec::new();
         if max_new == 0 {
-            return Ok(out);
+            return Ok((out, proposals));
         }
         let mut bonus = self.prefill(prompt)?;
         let mut n = prompt.len();
@@ -146,8 +152,9 @@ impl<B: Backend> SpecDecoder<B> {
             out.accept_lengths.push(accepted + 1);
             n += accepted + 1;
             bonus = greedy[accepted];
+            proposals.push(drafts);
         }
         out.tokens.truncate(max_new);
-        Ok(out)
+        Ok((out, proposals))
     }
 }

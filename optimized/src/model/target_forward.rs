@@ -331,18 +331,28 @@ impl<B: Backend> TargetForward<B> {
                 }
                 _ => (at(s.k), at(s.v)),
             };
-            self.dev.linear(xn, t, z.h, at(w.q), z.qd, at(s.q_pre), 0.0)?;
-            self.dev.linear(xn, t, z.h, at(w.k), z.kd, at(s.k_pre), 0.0)?;
-            self.dev.linear(xn, t, z.h, at(w.v), z.kd, v, 0.0)?;
-            let sides = [(s.q_pre, w.q_norm, at(s.q), s.inv_q, z.nh), (s.k_pre, w.k_norm, k, s.inv_k, z.nkv)];
+            // One token (batch-1 decoding): q, k and v in one pass over the stacked weights, the
+            // row [q | k | v] written at q_pre (which holds T >= 1 + 2 kd / qd rows).
+            let qkv_bytes = ((z.qd + 2 * z.kd) as u64) * e;
+            let k_pre = if t == 1 && contiguous(&[w.q, w.k, w.v]) && s.q_pre.bytes >= qkv_bytes {
+                self.dev.linear(xn, 1, z.h, at(w.q), z.qd + 2 * z.kd, at(s.q_pre), 0.0)?;
+                self.dev.copy(v, at(s.q_pre) + ((z.qd + z.kd) as u64) * e, z.kd * e as usize)?;
+                at(s.q_pre) + z.qd as u64 * e
+            } else {
+                self.dev.linear(xn, t, z.h, at(w.q), z.qd, at(s.q_pre), 0.0)?;
+                self.dev.linear(xn, t, z.h, at(w.k), z.kd, at(s.k_pre), 0.0)?;
+                self.dev.linear(xn, t, z.h, at(w.v), z.kd, v, 0.0)?;
+                at(s.k_pre)
+            };
+            let sides = [(at(s.q_pre), w.q_norm, at(s.q), s.inv_q, z.nh), (k_pre, w.k_norm, k, s.inv_k, z.nkv)];
             for (pre, norm, out, inv, heads) in sides {
                 let dims = Heads { tokens: t, heads, head_dim: z.d };
                 match (self.config.arch, norm) {
                     (TargetArch::Qwen3, Some(norm)) => {
-                        let f = HeadNormRope { x: at(pre), w: at(norm), cos: at(lay.cos), sin: at(lay.sin) };
+                        let f = HeadNormRope { x: pre, w: at(norm), cos: at(lay.cos), sin: at(lay.sin) };
                         ops.head_norm_rope_forward(f, out, at(inv), dims, eps)?
                     }
-                    _ => ops.rope_forward(at(pre), at(lay.cos), at(lay.sin), out, dims)?,
+                    _ => ops.rope_forward(pre, at(lay.cos), at(lay.sin), out, dims)?,
                 }
             }
             let kind = self.config.dims.layer_kinds[l];
@@ -400,4 +410,9 @@ impl<B: Backend> TargetForward<B> {
         let n = self.tokens * self.layout.dims.fw;
         Ok(download::<B::Elem, B>(&self.dev, self.features_addr(), n)?.into_iter().map(Elem::to_f64).collect())
     }
+}
+
+/// Whether `regions` follow one another without a gap (one matrix of their rows).
+fn contiguous(regions: &[Region]) -> bool {
+    regions.windows(2).all(|p| p[0].offset + p[0].bytes == p[1].offset)
 }

@@ -14,6 +14,9 @@ use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 
+/// Threads of a `linear_row` CTA: 8 warps, one output each.
+const LINEAR_ROW_THREADS: u32 = 256;
+
 /// Columns one thread of `rms_norm_backward` holds: rows of at most this many x `ROW_THREADS`.
 const MAX_COLS_PER_THREAD: usize = MAX_CHUNKS_PER_THREAD * VEC;
 
@@ -38,6 +41,7 @@ pub struct ElementwiseKernels {
     swiglu_backward: CudaFunction,
     ce_grad_rows: CudaFunction,
     argmax_rows: CudaFunction,
+    linear_row: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -67,6 +71,7 @@ impl ElementwiseKernels {
             swiglu_backward: f("swiglu_backward")?,
             ce_grad_rows: f("ce_grad_rows")?,
             argmax_rows: f("argmax_rows")?,
+            linear_row: f("linear_row")?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -115,6 +120,36 @@ impl ElementwiseKernels {
         // SAFETY: every launcher checks the sizes its kernel relies on before building `b`.
         profile::scope(&self.stream, || name.to_string(), || unsafe { b.launch(cfg) }.map_err(launch_err(name)))?;
         Ok(())
+    }
+
+    /// Whether [`ElementwiseKernels::linear_row`] takes `y [1, n] = x [1, k] @ w [n, k]^T`: `k` a
+    /// multiple of 8 and x, w 16-byte aligned (else the caller uses cuBLAS).
+    pub fn takes_linear_row(x: u64, w: u64, k: usize) -> bool {
+        k.is_multiple_of(8) && x.is_multiple_of(16) && w.is_multiple_of(16) && k > 0
+    }
+
+    /// `y [n] = x [k] @ w [n, k]^T + beta * y` (bf16, fp32 accumulation): batch-1 decoding's
+    /// linear layers, bound by reading `w` once.
+    pub fn linear_row(&self, x: u64, w: u64, y: u64, n: usize, k: usize, beta: f32) -> Result<()> {
+        if !Self::takes_linear_row(x, w, k) {
+            return Err(Error::invalid(
+                "linear_row",
+                format!("k = {k} must be a multiple of 8 with x and w 16-byte aligned"),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (rows, cols) = (i32_of("n", n)?, i32_of("k", k)?);
+        let mut b = self.stream.launch_builder(&self.linear_row);
+        b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&beta);
+        let warps = LINEAR_ROW_THREADS / 32;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(warps as usize) as u32, 1, 1),
+            block_dim: (LINEAR_ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("linear_row", b, cfg)
     }
 
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).

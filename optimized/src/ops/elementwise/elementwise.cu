@@ -483,6 +483,34 @@ __device__ void row_argmax(const bf16* zr, int vocab, float* v_out, int* i_out) 
     *i_out = bi;
 }
 
+// Twin: ops/matmul/twin.rs matmul of one row (`Backend::linear` on the host). The linear layer of
+// batch-1 decoding, bound by reading the weight once: one warp per output, 16-byte loads of the
+// weight row streamed past L1 and of x (shared by every warp, cached), fp32 accumulation in lane
+// order then a fixed warp reduction; `beta` 1 adds the output's previous value (the residual).
+// x [k], w [n, k] -> y [n] = x w^T + beta * y (bf16); k % 8 == 0, x and w 16-byte aligned.
+extern "C" __global__ void linear_row(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y,
+                                      int n, int k, float beta) {
+    const int lane = threadIdx.x % WARP;
+    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (row >= n) return;
+    const bf16* wr = w + (size_t)row * k;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int i = lane * VEC; i < k; i += WARP * VEC) {
+        Bf16x8 wv;
+        wv.raw = __ldcs(reinterpret_cast<const uint4*>(wr + i));
+        float xv[VEC];
+        load8(x + i, xv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(wv.h2[j]);
+            acc += f.x * xv[2 * j] + f.y * xv[2 * j + 1];
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) y[row] = to_bf(beta == 0.f ? acc : acc + beta * to_f(y[row]));
+}
+
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
 // row whose value 0 is NaN gives 0, as candle keeps a NaN it starts from). One CTA per row, 8
 // logits per load when vocab % 8 == 0 (rows 16-byte aligned), else one at a time; a (value,
