@@ -33,13 +33,10 @@ pub struct DrafterDecodeDims {
     pub m: usize,
 }
 
-/// The scratch of `rows` tokens through a layer (the block, or a context append).
+/// The key scratch of `rows` tokens through a layer (the block, or a context append); their
+/// positions are consecutive, so their RoPE tables are rows of the position tables.
 #[derive(Clone, Copy, Debug)]
 pub struct RowsScratch {
-    /// u32 positions `[rows]` and their RoPE tables `[rows, d]` (arithmetic type).
-    pub positions: Region,
-    pub cos: Region,
-    pub sin: Region,
     pub k_pre: Region,
     pub inv_k: Region,
 }
@@ -64,7 +61,8 @@ pub struct DrafterDecodeLayout {
     pub ctx_pre: Region,
     pub ctx: Region,
     pub ctx_inv: Region,
-    /// The block: token ids (u32 `[B]`), residual `x [B, H]`, normed `xn [B, H]`, `inv [B]`.
+    /// The block: token ids (u32 `[B]`: the bonus, then the mask id), residual `x [B, H]`, normed
+    /// `xn [B, H]`, `inv [B]`.
     pub block: RowsScratch,
     pub tokens: Region,
     pub x: Region,
@@ -148,9 +146,6 @@ impl DrafterDecodeLayout {
         }
         let rows = |ar: &mut Arena, item: &'static str, n: usize| -> Result<RowsScratch> {
             Ok(RowsScratch {
-                positions: ar.take(item, Layer, "positions", &[n], 4)?,
-                cos: ar.take(item, Layer, "cos", &[n, z.d], a)?,
-                sin: ar.take(item, Layer, "sin", &[n, z.d], a)?,
                 k_pre: ar.take(item, Layer, "k_pre", &[n, z.kd], e)?,
                 inv_k: ar.take(item, Layer, "inv_k", &[n, z.nkv], a)?,
             })

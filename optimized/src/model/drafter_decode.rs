@@ -57,6 +57,8 @@ impl<B: Backend> DrafterDecode<B> {
         let (cos, sin) = rope_tables(&all, c.head_dim, c.rope_theta, DType::F64)?;
         dev.upload(layout.cos_table.at(base), bytes_of(&arithmetic::<B::Elem>(cos)?))?;
         dev.upload(layout.sin_table.at(base), bytes_of(&arithmetic::<B::Elem>(sin)?))?;
+        let mask = vec![config.mask_token_id; config.block_size];
+        dev.upload(layout.tokens.at(base), bytes_of(&mask))?;
         Ok(DrafterDecode { dev, config: config.clone(), layout, _memory: memory, base, embed, head })
     }
 
@@ -93,14 +95,10 @@ impl<B: Backend> DrafterDecode<B> {
         Ok(())
     }
 
-    /// Uploads positions `first..first+n` into `rows` and gathers their RoPE tables.
-    fn positions(&self, rows: &RowsScratch, first: usize, n: usize) -> Result<()> {
-        let positions: Vec<u32> = (first..first + n).map(|p| p as u32).collect();
-        self.dev.upload(self.at(rows.positions), bytes_of(&positions))?;
-        let cols = self.layout.dims.d * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
-        let ops = self.dev.ops();
-        ops.copy_rows(false, self.at(self.layout.cos_table), self.at(rows.positions), self.at(rows.cos), n, cols)?;
-        ops.copy_rows(false, self.at(self.layout.sin_table), self.at(rows.positions), self.at(rows.sin), n, cols)
+    /// The RoPE tables `(cos, sin)` `[n, d]` of positions `first..first+n`: rows of the tables.
+    fn rope(&self, first: usize) -> (u64, u64) {
+        let row = (self.layout.dims.d * <B::Elem as Elem>::Acc::BYTES * first) as u64;
+        (self.at(self.layout.cos_table) + row, self.at(self.layout.sin_table) + row)
     }
 
     /// `k [n, nkv, d] = rope(k_norm(x W_k^T))` and `v = x W_v^T` of `n` rows `x [n, H]` of layer
@@ -118,11 +116,12 @@ impl<B: Backend> DrafterDecode<B> {
         let skip = (first * z.kd * B::Elem::BYTES) as u64;
         self.dev.linear(x, n, z.h, self.at(w.k), z.kd, self.at(rows.k_pre), 0.0)?;
         self.dev.linear(x, n, z.h, self.at(w.v), z.kd, self.at(lay.v_cache[l]) + skip, 0.0)?;
+        let (cos, sin) = self.rope(first);
         let f = HeadNormRope {
             x: self.at(rows.k_pre),
             w: self.at(w.k_norm.expect("drafter layers have k norms")),
-            cos: self.at(rows.cos),
-            sin: self.at(rows.sin),
+            cos,
+            sin,
         };
         let dims = Heads { tokens: n, heads: z.nkv, head_dim: z.d };
         let eps = self.config.dims.rms_norm_eps;
@@ -140,7 +139,6 @@ impl<B: Backend> DrafterDecode<B> {
                 format!("{n} rows at {past}: appends of 1..={} rows within a context of {}", z.m, z.c),
             ));
         }
-        self.positions(&lay.append, past, n)?;
         let eps = self.config.dims.rms_norm_eps;
         self.dev.linear(features, n, z.fw, self.at(lay.fc), z.h, self.at(lay.ctx_pre), 0.0)?;
         let ops = self.dev.ops();
@@ -159,17 +157,16 @@ impl<B: Backend> DrafterDecode<B> {
         Ok(())
     }
 
-    /// Drafts the block after a context of `n` positions opened by `bonus`: the proposals
-    /// `d_1..d_{B-1}` (u32) are written to address `out`.
-    pub fn draft(&self, n: usize, bonus: u32, out: u64) -> Result<()> {
+    /// Drafts the block after a context of `n` positions opened by the bonus token whose id (u32)
+    /// is at device address `bonus`: the proposals `d_1..d_{B-1}` (u32) are written to address
+    /// `out`. Nothing goes through the host.
+    pub fn draft(&self, n: usize, bonus: u64, out: u64) -> Result<()> {
         let (z, lay) = (self.layout.dims, &self.layout);
         if n == 0 || n > z.c {
             return Err(Error::invalid("drafter context", format!("{n} positions; this drafter holds 1..={}", z.c)));
         }
-        let mut tokens = vec![self.config.mask_token_id; z.b];
-        tokens[0] = bonus;
-        self.dev.upload(self.at(lay.tokens), bytes_of(&tokens))?;
-        self.positions(&lay.block, n, z.b)?;
+        self.dev.copy(self.at(lay.tokens), bonus, 4)?;
+        let (cos, sin) = self.rope(n);
         let eps = self.config.dims.rms_norm_eps;
         let ops = self.dev.ops();
         let (x, xn, inv) = (self.at(lay.x), self.at(lay.xn), self.at(lay.inv));
@@ -182,8 +179,8 @@ impl<B: Backend> DrafterDecode<B> {
             let f = HeadNormRope {
                 x: self.at(lay.q_pre),
                 w: self.at(w.q_norm.expect("drafter layers have q norms")),
-                cos: self.at(lay.block.cos),
-                sin: self.at(lay.block.sin),
+                cos,
+                sin,
             };
             ops.head_norm_rope_forward(
                 f,

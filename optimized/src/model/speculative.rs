@@ -137,10 +137,12 @@ impl<B: Backend> SpecDecoder<B> {
         let mut bonus = self.prefill(prompt)?;
         let mut n = prompt.len();
         let verify = self.target.tokens_addr();
+        // The bonus's id on the device: the target's next token `accepted` of the last launch.
+        let mut bonus_at = self.target.next_addr()?;
         while out.tokens.len() < max_new {
             let drafter = self.drafter.as_ref().expect("checked above");
-            drafter.draft(n, bonus, verify + 4)?;
-            self.target.backend().upload(verify, bytes_of(&[bonus]))?;
+            drafter.draft(n, bonus_at, verify + 4)?;
+            self.target.backend().copy(verify, bonus_at, 4)?;
             self.target.decode(b, n, b)?;
             let dev = self.target.backend();
             let drafts = download::<u32, B>(dev, verify + 4, b - 1)?;
@@ -152,6 +154,7 @@ impl<B: Backend> SpecDecoder<B> {
             out.accept_lengths.push(accepted + 1);
             n += accepted + 1;
             bonus = greedy[accepted];
+            bonus_at = self.target.next_addr()? + 4 * accepted as u64;
             proposals.push(drafts);
         }
         out.tokens.truncate(max_new);

@@ -239,7 +239,8 @@ impl<B: Backend> TargetForward<B> {
                 }
             }
         }
-        self.forward(total, Attend::Documents { docs: &docs, plans: &plans })
+        let rope = (self.at(self.layout.cos), self.at(self.layout.sin));
+        self.forward(total, rope, Attend::Documents { docs: &docs, plans: &plans })
     }
 
     /// Uploads a launch's positions and gathers its RoPE tables from the position tables (rows
@@ -290,8 +291,10 @@ impl<B: Backend> TargetForward<B> {
         }
         self.tokens = t;
         self.padding.clear();
-        self.positions(&(past..past + t).map(|p| p as u32).collect::<Vec<_>>())?;
+        // Consecutive positions: their RoPE tables are rows past.. of the position tables.
         let (lay, ops) = (&self.layout, self.dev.ops());
+        let row = (z.d * <B::Elem as Elem>::Acc::BYTES * past) as u64;
+        let rope = (self.at(lay.cos_table) + row, self.at(lay.sin_table) + row);
         let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
         let mut plans = HashMap::new();
         for &kind in &self.config.dims.layer_kinds {
@@ -299,7 +302,7 @@ impl<B: Backend> TargetForward<B> {
                 e.insert(self.dev.upload_ranges(&KeyRanges::causal_after(past, t, kind, group_rows)?)?);
             }
         }
-        self.forward(t, Attend::Cached { past, plans: &plans })?;
+        self.forward(t, rope, Attend::Cached { past, plans: &plans })?;
         // next = argmax(lm_head(norm(x))) of the last rows.
         let e = B::Elem::BYTES as u64;
         let (x, xn, inv) = (self.at(lay.x), self.at(lay.xn), self.at(lay.inv));
@@ -311,8 +314,9 @@ impl<B: Backend> TargetForward<B> {
         ops.argmax_rows(self.at(d.logits), logit_rows, z.v, self.at(d.next))
     }
 
-    /// The layers over the uploaded launch of `t` tokens.
-    fn forward(&self, t: usize, attend: Attend<'_, B::Ranges>) -> Result<()> {
+    /// The layers over the uploaded launch of `t` tokens with its RoPE tables `(cos, sin)`
+    /// `[t, d]`.
+    fn forward(&self, t: usize, (cos, sin): (u64, u64), attend: Attend<'_, B::Ranges>) -> Result<()> {
         let (z, lay, ops) = (self.layout.dims, &self.layout, self.dev.ops());
         let at = |r: Region| r.at(self.base);
         let e = B::Elem::BYTES as u64;
@@ -349,10 +353,10 @@ impl<B: Backend> TargetForward<B> {
                 let dims = Heads { tokens: t, heads, head_dim: z.d };
                 match (self.config.arch, norm) {
                     (TargetArch::Qwen3, Some(norm)) => {
-                        let f = HeadNormRope { x: pre, w: at(norm), cos: at(lay.cos), sin: at(lay.sin) };
+                        let f = HeadNormRope { x: pre, w: at(norm), cos, sin };
                         ops.head_norm_rope_forward(f, out, at(inv), dims, eps)?
                     }
-                    _ => ops.rope_forward(pre, at(lay.cos), at(lay.sin), out, dims)?,
+                    _ => ops.rope_forward(pre, cos, sin, out, dims)?,
                 }
             }
             let kind = self.config.dims.layer_kinds[l];

@@ -191,6 +191,7 @@ impl ElementwiseOps for ElementwiseKernels {
     fn rms_norm_forward(&self, x: u64, w: u64, y: u64, inv: u64, rows: usize, n: usize, eps: f64) -> Result<()> {
         let eps = eps as f32;
         Self::check_cols(n)?;
+        Self::check_aligned("rms_norm_forward", &[x, w, y])?;
         if rows == 0 {
             return Ok(());
         }
