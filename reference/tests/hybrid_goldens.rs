@@ -1,7 +1,7 @@
 //! The hybrid reference (spec section 10) against transformers' Qwen3.5 (`Qwen3_5ForCausalLM`,
 //! torch path, float32): logits and every decoder layer's output, for the fixtures that
-//! fixtures/scripts/make_hybrid_goldens.py writes (its README says what each holds). Ignored
-//! until those fixtures exist: `cargo test -p dflash-reference -- --ignored` runs them.
+//! fixtures/scripts/make_hybrid_goldens.py wrote on the H200 machine (transformers 5.17; its
+//! README says what each holds).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -69,14 +69,12 @@ fn matches_transformers(name: &str) -> TestResult {
 
 /// Explicit `layer_types`, untied head, float32, one file.
 #[test]
-#[ignore = "needs fixtures/target-qwen3_5 from fixtures/scripts/make_hybrid_goldens.py"]
 fn layer_types_fixture_matches_transformers() -> TestResult {
     matches_transformers("target-qwen3_5")
 }
 
 /// `full_attention_interval` instead of `layer_types`, tied embeddings, bf16 shards.
 #[test]
-#[ignore = "needs fixtures/target-qwen3_5-interval from fixtures/scripts/make_hybrid_goldens.py"]
 fn interval_fixture_matches_transformers() -> TestResult {
     matches_transformers("target-qwen3_5-interval")
 }
@@ -84,7 +82,6 @@ fn interval_fixture_matches_transformers() -> TestResult {
 /// The multimodal wrapper layout: weights under `model.language_model.*`, the MTP head and the
 /// vision tower left out.
 #[test]
-#[ignore = "needs fixtures/target-qwen3_5-wrapped from fixtures/scripts/make_hybrid_goldens.py"]
 fn wrapped_fixture_matches_transformers() -> TestResult {
     matches_transformers("target-qwen3_5-wrapped")?;
     let model = HybridModel::load(&fixture("target-qwen3_5-wrapped"), DType::F32)?;

@@ -8,7 +8,7 @@
 #   - a 3-step run's losses equal those of the same run on the CPU twins in f32 (`--step host`)
 #     within the bf16 step bound (2e-2 relative);
 #   - `xtask eval` decodes with the trained drafter on the GPU (K/V caches, bf16) and with the
-#     reference decoders on the CPU (f32): each lossless against its own greedy decode.
+#     reference decoders on the CPU (f32); the CPU is exactly lossless, the GPU up to bf16 near-ties.
 # usage: xtask/scripts/gpu_train_check.sh BUNDLE_DIR OUT_DIR
 set -euo pipefail
 bundle=$1
@@ -86,7 +86,7 @@ gpu_eval, cpu_eval = (json.load(open(f"{out_dir}/eval-{d}.json")) for d in ("gpu
 same = sum(a["tokens"] == b["tokens"] for a, b in zip(gpu_eval["per_prompt"], cpu_eval["per_prompt"]))
 print(f"eval: GPU tau {gpu_eval['tau_over_steps']:.3f} at {gpu_eval['spec_tokens_per_s']:.1f} tokens/s "
       f"(plain {gpu_eval['plain_tokens_per_s']:.1f}), CPU reference tau {cpu_eval['tau_over_steps']:.3f}; "
-      f"lossless: GPU {gpu_eval['all_identical_to_greedy']}, CPU {cpu_eval['all_identical_to_greedy']}; "
+      f"identical to greedy: GPU {gpu_eval['all_identical_to_greedy']}, CPU {cpu_eval['all_identical_to_greedy']}; "
       f"{same}/{len(gpu_eval['per_prompt'])} prompts with the same tokens on both")
-sys.exit(1 if diff or worst > 2e-2 else 0)
+sys.exit(1 if diff or worst > 2e-2 or not cpu_eval["all_identical_to_greedy"] else 0)
 EOF

@@ -6,8 +6,10 @@
 //! layers, causal in sliding ones); the argmax of rows `1..B` are the proposals, written where
 //! the caller asks (the target's verify tokens). The embedding table and LM head are the target's.
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Tensor};
-use dflash_reference::config::DraftConfig;
+use dflash_reference::config::{AttnKind, DraftConfig};
 use dflash_reference::mask::BlockLayout;
 use dflash_reference::ops::rope_tables;
 
@@ -20,6 +22,12 @@ use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::{ElementwiseOps, HeadNormRope, Heads};
 use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
 use crate::{Error, Result};
+
+/// The attention plans of one draft: a block after `n` context positions, per layer kind.
+pub struct DraftPlans<B: Backend> {
+    n: usize,
+    plans: HashMap<AttnKind, B::Ranges>,
+}
 
 /// The drafter's inference forward over one allocation of its layout.
 pub struct DrafterDecode<B: Backend> {
@@ -157,21 +165,34 @@ impl<B: Backend> DrafterDecode<B> {
         Ok(())
     }
 
-    /// Drafts the block after a context of `n` positions opened by the bonus token whose id (u32)
-    /// is at device address `bonus`: the proposals `d_1..d_{B-1}` (u32) are written to address
-    /// `out`. Nothing goes through the host.
-    pub fn draft(&self, n: usize, bonus: u64, out: u64) -> Result<()> {
-        let (z, lay) = (self.layout.dims, &self.layout);
+    /// The plans of a block after a context of `n` positions, per layer kind (uploaded: a host
+    /// copy waits for the queued work, so a step prepares its plans before queuing any).
+    pub fn plans(&self, n: usize) -> Result<DraftPlans<B>> {
+        let z = self.layout.dims;
         if n == 0 || n > z.c {
             return Err(Error::invalid("drafter context", format!("{n} positions; this drafter holds 1..={}", z.c)));
         }
+        let layout = BlockLayout::new(n, z.b, vec![n], vec![true], None)?;
+        let mut plans = HashMap::new();
+        for &kind in &self.config.dims.layer_kinds {
+            if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(kind) {
+                e.insert(self.dev.upload_ranges(&KeyRanges::dflash(&layout, kind)?)?);
+            }
+        }
+        Ok(DraftPlans { n, plans })
+    }
+
+    /// Drafts the block of `plans` (after a context of `plans.n` positions) opened by the bonus
+    /// token whose id (u32) is at device address `bonus`: the proposals `d_1..d_{B-1}` (u32) are
+    /// written to address `out`. Nothing goes through the host.
+    pub fn draft(&self, plans: &DraftPlans<B>, bonus: u64, out: u64) -> Result<()> {
+        let (z, lay, n) = (self.layout.dims, &self.layout, plans.n);
         self.dev.copy(self.at(lay.tokens), bonus, 4)?;
         let (cos, sin) = self.rope(n);
         let eps = self.config.dims.rms_norm_eps;
         let ops = self.dev.ops();
         let (x, xn, inv) = (self.at(lay.x), self.at(lay.xn), self.at(lay.inv));
         ops.copy_rows(false, self.embed, self.at(lay.tokens), x, z.b, z.h)?;
-        let layout = BlockLayout::new(n, z.b, vec![n], vec![true], None)?;
         let shape = AttnShape { num_heads: z.nh, num_kv_heads: z.nkv, head_dim: z.d };
         for (l, w) in lay.layers.iter().enumerate() {
             ops.rms_norm_forward(x, self.at(w.input_norm), xn, inv, z.b, z.h, eps)?;
@@ -190,9 +211,9 @@ impl<B: Backend> DrafterDecode<B> {
                 eps,
             )?;
             self.keys_values(l, w, xn, &lay.block, n, z.b)?;
-            let plan = self.dev.upload_ranges(&KeyRanges::dflash(&layout, self.config.dims.layer_kinds[l])?)?;
+            let plan = &plans.plans[&self.config.dims.layer_kinds[l]];
             let qkv = (self.at(lay.q), self.at(lay.k_cache[l]), self.at(lay.v_cache[l]));
-            self.dev.attention_forward(&plan, shape, qkv, (self.at(lay.out), self.at(lay.lse)))?;
+            self.dev.attention_forward(plan, shape, qkv, (self.at(lay.out), self.at(lay.lse)))?;
             self.dev.linear(self.at(lay.out), z.b, z.qd, self.at(w.o), z.h, x, 1.0)?;
             ops.rms_norm_forward(x, self.at(w.post_norm), xn, inv, z.b, z.h, eps)?;
             let (gate_up, h) = (self.at(lay.gate_up), self.at(lay.h));

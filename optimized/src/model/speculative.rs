@@ -139,16 +139,22 @@ impl<B: Backend> SpecDecoder<B> {
         let verify = self.target.tokens_addr();
         // The bonus's id on the device: the target's next token `accepted` of the last launch.
         let mut bonus_at = self.target.next_addr()?;
+        let mut pending = None; // the context rows of the last verify step, not yet appended
         while out.tokens.len() < max_new {
             let drafter = self.drafter.as_ref().expect("checked above");
-            drafter.draft(n, bonus_at, verify + 4)?;
+            // The step's plans first (their uploads wait for the queued work), then its work.
+            let (draft_plans, verify_plans) = (drafter.plans(n)?, self.target.decode_plans(n, b)?);
+            if let Some((past, rows)) = pending.take() {
+                drafter.append_context(self.target.features_addr(), past, rows)?;
+            }
+            drafter.draft(&draft_plans, bonus_at, verify + 4)?;
             self.target.backend().copy(verify, bonus_at, 4)?;
-            self.target.decode(b, n, b)?;
+            self.target.decode_with(&verify_plans, b)?;
             let dev = self.target.backend();
             let drafts = download::<u32, B>(dev, verify + 4, b - 1)?;
             let greedy = download::<u32, B>(dev, self.target.next_addr()?, b)?; // greedy[i]: the token after n + i
             let accepted = drafts.iter().zip(&greedy).take_while(|(d, g)| d == g).count();
-            drafter.append_context(self.target.features_addr(), n, accepted + 1)?;
+            pending = Some((n, accepted + 1));
             out.tokens.push(bonus);
             out.tokens.extend(&drafts[..accepted]);
             out.accept_lengths.push(accepted + 1);

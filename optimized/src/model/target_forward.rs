@@ -30,6 +30,13 @@ use crate::ops::elementwise::{ElementwiseOps, HeadNormRope, Heads};
 use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
 use crate::{Error, Result};
 
+/// The causal plans of one decoding launch: `t` tokens after `past` cached positions, per kind.
+pub struct DecodePlans<B: Backend> {
+    past: usize,
+    t: usize,
+    plans: HashMap<AttnKind, B::Ranges>,
+}
+
 /// Where a launch's attention finds its keys.
 enum Attend<'a, R> {
     /// Packed rows: each document causal over its own tokens, with its plan by (length, kind).
@@ -271,11 +278,32 @@ impl<B: Backend> TargetForward<B> {
         Ok(self.at(self.decode_regions()?.next))
     }
 
+    /// The causal plans of `t` tokens after `past` cached positions, per layer kind (uploaded: a
+    /// host copy waits for the queued work, so a step prepares its plans before queuing any).
+    pub fn decode_plans(&self, past: usize, t: usize) -> Result<DecodePlans<B>> {
+        let z = self.layout.dims;
+        let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
+        let mut plans = HashMap::new();
+        for &kind in &self.config.dims.layer_kinds {
+            if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(kind) {
+                e.insert(self.dev.upload_ranges(&KeyRanges::causal_after(past, t, kind, group_rows)?)?);
+            }
+        }
+        Ok(DecodePlans { past, t, plans })
+    }
+
     /// Decodes `t` tokens whose ids are at [`TargetForward::tokens_addr`], at positions
     /// `past..past+t` after `past` cached ones: their K/V overwrite the cache from `past` on
     /// (so decoding at a smaller `past` rolls it back), their features `[t, F*H]` are written,
     /// and the argmax of the logits of the last `logit_rows` rows goes to the next tokens.
     pub fn decode(&mut self, t: usize, past: usize, logit_rows: usize) -> Result<()> {
+        let plans = self.decode_plans(past, t)?;
+        self.decode_with(&plans, logit_rows)
+    }
+
+    /// [`TargetForward::decode`] under plans made by [`TargetForward::decode_plans`].
+    pub fn decode_with(&mut self, plans: &DecodePlans<B>, logit_rows: usize) -> Result<()> {
+        let (t, past) = (plans.t, plans.past);
         let (z, d) = (self.layout.dims, self.decode_regions()?.clone());
         if t == 0 || t > z.t || logit_rows == 0 || logit_rows > t.min(d.logit_rows) {
             return Err(Error::invalid(
@@ -295,14 +323,7 @@ impl<B: Backend> TargetForward<B> {
         let (lay, ops) = (&self.layout, self.dev.ops());
         let row = (z.d * <B::Elem as Elem>::Acc::BYTES * past) as u64;
         let rope = (self.at(lay.cos_table) + row, self.at(lay.sin_table) + row);
-        let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
-        let mut plans = HashMap::new();
-        for &kind in &self.config.dims.layer_kinds {
-            if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(kind) {
-                e.insert(self.dev.upload_ranges(&KeyRanges::causal_after(past, t, kind, group_rows)?)?);
-            }
-        }
-        self.forward(t, rope, Attend::Cached { past, plans: &plans })?;
+        self.forward(t, rope, Attend::Cached { past, plans: &plans.plans })?;
         // next = argmax(lm_head(norm(x))) of the last rows.
         let e = B::Elem::BYTES as u64;
         let (x, xn, inv) = (self.at(lay.x), self.at(lay.xn), self.at(lay.inv));
