@@ -331,25 +331,6 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         ],
     });
 
-    // One row through `Backend::linear` (the GPU's `linear_row`, batch-1 decoding) with beta 0
-    // and 1 (the residual), K past several 256-value strides of a warp and not a multiple of one.
-    let (kr, nr) = (8 * rng.random_range(300..=700), rng.random_range(1..=3000));
-    let (xr, wr, yr) = (
-        buf.put(s, &draw_bf16(kr, 0.0, 1.0, &mut rng))?,
-        buf.put(s, &draw_bf16(nr * kr, 0.0, 1.0, &mut rng))?,
-        buf.put(s, &draw_bf16(nr, 0.0, 1.0, &mut rng))?,
-    );
-    let fresh = buf.zeros(s, nr)?;
-    dev.linear(xr, 1, kr, wr, nr, fresh, 0.0)?;
-    dev.linear(xr, 1, kr, wr, nr, yr, 1.0)?;
-    out.push(OpOutputs {
-        op: format!("linear of one row [1, {kr}] x [{nr}, {kr}]^T"),
-        outputs: vec![
-            ("linear", buf.get(s, fresh, nr)?, GPU_KERNEL_BF16),
-            ("linear + beta", buf.get(s, yr, nr)?, GPU_KERNEL_BF16),
-        ],
-    });
-
     // The rows' argmax, exact: a vocab of a multiple of 8 and one of another, on bf16 values
     // (exact in every storage) with deliberate ties (the maximum copied to a later and to an
     // earlier index) and NaNs (skipped; a row starting with one gives 0).

@@ -45,7 +45,8 @@ fn kernel_sources_match_a_passing_gpu_attestation() {
         assert_eq!(case["pass"], Value::Bool(true), "{}: case {} did not pass: {HOW}", file.display(), case["name"]);
     }
     // The run covered every elementwise kernel and the matmul against the CPU twins, the target's
-    // forward of both architectures, and the GPU step under every policy.
+    // forward of both architectures, decoding (a trained pair among the cases), and the GPU step
+    // under every policy.
     let names: Vec<&str> = cases.iter().filter_map(|c| c["name"].as_str()).collect();
     for prefix in [
         "op rms_norm_forward",
@@ -59,8 +60,12 @@ fn kernel_sources_match_a_passing_gpu_attestation() {
         "op adamw",
         "op fill_normal, gather/scatter, sum_squares, accumulate",
         "op matmul",
+        "op linear of one row",
         "target qwen3",
         "target llama",
+        "decode qwen3",
+        "decode llama",
+        "decode GPU built-in target, its trained drafter",
     ] {
         assert!(names.iter().any(|n| n.starts_with(prefix)), "{}: no `{prefix}` case: {HOW}", file.display());
     }

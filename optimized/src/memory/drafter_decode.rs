@@ -8,7 +8,7 @@
 
 use dflash_reference::config::DraftConfig;
 
-use super::target::TargetLayerWeights;
+use super::target::{LayerShape, TargetLayerWeights};
 use super::{add, check_fits, gb, mul_usize, Arena, Item, Lifetime, Region};
 use crate::{Error, Result};
 
@@ -31,6 +31,13 @@ pub struct DrafterDecodeDims {
     pub c: usize,
     /// Context rows one append takes (`M`).
     pub m: usize,
+}
+
+impl DrafterDecodeDims {
+    /// The sizes of one of the drafter's layers.
+    pub fn layer_shape(&self) -> LayerShape {
+        LayerShape { h: self.h, i: self.i, qd: self.qd, kd: self.kd, d: self.d }
+    }
 }
 
 /// The key scratch of `rows` tokens through a layer (the block, or a context append); their
@@ -120,22 +127,9 @@ impl DrafterDecodeLayout {
         let fc = ar.take(WEIGHTS, Model, "fc", &[z.h, z.fw], e)?;
         let hidden_norm = ar.take(WEIGHTS, Model, "hidden_norm", &[z.h], e)?;
         let norm = ar.take(WEIGHTS, Model, "norm", &[z.h], e)?;
-        let mut layers = Vec::with_capacity(c.num_layers());
-        for _ in 0..c.num_layers() {
-            let mut w = |what: &str, dims: &[usize]| ar.take(WEIGHTS, Model, what, dims, e);
-            layers.push(TargetLayerWeights {
-                input_norm: w("input_layernorm", &[z.h])?,
-                q: w("q_proj", &[z.qd, z.h])?,
-                k: w("k_proj", &[z.kd, z.h])?,
-                v: w("v_proj", &[z.kd, z.h])?,
-                o: w("o_proj", &[z.h, z.qd])?,
-                q_norm: Some(w("q_norm", &[z.d])?),
-                k_norm: Some(w("k_norm", &[z.d])?),
-                post_norm: w("post_attention_layernorm", &[z.h])?,
-                gate_up: w("gate_up_proj", &[2, z.i, z.h])?,
-                down: w("down_proj", &[z.h, z.i])?,
-            });
-        }
+        let layers = (0..c.num_layers())
+            .map(|_| TargetLayerWeights::take(&mut ar, WEIGHTS, z.layer_shape(), true, e))
+            .collect::<Result<Vec<_>>>()?;
         const TABLES: &str = "drafter RoPE tables of positions 0..C+B";
         let cos_table = ar.take(TABLES, Model, "cos table", &[keys, z.d], a)?;
         let sin_table = ar.take(TABLES, Model, "sin table", &[keys, z.d], a)?;

@@ -38,6 +38,13 @@ pub struct TargetDims {
     pub fw: usize,
 }
 
+impl TargetDims {
+    /// The sizes of one of the target's layers.
+    pub fn layer_shape(&self) -> LayerShape {
+        LayerShape { h: self.h, i: self.i, qd: self.qd, kd: self.kd, d: self.d }
+    }
+}
+
 /// One decoder layer's frozen weights; `gate_up` is `[2I, H]` (gate rows, then up rows).
 #[derive(Clone, Copy, Debug)]
 pub struct TargetLayerWeights {
@@ -52,6 +59,62 @@ pub struct TargetLayerWeights {
     pub post_norm: Region,
     pub gate_up: Region,
     pub down: Region,
+}
+
+/// The sizes of one decoder layer: hidden `h`, SwiGLU `i`, q width `qd`, k/v width `kd`, head `d`.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerShape {
+    pub h: usize,
+    pub i: usize,
+    pub qd: usize,
+    pub kd: usize,
+    pub d: usize,
+}
+
+impl TargetLayerWeights {
+    /// One layer's weights taken from `ar` as `item`, `elem` bytes per value; q/k norms when
+    /// `head_norms` (Qwen3 and the drafter).
+    pub fn take(ar: &mut Arena, item: &'static str, z: LayerShape, head_norms: bool, elem: u64) -> Result<Self> {
+        let mut w = |what: &str, dims: &[usize]| ar.take(item, Lifetime::Model, what, dims, elem);
+        Ok(TargetLayerWeights {
+            input_norm: w("input_layernorm", &[z.h])?,
+            q: w("q_proj", &[z.qd, z.h])?,
+            k: w("k_proj", &[z.kd, z.h])?,
+            v: w("v_proj", &[z.kd, z.h])?,
+            o: w("o_proj", &[z.h, z.qd])?,
+            q_norm: if head_norms { Some(w("q_norm", &[z.d])?) } else { None },
+            k_norm: if head_norms { Some(w("k_norm", &[z.d])?) } else { None },
+            post_norm: w("post_attention_layernorm", &[z.h])?,
+            gate_up: w("gate_up_proj", &[2, z.i, z.h])?,
+            down: w("down_proj", &[z.h, z.i])?,
+        })
+    }
+
+    /// Loads the layer through `put(region, name, shape)`, each name `{prefix}{hf name}.weight`
+    /// (`model.layers.3.` for a target, `layers.3.` for a drafter); gate and up are stacked.
+    pub fn load(
+        &self,
+        prefix: &str,
+        z: LayerShape,
+        elem: usize,
+        put: impl Fn(Region, &str, &[usize]) -> Result<()>,
+    ) -> Result<()> {
+        let name = |n: &str| format!("{prefix}{n}.weight");
+        put(self.input_norm, &name("input_layernorm"), &[z.h])?;
+        put(self.q, &name("self_attn.q_proj"), &[z.qd, z.h])?;
+        put(self.k, &name("self_attn.k_proj"), &[z.kd, z.h])?;
+        put(self.v, &name("self_attn.v_proj"), &[z.kd, z.h])?;
+        put(self.o, &name("self_attn.o_proj"), &[z.h, z.qd])?;
+        if let (Some(qn), Some(kn)) = (self.q_norm, self.k_norm) {
+            put(qn, &name("self_attn.q_norm"), &[z.d])?;
+            put(kn, &name("self_attn.k_norm"), &[z.d])?;
+        }
+        put(self.post_norm, &name("post_attention_layernorm"), &[z.h])?;
+        let half = (z.i * z.h * elem) as u64;
+        put(Region { bytes: half, ..self.gate_up }, &name("mlp.gate_proj"), &[z.i, z.h])?;
+        put(self.gate_up.skip(half), &name("mlp.up_proj"), &[z.i, z.h])?;
+        put(self.down, &name("mlp.down_proj"), &[z.h, z.i])
+    }
 }
 
 /// The attention half of a layer's scratch (overlaid with [`MlpScratch`]).
@@ -203,22 +266,10 @@ impl TargetLayout {
             false => None,
         };
         let qwen3 = config.arch == TargetArch::Qwen3;
-        let mut layers = Vec::with_capacity(z.layers);
-        for _ in 0..z.layers {
-            let mut w = |what: &str, dims: &[usize]| ar.take("target layer weights", Model, what, dims, e);
-            layers.push(TargetLayerWeights {
-                input_norm: w("input_layernorm", &[z.h])?,
-                q: w("q_proj", &[z.qd, z.h])?,
-                k: w("k_proj", &[z.kd, z.h])?,
-                v: w("v_proj", &[z.kd, z.h])?,
-                o: w("o_proj", &[z.h, z.qd])?,
-                q_norm: if qwen3 { Some(w("q_norm", &[z.d])?) } else { None },
-                k_norm: if qwen3 { Some(w("k_norm", &[z.d])?) } else { None },
-                post_norm: w("post_attention_layernorm", &[z.h])?,
-                gate_up: w("gate_up_proj", &[2, z.i, z.h])?,
-                down: w("down_proj", &[z.h, z.i])?,
-            });
-        }
+        let shape = z.layer_shape();
+        let layers = (0..z.layers)
+            .map(|_| TargetLayerWeights::take(&mut ar, "target layer weights", shape, qwen3, e))
+            .collect::<Result<Vec<_>>>()?;
         let t = z.t;
         let positions_held = decode.map_or(t, |(context, _)| context);
         const TABLES: &str = "target RoPE tables of positions 0..T (decoding: 0..C)";

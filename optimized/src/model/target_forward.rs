@@ -158,21 +158,7 @@ impl<B: Backend> TargetForward<B> {
             put(d.final_norm, "model.norm.weight", &[z.h])?;
         }
         for (l, w) in self.layout.layers.iter().enumerate() {
-            let name = |n: &str| format!("model.layers.{l}.{n}.weight");
-            put(w.input_norm, &name("input_layernorm"), &[z.h])?;
-            put(w.q, &name("self_attn.q_proj"), &[z.qd, z.h])?;
-            put(w.k, &name("self_attn.k_proj"), &[z.kd, z.h])?;
-            put(w.v, &name("self_attn.v_proj"), &[z.kd, z.h])?;
-            put(w.o, &name("self_attn.o_proj"), &[z.h, z.qd])?;
-            if let (Some(qn), Some(kn)) = (w.q_norm, w.k_norm) {
-                put(qn, &name("self_attn.q_norm"), &[z.d])?;
-                put(kn, &name("self_attn.k_norm"), &[z.d])?;
-            }
-            put(w.post_norm, &name("post_attention_layernorm"), &[z.h])?;
-            let half = (z.i * z.h * B::Elem::BYTES) as u64;
-            put(Region { bytes: half, ..w.gate_up }, &name("mlp.gate_proj"), &[z.i, z.h])?;
-            put(w.gate_up.skip(half), &name("mlp.up_proj"), &[z.i, z.h])?;
-            put(w.down, &name("mlp.down_proj"), &[z.h, z.i])?;
+            w.load(&format!("model.layers.{l}."), z.layer_shape(), B::Elem::BYTES, put)?;
         }
         Ok(())
     }
