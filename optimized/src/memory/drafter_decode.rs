@@ -9,7 +9,7 @@
 use dflash_reference::config::DraftConfig;
 
 use super::target::{LayerShape, TargetLayerWeights};
-use super::{add, check_fits, gb, mul_usize, Arena, Item, Lifetime, Region};
+use super::{add, check_fits, mul_usize, Arena, Item, Lifetime, Region};
 use crate::{Error, Result};
 
 /// Sizes of the drafter at inference, checked.
@@ -200,15 +200,5 @@ impl DrafterDecodeLayout {
     /// of `device`, naming the largest items.
     pub fn check_fits(&self, available: u64, device: &str) -> Result<()> {
         check_fits("the drafter at inference", self.bytes, &self.items, available, device, "try a shorter context")
-    }
-
-    /// The layout as a table: one line per item and the total.
-    pub fn render(&self) -> String {
-        let mut out = String::new();
-        for item in &self.items {
-            out.push_str(&format!("  {:<58} {:>12}\n", item.name, gb(item.bytes)));
-        }
-        out.push_str(&format!("  {:<58} {:>12}\n", "drafter total", gb(self.bytes)));
-        out
     }
 }
