@@ -10,7 +10,7 @@ use dflash_optimized::model::speculative::SpecDecoder;
 use dflash_optimized::Result;
 use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
 use dflash_reference::drafter::{is_norm, random_normal, DraftInput, Drafter};
-use dflash_reference::speculative::{greedy_decode, speculative_decode, SpecOutput};
+use dflash_reference::speculative::{plain_decode, speculative_decode_with, Sampling, SpecOutput};
 use dflash_reference::target::TargetModel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -183,8 +183,8 @@ pub enum DecodeMatch {
 /// pairs use transformers' init.)
 pub const BF16_NEAR_TIE: f64 = 0.1;
 
-/// The optimized decoder of `pair` on `backend()`, for each prompt: its speculative output equals
-/// its own greedy decode (lossless) and every accept length is the longest prefix of that step's
+/// The optimized decoder of `pair` on `backend()` under `sampling`, for each prompt: its
+/// speculative output equals its own plain decode (lossless) and every accept length is the longest prefix of that step's
 /// drafts the output agrees with; against the reference as `matching` says. Each error is a count
 /// of tokens or steps; all must be 0. Also returns the drafts accepted in all (so that a caller
 /// can require the multi-token path to have run).
@@ -192,7 +192,7 @@ pub fn decode_check<B: Backend>(
     pair: &Pair,
     backend: impl Fn() -> Result<B>,
     prompts: &[Vec<u32>],
-    max_new: usize,
+    (max_new, sampling): (usize, &Sampling),
     matching: DecodeMatch,
 ) -> Result<(GpuCheck, usize)> {
     let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_new;
@@ -207,22 +207,22 @@ pub fn decode_check<B: Backend>(
     let mut counts = [0usize; 4];
     let (mut accepted, mut ties, mut emitted) = (0, 0, 0);
     for prompt in prompts {
-        let (ours, drafts) = decoder.speculative_decode_traced(prompt, max_new)?;
-        let greedy = decoder.greedy_decode(prompt, max_new)?;
+        let (ours, drafts) = decoder.speculative_decode_traced(prompt, max_new, sampling)?;
+        let greedy = decoder.plain_decode(prompt, max_new, sampling)?;
         counts[1] += inconsistent_steps(&ours.tokens, &ours.accept_lengths, &drafts);
         accepted += ours.accept_lengths.iter().map(|a| a - 1).sum::<usize>();
         emitted += ours.tokens.len();
         match matching {
             DecodeMatch::Exact => {
                 counts[0] += differ(&ours.tokens, &greedy);
-                let want = speculative_decode(&pair.target, &pair.drafter, prompt, max_new)?;
-                counts[2] += differ(&ours.tokens, &want.tokens)
-                    + differ(&greedy, &greedy_decode(&pair.target, prompt, max_new)?);
+                let want = speculative_decode_with(&pair.target, &pair.drafter, prompt, max_new, sampling)?;
+                let plain = plain_decode(&pair.target, prompt, max_new, sampling)?;
+                counts[2] += differ(&ours.tokens, &want.tokens) + differ(&greedy, &plain);
                 counts[3] += ours.accept_lengths.iter().zip(&want.accept_lengths).filter(|(a, b)| a != b).count()
                     + ours.accept_lengths.len().abs_diff(want.accept_lengths.len());
             }
             DecodeMatch::NearTie { rel } => {
-                let judged = teacher_forced(pair, prompt, (&ours, &drafts), &greedy, rel)?;
+                let judged = teacher_forced(pair, prompt, (&ours, &drafts), (&greedy, sampling), rel)?;
                 counts[0] += judged.divergence;
                 (counts[2], counts[3], ties) =
                     (counts[2] + judged.far[0], counts[3] + judged.far[1], ties + judged.near);
@@ -311,7 +311,7 @@ fn teacher_forced(
     pair: &Pair,
     prompt: &[u32],
     (ours, drafts): (&SpecOutput, &[Vec<u32>]),
-    greedy: &[u32],
+    (greedy, sampling): (&[u32], &Sampling),
     rel: f64,
 ) -> Result<Judged> {
     let rows = |t: &candle_core::Tensor| -> Result<Vec<Vec<f64>>> { Ok(t.to_dtype(DType::F64)?.to_vec2::<f64>()?) };
@@ -319,7 +319,9 @@ fn teacher_forced(
     let seq: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
     let ids = &pair.drafter.config.target_layer_ids;
     let whole = pair.target.forward(&seq, ids)?;
-    let logits = rows(&whole.logits)?;
+    // The target's scores (its logits, or their Gumbel-perturbed values when sampling).
+    let logits: Vec<Vec<f64>> =
+        rows(&whole.logits)?.iter().enumerate().map(|(p, row)| sampling.scores(row, p + 1)).collect();
     let features = candle_core::Tensor::cat(&whole.hidden, 1)?;
     let mut judged = Judged { far: [0; 2], near: 0, divergence: 0 };
     let mut count = |verdict: Option<bool>, k: usize| match verdict {

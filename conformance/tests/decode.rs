@@ -10,6 +10,7 @@ use dflash_conformance::decode_cases::{
 };
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::model::speculative::SpecDecoder;
+use dflash_reference::speculative::Sampling;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -33,7 +34,8 @@ fn cached_decoding_equals_the_reference_decoder() {
     for seed in 0..24u64 {
         let pair = random_pair(seed, 2 + seed as usize % 5);
         let (check, n) =
-            decode_check(&pair, host, &prompts(&pair, 2, 1..=9, seed), 20, DecodeMatch::Exact).expect("decode");
+            decode_check(&pair, host, &prompts(&pair, 2, 1..=9, seed), (20, &Sampling::Greedy), DecodeMatch::Exact)
+                .expect("decode");
         assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
         accepted += n;
         cases += 1;
@@ -48,13 +50,15 @@ fn cached_decoding_equals_the_reference_decoder() {
 fn cached_decoding_equals_the_reference_on_the_fixtures() {
     for pair in fixture_pairs(11) {
         let (check, _) =
-            decode_check(&pair, host, &prompts(&pair, 2, 6..=14, 3), 24, DecodeMatch::Exact).expect("decode");
+            decode_check(&pair, host, &prompts(&pair, 2, 6..=14, 3), (24, &Sampling::Greedy), DecodeMatch::Exact)
+                .expect("decode");
         assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
     }
     // The GPU check's pairs in f64 (heads of 64 and 128: q, k and v of one token in one pass).
     for pair in gpu_pairs(2, candle_core::DType::F64) {
         let (check, _) =
-            decode_check(&pair, host, &prompts(&pair, 1, 30..=50, 4), 12, DecodeMatch::Exact).expect("decode");
+            decode_check(&pair, host, &prompts(&pair, 1, 30..=50, 4), (12, &Sampling::Greedy), DecodeMatch::Exact)
+                .expect("decode");
         assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
     }
 }
@@ -96,7 +100,8 @@ fn a_mismatched_drafter_is_refused() {
 fn a_trained_drafter_decodes_as_the_reference() {
     let pair = builtin_pair(candle_core::DType::F64);
     let (check, accepted) =
-        decode_check(&pair, host, &prompts(&pair, 3, 16..=16, 21), 32, DecodeMatch::Exact).expect("decode");
+        decode_check(&pair, host, &prompts(&pair, 3, 16..=16, 21), (32, &Sampling::Greedy), DecodeMatch::Exact)
+            .expect("decode");
     assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
     // tau = tokens / steps above 1.5 is more than a third of the 96 tokens accepted drafts.
     assert!(accepted > 96 / 3, "{accepted} drafts accepted over 3 x 32 tokens: {}", check.name);
@@ -110,11 +115,52 @@ fn a_trained_drafter_decodes_as_the_reference() {
 fn teacher_forced_judging_accepts_the_twins() {
     let pair = builtin_pair(candle_core::DType::F64);
     let prompts = prompts(&pair, 2, 16..=16, 5);
-    let (check, _) = decode_check(&pair, host, &prompts, 24, DecodeMatch::NearTie { rel: 0.0 }).expect("decode");
+    let (check, _) = decode_check(&pair, host, &prompts, (24, &Sampling::Greedy), DecodeMatch::NearTie { rel: 0.0 })
+        .expect("decode");
     assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
     let bf16_host = || Ok(Host::<half::bf16>::default());
     let near = DecodeMatch::NearTie { rel: BF16_NEAR_TIE };
     let (check, _) =
-        decode_check(&builtin_pair(candle_core::DType::F32), bf16_host, &prompts, 24, near).expect("decode");
+        decode_check(&builtin_pair(candle_core::DType::F32), bf16_host, &prompts, (24, &Sampling::Greedy), near)
+            .expect("decode");
     assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+}
+
+/// Proves seeded sampling (spec section 4: argmax proposals, accepted while the target's sample
+/// at that position equals the proposal) on the twins in f64: the cached decoder's speculative
+/// and plain outputs equal the reference's, and each other's, at temperatures 0.5 and 1.0 over
+/// random pairs and the trained pair; and different seeds give different outputs.
+#[test]
+fn sampled_decoding_equals_the_reference_and_plain_sampling() {
+    let mut pairs: Vec<Pair> = (0..6u64).map(|seed| random_pair(seed + 100, 2 + seed as usize % 4)).collect();
+    pairs.push(builtin_pair(candle_core::DType::F64));
+    let mut accepted = 0;
+    for (i, pair) in pairs.iter().enumerate() {
+        for temperature in [0.5, 1.0] {
+            let sampling = Sampling::new(temperature, 7 + i as u64).expect("sampling");
+            let (check, n) =
+                decode_check(pair, host, &prompts(pair, 2, 3..=16, i as u64), (20, &sampling), DecodeMatch::Exact)
+                    .expect("decode");
+            assert!(check.errors.iter().all(|e| e.1 == 0.0), "{} at T={temperature}: {:?}", check.name, check.errors);
+            accepted += n;
+        }
+    }
+    assert!(accepted > 0, "no draft accepted under sampling: only the A = 0 path ran");
+    let pair = &pairs[6];
+    let prompt = &prompts(pair, 1, 16..=16, 1)[0];
+    let sample = |seed| {
+        let s = Sampling::new(1.0, seed).expect("sampling");
+        dflash_reference::speculative::plain_decode(&pair.target, prompt, 24, &s).expect("decode")
+    };
+    assert_ne!(sample(1), sample(2), "two seeds gave the same 24 sampled tokens");
+}
+
+/// Proves that a temperature that is negative, NaN or infinite is an error naming it; 0 is greedy.
+#[test]
+fn bad_temperatures_are_errors() {
+    for t in [-1.0, f64::NAN, f64::INFINITY] {
+        let e = Sampling::new(t, 0).expect_err("bad temperature accepted");
+        assert!(e.to_string().contains("temperature"), "{e}");
+    }
+    assert_eq!(Sampling::new(0.0, 3).expect("greedy"), Sampling::Greedy);
 }

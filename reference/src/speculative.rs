@@ -70,6 +70,80 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
     Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
 }
 
+/// How the target picks each token (spec section 4): its argmax, or a seeded sample at a
+/// temperature. A sample is the Gumbel-max draw `argmax_v z_v / T + g(seed, position, v)`: a
+/// function of the logits and the token's position alone, so speculative decoding (proposals by
+/// argmax, accepted while the target's sample at that position equals the proposal) emits exactly
+/// the tokens plain sampling emits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sampling {
+    Greedy,
+    Temperature { temperature: f64, seed: u64 },
+}
+
+impl Sampling {
+    /// Checks the temperature (finite, above 0).
+    pub fn new(temperature: f64, seed: u64) -> Result<Self> {
+        if temperature == 0.0 {
+            return Ok(Sampling::Greedy);
+        }
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(Error::invalid(
+                "temperature",
+                format!("{temperature}: must be 0 (greedy) or a finite value above 0"),
+            ));
+        }
+        Ok(Sampling::Temperature { temperature, seed })
+    }
+
+    /// The scores whose argmax is the token at absolute position `position`, from the logits
+    /// `row` `[V]` that predict it: the logits (greedy) or `z / T + gumbel(seed, position, v)`.
+    pub fn scores(&self, row: &[f64], position: usize) -> Vec<f64> {
+        match *self {
+            Sampling::Greedy => row.to_vec(),
+            Sampling::Temperature { temperature, seed } => {
+                row.iter().enumerate().map(|(v, &z)| z / temperature + gumbel(seed, position, v)).collect()
+            }
+        }
+    }
+
+    /// The token at absolute position `position` from the logits `row` `[V]` that predict it:
+    /// the first index of the largest score.
+    pub fn choose(&self, row: &[f64], position: usize) -> u32 {
+        let mut best = (0, f64::NEG_INFINITY);
+        for (v, s) in self.scores(row, position).into_iter().enumerate() {
+            if s > best.1 {
+                best = (v, s);
+            }
+        }
+        best.0 as u32
+    }
+
+    /// The tokens at positions `first..first + R` from the rows of `logits` `[R, V]`.
+    pub fn choose_rows(&self, logits: &Tensor, first: usize) -> Result<Vec<u32>> {
+        match self {
+            Sampling::Greedy => argmax_rows(logits),
+            Sampling::Temperature { .. } => {
+                let rows = logits.to_dtype(candle_core::DType::F64)?.to_vec2::<f64>()?;
+                Ok(rows.iter().enumerate().map(|(i, row)| self.choose(row, first + i)).collect())
+            }
+        }
+    }
+}
+
+/// The Gumbel draw of token `v` at `position` under `seed`: `-ln(-ln u)` with `u` in (0, 1) from
+/// splitmix64 of the three (counter-based: the same value whoever asks, in whatever order).
+pub fn gumbel(seed: u64, position: usize, v: usize) -> f64 {
+    let mut x =
+        seed ^ (position as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (v as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    let u = ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    -(-u.ln()).ln()
+}
+
 fn check_prompt(prompt: &[u32]) -> Result<()> {
     if prompt.is_empty() {
         return Err(Error::invalid("prompt", "is empty"));
@@ -79,11 +153,16 @@ fn check_prompt(prompt: &[u32]) -> Result<()> {
 
 /// Plain greedy decoding: `max_new` tokens, each the target's argmax after all before it.
 pub fn greedy_decode(target: &TargetModel, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+    plain_decode(target, prompt, max_new, &Sampling::Greedy)
+}
+
+/// Plain decoding: `max_new` tokens, each the target's choice under `sampling` after all before.
+pub fn plain_decode(target: &TargetModel, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>> {
     check_prompt(prompt)?;
     let mut seq = prompt.to_vec();
     for _ in 0..max_new {
         let logits = target.forward(&seq, &[])?.logits;
-        let next = argmax_rows(&logits.narrow(0, seq.len() - 1, 1)?)?[0];
+        let next = sampling.choose_rows(&logits.narrow(0, seq.len() - 1, 1)?, seq.len())?[0];
         seq.push(next);
     }
     Ok(seq.split_off(prompt.len()))
@@ -98,6 +177,20 @@ pub fn speculative_decode(
     prompt: &[u32],
     max_new: usize,
 ) -> Result<SpecOutput> {
+    speculative_decode_with(target, drafter, prompt, max_new, &Sampling::Greedy)
+}
+
+/// Speculative decoding under `sampling` (spec section 4): the drafter proposes by argmax, the
+/// target's choice at each verify position (its argmax, or its seeded sample) accepts the
+/// longest agreeing prefix, and its choice after it is the new bonus; the output equals
+/// [`plain_decode`]'s under the same `sampling`.
+pub fn speculative_decode_with(
+    target: &TargetModel,
+    drafter: &Drafter,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: &Sampling,
+) -> Result<SpecOutput> {
     check_prompt(prompt)?;
     drafter.config.check_target(&target.config)?;
     let layer_ids = &drafter.config.target_layer_ids;
@@ -105,7 +198,7 @@ pub fn speculative_decode(
     let head = target.frozen_head();
     let prefill = target.forward(prompt, layer_ids)?;
     let mut features = Tensor::cat(&prefill.hidden, 1)?; // [n, F*H], committed positions
-    let mut bonus = argmax_rows(&prefill.logits.narrow(0, prompt.len() - 1, 1)?)?[0];
+    let mut bonus = sampling.choose_rows(&prefill.logits.narrow(0, prompt.len() - 1, 1)?, prompt.len())?[0];
     let mut seq = prompt.to_vec();
     let mut out = SpecOutput { tokens: Vec::new(), accept_lengths: Vec::new() };
     while out.tokens.len() < max_new {
@@ -116,14 +209,15 @@ pub fn speculative_decode(
         verify.push(bonus);
         verify.extend(&drafts);
         let checked = target.forward(&verify, layer_ids)?;
-        let greedy = argmax_rows(&checked.logits.narrow(0, n, b)?)?; // greedy[i] is the target's token for n+i+1
-        let accepted = drafts.iter().zip(&greedy).take_while(|(d, g)| d == g).count();
+        // chosen[i] is the target's token for position n+i+1.
+        let chosen = sampling.choose_rows(&checked.logits.narrow(0, n, b)?, n + 1)?;
+        let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
         seq.push(bonus);
         seq.extend(&drafts[..accepted]);
         out.tokens.push(bonus);
         out.tokens.extend(&drafts[..accepted]);
         out.accept_lengths.push(accepted + 1);
-        bonus = greedy[accepted];
+        bonus = chosen[accepted];
         features = Tensor::cat(&checked.hidden, 1)?.narrow(0, 0, seq.len())?;
     }
     out.tokens.truncate(max_new);

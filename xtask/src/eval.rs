@@ -17,7 +17,7 @@ use dflash_optimized::model::speculative::SpecDecoder;
 use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
-use dflash_reference::speculative::{greedy_decode, speculative_decode, Acceptance, SpecOutput};
+use dflash_reference::speculative::{plain_decode, speculative_decode_with, Acceptance, Sampling, SpecOutput};
 use dflash_reference::target::TargetModel;
 use serde_json::{json, Value};
 
@@ -27,8 +27,8 @@ use crate::gpu_conformance::{utc_now, write_json};
 
 const HELP: &str = "usage: cargo xtask eval --target DIR --drafter DIR --prompts FILE... [options]
 
-Greedy speculative decoding of every prompt with the target and the drafter, and plain greedy
-decoding with the target alone; checks that both give the same tokens (on the CPU an error when
+Speculative decoding of every prompt with the target and the drafter, and plain decoding with
+the target alone, greedy or (--temperature) seeded sampling; checks that both give the same tokens (on the CPU an error when
 not; on the GPU in bf16 a note, as a near-tie of two logits may round either way). Prompts are jsonl lines
 in the data formats: a conversation up to its first assistant turn, rendered with the target's
 chat template and the generation prompt; `text` as it is; `input_ids` as given.
@@ -52,11 +52,24 @@ options:
   --max-prompts N       prompts used, in file order                     (default all)
   --thinking yes|no     the chat template's enable_thinking             (default no)
   --system-prompt T     system message for conversations without one    (default none)
+  --temperature T       0: greedy; above 0: seeded sampling (argmax proposals, accepted while
+                        the target's sample at that position equals them)     (default 0)
+  --seed N              the sampling seed                                   (default 0)
   --device gpu|cpu      where the decoders run            (default gpu when one is found, else cpu)
   --out FILE            the JSON report                 (default DRAFTER/eval.json)";
 
-const OPTIONS: &[&str] =
-    &["target", "drafter", "max-new-tokens", "max-prompts", "thinking", "system-prompt", "device", "out"];
+const OPTIONS: &[&str] = &[
+    "target",
+    "drafter",
+    "max-new-tokens",
+    "max-prompts",
+    "thinking",
+    "system-prompt",
+    "temperature",
+    "seed",
+    "device",
+    "out",
+];
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
     let (files, rest) = take_files(args, "--prompts");
@@ -83,6 +96,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     if max_new == 0 || max_prompts == 0 {
         return Err("--max-new-tokens and --max-prompts must be at least 1".into());
     }
+    let sampling = Sampling::new(opts.get("temperature", 0.0)?, opts.get("seed", 0)?)
+        .map_err(|e| format!("option `--temperature`: {e}"))?;
     let default_device = if crate::gpu_conformance::open_gpu().is_ok() { "gpu" } else { "cpu" };
     let on_gpu = match opts.get("device", default_device.to_string())?.as_str() {
         "cpu" => false,
@@ -145,7 +160,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     println!("{:>5} {:>7} {:>7} {:>11} {:>11} {:>9}", "#", "prompt", "tau", "spec tok/s", "plain tok/s", "identical");
     if on_gpu {
         // One untimed decode: the first launches load kernels and cuBLAS's heuristics.
-        decoders.speculative(&prompts[0].tokens, 2.min(max_new))?;
+        decoders.speculative(&prompts[0].tokens, 2.min(max_new), &sampling)?;
     }
     let mut acceptance = Acceptance::new(b);
     let (mut spec_secs, mut plain_secs) = (0.0, 0.0);
@@ -153,10 +168,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let mut parted = 0;
     for (i, p) in prompts.iter().enumerate() {
         let started = Instant::now();
-        let spec = decoders.speculative(&p.tokens, max_new)?;
+        let spec = decoders.speculative(&p.tokens, max_new, &sampling)?;
         let s = started.elapsed().as_secs_f64();
         let started = Instant::now();
-        let plain = decoders.greedy(&p.tokens, max_new)?;
+        let plain = decoders.plain(&p.tokens, max_new, &sampling)?;
         let g = started.elapsed().as_secs_f64();
         let identical = spec.tokens == plain;
         parted += usize::from(!identical);
@@ -179,7 +194,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let (spec_rate, plain_rate) = (tokens / spec_secs, tokens / plain_secs);
     let report = json!({
         "target": target_dir, "drafter": drafter_dir, "device": decoders.describe(),
-        "prompts": prompts.len(), "max_new_tokens": max_new, "block_size": b,
+        "prompts": prompts.len(), "max_new_tokens": max_new, "block_size": b, "sampling": format!("{sampling:?}"),
         "tau_over_steps": acceptance.tau_over_steps(), "tau_over_prompts": acceptance.tau_over_prompts(),
         "acceptance_per_position": acceptance.per_position(),
         "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate,
@@ -205,7 +220,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             // bf16: a verify step (B rows) and a plain step (one row) round differently, so where
             // the target's two best logits nearly tie, the two decodes may take different tokens.
             println!(
-                "note: {parted} of {} prompts part from plain greedy decoding; in bf16 a verify step and a plain step round the logits differently, so a near-tie can go either way (`--device cpu` runs the exact reference decoders)",
+                "note: {parted} of {} prompts part from plain decoding; in bf16 a verify step and a plain step round the logits differently, so a near-tie can go either way (`--device cpu` runs the exact reference decoders)",
                 prompts.len()
             );
         } else {
@@ -253,19 +268,23 @@ impl Decoders {
         }
     }
 
-    fn speculative(&mut self, prompt: &[u32], max_new: usize) -> Result<SpecOutput, String> {
+    fn speculative(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<SpecOutput, String> {
         match self {
-            Decoders::Gpu(d) => d.speculative_decode(prompt, max_new).map_err(|e| e.to_string()),
+            Decoders::Gpu(d) => {
+                Ok(d.speculative_decode_traced(prompt, max_new, sampling).map_err(|e| e.to_string())?.0)
+            }
             Decoders::Reference { target, drafter } => {
-                speculative_decode(target, drafter, prompt, max_new).map_err(|e| e.to_string())
+                speculative_decode_with(target, drafter, prompt, max_new, sampling).map_err(|e| e.to_string())
             }
         }
     }
 
-    fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>, String> {
+    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>, String> {
         match self {
-            Decoders::Gpu(d) => d.greedy_decode(prompt, max_new).map_err(|e| e.to_string()),
-            Decoders::Reference { target, .. } => greedy_decode(target, prompt, max_new).map_err(|e| e.to_string()),
+            Decoders::Gpu(d) => d.plain_decode(prompt, max_new, sampling).map_err(|e| e.to_string()),
+            Decoders::Reference { target, .. } => {
+                plain_decode(target, prompt, max_new, sampling).map_err(|e| e.to_string())
+            }
         }
     }
 }

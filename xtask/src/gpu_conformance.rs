@@ -17,6 +17,7 @@ use dflash_conformance::tolerance::GPU_KERNEL_BF16;
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::sources::{kernel_hash, KERNEL_SOURCES};
+use dflash_reference::speculative::Sampling;
 use serde_json::{json, Value};
 
 use crate::args::Options;
@@ -208,7 +209,14 @@ fn decode_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
         let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| random_prompt(n, vocab, &mut rng)).collect();
         let d = pair.target.config.dims.head_dim;
         checks.push(
-            decode_check(pair, || Cuda::new(gpu, d), &prompts, 48, DecodeMatch::NearTie { rel: BF16_NEAR_TIE })?.0,
+            decode_check(
+                pair,
+                || Cuda::new(gpu, d),
+                &prompts,
+                (48, &Sampling::Greedy),
+                DecodeMatch::NearTie { rel: BF16_NEAR_TIE },
+            )?
+            .0,
         );
     }
     Ok(checks)

@@ -562,6 +562,17 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     }
     assert_eq!(v["acceptance_per_position"].as_array().unwrap().len(), 3);
     assert!(v["per_prompt"].as_array().unwrap().iter().all(|p| p["tokens"].as_array().unwrap().len() == 12));
+    // Seeded sampling: speculative equals plain sampling, and the tokens are not the greedy ones.
+    let sampled = tmp.path().join("sampled.json");
+    let args = ["--prompts", p, "--max-new-tokens", "12", "--max-prompts", "3", "--temperature", "1.5", "--seed", "4"];
+    let result = eval(&[&args[..], &["--out", sampled.to_str().unwrap()]].concat());
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sampled).unwrap()).unwrap();
+    assert_eq!(s["all_identical_to_greedy"], true);
+    let tokens = |v: &serde_json::Value| {
+        v["per_prompt"].as_array().unwrap().iter().map(|p| p["tokens"].clone()).collect::<Vec<_>>()
+    };
+    assert_ne!(tokens(&s), tokens(&v), "sampling at temperature 1.5 gave the greedy tokens");
 
     let refused = |extra: &[&str], want: &[&str]| {
         let result = eval(extra);
@@ -584,6 +595,8 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     let why = text(&gpu.stderr);
     assert!(!gpu.status.success() && (why.contains("no CUDA GPU") || why.contains("head_dim")), "{why}");
     refused(&["--prompts", p, "--device", "tpu"], &["--device", "`tpu`"]);
+    refused(&["--prompts", p, "--temperature", "-1"], &["--temperature"]);
+    refused(&["--prompts", p, "--temperature", "nan"], &["--temperature"]);
     refused(&["--prompts", p, "--max-new-tokens", "0"], &["--max-new-tokens"]);
     refused(&["--prompts", p, "--max-prompts", "0"], &["--max-prompts"]);
     refused(&["--prompts", p, "--thinking", "maybe"], &["--thinking"]);

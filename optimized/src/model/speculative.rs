@@ -9,7 +9,7 @@
 //! accepted length; the accepted positions' features extend the drafter's context cache.
 
 use dflash_reference::config::{DraftConfig, TargetConfig};
-use dflash_reference::speculative::SpecOutput;
+use dflash_reference::speculative::{Sampling, SpecOutput};
 
 use crate::backend::{download, Allocation, Backend};
 use crate::model::drafter_decode::DrafterDecode;
@@ -78,9 +78,28 @@ impl<B: Backend> SpecDecoder<B> {
         Ok(())
     }
 
+    /// The target's tokens at positions `first..first+rows` from the last launch's logit rows
+    /// under `sampling` (the argmax on the device when greedy; a sample from the logits read
+    /// back, written over the argmax, otherwise).
+    fn choose(&self, sampling: &Sampling, rows: usize, first: usize) -> Result<Vec<u32>> {
+        let next = self.target.next_addr()?;
+        if let Sampling::Greedy = sampling {
+            return download::<u32, B>(self.target.backend(), next, rows);
+        }
+        let chosen: Vec<u32> = self
+            .target
+            .logits_to_host(rows)?
+            .iter()
+            .enumerate()
+            .map(|(i, row)| sampling.choose(row, first + i))
+            .collect();
+        self.target.backend().upload(next, bytes_of(&chosen))?;
+        Ok(chosen)
+    }
+
     /// Runs the prompt through the target in chunks (and into the drafter's context); the
-    /// target's next token after it.
-    fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
+    /// target's next token after it (at the device's next tokens, row 0).
+    fn prefill(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<u32> {
         let chunk = self.target.layout.dims.t;
         for (i, part) in prompt.chunks(chunk).enumerate() {
             let past = i * chunk;
@@ -90,7 +109,7 @@ impl<B: Backend> SpecDecoder<B> {
                 d.append_context(self.target.features_addr(), past, part.len())?;
             }
         }
-        Ok(download::<u32, B>(self.target.backend(), self.target.next_addr()?, 1)?[0])
+        Ok(self.choose(sampling, 1, prompt.len())?[0])
     }
 
     /// Plain greedy decoding: `max_new` tokens, each the target's argmax after all before it
@@ -100,7 +119,7 @@ impl<B: Backend> SpecDecoder<B> {
         if max_new == 0 {
             return Ok(Vec::new());
         }
-        let first = self.prefill(prompt)?;
+        let first = self.prefill(prompt, &Sampling::Greedy)?;
         let dev = self.target.backend();
         if self.history.as_ref().is_none_or(|(_, len)| *len < max_new) {
             self.history = Some((dev.alloc("decoded tokens", max_new * 4)?, max_new));
@@ -116,14 +135,40 @@ impl<B: Backend> SpecDecoder<B> {
         download::<u32, B>(self.target.backend(), history, max_new)
     }
 
+    /// Plain decoding under `sampling` (greedy: [`SpecDecoder::greedy_decode`]; sampled: each
+    /// token chosen on the host from its logits, the reference's `plain_decode` twin).
+    pub fn plain_decode(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>> {
+        if let Sampling::Greedy = sampling {
+            return self.greedy_decode(prompt, max_new);
+        }
+        self.check_prompt(prompt, max_new)?;
+        let mut out = Vec::with_capacity(max_new);
+        if max_new > 0 {
+            out.push(self.prefill(prompt, sampling)?);
+        }
+        while out.len() < max_new {
+            let last = *out.last().expect("one token at least");
+            self.target.backend().upload(self.target.tokens_addr(), bytes_of(&[last]))?;
+            self.target.decode(1, prompt.len() + out.len() - 1, 1)?;
+            out.push(self.choose(sampling, 1, prompt.len() + out.len())?[0]);
+        }
+        Ok(out)
+    }
+
     /// Greedy speculative decoding of `max_new` tokens (spec section 4): the output equals
     /// [`SpecDecoder::greedy_decode`]'s; `A + 1` of every verify step.
     pub fn speculative_decode(&mut self, prompt: &[u32], max_new: usize) -> Result<SpecOutput> {
-        Ok(self.speculative_decode_traced(prompt, max_new)?.0)
+        Ok(self.speculative_decode_traced(prompt, max_new, &Sampling::Greedy)?.0)
     }
 
-    /// [`SpecDecoder::speculative_decode`] with every verify step's proposals `d_1..d_{B-1}`.
-    pub fn speculative_decode_traced(&mut self, prompt: &[u32], max_new: usize) -> Result<(SpecOutput, Vec<Vec<u32>>)> {
+    /// Speculative decoding under `sampling` (the reference's `speculative_decode_with` twin)
+    /// with every verify step's proposals `d_1..d_{B-1}`.
+    pub fn speculative_decode_traced(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+    ) -> Result<(SpecOutput, Vec<Vec<u32>>)> {
         self.check_prompt(prompt, max_new)?;
         let Some(drafter) = &self.drafter else {
             return Err(Error::invalid("drafter", "this decoder was built without a drafter"));
@@ -134,7 +179,7 @@ impl<B: Backend> SpecDecoder<B> {
         if max_new == 0 {
             return Ok((out, proposals));
         }
-        let mut bonus = self.prefill(prompt)?;
+        let mut bonus = self.prefill(prompt, sampling)?;
         let mut n = prompt.len();
         let verify = self.target.tokens_addr();
         // The bonus's id on the device: the target's next token `accepted` of the last launch.
@@ -152,14 +197,14 @@ impl<B: Backend> SpecDecoder<B> {
             self.target.decode_with(&verify_plans, b)?;
             let dev = self.target.backend();
             let drafts = download::<u32, B>(dev, verify + 4, b - 1)?;
-            let greedy = download::<u32, B>(dev, self.target.next_addr()?, b)?; // greedy[i]: the token after n + i
-            let accepted = drafts.iter().zip(&greedy).take_while(|(d, g)| d == g).count();
+            let chosen = self.choose(sampling, b, n + 1)?; // chosen[i]: the target's token at n + i + 1
+            let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
             pending = Some((n, accepted + 1));
             out.tokens.push(bonus);
             out.tokens.extend(&drafts[..accepted]);
             out.accept_lengths.push(accepted + 1);
             n += accepted + 1;
-            bonus = greedy[accepted];
+            bonus = chosen[accepted];
             bonus_at = self.target.next_addr()? + 4 * accepted as u64;
             proposals.push(drafts);
         }

@@ -407,6 +407,16 @@ impl<B: Backend> TargetForward<B> {
         Ok(())
     }
 
+    /// The logits of the last decoding launch's `rows` logit rows on the host, as f64 `[rows][V]`.
+    pub fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
+        let (d, v) = (self.decode_regions()?, self.layout.dims.v);
+        if rows > d.logit_rows {
+            return Err(Error::invalid("logits", format!("{rows} rows; a launch keeps {}", d.logit_rows)));
+        }
+        let values = download::<B::Elem, B>(&self.dev, self.at(d.logits), rows * v)?;
+        Ok(values.chunks(v.max(1)).map(|row| row.iter().map(|x| x.to_f64()).collect()).collect())
+    }
+
     /// The features of the last launch on the host as bf16 bits, `[tokens, F*H]` (bf16 storage,
     /// the only 2-byte one, as it is; wider storage rounded).
     pub fn features_to_host_bf16(&self) -> Result<Vec<u16>> {
