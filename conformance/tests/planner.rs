@@ -232,3 +232,60 @@ fn qwen3_8b_target_and_its_drafter_fit_one_h200() {
     let err = big.check_fits(device_bytes(), "NVIDIA H200").expect_err("too big").to_string();
     assert!(err.contains("target layer weights") && err.contains("NVIDIA H200"), "{err}");
 }
+
+/// The 27B Qwen3.5 hybrid of spec section 10 (hidden 5120, SwiGLU 17408, 64 layers = 48
+/// GatedDeltaNet + 16 gated attention, H_k 16 / H_v 48 heads of 128, 24/4 attention heads of 256,
+/// vocab 248320, untied).
+fn qwen3_5_27b() -> dflash_reference::hybrid::HybridConfig {
+    let value = serde_json::json!({
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 5120,
+        "intermediate_size": 17408, "num_hidden_layers": 64, "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "head_dim": 256,
+        "num_attention_heads": 24, "num_key_value_heads": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        "attn_output_gate": true, "vocab_size": 248320, "tie_word_embeddings": false,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    });
+    dflash_reference::hybrid::HybridConfig::from_value(std::path::Path::new("27b/config.json"), &value).expect("config")
+}
+
+/// Proves the hybrid planner's weights against the spec's layer math counted by hand: per
+/// GatedDeltaNet layer in_proj_qkv (2*16*128 + 48*128 channels) x H, in_proj_z 48*128 x H,
+/// in_proj_a/b 48 x H each, the conv taps (channels x 4), A_log, dt_bias (48 each), the output
+/// norm (128) and out_proj H x 48*128; per gated attention layer q_proj with its gate 2*24*256 x H,
+/// k and v 4*256 x H each, o_proj H x 24*256, q/k norms (256 each); per layer the MLP 3*H*I and 2
+/// norms; the embedding and the LM head V x H. Layers 0..=61 run for features [1, 16, 31, 46, 61]
+/// (15 attention layers among them: 3, 7, .., 59). At S=4096 it and its drafter fit one H200.
+#[test]
+fn the_27b_hybrid_and_its_drafter_fit_one_h200_at_4096() {
+    use dflash_optimized::memory::hybrid::{hybrid_drafter, HybridTargetPlan};
+    let config = qwen3_5_27b();
+    let draft = hybrid_drafter(&config, 248319).expect("drafter");
+    assert_eq!(draft.target_layer_ids, vec![1, 16, 31, 46, 61]);
+    let plan = HybridTargetPlan::new(&config, &draft.target_layer_ids, 4096, (BF16, F32)).expect("plan");
+    let (h, i, v) = (5120u64, 17408u64, 248320u64);
+    let conv = 2 * 16 * 128 + 48 * 128;
+    let gdn = conv * h + 48 * 128 * h + 2 * 48 * h + conv * 4 + 2 * 48 + 128 + h * 48 * 128;
+    let attention = 2 * 24 * 256 * h + 2 * 4 * 256 * h + h * 24 * 256 + 2 * 256;
+    let per_layer = 3 * h * i + 2 * h;
+    let params = 2 * v * h + 62 * per_layer + 47 * gdn + 15 * attention;
+    assert_eq!(plan.weight_bytes().expect("weights"), 2 * params);
+    let step = plan_step(
+        &draft,
+        StepShape { context_len: 4096, num_anchors: 512, lm_chunk_rows: 1024 },
+        Checkpointing::PerLayer,
+        true,
+    )
+    .expect("step");
+    let total = plan.bytes + step.peak;
+    println!(
+        "27B hybrid: target {:.2} GB + drafter step {:.2} GB = {:.2} GB",
+        plan.bytes as f64 / 1e9,
+        step.peak as f64 / 1e9,
+        total as f64 / 1e9
+    );
+    assert!(total <= device_bytes(), "{total} bytes do not fit one H200");
+    plan.check_fits(device_bytes(), "one H200").expect("fits");
+    assert!(plan.check_fits(plan.bytes - 1, "a smaller GPU").is_err());
+}

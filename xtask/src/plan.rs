@@ -20,7 +20,9 @@ known failure modes (unfused attention backward; chunked attention without check
 With --target DIR (an HF target folder), plans that target's forward (its weights up to the last
 tapped layer, the shared embedding table and LM head, one launch of S tokens) next to the step of
 its drafter (the recipe: 5 layers, block 16, the 5-feature layer rule, the LM head shared) on the
-same GPU, and says whether both fit.
+same GPU, and says whether both fit. A Qwen3.5/3.6 hybrid target (GatedDeltaNet + gated attention)
+is planned with its GatedDeltaNet state and chunk scratch, next to its published drafter (4
+sliding layers + 1 full, heads of 128), with the topology it calls for.
 
 options:
   --target DIR      a target folder (config.json): plan the target and its drafter together
@@ -103,6 +105,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 /// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
 fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Result<(), String> {
     let file = dir.join("config.json");
+    let value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?)
+            .map_err(|e| format!("{}: not JSON: {e}", file.display()))?;
+    let hybrid =
+        value.get("text_config").is_some() || value["model_type"].as_str().is_some_and(|m| m.starts_with("qwen3_5"));
+    if hybrid {
+        return plan_hybrid_target(&file, &value, shape, device_bytes);
+    }
     let target = dflash_reference::config::TargetConfig::from_file(&file).map_err(|e| e.to_string())?;
     let t = &target.dims;
     let features = 5.min(t.num_layers());
@@ -153,4 +163,63 @@ pub fn print_target_plan(
         println!("  {:<58} {:>12}  {verdict} in {}", "target + drafter step", gb(total), gb(device_bytes));
     }
     Ok(fits)
+}
+
+/// A Qwen3.5/3.6 hybrid target (spec section 10) and its published drafter's step on one GPU,
+/// each itemised, the sum per policy, and the topology it calls for.
+fn plan_hybrid_target(
+    file: &std::path::Path,
+    value: &serde_json::Value,
+    shape: StepShape,
+    device_bytes: u64,
+) -> Result<(), String> {
+    use dflash_optimized::memory::hybrid::{hybrid_drafter, HybridTargetPlan};
+    use dflash_optimized::memory::{BF16, F32};
+    let err = |e: dflash_optimized::Error| e.to_string();
+    let config = dflash_reference::hybrid::HybridConfig::from_value(file, value).map_err(|e| e.to_string())?;
+    let draft = hybrid_drafter(&config, (config.vocab_size - 1) as u32).map_err(err)?;
+    let plan = HybridTargetPlan::new(&config, &draft.target_layer_ids, shape.context_len, (BF16, F32)).map_err(err)?;
+    let linear = config.layer_kinds.iter().filter(|k| **k == dflash_reference::hybrid::HybridLayerKind::Linear).count();
+    println!(
+        "== hybrid target {} ({} layers: {linear} GatedDeltaNet + {} gated attention; hidden {}, vocab {}): forward over layers 0..={} for features of {:?}, {} tokens of one sequence ==",
+        file.display(),
+        config.num_layers(),
+        config.num_layers() - linear,
+        config.hidden_size,
+        config.vocab_size,
+        plan.layers - 1,
+        draft.target_layer_ids,
+        shape.context_len
+    );
+    print!("{}", plan.render());
+    println!(
+        "-- its drafter (spec sections 1 and 10): 4 sliding layers (window 2048) + 1 full, {}/{} heads of 128, rope theta 1e7, block 16",
+        draft.dims.num_heads, draft.dims.num_kv_heads
+    );
+    let mut fits_any = false;
+    for policy in Checkpointing::ALL {
+        let step = plan_step(&draft, shape, policy, true).map_err(err)?;
+        let total = plan.bytes.saturating_add(step.peak);
+        let fits = total <= device_bytes;
+        fits_any |= fits;
+        println!(
+            "  {:<58} {:>12}  {} in {}",
+            format!("target + drafter step ({} policy: step {})", policy.name(), gb(step.peak)),
+            gb(total),
+            if fits { "fits" } else { "DOES NOT FIT" },
+            gb(device_bytes)
+        );
+    }
+    let weights = plan.weight_bytes().map_err(err)?;
+    if fits_any {
+        println!("topology: one GPU holds both (the single-GPU trainer); more GPUs add data-parallel pairs");
+    } else {
+        let target_gpus = plan.bytes.div_ceil(device_bytes).max(1);
+        println!(
+            "topology: the target ({} of weights, {} with one launch) does not share a GPU with the drafter: it needs {target_gpus} GPU(s) of its own and the drafter others (multi-GPU runs are not built yet), or its features cached offline first (`xtask features` through the transformers writer)",
+            gb(weights),
+            gb(plan.bytes)
+        );
+    }
+    Ok(())
 }

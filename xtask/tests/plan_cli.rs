@@ -64,6 +64,30 @@ fn plan_target_and_bench_target_options() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("target LM head") && stdout.contains("target + drafter step"), "{stdout}");
+    // A small Qwen3.5 hybrid (heads of 128 for its drafter): its layers itemised next to its drafter.
+    let tmp = tempfile::tempdir().unwrap();
+    let hybrid = tmp.path().join("hybrid");
+    std::fs::create_dir_all(&hybrid).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 8, "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "head_dim": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        "attn_output_gate": true, "vocab_size": 1024, "tie_word_embeddings": false,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+    });
+    std::fs::write(hybrid.join("config.json"), config.to_string()).unwrap();
+    let out = std::process::Command::new(xtask)
+        .args(["plan", "--target", hybrid.to_str().unwrap(), "--seq", "256", "--anchors", "16"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
+        assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
+    }
     let cases: [(&[&str], &str); 10] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),

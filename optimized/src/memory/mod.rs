@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod drafter_decode;
 pub mod failure;
+pub mod hybrid;
 pub mod named;
 pub mod step;
 pub mod target;
