@@ -28,10 +28,11 @@ use crate::gpu_conformance::{utc_now, write_json};
 const HELP: &str = "usage: cargo xtask eval --target DIR --drafter DIR --prompts FILE... [options]
 
 Speculative decoding of every prompt with the target and the drafter, and plain decoding with
-the target alone, greedy or (--temperature) seeded sampling; checks that both give the same tokens (on the CPU an error when
-not; on the GPU in bf16 a note, as a near-tie of two logits may round either way). Prompts are jsonl lines
-in the data formats: a conversation up to its first assistant turn, rendered with the target's
-chat template and the generation prompt; `text` as it is; `input_ids` as given.
+the target alone, greedy or (--temperature) seeded sampling; checks that both give the same
+tokens (on the CPU an error when not; on the GPU in bf16 a note, as a near-tie of two logits may
+round either way). Prompts are jsonl lines in the data formats: a conversation up to its first
+assistant turn, rendered with the target's chat template and the generation prompt; `text` as it
+is; `input_ids` as given.
 
 Prints a line per prompt (tau, tokens/s, identical or not) and the totals: tau as the mean of
 A+1 over all verify steps, and as the mean of the prompts' own taus (engines report one or the
