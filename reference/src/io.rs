@@ -21,6 +21,14 @@ pub fn write_atomically(file: &Path, fill: impl FnOnce(&mut std::fs::File) -> st
     finish_atomic_write(file, &tmp, result)
 }
 
+/// Writes `weights` as f32 into `dir/model.safetensors` (atomically), creating `dir`.
+pub fn save_weights_f32(dir: &Path, weights: &HashMap<String, Tensor>) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let tensors =
+        weights.iter().map(|(n, t)| Ok((n.clone(), t.to_dtype(DType::F32)?))).collect::<Result<HashMap<_, _>>>()?;
+    save_safetensors(&dir.join("model.safetensors"), &tensors)
+}
+
 /// Saves named tensors as one safetensors file, atomically.
 pub fn save_safetensors(file: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     let tmp = temporary_name(file);

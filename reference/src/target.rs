@@ -13,7 +13,7 @@ use crate::config::{TargetArch, TargetConfig};
 use crate::data::{document_runs, Row};
 use crate::drafter::{is_norm, random_normal, FrozenHead};
 use crate::error::{Error, Result};
-use crate::io::{save_safetensors, WeightSet};
+use crate::io::{save_weights_f32, WeightSet};
 use crate::mask::causal_dense;
 use crate::ops::{head_rms_norm, linear, rms_norm, rope, rope_tables_scaled, swiglu};
 
@@ -96,13 +96,7 @@ impl TargetModel {
 
     /// Saves `config.json` and `model.safetensors` (f32) into `dir`, each atomically.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let tensors = self
-            .weights
-            .iter()
-            .map(|(n, t)| Ok((n.clone(), t.to_dtype(DType::F32)?)))
-            .collect::<Result<HashMap<_, _>>>()?;
-        save_safetensors(&dir.join("model.safetensors"), &tensors)?;
+        save_weights_f32(dir, &self.weights)?;
         self.config.save(&dir.join("config.json"))
     }
 

@@ -18,7 +18,7 @@ import sys
 import torch
 import transformers
 
-from target_torch import load_model, log
+from target_torch import load_model, log, median_ms
 
 
 def main():
@@ -40,19 +40,7 @@ def main():
                 pad_token_id=0,
             )
 
-    for _ in range(spec["warmup"]):
-        call()
-    torch.cuda.synchronize()
-    times, out = [], None
-    for _ in range(spec["iters"]):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    ms = times[len(times) // 2]
+    ms, out = median_ms(call, spec["warmup"], spec["iters"])
     tokens = out[0, ids.shape[1]:].tolist()
     log(f"transformers generate: {len(tokens)} tokens in {ms:.1f} ms = {len(tokens) / ms * 1e3:.1f} tokens/s")
     print(json.dumps({

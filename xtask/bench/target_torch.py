@@ -59,6 +59,28 @@ def forward_hidden_states(model, ids):
         return model(input_ids=ids, output_hidden_states=True, use_cache=False)
 
 
+def median_ms(call, warmup, iters, after_warmup=None):
+    """The median of `iters` CUDA-event timings of `call()` after `warmup` untimed calls (and
+    `after_warmup()`, e.g. a peak-memory reset), and the last call's output; one output is alive at
+    a time. eval_torch.py times generate with this too."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    if after_warmup is not None:
+        after_warmup()
+    times, out = [], None
+    for _ in range(iters):
+        out = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2], out
+
+
 def time_forward(spec):
     model = load_model(spec["model_dir"])
     vocab = model.config.vocab_size
@@ -70,21 +92,8 @@ def time_forward(spec):
         def call():
             return forward_hidden_states(model, ids)
 
-        for _ in range(spec["warmup"]):
-            call()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(spec["iters"]):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = call()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-            del out
-        times.sort()
-        ms = times[len(times) // 2]
+        ms, out = median_ms(call, spec["warmup"], spec["iters"], torch.cuda.reset_peak_memory_stats)
+        del out
         peak = torch.cuda.max_memory_allocated()
         log(f"transformers S={seq}: {ms:.2f} ms, peak {peak / 1e9:.2f} GB")
         results.append({"seq": seq, "ms": ms, "peak_bytes": peak})

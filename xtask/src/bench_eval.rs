@@ -177,7 +177,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         .and_then(|v| v["tokens"].as_array())
         .map(|t| t.iter().zip(&ours_tokens).take_while(|(a, b)| a.as_u64() == Some(**b as u64)).count());
     // Batch-1 decoding reads every weight once per token: the bandwidth ceiling of plain decoding.
-    let weight_bytes = 2.0 * qwen3_8b_params(&config);
+    let weight_bytes = 2.0 * decoded_params(&config);
     let ceiling = H200_BYTES_PER_S / weight_bytes;
     let ours_rate = rate(plain_ms);
     let builtin_tau = builtin_out.tau();
@@ -245,17 +245,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 const H200_BYTES_PER_S: f64 = 4.0e12;
 
 /// Parameters read per decoded token: every layer, the final norm and the LM head (the embedding
-/// row read is negligible).
-fn qwen3_8b_params(config: &TargetConfig) -> f64 {
-    let c = &config.dims;
-    let (h, i, q, kv) = (
-        c.hidden_size as f64,
-        c.intermediate_size as f64,
-        (c.num_heads * c.head_dim) as f64,
-        (c.num_kv_heads * c.head_dim) as f64,
-    );
-    let layer = h * (q + 2.0 * kv) + q * h + 3.0 * h * i;
-    c.num_layers() as f64 * layer + c.vocab_size as f64 * h
+/// table only as the head when tied: one row of it is negligible).
+fn decoded_params(config: &TargetConfig) -> f64 {
+    let embed_only = !config.tie_word_embeddings;
+    dflash_reference::target::target_param_shapes(config)
+        .iter()
+        .filter(|(name, _)| !(embed_only && name == "model.embed_tokens.weight"))
+        .map(|(_, shape)| shape.iter().product::<usize>() as f64)
+        .sum()
 }
 
 /// How decodes are timed: `warmup` untimed, then the median of `iters` CUDA-event timings.

@@ -88,7 +88,7 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 17] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
@@ -99,6 +99,13 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "train", "--shapes", "768x0"], "0 anchors do not fit"),
         (&["bench", "train", "--iters", "0"], "--iters must be at least 1"),
         (&["bench", "train", "--torch", "maybe"], "option `--torch`"),
+        (&["bench", "eval", "--new-tokens", "0"], "--new-tokens"),
+        (&["bench", "eval", "--prompt-tokens", "0"], "--prompt-tokens"),
+        (&["bench", "eval", "--iters", "0"], "--iters"),
+        (&["bench", "eval", "--torch", "maybe"], "option `--torch`"),
+        (&["bench", "eval", "--random-drafter", "maybe"], "option `--random-drafter`"),
+        (&["bench", "eval", "--profile", "maybe"], "option `--profile`"),
+        (&["bench", "eval", "--seed", "x"], "--seed"),
     ];
     for (args, needle) in cases {
         let out = std::process::Command::new(xtask).args(args).output().unwrap();

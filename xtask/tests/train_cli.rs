@@ -597,6 +597,7 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     refused(&["--prompts", p, "--device", "tpu"], &["--device", "`tpu`"]);
     refused(&["--prompts", p, "--temperature", "-1"], &["--temperature"]);
     refused(&["--prompts", p, "--temperature", "nan"], &["--temperature"]);
+    refused(&["--prompts", p, "--seed", "-3"], &["--seed"]);
     refused(&["--prompts", p, "--max-new-tokens", "0"], &["--max-new-tokens"]);
     refused(&["--prompts", p, "--max-prompts", "0"], &["--max-prompts"]);
     refused(&["--prompts", p, "--thinking", "maybe"], &["--thinking"]);

@@ -22,7 +22,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::data::Row;
 use crate::drafter::random_normal;
 use crate::error::{Error, Result};
-use crate::io::{save_safetensors, WeightSet};
+use crate::io::{save_weights_f32, WeightSet};
 use crate::ops::{linear, rope_tables, swiglu};
 use crate::target::TargetOutput;
 pub use config::{HybridConfig, HybridLayerKind, HybridLayout};
@@ -164,13 +164,7 @@ impl HybridModel {
     /// Saves `config.json` and `model.safetensors` (f32) into `dir` in the text layout
     /// (`Qwen3_5ForCausalLM`), each atomically.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let tensors = self
-            .weights
-            .iter()
-            .map(|(n, t)| Ok((n.clone(), t.to_dtype(DType::F32)?)))
-            .collect::<Result<HashMap<_, _>>>()?;
-        save_safetensors(&dir.join("model.safetensors"), &tensors)?;
+        save_weights_f32(dir, &self.weights)?;
         self.config.save(&dir.join("config.json"))
     }
 
