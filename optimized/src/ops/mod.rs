@@ -8,6 +8,7 @@
 pub mod attention;
 pub mod constants;
 pub mod elementwise;
+pub mod gdn;
 pub mod matmul;
 pub mod sources;
 

@@ -1,0 +1,262 @@
+//! The CPU twins of the GatedDeltaNet ops ([`GdnOps`]) on the flat layouts of `super`, in the
+//! storage's arithmetic type (`Elem::Acc`: f32 for bf16 and f32 storage, f64 for f64 storage, the
+//! twins against the reference). Addresses are host pointers read and written value by value
+//! (`ld`/`st` of the elementwise twins). The delta rule runs one value head at a time on that
+//! head's scratch rows and state, as one block of a kernel would; the per-chunk values a kernel
+//! keeps in shared memory (cumulative decays, beta, inverse norms) are stack arrays of
+//! [`GDN_CHUNK`]. Nothing allocates.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use dflash_reference::hybrid::gdn::L2_NORM_EPS;
+
+use super::{DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, GDN_CHUNK};
+use crate::ops::elementwise::twin::{ld, lda, st, sta};
+use crate::ops::{Elem, Real};
+use crate::Result;
+
+/// The CPU twins on values stored as `E`.
+pub struct GdnTwin<E>(PhantomData<E>);
+
+impl<E> Default for GdnTwin<E> {
+    fn default() -> Self {
+        GdnTwin(PhantomData)
+    }
+}
+
+fn sigmoid<A: Real>(x: A) -> A {
+    A::ONE / (A::ONE + (-x).exp())
+}
+
+fn silu<A: Real>(x: A) -> A {
+    x * sigmoid(x)
+}
+
+/// `log(1 + exp(x))` as `max(x, 0) + log(1 + exp(-|x|))` (the reference's form: no overflow).
+fn softplus<A: Real>(x: A) -> A {
+    let (positive, abs) = if x > A::ZERO { (x, x) } else { (A::ZERO, -x) };
+    positive + (A::ONE + (-abs).exp()).ln()
+}
+
+/// One value head `h` of one [`GdnOps::gated_delta`] call: its addresses and sizes.
+struct Head<E> {
+    b: DeltaBuffers,
+    shape: GdnShape,
+    h: usize,
+    /// Columns of `qkv` before this head's q, k and v.
+    q0: usize,
+    k0: usize,
+    v0: usize,
+    /// Address of this head's first chunk-scratch row, and the values per row.
+    rows: u64,
+    width: usize,
+    /// Address of this head's state `[d_k, d_v]`.
+    state: u64,
+    stored: PhantomData<E>,
+}
+
+impl<E: Elem> Head<E> {
+    fn new(b: DeltaBuffers, s: DeltaScratch, shape: GdnShape, h: usize) -> Self {
+        let (dk, dv) = (shape.key_head_dim, shape.value_head_dim);
+        let kh = h / (shape.value_heads / shape.key_heads);
+        let width = GDN_CHUNK + dk + dv;
+        let head_rows = shape.tokens.div_ceil(GDN_CHUNK) * GDN_CHUNK;
+        let bytes = std::mem::size_of::<E::Acc>() as u64;
+        Head {
+            b,
+            shape,
+            h,
+            q0: kh * dk,
+            k0: shape.key_dim() + kh * dk,
+            v0: 2 * shape.key_dim() + h * dv,
+            rows: s.chunk + (h * head_rows * width) as u64 * bytes,
+            width,
+            state: s.state + (h * dk * dv) as u64 * bytes,
+            stored: PhantomData,
+        }
+    }
+
+    fn q(&self, t: usize, c: usize) -> E::Acc {
+        ld::<E>(self.b.qkv, t * self.shape.conv_channels() + self.q0 + c)
+    }
+
+    fn k(&self, t: usize, c: usize) -> E::Acc {
+        ld::<E>(self.b.qkv, t * self.shape.conv_channels() + self.k0 + c)
+    }
+
+    fn v(&self, t: usize, c: usize) -> E::Acc {
+        ld::<E>(self.b.qkv, t * self.shape.conv_channels() + self.v0 + c)
+    }
+
+    /// Scratch value `col` of token `t`'s row.
+    fn get(&self, t: usize, col: usize) -> E::Acc {
+        lda(self.rows, t * self.width + col)
+    }
+
+    fn set(&self, t: usize, col: usize, v: E::Acc) {
+        sta(self.rows, t * self.width + col, v)
+    }
+
+    fn s(&self, a: usize, c: usize) -> E::Acc {
+        lda(self.state, a * self.shape.value_head_dim + c)
+    }
+
+    fn set_s(&self, a: usize, c: usize, v: E::Acc) {
+        sta(self.state, a * self.shape.value_head_dim + c, v)
+    }
+
+    /// `1 / sqrt(sum(x^2) + eps)` of the `d_k` values `x(c)`.
+    fn inv_l2(&self, x: impl Fn(usize) -> E::Acc) -> E::Acc {
+        let ss = (0..self.shape.key_head_dim).fold(E::Acc::ZERO, |s, c| s + x(c) * x(c));
+        E::Acc::ONE / (ss + E::Acc::from_f64(L2_NORM_EPS)).sqrt()
+    }
+
+    fn zero_state(&self) {
+        let (dk, dv) = (self.shape.key_head_dim, self.shape.value_head_dim);
+        (0..dk * dv).for_each(|i| sta(self.state, i, E::Acc::ZERO));
+    }
+
+    /// The `n` tokens from `begin` (one chunk of one document) through the UT form of
+    /// `reference::hybrid::gdn::gated_delta_chunked`, the state entering as `S_0` and leaving as
+    /// `S_n`. Columns of each scratch row: `[0, C)` the UT inverse `T = (I + A)^-1` (solved in
+    /// place over A), then `P = (Q K^T) * D`; `[C, C + d_k)` W; then U, then Delta.
+    fn chunk(&self, begin: usize, n: usize) {
+        let (dk, dv, hv, h) = (self.shape.key_head_dim, self.shape.value_head_dim, self.shape.value_heads, self.h);
+        let (w0, u0) = (GDN_CHUNK, GDN_CHUNK + dk);
+        let scale = E::Acc::from_f64((dk as f64).powf(-0.5));
+        let (mut gamma, mut beta) = ([E::Acc::ZERO; GDN_CHUNK], [E::Acc::ZERO; GDN_CHUNK]);
+        let (mut q_inv, mut k_inv) = ([E::Acc::ZERO; GDN_CHUNK], [E::Acc::ZERO; GDN_CHUNK]);
+        let mut decay = E::Acc::ZERO;
+        for i in 0..n {
+            let t = begin + i;
+            decay += lda::<E::Acc>(self.b.g, t * hv + h);
+            gamma[i] = decay;
+            beta[i] = lda(self.b.beta, t * hv + h);
+            q_inv[i] = self.inv_l2(|c| self.q(t, c)) * scale;
+            k_inv[i] = self.inv_l2(|c| self.k(t, c));
+        }
+        let row = |i: usize| begin + i;
+        // k_i . k_j and q_i . k_j of the normed (and scaled) vectors.
+        let kk = |i: usize, j: usize| {
+            (0..dk).fold(E::Acc::ZERO, |s, c| s + self.k(row(i), c) * self.k(row(j), c)) * k_inv[i] * k_inv[j]
+        };
+        let qk = |i: usize, j: usize| {
+            (0..dk).fold(E::Acc::ZERO, |s, c| s + self.q(row(i), c) * self.k(row(j), c)) * q_inv[i] * k_inv[j]
+        };
+        // A_ij = beta_i exp(gamma_i - gamma_j) k_i . k_j (j < i), then row i of T by forward
+        // substitution: T_im = -sum_{m <= j < i} A_ij T_jm, T_ii = 1; A_im is read before T_im
+        // overwrites it and never after.
+        for i in 0..n {
+            for j in 0..i {
+                self.set(row(i), j, beta[i] * (gamma[i] - gamma[j]).exp() * kk(i, j));
+            }
+            for m in 0..i {
+                let t_im = (m..i).fold(E::Acc::ZERO, |s, j| s + self.get(row(i), j) * self.get(row(j), m));
+                self.set(row(i), m, -t_im);
+            }
+            self.set(row(i), i, E::Acc::ONE);
+        }
+        // W = T (beta exp(gamma) K), U = T (beta V).
+        for i in 0..n {
+            let t_ij = |j: usize| self.get(row(i), j) * beta[j];
+            for c in 0..dk {
+                let w = (0..=i).fold(E::Acc::ZERO, |s, j| s + t_ij(j) * gamma[j].exp() * self.k(row(j), c) * k_inv[j]);
+                self.set(row(i), w0 + c, w);
+            }
+            for c in 0..dv {
+                self.set(row(i), u0 + c, (0..=i).fold(E::Acc::ZERO, |s, j| s + t_ij(j) * self.v(row(j), c)));
+            }
+        }
+        // Delta = U - W S_0 (over U); P over T.
+        for i in 0..n {
+            for c in 0..dv {
+                let ws = (0..dk).fold(E::Acc::ZERO, |s, a| s + self.get(row(i), w0 + a) * self.s(a, c));
+                self.set(row(i), u0 + c, self.get(row(i), u0 + c) - ws);
+            }
+            for j in 0..=i {
+                self.set(row(i), j, (gamma[i] - gamma[j]).exp() * qk(i, j));
+            }
+        }
+        // O = (exp(gamma) Q) S_0 + P Delta.
+        for i in 0..n {
+            let t = row(i);
+            for c in 0..dv {
+                let qs = (0..dk).fold(E::Acc::ZERO, |s, a| s + self.q(t, a) * self.s(a, c)) * q_inv[i];
+                let pd = (0..=i).fold(E::Acc::ZERO, |s, j| s + self.get(t, j) * self.get(row(j), u0 + c));
+                st::<E>(self.b.out, (t * hv + h) * dv + c, gamma[i].exp() * qs + pd);
+            }
+        }
+        // S_n = exp(gamma_n) S_0 + (exp(gamma_n - gamma) K)^T Delta.
+        let last = gamma[n - 1];
+        for a in 0..dk {
+            for c in 0..dv {
+                let kd = (0..n).fold(E::Acc::ZERO, |s, j| {
+                    s + (last - gamma[j]).exp() * self.k(row(j), a) * k_inv[j] * self.get(row(j), u0 + c)
+                });
+                self.set_s(a, c, last.exp() * self.s(a, c) + kd);
+            }
+        }
+    }
+}
+
+impl<E: Elem> GdnOps for GdnTwin<E> {
+    fn conv1d_silu(&self, x: u64, w: u64, y: u64, shape: GdnShape, docs: &[Range<usize>]) -> Result<()> {
+        shape.check_docs(docs)?;
+        let (channels, kernel) = (shape.conv_channels(), shape.conv_kernel);
+        for doc in docs {
+            for t in doc.clone() {
+                let lags = kernel.min(t - doc.start + 1);
+                for c in 0..channels {
+                    let tap =
+                        |lag: usize| ld::<E>(w, c * kernel + kernel - 1 - lag) * ld::<E>(x, (t - lag) * channels + c);
+                    st::<E>(y, t * channels + c, silu((0..lags).fold(E::Acc::ZERO, |s, lag| s + tap(lag))));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn gdn_gates(&self, inp: GateInputs, beta: u64, g: u64, shape: GdnShape) -> Result<()> {
+        shape.check()?;
+        let hv = shape.value_heads;
+        for t in 0..shape.tokens {
+            for h in 0..hv {
+                let i = t * hv + h;
+                sta(beta, i, sigmoid(ld::<E>(inp.b, i)));
+                let a = ld::<E>(inp.a, i) + ld::<E>(inp.dt_bias, h);
+                sta(g, i, -ld::<E>(inp.a_log, h).exp() * softplus(a));
+            }
+        }
+        Ok(())
+    }
+
+    fn gated_delta(&self, b: DeltaBuffers, s: DeltaScratch, shape: GdnShape, docs: &[Range<usize>]) -> Result<()> {
+        shape.check_docs(docs)?;
+        for h in 0..shape.value_heads {
+            let head = Head::<E>::new(b, s, shape, h);
+            for doc in docs {
+                head.zero_state();
+                for begin in doc.clone().step_by(GDN_CHUNK) {
+                    head.chunk(begin, GDN_CHUNK.min(doc.end - begin));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn gated_rms_norm(&self, o: u64, z: u64, w: u64, y: u64, shape: GdnShape, eps: f64) -> Result<()> {
+        shape.check()?;
+        let (dv, eps) = (shape.value_head_dim, E::Acc::from_f64(eps));
+        for r in 0..shape.tokens * shape.value_heads {
+            let base = r * dv;
+            let ss = (0..dv).fold(E::Acc::ZERO, |s, i| s + ld::<E>(o, base + i) * ld::<E>(o, base + i));
+            let inv = E::Acc::ONE / (ss / E::Acc::from_f64(dv as f64) + eps).sqrt();
+            for i in 0..dv {
+                let gate = silu(ld::<E>(z, base + i));
+                st::<E>(y, base + i, ld::<E>(o, base + i) * inv * ld::<E>(w, i) * gate);
+            }
+        }
+        Ok(())
+    }
+}
