@@ -131,8 +131,11 @@ pub struct RunConfig {
     /// Data-parallel drafter workers (`dist::DataParallel`; `host` step: one thread each).
     pub drafter_workers: usize,
     /// Real runs, online: target workers computing the rows' features for the drafter workers
-    /// (`dist::TargetPool`); 0: each drafter worker runs the target itself.
+    /// (`dist::feed`); 0: each drafter worker runs the target itself.
     pub target_workers: usize,
+    /// The `gpu` step: one GPU per worker, target workers first (empty: every worker on GPU 0).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<usize>,
 }
 
 impl Default for RunConfig {
@@ -184,6 +187,7 @@ impl Default for RunConfig {
             target_layer_ids: None,
             drafter_workers: 1,
             target_workers: 0,
+            gpus: Vec::new(),
         }
     }
 }
@@ -266,7 +270,12 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     (
         "target_workers",
         Kind::Int,
-        "real runs, online, host step: target workers feeding the drafter workers (0: each drafter worker runs the target)",
+        "real runs, online: target workers feeding the drafter workers (0: each drafter worker runs the target)",
+    ),
+    (
+        "gpus",
+        Kind::Ints,
+        "gpu step: one GPU per worker, target workers first, e.g. 0,0 for a target and a drafter worker on GPU 0",
     ),
 ];
 
@@ -288,6 +297,7 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "data_cache",
     "drafter_workers",
     "target_workers",
+    "gpus",
 ];
 
 /// The block size of the built-in tiny drafter.
@@ -412,6 +422,59 @@ impl RunConfig {
         self.prompt_len.saturating_add(self.continuation_len)
     }
 
+    /// The `gpu` step's GPUs: (target workers', drafter workers'), every worker on GPU 0
+    /// unless `gpus` lists them.
+    pub fn topology(&self) -> (Vec<usize>, Vec<usize>) {
+        let t = self.target_workers;
+        match self.gpus.is_empty() {
+            true => (vec![0; t], vec![0; self.drafter_workers]),
+            false => (self.gpus[..t.min(self.gpus.len())].to_vec(), self.gpus[t.min(self.gpus.len())..].to_vec()),
+        }
+    }
+
+    /// `gpus` against the workers: one GPU per worker, drafter workers on distinct GPUs (one
+    /// NCCL rank each), target workers on their drafters' GPU (features stay on their device).
+    fn validate_gpus(&self) -> Result<()> {
+        let workers = self.target_workers + self.drafter_workers;
+        if !self.gpus.is_empty() && self.step != StepKind::Gpu {
+            return Err(Error::option(
+                "gpus",
+                format!("GPUs for the `{}` step: `gpus` places the `gpu` step's workers", self.step.name()),
+            ));
+        }
+        if self.step != StepKind::Gpu {
+            return Ok(());
+        }
+        if !self.gpus.is_empty() && self.gpus.len() != workers {
+            return Err(Error::option(
+                "gpus",
+                format!(
+                    "{} GPUs for {} target + {} drafter workers: list one GPU per worker, target workers first",
+                    self.gpus.len(),
+                    self.target_workers,
+                    self.drafter_workers
+                ),
+            ));
+        }
+        let (targets, drafters) = self.topology();
+        if let Some(g) = drafters.iter().enumerate().find_map(|(i, g)| drafters[..i].contains(g).then_some(g)) {
+            return Err(Error::option(
+                "gpus",
+                format!("two drafter workers on GPU {g}: each drafter worker needs a GPU of its own (one NCCL rank each); list them with `gpus`"),
+            ));
+        }
+        if let Some(g) = targets.iter().chain(&drafters).find(|&g| targets.first().is_some_and(|t| t != g)) {
+            return Err(Error::option(
+                "gpus",
+                format!(
+                    "GPU {g} beside GPU {}: the features stay on their target worker's GPU, so target and drafter workers share one GPU (moving features between GPUs is not built yet)",
+                    targets[0]
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Range-checks every option (no file is touched): an error names the option.
     pub fn validate(&self) -> Result<()> {
         let at_least = |name: &str, value: usize, min: usize| {
@@ -455,23 +518,24 @@ impl RunConfig {
             at_least(name, value, 1)?;
         }
         at_least("continuation_len", self.continuation_len, 2)?;
-        if self.drafter_workers > 1 && self.step != StepKind::Host {
+        if self.drafter_workers > 1 && self.step == StepKind::Reference {
             return Err(Error::option(
                 "drafter_workers",
                 format!(
-                    "{} workers with the `{}` step: several drafter workers run the `host` step (one thread each); on GPUs they need several GPUs, which are not supported yet",
-                    self.drafter_workers,
-                    self.step.name()
+                    "{} workers with the `reference` step: several drafter workers run the `host` step (one thread each) or the `gpu` step (one GPU each)",
+                    self.drafter_workers
                 ),
             ));
         }
-        if self.target_workers > 0 && (self.step != StepKind::Host || self.target.is_none() || self.features.is_some())
+        if self.target_workers > 0
+            && (self.step == StepKind::Reference || self.target.is_none() || self.features.is_some())
         {
             return Err(Error::option(
                 "target_workers",
-                "target workers compute features online in a real run with the `host` step (`--target`, no `--features`)",
+                "target workers compute features online in a real run with the `host` or `gpu` step (`--target`, no `--features`)",
             ));
         }
+        self.validate_gpus()?;
         if self.target.is_none() && self.step == StepKind::Gpu && self.builtin_target == BuiltinTarget::Tiny {
             return Err(Error::option(
                 "step",

@@ -28,6 +28,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::config::StepKind;
+use crate::dist::feed::{FedFeatures, FeedEnd};
+use crate::dist::reduce::{Abort, GradReduce};
 use crate::error::{Error, Result};
 use crate::rows::RowSource;
 
@@ -352,13 +354,18 @@ pub struct DeviceEngine<B: Backend> {
     pending: Option<EngineState>,
     /// With [`Frozen::Host`]: the device copies the rows read (made with the step).
     host_tables: Option<HostTables<B>>,
+    /// With [`Frozen::Host`]: target workers' slots on this device hold each row's features.
+    feed: Option<FeedEnd>,
+    /// The all-reduce of the accumulated gradients over the drafter workers, on the device.
+    reduce: Option<Box<dyn GradReduce>>,
 }
 
 /// What a [`Frozen::Host`] engine keeps on the device, stored: the embedding table `[V, H]` the
-/// block embeddings are gathered from, and a row's features `[S, F*H]` uploaded per row.
+/// block embeddings are gathered from, and a row's features `[S, F*H]` uploaded per row (made
+/// on the first row that carries them: none when fed).
 struct HostTables<B: Backend> {
     embed: B::Alloc,
-    features: B::Alloc,
+    features: Option<B::Alloc>,
 }
 
 impl<B: Backend> DeviceEngine<B> {
@@ -382,6 +389,52 @@ impl<B: Backend> DeviceEngine<B> {
             host_copy: None,
             pending: None,
             host_tables: None,
+            feed: None,
+            reduce: None,
+        }
+    }
+
+    /// The same engine fed by target workers on its device: rows carry `[S, 0]` features and
+    /// each row's features are read in place from the slot `feed` gives (needs [`Frozen::Host`]).
+    pub fn with_feed(mut self, feed: FeedEnd) -> Self {
+        self.feed = Some(feed);
+        self
+    }
+
+    /// The same engine summing its accumulated gradients with the other drafter workers'
+    /// through `reduce` (needs an fp32 accumulator: the GPU's, or `Host<f32>`).
+    pub fn with_reduce(mut self, reduce: Box<dyn GradReduce>) -> Self {
+        self.reduce = Some(reduce);
+        self
+    }
+
+    /// Sums the accumulated gradients over the reduction group, making the step for rows of
+    /// `(s, n)` first if needed; `false` without a group.
+    pub fn reduce_on_device(&mut self, (s, n): (usize, usize)) -> Result<bool> {
+        if self.reduce.is_none() {
+            return Ok(false);
+        }
+        if std::mem::size_of::<Acc<B>>() != 4 {
+            return Err(Error::option("engine", "a reduction group needs an fp32 gradient accumulator"));
+        }
+        self.ensure_step(s, n)?;
+        let (step, _) = self.step.as_ref().expect("made above");
+        let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
+        let reduce = self.reduce.as_ref().expect("checked");
+        reduce.all_reduce_sum_f32(step.addr(opt.grad_acc), step.num_params())?;
+        Ok(true)
+    }
+
+    /// Aborts the reduction group (another worker failed), if any.
+    pub fn abort(&self) -> Option<Abort> {
+        self.reduce.as_ref().map(|r| r.abort())
+    }
+
+    /// The next fed row's features (the row must be `row`), when fed.
+    fn next_fed(&mut self, row: &TrainRow) -> Result<Option<FedFeatures>> {
+        match &mut self.feed {
+            None => Ok(None),
+            Some(feed) => feed.next(&row.tokens).map(Some),
         }
     }
 
@@ -427,9 +480,9 @@ impl<B: Backend> DeviceEngine<B> {
         Ok(())
     }
 
-    /// Puts `row`'s input into the step (running the target first when online); returns the
-    /// model FLOPs of the target's forward (0 offline).
-    fn set_row(&mut self, row: &TrainRow, p: &PreparedRow) -> Result<f64> {
+    /// Puts `row`'s input into the step (running the target first when online, reading `fed`'s
+    /// slot when fed); returns the model FLOPs of the target's forward (0 offline).
+    fn set_row(&mut self, row: &TrainRow, p: &PreparedRow, fed: Option<&FedFeatures>) -> Result<f64> {
         self.ensure_step(p.input.layout.context_len, p.input.layout.anchors.len())?;
         let (step, _) = self.step.as_mut().expect("made above");
         match &mut self.frozen {
@@ -440,19 +493,29 @@ impl<B: Backend> DeviceEngine<B> {
                     let embed: Vec<B::Elem> = stored(&head.embed)?;
                     let table = dev.alloc("embedding table", std::mem::size_of_val(&embed[..]))?;
                     dev.upload(table.ptr(), bytes_of(&embed))?;
-                    let features = dev.alloc("features", z.s * z.fw * B::Elem::BYTES)?;
-                    self.host_tables = Some(HostTables { embed: table, features });
+                    self.host_tables = Some(HostTables { embed: table, features: None });
                 }
-                let tables = self.host_tables.as_ref().expect("made above");
+                let tables = self.host_tables.as_mut().expect("made above");
+                if let Some(fed) = fed {
+                    step.set_input_device(fed.addr, tables.embed.ptr(), &p.input, &p.targets)?;
+                    return Ok(fed.flops);
+                }
                 if row.features.dims() != [z.s, z.fw] {
                     return Err(Error::option(
                         "features",
                         format!("shape {:?}, the step expects [{}, {}]", row.features.dims(), z.s, z.fw),
                     ));
                 }
-                step.backend().upload(tables.features.ptr(), bytes_of(&stored::<B::Elem>(&row.features)?))?;
-                step.set_input_device(tables.features.ptr(), tables.embed.ptr(), &p.input, &p.targets)?;
+                if tables.features.is_none() {
+                    tables.features = Some(step.backend().alloc("features", z.s * z.fw * B::Elem::BYTES)?);
+                }
+                let features = tables.features.as_ref().expect("made above").ptr();
+                step.backend().upload(features, bytes_of(&stored::<B::Elem>(&row.features)?))?;
+                step.set_input_device(features, tables.embed.ptr(), &p.input, &p.targets)?;
                 Ok(0.0)
+            }
+            Frozen::Target(_) if fed.is_some() => {
+                Err(Error::option("engine", "fed features with an engine that runs its own target"))
             }
             Frozen::Target(forward) => {
                 let plain = Row {
@@ -480,7 +543,10 @@ impl<B: Backend> DeviceEngine<B> {
         let elem = B::Elem::BYTES as u64;
         let z = step.layout.dims;
         let extra = match &self.frozen {
-            Frozen::Host(head) => (head.embed.elem_count() as u64 + (z.s * z.fw) as u64) * elem,
+            Frozen::Host(head) => {
+                let features = if self.feed.is_some() { 0 } else { (z.s * z.fw) as u64 };
+                (head.embed.elem_count() as u64 + features) * elem
+            }
             Frozen::Target(forward) => forward.layout.bytes,
         };
         Some(step.planned_peak().saturating_add(extra))
@@ -497,15 +563,33 @@ impl<B: Backend> DeviceEngine<B> {
     ) -> Result<Share> {
         self.host_copy = None;
         let b = self.config.block_size;
-        let mut share = Share { loss: 0.0, flops: 0.0, stats: want_stats.then(|| BlockStats::new(b)), failed: None };
-        for (row, p) in rows.iter().filter(|(_, p)| p.targets.total_weight() > 0.0) {
-            share.flops += self.set_row(row, p)? + step_flops(&self.config, p)?;
+        let stats = want_stats.then(|| BlockStats::new(b));
+        let mut share = Share { loss: 0.0, flops: 0.0, stats, failed: None, waited: 0.0 };
+        let result = self.accumulate_into(rows, total, &mut share);
+        self.close_feed_on_error(&result);
+        share.waited = self.feed.as_mut().map_or(0.0, FeedEnd::take_waited);
+        result.map(|()| share)
+    }
+
+    fn accumulate_into(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, share: &mut Share) -> Result<()> {
+        let mut rows = rows.iter();
+        while let Some((row, p)) = rows.next() {
+            // Fed rows come in the order queued: every row, weighted or not.
+            let fed = self.next_fed(row)?;
+            if p.targets.total_weight() == 0.0 {
+                continue;
+            }
+            share.flops += self.set_row(row, p, fed.as_ref())? + step_flops(&self.config, p)?;
             let (step, adam) = self.step.as_mut().expect("made by set_row");
             step.set_record_predictions(share.stats.is_some());
             match step.step(1.0 / total) {
                 Ok(l) => share.loss += l.loss * l.total_weight / total,
                 Err(dflash_optimized::Error::NonFinite { what, .. }) => {
                     share.failed = Some(what);
+                    // The rows left were queued for this worker: take them off the feed.
+                    for (row, _) in rows {
+                        self.next_fed(row)?;
+                    }
                     break;
                 }
                 Err(e) => return Err(e.into()),
@@ -514,8 +598,20 @@ impl<B: Backend> DeviceEngine<B> {
                 stats.add(&step.predictions()?, &p.targets);
             }
             adam.accumulate(step)?;
+            if fed.is_some() {
+                // The step has read the slot (forward and backward) before it goes back.
+                step.backend().synchronize()?;
+            }
         }
-        Ok(share)
+        Ok(())
+    }
+
+    /// After an error the rows still queued for this engine will never be read: dropping the
+    /// feed gives their slots back (the target workers go on) and fails every later fed row.
+    fn close_feed_on_error<T>(&mut self, result: &Result<T>) {
+        if result.is_err() {
+            self.feed = None;
+        }
     }
 
     /// Clips and applies the accumulated gradients: `Ok(norm)`, or `Err(tensor)` when a
@@ -628,13 +724,15 @@ fn step_flops(config: &DraftConfig, p: &PreparedRow) -> Result<f64> {
 }
 
 /// What one engine's rows added to a step: their share of the loss, their model FLOPs, their
-/// block stats, and the first non-finite tensor.
+/// block stats, the first non-finite tensor, and the seconds it waited for fed features.
 #[derive(Clone, Debug)]
 pub struct Share {
     pub loss: f64,
     pub flops: f64,
     pub stats: Option<BlockStats>,
     pub failed: Option<String>,
+    /// Seconds the engine waited for fed features ([`crate::dist::feed`]).
+    pub waited: f64,
 }
 
 impl Share {
@@ -642,6 +740,7 @@ impl Share {
     pub fn merge(&mut self, other: Share) {
         self.loss += other.loss;
         self.flops += other.flops;
+        self.waited += other.waited;
         if let (Some(a), Some(b)) = (&mut self.stats, &other.stats) {
             a.merge(b);
         }
@@ -671,7 +770,7 @@ impl Share {
             stats: self.stats,
             flops: self.flops,
             device_bytes,
-            waits: None,
+            waits: (self.waited > 0.0).then_some((self.waited, 0.0)),
         }
     }
 }
@@ -696,6 +795,7 @@ pub fn prepare_rows<'a>(
 impl<B: Backend> StepEngine for DeviceEngine<B> {
     fn name(&self) -> String {
         match self.frozen {
+            Frozen::Host(_) if self.feed.is_some() => "device, fed by target workers".into(),
             Frozen::Host(_) => "device".into(),
             Frozen::Target(_) => "device, online target".into(),
         }
@@ -778,20 +878,35 @@ impl<B: Backend> StepEngine for DeviceEngine<B> {
     /// Each row through the step with predictions recorded and no update (its gradients are
     /// overwritten by the next step and never accumulated).
     fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
+        let result = self.evaluate_rows(rows, max_anchors, gamma, seed);
+        self.close_feed_on_error(&result);
+        if let Some(feed) = &mut self.feed {
+            feed.take_waited();
+        }
+        result
+    }
+}
+
+impl<B: Backend> DeviceEngine<B> {
+    fn evaluate_rows(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
         let b = self.config.block_size;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut eval = Evaluation::new(b);
         for i in 0..rows.len() {
             let row = rows.row(i)?;
+            let fed = self.next_fed(&row)?;
             let p = PreparedRow::new(&row, max_anchors, b, gamma, &mut rng)?;
             if p.targets.total_weight() == 0.0 {
                 continue;
             }
-            self.set_row(&row, &p)?;
+            self.set_row(&row, &p, fed.as_ref())?;
             let (step, _) = self.step.as_mut().expect("made by set_row");
             step.set_record_predictions(true);
             let l = step.step(1.0)?;
             eval.add(l.loss * l.total_weight, &step.predictions()?, &p.targets);
+            if fed.is_some() {
+                step.backend().synchronize()?;
+            }
         }
         if let Some((step, _)) = self.step.as_mut() {
             step.set_record_predictions(false);

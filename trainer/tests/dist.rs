@@ -1,17 +1,24 @@
 //! Data parallelism on the CPU (`DataParallel` over `DeviceEngine<Host<f32>>` workers, one
-//! thread each, the in-process all-reduce in worker order): 2 and 3 workers train like 1 with
-//! the same rows per step; a checkpoint of a 2-worker run resumes on 1 and on 3 workers with the
-//! same next losses; a worker that fails mid-run stops the run with its error, naming it.
+//! thread each; gradients summed on the host in worker order, or where they live through the
+//! in-process group that is NCCL's twin): 2 and 3 workers train like 1 with the same rows per
+//! step; a checkpoint of a 2-worker run resumes on 1 and on 3 workers with the same next losses;
+//! target workers feeding the drafter workers' slots train like the rows' own features; a
+//! drafter or target worker that fails mid-run stops the run with its error, naming it, also
+//! while the others wait in the all-reduce.
 
 use std::sync::Arc;
 
 use dflash_optimized::backend::host::Host;
+use dflash_optimized::backend::{Allocation, Backend};
 use dflash_optimized::memory::step::Checkpointing;
+use dflash_optimized::ops::{bytes_of, stored};
 use dflash_reference::data::TrainRow;
 use dflash_reference::eval::EvalReport;
 use dflash_reference::train::PreparedRow;
 use dflash_trainer::builtin::{self, BuiltinSetup};
 use dflash_trainer::config::RunConfig;
+use dflash_trainer::dist::feed::{FeedEnd, FeedPool, MakeSlotFill, SlotFill};
+use dflash_trainer::dist::reduce::{Abort, HostGroup};
 use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
 use dflash_trainer::engine::{DeviceEngine, EngineState, Frozen, Share, StepBatch, StepEngine};
 use dflash_trainer::rows::RowSource;
@@ -46,6 +53,53 @@ fn workers(count: usize, setup: &Arc<BuiltinSetup>, c: &RunConfig) -> DataParall
     let (setup2, c2) = (setup.clone(), c.clone());
     let make: Arc<MakeReplica> = Arc::new(move |_| Ok(Box::new(engine(&setup2, &c2)) as Box<dyn Replica>));
     DataParallel::new(count, setup.draft_config.clone(), make).expect("workers")
+}
+
+/// The same, each engine summing its gradients through one rank of an in-process group and
+/// fed by `ends` when given.
+fn grouped(count: usize, setup: &Arc<BuiltinSetup>, c: &RunConfig, ends: Vec<FeedEnd>) -> DataParallel {
+    let ranks = std::sync::Mutex::new(HostGroup::ranks(count).into_iter().map(Some).collect::<Vec<_>>());
+    let ends = std::sync::Mutex::new(ends.into_iter().map(Some).collect::<Vec<_>>());
+    let (setup2, c2) = (setup.clone(), c.clone());
+    let make: Arc<MakeReplica> = Arc::new(move |k| {
+        let rank = ranks.lock().unwrap()[k].take().expect("one rank per worker");
+        let mut e = engine(&setup2, &c2).with_reduce(Box::new(rank));
+        if let Some(end) = ends.lock().unwrap().get_mut(k).and_then(Option::take) {
+            e = e.with_feed(end);
+        }
+        Ok(Box::new(e) as Box<dyn Replica>)
+    });
+    DataParallel::new(count, setup.draft_config.clone(), make).expect("workers")
+}
+
+/// A target worker's twin for the built-in rows: a row's features (looked up by its tokens)
+/// copied into a host slot, as a target's forward would write them.
+struct Lookup {
+    setup: Arc<BuiltinSetup>,
+    dev: Host<f32>,
+    slots: Vec<<Host<f32> as Backend>::Alloc>,
+}
+
+impl SlotFill for Lookup {
+    fn fill(&mut self, slot: usize, row: &dflash_reference::data::Row) -> dflash_trainer::Result<(u64, f64)> {
+        let rows = self.setup.data.iter().chain(&self.setup.held_out);
+        let r = rows.into_iter().find(|r| r.tokens == row.tokens).expect("a built-in row");
+        let values: Vec<f32> = stored(&r.features)?;
+        let dst = self.slots[slot].ptr();
+        self.dev.upload(dst, bytes_of(&values))?;
+        Ok((dst, 0.0))
+    }
+}
+
+fn lookup_feed(targets: usize, drafters: usize, setup: &Arc<BuiltinSetup>) -> (FeedPool, Vec<FeedEnd>) {
+    let setup = setup.clone();
+    let make: Arc<MakeSlotFill> = Arc::new(move |_, count| {
+        let dev = Host::<f32>::default();
+        let bytes = setup.data[0].features.elem_count() * 4;
+        let slots = (0..count).map(|i| dev.alloc(&format!("slot {i}"), bytes)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(Lookup { setup: setup.clone(), dev, slots }) as Box<dyn SlotFill>)
+    });
+    FeedPool::new(targets, drafters, make).expect("feed")
 }
 
 /// Step `step`'s batch: 4 rows of the data, as one micro-batch.
@@ -168,6 +222,12 @@ impl Replica for Failing {
     ) -> dflash_trainer::Result<EvalReport> {
         Replica::evaluate(&mut self.inner, rows, n, gamma, seed)
     }
+    fn reduce_on_device(&mut self, shape: (usize, usize)) -> dflash_trainer::Result<bool> {
+        Replica::reduce_on_device(&mut self.inner, shape)
+    }
+    fn abort(&self) -> Option<Abort> {
+        Replica::abort(&self.inner)
+    }
 }
 
 #[test]
@@ -199,20 +259,104 @@ fn a_failing_worker_stops_the_run_with_its_error() {
     assert!(message.contains("drafter worker 2") && message.contains("no such GPU"), "{message}");
 }
 
-/// A target worker that fails stops the step with its error, naming it.
+/// The in-process group (NCCL's twin) sums where the gradients live: 2 and 3 workers train like
+/// 1, and like the host-summed workers.
+#[test]
+fn workers_reducing_in_their_group_train_like_one() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let want = losses(&mut engine(&setup, &c), &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(6));
+    for count in [1, 2, 3] {
+        let mut dp = grouped(count, &setup, &c, Vec::new());
+        let got = losses(&mut dp, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(6));
+        close(&got, &want, &format!("{count} workers in a group"));
+    }
+}
+
+/// Target workers feeding the drafter workers' slots (rows queued interleaved, slots given back
+/// after each step): the same features as the rows carry, so 1 target + 1 drafter worker gives
+/// the one engine's losses bitwise, and 2 targets + 2 drafters within the grouping bound; the
+/// train steps say how long each side waited.
+#[test]
+fn fed_workers_train_like_the_rows_own_features() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let want = losses(&mut engine(&setup, &c), &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(2));
+    let (pool, ends) = lookup_feed(1, 1, &setup);
+    let mut one = grouped(1, &setup, &c, ends).with_feed(pool);
+    let got = losses(&mut one, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(2));
+    assert_eq!(got, want, "1 target + 1 drafter worker");
+    assert!(one.name().contains("fed by 1 target workers"), "{}", one.name());
+    let (pool, ends) = lookup_feed(2, 2, &setup);
+    let mut two = grouped(2, &setup, &c, ends).with_feed(pool);
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut got = Vec::new();
+    for s in 0..5 {
+        let outcome = two.step(&batch(&setup, s, &c), &mut rng).expect("step");
+        let (drafters, targets) = outcome.waits.expect("a fed step reports its waits");
+        assert!(drafters >= 0.0 && targets >= 0.0);
+        got.push(outcome.loss);
+    }
+    close(&got, &want, "2 target + 2 drafter workers");
+    // Evaluation on worker 0 reads fed rows too: the same report as the one engine's.
+    let held: &dyn RowSource = &setup.held_out;
+    let (a, b) = (two.evaluate(held, 6, 4.0, 1).unwrap(), {
+        let mut e = engine(&setup, &c);
+        StepEngine::restore(&mut e, &two.state().unwrap()).unwrap();
+        StepEngine::evaluate(&mut e, held, 6, 4.0, 1).unwrap()
+    });
+    assert!((a.loss - b.loss).abs() <= DP_F32 * b.loss.abs(), "{} vs {}", a.loss, b.loss);
+}
+
+/// A drafter worker that fails while the others wait in the group's all-reduce: the run stops
+/// at once with its error (the others' reductions aborted, no hang).
+#[test]
+fn a_failing_worker_stops_the_group_at_once() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let ranks = std::sync::Mutex::new(HostGroup::ranks(3).into_iter().map(Some).collect::<Vec<_>>());
+    let (setup2, c2) = (setup.clone(), c.clone());
+    let make: Arc<MakeReplica> = Arc::new(move |k| {
+        let rank = ranks.lock().unwrap()[k].take().expect("one rank per worker");
+        let inner = engine(&setup2, &c2).with_reduce(Box::new(rank));
+        Ok(match k {
+            2 => Box::new(Failing { inner, calls: 0, fail_at: 2 }) as Box<dyn Replica>,
+            _ => Box::new(inner),
+        })
+    });
+    let mut dp = DataParallel::new(3, setup.draft_config.clone(), make).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    dp.step(&batch(&setup, 0, &c), &mut rng).expect("the first step runs");
+    let started = std::time::Instant::now();
+    let message = dp.step(&batch(&setup, 1, &c), &mut rng).unwrap_err().to_string();
+    assert!(message.contains("drafter worker 2") && message.contains("out of memory (injected)"), "{message}");
+    assert!(started.elapsed().as_secs() < 10, "stopped after {:?}", started.elapsed());
+    // Nothing more is sent to workers that may be mid-command.
+    let again = dp.step(&batch(&setup, 2, &c), &mut rng).unwrap_err().to_string();
+    assert!(again.contains("earlier error"), "{again}");
+}
+
+/// A target worker that fails stops the step with its error, naming it; so does one whose
+/// forward cannot be made, before any step.
 #[test]
 fn a_failing_target_worker_stops_the_run_with_its_error() {
     struct Broken;
-    impl dflash_trainer::dist::FeatureSource for Broken {
-        fn features(&mut self, _: &dflash_reference::data::Row) -> dflash_trainer::Result<candle_core::Tensor> {
+    impl SlotFill for Broken {
+        fn fill(&mut self, _: usize, _: &dflash_reference::data::Row) -> dflash_trainer::Result<(u64, f64)> {
             Err(dflash_trainer::Error::option("target", "the forward failed (injected)"))
         }
     }
     let c = config();
     let setup = Arc::new(builtin::setup(&c).expect("setup"));
-    let make: Arc<dflash_trainer::dist::MakeFeatures> = Arc::new(|_| Ok(Box::new(Broken) as _));
-    let pool = dflash_trainer::dist::TargetPool::new(2, 1, make).unwrap();
-    let mut dp = workers(2, &setup, &c).with_targets(pool);
+    let make: Arc<MakeSlotFill> = Arc::new(|_, _| Ok(Box::new(Broken) as _));
+    let (pool, ends) = FeedPool::new(2, 2, make).unwrap();
+    let mut dp = grouped(2, &setup, &c, ends).with_feed(pool);
     let message = dp.step(&batch(&setup, 0, &c), &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
     assert!(message.contains("target worker 0") && message.contains("the forward failed (injected)"), "{message}");
+    let make: Arc<MakeSlotFill> = Arc::new(|t, _| match t {
+        1 => Err(dflash_trainer::Error::option("device", "no such GPU")),
+        _ => Ok(Box::new(Broken) as _),
+    });
+    let message = FeedPool::new(2, 1, make).err().expect("refused").to_string();
+    assert!(message.contains("target worker 1") && message.contains("no such GPU"), "{message}");
 }

@@ -49,7 +49,12 @@ const OPTIONS: &[&str] = &["out", "commit", "step"];
 
 /// Opens GPU 0, or says why there is none and how to run on the GPU machine.
 pub fn open_gpu() -> Result<Gpu, String> {
-    match Gpu::open(0).map_err(|e| e.to_string())? {
+    open_gpu_at(0)
+}
+
+/// GPU `ordinal`, or an error saying there is none here.
+pub fn open_gpu_at(ordinal: usize) -> Result<Gpu, String> {
+    match Gpu::open(ordinal).map_err(|e| e.to_string())? {
         Some(gpu) => Ok(gpu),
         None => Err("no CUDA GPU here (no driver library libcuda.so, or no device); run on the GPU machine: \
                      `cargo xtask gpu-bundle` prints the command"

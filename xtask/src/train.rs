@@ -12,6 +12,8 @@ use std::time::Instant;
 use candle_core::DType;
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::host::Host;
+use dflash_optimized::device::gpu::Gpu;
+use dflash_optimized::device::nccl::{self, Rank};
 use dflash_optimized::flops::PEAK_FLOPS;
 use dflash_optimized::memory::step::{Checkpointing, StepShape};
 use dflash_optimized::model::target_forward::TargetForward;
@@ -23,7 +25,9 @@ use dflash_reference::target::TargetModel;
 use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
 use dflash_trainer::config::{known_flags, options_help, RunConfig, StepKind, FIELDS};
-use dflash_trainer::dist::{DataParallel, FeatureSource, MakeFeatures, MakeReplica, Replica, TargetPool};
+use dflash_trainer::dist::feed::{FeedEnd, FeedPool, MakeSlotFill, SlotFill, TargetSlots};
+use dflash_trainer::dist::reduce::HostGroup;
+use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
 use dflash_trainer::engine::{CpuEngine, DeviceEngine, Frozen, StepEngine};
 use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
@@ -265,25 +269,38 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
     let eval_before =
         evaluate(&drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
     let mut engine: Box<dyn StepEngine> = match config.step {
-        StepKind::Gpu => {
-            let gpu = crate::gpu_conformance::open_gpu()?;
+        StepKind::Gpu if config.drafter_workers == 1 => {
+            let gpu = crate::gpu_conformance::open_gpu_at(config.topology().1[0])?;
             println!("step on {}", gpu.name());
             let d = setup.draft_config.dims.head_dim;
             let make = move || Cuda::new(&gpu, d);
             let adamw = builtin::adamw_config(&config);
             Box::new(DeviceEngine::new(make, drafter, Frozen::Host(head.clone()), adamw, Checkpointing::PerLayer))
         }
+        StepKind::Gpu => {
+            let (c, draft, frozen_head) = (config.clone(), setup.draft_config.clone(), head.clone());
+            let engine: Arc<GpuEngine> = Arc::new(move |_, gpu| {
+                let (drafter, d) = (builtin::init_drafter(&c, &draft)?, draft.dims.head_dim);
+                let frozen = Frozen::Host(frozen_head.clone());
+                Ok(DeviceEngine::new(
+                    move || Cuda::new(&gpu, d),
+                    drafter,
+                    frozen,
+                    builtin::adamw_config(&c),
+                    Checkpointing::PerLayer,
+                ))
+            });
+            Box::new(gpu_workers(&config.topology().1, &setup.draft_config, engine)?)
+        }
         StepKind::Host if config.drafter_workers > 1 => {
             let (c, draft, frozen_head) = (config.clone(), setup.draft_config.clone(), head.clone());
-            let make: Arc<MakeReplica> = Arc::new(move |_| {
+            let engine: Arc<HostEngine> = Arc::new(move |_| {
                 let drafter = builtin::init_drafter(&c, &draft)?;
                 let frozen = Frozen::Host(frozen_head.clone());
                 let adamw = builtin::adamw_config(&c);
-                let policy = Checkpointing::PerLayer;
-                Ok(Box::new(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, policy))
-                    as Box<dyn Replica>)
+                Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, Checkpointing::PerLayer))
             });
-            Box::new(DataParallel::new(config.drafter_workers, setup.draft_config.clone(), make).map_err(err)?)
+            Box::new(host_workers(config.drafter_workers, &setup.draft_config, engine)?)
         }
         kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
     };
@@ -410,62 +427,100 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
     };
     let ids = d.target_layer_ids.clone();
     let online = setup.cache.is_none();
+    let (dir, max_len) = (setup.target_dir.clone(), config.max_len);
+    let targets = config.target_workers;
     let mut engine: Box<dyn StepEngine> = match config.step {
         StepKind::Gpu => {
-            let gpu = crate::gpu_conformance::open_gpu()?;
+            let (target_gpus, drafter_gpus) = config.topology();
             let head_dim = d.dims.head_dim;
-            let frozen = match online {
-                true => {
-                    let cuda = Cuda::new(&gpu, head_dim).map_err(|e| e.to_string())?;
-                    let mut forward =
-                        TargetForward::new(cuda, t, &ids, config.max_len, true).map_err(|e| e.to_string())?;
-                    let w = weights()?;
-                    forward.load_weights(|n, s| w.get(n, s, DType::BF16)).map_err(|e| e.to_string())?;
-                    Frozen::Target(Box::new(forward))
-                }
-                false => Frozen::Host(host_head(DType::F32)?),
+            // The target's forward on `gpu`, bf16 (with the LM head when the step shares it).
+            let (target, ids) = (t.clone(), ids.clone());
+            let forward = move |cuda: Cuda, with_lm_head: bool| -> dflash_trainer::Result<TargetForward<Cuda>> {
+                let mut f = TargetForward::new(cuda, &target, &ids, max_len, with_lm_head)?;
+                let w = WeightSet::load_dir(&dir)?;
+                f.load_weights(|n, s| w.get(n, s, DType::BF16))?;
+                Ok(f)
             };
-            println!("step on {}", gpu.name());
-            Box::new(DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy))
+            if targets == 0 && drafter_gpus.len() == 1 {
+                let gpu = crate::gpu_conformance::open_gpu_at(drafter_gpus[0])?;
+                let frozen = match online {
+                    true => {
+                        let cuda = Cuda::new(&gpu, head_dim).map_err(|e| e.to_string())?;
+                        Frozen::Target(Box::new(forward(cuda, true).map_err(err)?))
+                    }
+                    false => Frozen::Host(host_head(DType::F32)?),
+                };
+                println!("step on {}", gpu.name());
+                Box::new(DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy))
+            } else {
+                // Target workers on their GPUs (a stream of their own beside the drafter's).
+                let forward_for_fill = forward.clone();
+                let fill: Arc<MakeSlotFill> = Arc::new(move |k, slots| {
+                    let gpu = Gpu::open_own_stream(target_gpus[k])?
+                        .ok_or_else(|| dflash_trainer::Error::option("gpus", format!("no GPU {}", target_gpus[k])))?;
+                    let f = forward_for_fill(Cuda::new(&gpu, head_dim)?, false)?;
+                    Ok(Box::new(TargetSlots::new(f, slots)?) as Box<dyn SlotFill>)
+                });
+                let (feed, ends) = feed(targets, drafter_gpus.len(), fill)?;
+                let head = match online && targets == 0 {
+                    true => None,
+                    false => Some(host_head(DType::F32)?),
+                };
+                let (draft, seed) = (d.clone(), config.seed);
+                let engine: Arc<GpuEngine> = Arc::new(move |k, gpu| {
+                    let frozen = match &head {
+                        None => Frozen::Target(Box::new(forward(Cuda::new(&gpu, head_dim)?, true)?)),
+                        Some(head) => Frozen::Host(head.clone()),
+                    };
+                    let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
+                    let e =
+                        DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw.clone(), policy);
+                    Ok(fed(e, &ends, k))
+                });
+                let workers = gpu_workers(&drafter_gpus, d, engine)?;
+                Box::new(match feed {
+                    Some(feed) => workers.with_feed(feed),
+                    None => workers,
+                })
+            }
         }
         StepKind::Host => {
             // One engine per worker, made in its thread: its own target forward (online, without
             // target workers), or the tables on the host (offline, or fed by target workers).
-            let (dir, target, max_len) = (setup.target_dir.clone(), t.clone(), config.max_len);
+            let target = t.clone();
             let forward = move |with_lm_head: bool| -> dflash_trainer::Result<TargetForward<Host<f32>>> {
                 let mut f = TargetForward::new(Host::<f32>::default(), &target, &ids, max_len, with_lm_head)?;
                 let w = WeightSet::load_dir(&dir)?;
                 f.load_weights(|n, s| w.get(n, s, DType::F32))?;
                 Ok(f)
             };
-            let head = match online && config.target_workers == 0 {
+            let head = match online && targets == 0 {
                 true => None,
                 false => Some(host_head(DType::F32)?),
             };
+            let forward_for_fill = forward.clone();
+            let fill: Arc<MakeSlotFill> = Arc::new(move |_, slots| {
+                Ok(Box::new(TargetSlots::new(forward_for_fill(false)?, slots)?) as Box<dyn SlotFill>)
+            });
+            let (feed, ends) = feed(targets, config.drafter_workers, fill)?;
             let (draft, seed) = (d.clone(), config.seed);
-            let forward_for_engine = forward.clone();
-            let make = move || -> dflash_trainer::Result<DeviceEngine<Host<f32>>> {
+            let engine: Arc<HostEngine> = Arc::new(move |k| {
                 let frozen = match &head {
-                    None => Frozen::Target(Box::new(forward_for_engine(true)?)),
+                    None => Frozen::Target(Box::new(forward(true)?)),
                     Some(head) => Frozen::Host(head.clone()),
                 };
                 let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
-                Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy))
-            };
-            match (config.drafter_workers, config.target_workers) {
-                (1, 0) => Box::new(make().map_err(err)?),
-                (n, targets) => {
-                    let replica: Arc<MakeReplica> = Arc::new(move |_| Ok(Box::new(make()?) as Box<dyn Replica>));
-                    let workers = DataParallel::new(n, d.clone(), replica).map_err(err)?;
-                    match targets {
-                        0 => Box::new(workers),
-                        _ => {
-                            // Target workers compute the features; the drafter workers read them from the rows.
-                            let features: Arc<MakeFeatures> =
-                                Arc::new(move |_| Ok(Box::new(forward(false)?) as Box<dyn FeatureSource>));
-                            Box::new(workers.with_targets(TargetPool::new(targets, 2, features).map_err(err)?))
-                        }
-                    }
+                let e = DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy);
+                Ok(fed(e, &ends, k))
+            });
+            match (config.drafter_workers, feed) {
+                (1, None) => Box::new(engine(0).map_err(err)?),
+                (n, feed) => {
+                    let workers = host_workers(n, d, engine)?;
+                    Box::new(match feed {
+                        Some(feed) => workers.with_feed(feed),
+                        None => workers,
+                    })
                 }
             }
         }
@@ -510,6 +565,62 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
     }
     report_files(&config, &summary, &final_dir, &svg, started);
     Ok(())
+}
+
+/// Makes drafter worker `k`'s engine on its GPU, in the worker's thread.
+type GpuEngine = dyn Fn(usize, Gpu) -> dflash_trainer::Result<DeviceEngine<Cuda>> + Send + Sync;
+/// Makes drafter worker `k`'s engine on the CPU twins, in the worker's thread.
+type HostEngine = dyn Fn(usize) -> dflash_trainer::Result<DeviceEngine<Host<f32>>> + Send + Sync;
+/// Each drafter worker's end of the feed, taken once by the worker that owns it.
+type FeedEnds = std::sync::Mutex<Vec<Option<FeedEnd>>>;
+
+/// Data-parallel drafter workers on `gpus` (one each), their gradients summed through NCCL
+/// (one rank per worker, even alone: the same path at every count).
+fn gpu_workers(gpus: &[usize], d: &DraftConfig, engine: Arc<GpuEngine>) -> Result<DataParallel, String> {
+    let id = nccl::unique_id().map_err(|e| e.to_string())?;
+    let (listed, world) = (gpus.to_vec(), gpus.len());
+    let make: Arc<MakeReplica> = Arc::new(move |k| {
+        let gpus = &listed;
+        let gpu =
+            Gpu::open(gpus[k])?.ok_or_else(|| dflash_trainer::Error::option("gpus", format!("no GPU {}", gpus[k])))?;
+        let rank = Rank::join(&gpu, k, world, &id)?;
+        Ok(Box::new(engine(k, gpu)?.with_reduce(Box::new(rank))) as Box<dyn Replica>)
+    });
+    let workers = DataParallel::new(world, d.clone(), make).map_err(|e| e.to_string())?;
+    println!("drafter workers on GPUs {gpus:?}, gradients all-reduced through NCCL");
+    Ok(workers)
+}
+
+/// `count` data-parallel drafter workers on the CPU twins, their gradients summed through the
+/// in-process group (NCCL's twin).
+fn host_workers(count: usize, d: &DraftConfig, engine: Arc<HostEngine>) -> Result<DataParallel, String> {
+    let ranks = std::sync::Mutex::new(HostGroup::ranks(count).into_iter().map(Some).collect::<Vec<_>>());
+    let make: Arc<MakeReplica> = Arc::new(move |k| {
+        let rank = ranks.lock().ok().and_then(|mut r| r[k].take());
+        let rank =
+            rank.ok_or_else(|| dflash_trainer::Error::option("drafter_workers", format!("worker {k} made twice")))?;
+        Ok(Box::new(engine(k)?.with_reduce(Box::new(rank))) as Box<dyn Replica>)
+    });
+    DataParallel::new(count, d.clone(), make).map_err(|e| e.to_string())
+}
+
+/// `targets` target workers feeding `drafters` drafter workers through `fill` (none without
+/// target workers), and the drafter workers' ends.
+fn feed(targets: usize, drafters: usize, fill: Arc<MakeSlotFill>) -> Result<(Option<FeedPool>, Arc<FeedEnds>), String> {
+    if targets == 0 {
+        return Ok((None, Arc::new(std::sync::Mutex::new(Vec::new()))));
+    }
+    let (pool, ends) = FeedPool::new(targets, drafters, fill).map_err(|e| e.to_string())?;
+    println!("{targets} target workers feeding {drafters} drafter workers (features read in place)");
+    Ok((Some(pool), Arc::new(std::sync::Mutex::new(ends.into_iter().map(Some).collect()))))
+}
+
+/// `engine` with drafter worker `k`'s end of the feed, when fed.
+fn fed<B: dflash_optimized::backend::Backend>(engine: DeviceEngine<B>, ends: &FeedEnds, k: usize) -> DeviceEngine<B> {
+    match ends.lock().ok().and_then(|mut e| e.get_mut(k).and_then(Option::take)) {
+        Some(end) => engine.with_feed(end),
+        None => engine,
+    }
 }
 
 /// Model FLOPs of one real row at `S` (the target's forward over one document of `S` tokens, the

@@ -505,8 +505,15 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--target-layer-ids", "1,x"], &["--target-layer-ids", "comma-separated whole numbers"]);
     fails(&["--packing", "maybe"], &["--packing", "yes or no"]);
     fails(&["--drafter-workers", "0"], &["drafter_workers", "at least 1"]);
-    fails(&["--drafter-workers", "2", "--step", "gpu"], &["drafter_workers", "host"]);
+    fails(&["--drafter-workers", "2", "--step", "reference"], &["drafter_workers", "host", "gpu"]);
     fails(&["--target-workers", "1", "--step", "reference"], &["target_workers", "host"]);
+    // The GPUs: one per worker, drafter workers on GPUs of their own, targets beside them.
+    fails(&["--gpus", "0", "--step", "host"], &["gpus", "`host` step"]);
+    let gpu = |extra: &[&'static str]| [&["--step", "gpu"], extra].concat();
+    fails(&gpu(&["--gpus", "0", "--target-workers", "1"]), &["gpus", "1 GPUs for 1 target + 1 drafter workers"]);
+    fails(&gpu(&["--drafter-workers", "2"]), &["gpus", "two drafter workers on GPU 0"]);
+    fails(&gpu(&["--gpus", "1,1", "--drafter-workers", "2"]), &["gpus", "two drafter workers on GPU 1"]);
+    fails(&gpu(&["--gpus", "0,1", "--target-workers", "1"]), &["gpus", "GPU 1 beside GPU 0", "not built yet"]);
     let cached = tmp.path().join("nothing").to_str().unwrap().to_string();
     fails(&["--target-workers", "1", "--features", &cached], &["target_workers", "no `--features`"]);
     // A mask token the data holds (a token of the first conversation).
@@ -661,6 +668,14 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     assert!(result.status.success(), "{}", text(&result.stderr));
     assert!(text(&result.stdout).contains("fed by 1 target workers"), "{}", text(&result.stdout));
     close(&loss_values(&fed), &want, "1 target + 2 drafter workers vs 1");
+    // 1 target worker feeding 1 drafter worker: the single engine's losses bitwise (the same
+    // features, read from the target worker's slot instead of the engine's own forward).
+    let pair = tmp.path().join("pair");
+    let mut args = real_args(&target, &cache, &pair, &["--step", "host", "--steps", "6", "--rows-per-step", "3"]);
+    args.extend(["--target-workers", "1"].map(String::from));
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    assert_eq!(loss_values(&pair), want, "1 target + 1 drafter worker vs 1");
     let lines = dflash_trainer::metrics::read_lines(&fed.join("metrics.jsonl")).unwrap();
     let train: Vec<_> = lines.iter().filter(|v| v["kind"] == "train").collect();
     assert!(train

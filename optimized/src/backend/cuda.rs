@@ -87,6 +87,10 @@ impl Backend for Cuda {
         copy_device::<u8>(&self.stream, dst, src, bytes)
     }
 
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| crate::Error::Gpu(format!("synchronizing the stream: {e}")))
+    }
+
     fn ops(&self) -> &ElementwiseKernels {
         &self.kernels
     }

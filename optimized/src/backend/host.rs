@@ -110,6 +110,10 @@ impl<E: Elem> Backend for Host<E> {
         Ok(())
     }
 
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn ops(&self) -> &ElementwiseTwin<E> {
         &self.ops
     }

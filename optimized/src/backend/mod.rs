@@ -39,6 +39,8 @@ pub trait Backend {
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()>;
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()>;
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+    /// Waits for the work queued so far (before another worker reads what it wrote).
+    fn synchronize(&self) -> Result<()>;
     fn ops(&self) -> &Self::Ops;
     /// `c [m, n] = a @ b + beta * c`, accumulating in the arithmetic type.
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()>;

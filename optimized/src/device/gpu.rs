@@ -7,8 +7,9 @@
 //! driver or a device (the CPU path is used there), and compiling a kernel fails with an error,
 //! not a panic, when NVRTC is not found (`LD_LIBRARY_PATH=/usr/local/cuda/lib64` on the H200).
 //!
-//! All work goes to one stream, the context's default (null) stream, so that allocations, kernels
-//! and copies are ordered without events; device memory comes from the device's default memory
+//! All work goes to one stream, the context's default (null) stream (a second worker on the same
+//! GPU opens it with a stream of its own), so that allocations, kernels and copies are ordered
+//! without events; device memory comes from the device's default memory
 //! pool (stream-ordered allocation), whose release threshold is raised so that freed memory is
 //! kept for reuse instead of being returned to the driver at every synchronisation.
 
@@ -48,13 +49,24 @@ impl Gpu {
     /// (a machine without a GPU); an error when the driver fails otherwise, or when `ordinal` is
     /// not below the number of devices.
     pub fn open(ordinal: usize) -> Result<Option<Gpu>> {
+        Self::open_on(ordinal, false)
+    }
+
+    /// [`Gpu::open`] with a stream of its own (non-blocking) instead of the device's default
+    /// stream: a second worker on the same GPU (a target worker beside a drafter worker) whose
+    /// work overlaps the other's.
+    pub fn open_own_stream(ordinal: usize) -> Result<Option<Gpu>> {
+        Self::open_on(ordinal, true)
+    }
+
+    fn open_on(ordinal: usize, own_stream: bool) -> Result<Option<Gpu>> {
         // SAFETY: only tries to load the driver library (and unloads it again).
         if !unsafe { sys::is_culib_present() } {
             return Ok(None);
         }
         // cudarc resolves each driver function on first use and panics when the library lacks it
         // (a driver older than the CUDA 13.0 API it was built for): that becomes an error.
-        catch_unwind(AssertUnwindSafe(|| Self::open_with_driver(ordinal))).unwrap_or_else(|panic| {
+        catch_unwind(AssertUnwindSafe(|| Self::open_with_driver(ordinal, own_stream))).unwrap_or_else(|panic| {
             let message = panic
                 .downcast_ref::<String>()
                 .map(String::as_str)
@@ -66,7 +78,7 @@ impl Gpu {
         })
     }
 
-    fn open_with_driver(ordinal: usize) -> Result<Option<Gpu>> {
+    fn open_with_driver(ordinal: usize, own_stream: bool) -> Result<Option<Gpu>> {
         let count = match CudaContext::device_count() {
             Ok(count) => usize::try_from(count).unwrap_or(0),
             Err(DriverError(sys::CUresult::CUDA_ERROR_NO_DEVICE)) => 0,
@@ -84,7 +96,10 @@ impl Gpu {
         // SAFETY: all work of this context goes to its one stream (see the module doc), which
         // orders every access; cudarc's per-buffer events would only add overhead to launches.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        let stream = match own_stream {
+            true => ctx.new_stream().map_err(|e| driver_error(&format!("creating a stream on GPU {ordinal}"), e))?,
+            false => ctx.default_stream(),
+        };
         let gpu = Gpu { ctx, stream, name, modules: Mutex::new(HashMap::new()) };
         if gpu.ctx.has_async_alloc() {
             let mut keep_all = u64::MAX;

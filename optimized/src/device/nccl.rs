@@ -1,0 +1,111 @@
+//! NCCL over the drafter GPUs (spec section 9): one rank per GPU, made and used in that GPU's
+//! thread (an NCCL communicator is neither Send nor Sync), queued on its GPU's stream. The
+//! library (`libnccl.so`) is opened at run time on first use; a machine without it gets an error
+//! naming it, not a panic.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use cudarc::nccl::{result, sys};
+
+use super::gpu::Gpu;
+use crate::{Error, Result};
+
+/// The 128-byte id rank 0 makes and every rank joins with.
+pub type UniqueId = [std::ffi::c_char; 128];
+
+/// Runs an NCCL call, turning the loader's panic (no `libnccl.so`) into an error.
+fn nccl<T>(what: &str, call: impl FnOnce() -> std::result::Result<T, result::NcclError>) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(call)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Error::Gpu(format!("NCCL {what}: {e:?}"))),
+        Err(_) => Err(Error::Gpu(format!("NCCL {what}: libnccl.so could not be opened (is NCCL installed?)"))),
+    }
+}
+
+/// A new id for a communicator of several ranks (made once, by rank 0, and shared).
+pub fn unique_id() -> Result<UniqueId> {
+    nccl("ncclGetUniqueId", result::get_uniqueid).map(|id| id.internal)
+}
+
+/// The communicator's handle, for aborting it from another thread (a stuck or failed peer).
+#[derive(Clone, Debug)]
+pub struct AbortHandle {
+    comm: usize,
+    /// Set once the communicator is aborted or destroyed (whichever comes first frees it).
+    ended: Arc<AtomicBool>,
+}
+
+impl AbortHandle {
+    /// Aborts the communicator: its pending and later calls return an error.
+    pub fn abort(&self) {
+        if self.ended.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // SAFETY: ncclCommAbort may be called from any thread on a live communicator (not yet
+        // destroyed: `ended` was clear); the rank that owns it destroys nothing after this.
+        let _ = catch_unwind(|| unsafe { result::comm_abort(self.comm as sys::ncclComm_t) });
+    }
+}
+
+/// One rank of a communicator over `world` GPUs, on its GPU's stream.
+pub struct Rank {
+    comm: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    ended: Arc<AtomicBool>,
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Rank {
+    /// Joins the communicator `id` as `rank` of `world` on `gpu` (blocks until every rank has).
+    pub fn join(gpu: &Gpu, rank: usize, world: usize, id: &UniqueId) -> Result<Rank> {
+        let (r, w) = (i32::try_from(rank), i32::try_from(world));
+        let (Ok(r), Ok(w)) = (r, w) else {
+            return Err(Error::invalid("NCCL rank", format!("rank {rank} of {world}: too many")));
+        };
+        if rank >= world {
+            return Err(Error::invalid("NCCL rank", format!("rank {rank} of a world of {world}")));
+        }
+        let mut comm = std::mem::MaybeUninit::uninit();
+        let id = sys::ncclUniqueId { internal: *id };
+        // SAFETY: `comm` is written by ncclCommInitRank before it is read.
+        let comm = nccl("ncclCommInitRank", || unsafe {
+            result::comm_init_rank(comm.as_mut_ptr(), w, id, r).map(|_| comm.assume_init())
+        })?;
+        Ok(Rank { comm, stream: gpu.stream().clone(), ended: Arc::new(AtomicBool::new(false)), rank, world })
+    }
+
+    /// Sums `count` f32 at device address `addr` over the ranks, in place, and waits for it.
+    pub fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> Result<()> {
+        // SAFETY: callers pass a live buffer of `count` f32 on this rank's GPU; the stream orders it.
+        nccl("ncclAllReduce", || unsafe {
+            result::all_reduce(
+                addr as *const std::ffi::c_void,
+                addr as *mut std::ffi::c_void,
+                count,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        })?;
+        self.stream.synchronize().map_err(|e| Error::Gpu(format!("after ncclAllReduce: {e}")))
+    }
+
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle { comm: self.comm as usize, ended: self.ended.clone() }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        if self.ended.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // SAFETY: the communicator is live (not aborted) and no call on it is pending (calls wait).
+        let _ = catch_unwind(AssertUnwindSafe(|| unsafe { result::comm_destroy(self.comm) }));
+    }
+}

@@ -1,0 +1,250 @@
+//! Features on the device (spec section 9): target workers are threads that each own a target's
+//! forward and a few slots of device memory `[S, F*H]`. A row queued for drafter worker `k`
+//! (bounded queues) is run through the forward, its features are copied into a free slot and
+//! waited for, and the slot's address goes to worker `k`, whose step reads the features in
+//! place; the slot returns to its target worker when the drafter's step has read it (dropping
+//! [`FedFeatures`]). A drafter worker takes its rows from the target workers in turn, in the
+//! order the coordinator queued them ([`FeedPool::queue`] and [`FeedEnd::next`] keep the same
+//! cursor). Each side counts the seconds it waits for the other.
+//!
+//! Slots live on the target's device: a drafter worker reads them on the same device (a target
+//! and a drafter sharing a GPU, or the CPU twins).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use dflash_optimized::backend::{Allocation, Backend};
+use dflash_optimized::flops::target_forward_flops;
+use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::ops::Elem;
+use dflash_reference::data::{document_runs, Row};
+
+use crate::error::{Error, Result};
+
+/// A row's features in a target worker's slot (filled and waited for); dropping it gives the
+/// slot back.
+pub struct FedFeatures {
+    /// The slot's address: `[S, F*H]` stored values.
+    pub addr: u64,
+    /// The row's tokens (the drafter checks it got the row it steps).
+    pub tokens: Vec<u32>,
+    /// Model FLOPs of the target's forward on the row.
+    pub flops: f64,
+    slot: usize,
+    free: Sender<usize>,
+}
+
+impl Drop for FedFeatures {
+    fn drop(&mut self) {
+        // A stopped target worker needs its slot no more.
+        let _ = self.free.send(self.slot);
+    }
+}
+
+type Fed = std::result::Result<FedFeatures, String>;
+
+/// A drafter worker's end of the feed: one queue from each target worker, read in turn.
+pub struct FeedEnd {
+    from: Vec<Receiver<Fed>>,
+    next: usize,
+    /// Seconds waited for features since the last [`FeedEnd::take_waited`].
+    waited: f64,
+}
+
+impl FeedEnd {
+    /// The features of the next row, which must be the row of `tokens`.
+    pub fn next(&mut self, tokens: &[u32]) -> Result<FedFeatures> {
+        let t = self.next % self.from.len();
+        self.next += 1;
+        let started = Instant::now();
+        let got = self.from[t].recv();
+        self.waited += started.elapsed().as_secs_f64();
+        let name = format!("target worker {t}");
+        match got {
+            Ok(Ok(fed)) if fed.tokens == tokens => Ok(fed),
+            Ok(Ok(_)) => Err(Error::option(name, "sent the features of another row (the feed is out of order)")),
+            Ok(Err(message)) => Err(Error::option(name, message)),
+            Err(_) => Err(Error::option(name, "stopped (its thread ended)")),
+        }
+    }
+
+    /// The seconds waited for features since the last call.
+    pub fn take_waited(&mut self) -> f64 {
+        std::mem::take(&mut self.waited)
+    }
+}
+
+/// What a target worker runs: a row's features into one of its slots.
+pub trait SlotFill {
+    /// Computes `row`'s features into slot `slot` (below the count it was made with) and waits
+    /// for them; returns the slot's address and the forward's model FLOPs.
+    fn fill(&mut self, slot: usize, row: &Row) -> Result<(u64, f64)>;
+}
+
+/// Makes target worker `t`'s [`SlotFill`] with `slots` slots, in its own thread.
+pub type MakeSlotFill = dyn Fn(usize, usize) -> Result<Box<dyn SlotFill>> + Send + Sync;
+
+/// A target's forward with `count` feature slots on its backend.
+pub struct TargetSlots<B: Backend> {
+    forward: TargetForward<B>,
+    slots: Vec<B::Alloc>,
+}
+
+impl<B: Backend> TargetSlots<B> {
+    pub fn new(forward: TargetForward<B>, count: usize) -> Result<Self> {
+        let z = forward.layout.dims;
+        let bytes = z.t.checked_mul(z.fw).and_then(|n| n.checked_mul(B::Elem::BYTES));
+        let bytes = bytes.ok_or_else(|| Error::option("max_len", "the feature slot's size overflows"))?;
+        let slots = (0..count)
+            .map(|i| forward.backend().alloc(&format!("feature slot {i}"), bytes))
+            .collect::<dflash_optimized::Result<Vec<_>>>()?;
+        Ok(TargetSlots { forward, slots })
+    }
+}
+
+impl<B: Backend> SlotFill for TargetSlots<B> {
+    fn fill(&mut self, slot: usize, row: &Row) -> Result<(u64, f64)> {
+        let z = self.forward.layout.dims;
+        let s = row.tokens.len();
+        if s > z.t {
+            return Err(Error::option("rows", format!("a row of {s} tokens; the forward runs at most {}", z.t)));
+        }
+        self.forward.run(&[row])?;
+        let dst = self.slots[slot].ptr();
+        let dev = self.forward.backend();
+        dev.copy(dst, self.forward.features_addr(), s * z.fw * B::Elem::BYTES)?;
+        dev.synchronize()?;
+        let layers = self.forward.layer_ids.iter().max().map_or(0, |&l| l + 1);
+        let flops = document_runs(&row.doc_ids)
+            .into_iter()
+            .map(|run| target_forward_flops(&self.forward.config, layers, run.len(), false))
+            .sum();
+        Ok((dst, flops))
+    }
+}
+
+struct FeedWorker {
+    rows: SyncSender<(Row, usize)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The target workers of a feed (see the module doc).
+pub struct FeedPool {
+    workers: Vec<FeedWorker>,
+    /// Per drafter worker: how many rows were queued for it (its next target worker).
+    cursors: Vec<usize>,
+    /// Nanoseconds the target workers waited for a free slot (the drafters' steps).
+    waited_ns: Arc<AtomicU64>,
+}
+
+impl FeedPool {
+    /// Starts `targets` target workers feeding `drafters` drafter workers, each making its
+    /// forward with `make(t, drafters + 1)` in its thread, with `drafters + 1` slots and a queue of as many
+    /// rows; returns the pool and drafter worker `k`'s end at `k`. An error making a forward
+    /// names the target worker.
+    pub fn new(targets: usize, drafters: usize, make: Arc<MakeSlotFill>) -> Result<(FeedPool, Vec<FeedEnd>)> {
+        if targets == 0 || drafters == 0 {
+            return Err(Error::option("target_workers", "a feed needs at least 1 target and 1 drafter worker"));
+        }
+        let slots = drafters + 1;
+        let waited_ns = Arc::new(AtomicU64::new(0));
+        // Drafter worker `k` starts at target worker `k mod targets`: the first rows of a step
+        // go to different target workers.
+        let mut ends: Vec<FeedEnd> =
+            (0..drafters).map(|k| FeedEnd { from: Vec::new(), next: k, waited: 0.0 }).collect();
+        let mut workers = Vec::with_capacity(targets);
+        let mut made = Vec::with_capacity(targets);
+        for t in 0..targets {
+            let (rows, inbox) = sync_channel::<(Row, usize)>(slots);
+            let mut outs = Vec::with_capacity(drafters);
+            for end in &mut ends {
+                let (out, from) = channel::<Fed>();
+                outs.push(out);
+                end.from.push(from);
+            }
+            let (ready, is_made) = channel::<std::result::Result<(), String>>();
+            made.push(is_made);
+            let (make, waited_ns) = (make.clone(), waited_ns.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("target-worker-{t}"))
+                .spawn(move || {
+                    let mut fill = match make(t, slots) {
+                        Ok(f) => {
+                            let _ = ready.send(Ok(()));
+                            f
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(format!("making its forward: {e}")));
+                            return;
+                        }
+                    };
+                    let (free, freed) = channel::<usize>();
+                    (0..slots).for_each(|i| free.send(i).expect("the receiver is here"));
+                    for (row, k) in inbox {
+                        let started = Instant::now();
+                        let slot = freed.recv().expect("this thread holds a sender");
+                        waited_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                        let fed = fill.fill(slot, &row).map(|(addr, flops)| FedFeatures {
+                            addr,
+                            tokens: row.tokens,
+                            flops,
+                            slot,
+                            free: free.clone(),
+                        });
+                        match fed {
+                            // A drafter worker that stopped dropped its end: the slot comes back.
+                            Ok(fed) => drop(outs[k].send(Ok(fed))),
+                            // Every drafter worker waiting on this one learns why it stopped.
+                            Err(e) => {
+                                outs.iter().for_each(|out| drop(out.send(Err(e.to_string()))));
+                                return;
+                            }
+                        }
+                    }
+                })
+                .map_err(|e| Error::option("target_workers", format!("worker {t}: cannot start its thread: {e}")))?;
+            workers.push(FeedWorker { rows, thread: Some(thread) });
+        }
+        let pool = FeedPool { workers, cursors: (0..drafters).collect(), waited_ns };
+        for (t, is_made) in made.into_iter().enumerate() {
+            match is_made.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(m)) => return Err(Error::option(format!("target worker {t}"), m)),
+                Err(_) => return Err(Error::option(format!("target worker {t}"), "stopped while making its forward")),
+            }
+        }
+        Ok((pool, ends))
+    }
+
+    pub fn targets(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Queues `row` for drafter worker `k` (blocks while its target worker's queue is full);
+    /// an error when that target worker has stopped (its drafter then reports why).
+    pub fn queue(&mut self, k: usize, row: Row) -> Result<()> {
+        let t = self.cursors[k] % self.workers.len();
+        self.cursors[k] += 1;
+        self.workers[t].rows.send((row, k)).map_err(|_| Error::option(format!("target worker {t}"), "stopped"))
+    }
+
+    /// The seconds the target workers waited for free slots since the last call.
+    pub fn take_waited(&self) -> f64 {
+        self.waited_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9
+    }
+}
+
+impl Drop for FeedPool {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            let (closed, _) = sync_channel(1);
+            drop(std::mem::replace(&mut w.rows, closed));
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}

@@ -1,0 +1,500 @@
+//! Data parallelism over drafter workers (spec section 9): each worker is a thread that owns its
+//! engine (its device, context and stream are made in the thread and never leave it). A step's
+//! rows and anchors are drawn in the run's order, as one engine draws them, and split into
+//! contiguous runs, one per worker; each worker accumulates its rows' gradients scaled by the
+//! step's total weight (over all workers, spec section 3). The accumulators are then summed:
+//! on the host in worker order (a fixed reduction order), or where they live when the engines
+//! reduce on their devices ([`reduce`]: NCCL on GPUs, its CPU twin in CI); every worker clips and
+//! applies the same update. So the losses, the schedule and the weights do not depend on the
+//! worker count, up to the order of the f32 sums (within 1e-6). Checkpoints come from worker 0
+//! (every replica is the same) and restore into any number of workers. A worker's error, or a
+//! worker that does not answer within [`WORKER_TIMEOUT`], stops the step at once, naming the
+//! worker, and aborts the others' reductions (no hang).
+//!
+//! Features come from the rows, from each engine's own target, or from target workers
+//! ([`feed::FeedPool`]: threads with a target's forward whose features stay on the device, in
+//! slots the drafter workers read in place, the rows streamed while the drafters step). Each
+//! step then reports how long the drafters waited for the features and the targets for the
+//! drafters.
+
+pub mod feed;
+pub mod reduce;
+
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use dflash_reference::data::{Row, TrainRow};
+use dflash_reference::drafter::Drafter;
+use dflash_reference::eval::EvalReport;
+use dflash_reference::train::PreparedRow;
+use rand_chacha::ChaCha8Rng;
+
+use crate::engine::{prepare_rows, EngineState, Share, StepBatch, StepEngine, StepOutcome};
+use crate::error::{Error, Result};
+use crate::rows::RowSource;
+use feed::FeedPool;
+use reduce::Abort;
+
+/// How long the coordinator waits for a drafter worker's answer (a step of many rows on a large
+/// target, or a stuck collective) before it stops the run.
+pub const WORKER_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// What a data-parallel worker's engine does (`DeviceEngine` on any backend implements it).
+pub trait Replica {
+    /// Accumulates the gradients of `rows`, each scaled by `1 / total`.
+    fn accumulate_rows(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, want_stats: bool) -> Result<Share>;
+    /// The accumulated gradients (flat, f64).
+    fn accumulated(&self) -> Result<Vec<f64>>;
+    /// Replaces them (making the step for rows of `shape` = (S, N) if needed).
+    fn set_accumulated(&mut self, shape: (usize, usize), values: &[f64]) -> Result<()>;
+    /// Clips and applies them: the norm, or the non-finite gradient (nothing applied).
+    fn apply(&mut self, lr: f64, clip_norm: f64) -> Result<std::result::Result<f64, String>>;
+    /// Drops them.
+    fn discard(&mut self) -> Result<()>;
+    fn state(&self) -> Result<EngineState>;
+    fn restore(&mut self, state: &EngineState) -> Result<()>;
+    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport>;
+    /// Sums the accumulated gradients over the workers where they live, making the step for
+    /// rows of `shape` if needed: `false` when this engine has no reduction group (the host sums).
+    fn reduce_on_device(&mut self, shape: (usize, usize)) -> Result<bool>;
+    /// Aborts this engine's reduction group (another worker failed).
+    fn abort(&self) -> Option<Abort>;
+}
+
+impl<B: dflash_optimized::backend::Backend> Replica for crate::engine::DeviceEngine<B> {
+    fn accumulate_rows(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, want_stats: bool) -> Result<Share> {
+        crate::engine::DeviceEngine::accumulate_rows(self, rows, total, want_stats)
+    }
+    fn accumulated(&self) -> Result<Vec<f64>> {
+        crate::engine::DeviceEngine::accumulated(self)
+    }
+    fn set_accumulated(&mut self, shape: (usize, usize), values: &[f64]) -> Result<()> {
+        crate::engine::DeviceEngine::set_accumulated(self, shape, values)
+    }
+    fn apply(&mut self, lr: f64, clip_norm: f64) -> Result<std::result::Result<f64, String>> {
+        crate::engine::DeviceEngine::apply(self, lr, clip_norm)
+    }
+    fn discard(&mut self) -> Result<()> {
+        crate::engine::DeviceEngine::discard(self)
+    }
+    fn state(&self) -> Result<EngineState> {
+        StepEngine::state(self)
+    }
+    fn restore(&mut self, state: &EngineState) -> Result<()> {
+        StepEngine::restore(self, state)
+    }
+    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
+        StepEngine::evaluate(self, rows, max_anchors, gamma, seed)
+    }
+    fn reduce_on_device(&mut self, shape: (usize, usize)) -> Result<bool> {
+        crate::engine::DeviceEngine::reduce_on_device(self, shape)
+    }
+    fn abort(&self) -> Option<Abort> {
+        crate::engine::DeviceEngine::abort(self)
+    }
+}
+
+/// Makes worker `k`'s engine, in its own thread.
+pub type MakeReplica = dyn Fn(usize) -> Result<Box<dyn Replica>> + Send + Sync;
+
+enum Command {
+    /// `shape`: the step's (S, N), for the reduction on the device (`None`: no rows at all).
+    Accumulate {
+        rows: Vec<(TrainRow, PreparedRow)>,
+        total: f64,
+        want_stats: bool,
+        shape: Option<(usize, usize)>,
+    },
+    /// `sum`: the host-summed gradients (`None`: already summed on the devices).
+    Apply {
+        shape: (usize, usize),
+        sum: Option<Vec<f64>>,
+        lr: f64,
+        clip_norm: f64,
+    },
+    Discard,
+    State,
+    Restore(Box<EngineState>),
+    Evaluate {
+        rows: Vec<TrainRow>,
+        max_anchors: usize,
+        gamma: f64,
+        seed: u64,
+    },
+}
+
+enum Reply {
+    Made(Option<Abort>),
+    /// The worker's share and its gradients (`None`: summed on the devices).
+    Accumulated(Box<Share>, Option<Vec<f64>>),
+    Applied(std::result::Result<f64, String>),
+    State(Box<EngineState>),
+    Evaluated(EvalReport),
+    Done,
+}
+
+struct Worker {
+    commands: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+    abort: Option<Abort>,
+}
+
+type Replies = Receiver<(usize, std::result::Result<Reply, String>)>;
+
+/// A [`StepEngine`] over `workers` data-parallel replicas (see the module doc).
+pub struct DataParallel {
+    workers: Vec<Worker>,
+    /// Every worker's replies, tagged with the worker.
+    replies: Replies,
+    /// Set by a failed step: the workers may be mid-command, so nothing more is sent.
+    broken: std::cell::RefCell<Option<String>>,
+    /// Target workers feeding the drafter workers' engines on the device, when given.
+    feed: Option<FeedPool>,
+    config: dflash_reference::config::DraftConfig,
+    /// The drafter as of the last [`StepEngine::drafter`] call.
+    host_copy: Option<Drafter>,
+}
+
+impl DataParallel {
+    /// Starts `count` workers, each making its engine with `make(k)` in its thread; an error
+    /// of any names the worker.
+    pub fn new(
+        count: usize,
+        config: dflash_reference::config::DraftConfig,
+        make: std::sync::Arc<MakeReplica>,
+    ) -> Result<Self> {
+        if count == 0 {
+            return Err(Error::option("drafter_workers", "at least 1 worker"));
+        }
+        let mut workers = Vec::with_capacity(count);
+        let (outbox, replies) = channel();
+        for k in 0..count {
+            let (commands, inbox) = channel::<Command>();
+            let (make, outbox) = (make.clone(), outbox.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("drafter-worker-{k}"))
+                .spawn(move || serve(k, make, inbox, outbox))
+                .map_err(|e| Error::option("drafter_workers", format!("worker {k}: cannot start its thread: {e}")))?;
+            workers.push(Worker { commands, thread: Some(thread), abort: None });
+        }
+        let mut dp = DataParallel { workers, replies, broken: Default::default(), feed: None, config, host_copy: None };
+        for (k, reply) in dp.collect()?.into_iter().enumerate() {
+            let Reply::Made(abort) = reply else { return Err(worker_error(k, "an unexpected reply".into())) };
+            dp.workers[k].abort = abort;
+        }
+        Ok(dp)
+    }
+
+    /// The same with `feed` computing every row's features on the device (the drafter workers'
+    /// engines were made with its ends).
+    pub fn with_feed(mut self, feed: FeedPool) -> Self {
+        self.feed = Some(feed);
+        self
+    }
+
+    fn send(&self, k: usize, command: Command) -> Result<()> {
+        if let Some(why) = self.broken.borrow().as_ref() {
+            return Err(Error::option("drafter workers", format!("stopped after an earlier error: {why}")));
+        }
+        self.workers[k].commands.send(command).map_err(|_| worker_error(k, "stopped".into()))
+    }
+
+    /// One reply of every worker, in worker order. The first error (or a worker silent for
+    /// [`WORKER_TIMEOUT`]) aborts every worker's reduction and stops the step, naming the worker.
+    fn collect(&self) -> Result<Vec<Reply>> {
+        let mut got: Vec<Option<Reply>> = (0..self.workers.len()).map(|_| None).collect();
+        while got.iter().any(Option::is_none) {
+            let failure = match self.replies.recv_timeout(WORKER_TIMEOUT) {
+                Ok((k, Ok(reply))) => {
+                    got[k] = Some(reply);
+                    continue;
+                }
+                Ok((k, Err(message))) => worker_error(k, message),
+                Err(RecvTimeoutError::Timeout) => {
+                    let silent: Vec<usize> = (0..got.len()).filter(|&k| got[k].is_none()).collect();
+                    Error::option(
+                        format!("drafter workers {silent:?}"),
+                        format!("no answer within {} s (a stuck device or collective)", WORKER_TIMEOUT.as_secs()),
+                    )
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    Error::option("drafter workers", "stopped without a reply (their threads ended)")
+                }
+            };
+            for w in &self.workers {
+                if let Some(abort) = &w.abort {
+                    abort();
+                }
+            }
+            *self.broken.borrow_mut() = Some(failure.to_string());
+            return Err(failure);
+        }
+        Ok(got.into_iter().map(|r| r.expect("all collected")).collect())
+    }
+
+    /// Sends `command(k)` to every worker, then collects the replies (see [`Self::collect`]).
+    fn all(&self, command: impl Fn(usize) -> Command) -> Result<Vec<Reply>> {
+        for k in 0..self.workers.len() {
+            self.send(k, command(k))?;
+        }
+        self.collect()
+    }
+
+    /// Sends `command` to worker 0 only and waits for its reply.
+    fn one(&self, command: Command) -> Result<Reply> {
+        self.send(0, command)?;
+        self.one_reply(0)
+    }
+
+    /// Worker `k`'s reply to a command sent to it alone.
+    fn one_reply(&self, k: usize) -> Result<Reply> {
+        let failure = match self.replies.recv_timeout(WORKER_TIMEOUT) {
+            Ok((from, Ok(reply))) if from == k => return Ok(reply),
+            Ok((from, Ok(_))) => worker_error(from, "an unexpected reply".into()),
+            Ok((from, Err(message))) => worker_error(from, message),
+            Err(_) => worker_error(k, format!("no answer within {} s, or stopped", WORKER_TIMEOUT.as_secs())),
+        };
+        *self.broken.borrow_mut() = Some(failure.to_string());
+        Err(failure)
+    }
+}
+
+fn worker_error(k: usize, message: String) -> Error {
+    Error::option(format!("drafter worker {k}"), message)
+}
+
+/// A worker's loop: makes its engine, then answers commands until the engine is dropped.
+fn serve(
+    k: usize,
+    make: std::sync::Arc<MakeReplica>,
+    inbox: Receiver<Command>,
+    outbox: Sender<(usize, std::result::Result<Reply, String>)>,
+) {
+    let mut engine = match make(k) {
+        Ok(e) => {
+            let _ = outbox.send((k, Ok(Reply::Made(e.abort()))));
+            e
+        }
+        Err(e) => {
+            let _ = outbox.send((k, Err(format!("making its engine: {e}"))));
+            return;
+        }
+    };
+    for command in inbox {
+        let reply = match command {
+            Command::Accumulate { rows, total, want_stats, shape } => {
+                let refs: Vec<(&TrainRow, &PreparedRow)> = rows.iter().map(|(r, p)| (r, p)).collect();
+                engine.accumulate_rows(&refs, total, want_stats).and_then(|share| {
+                    let on_device = match shape {
+                        Some(shape) => engine.reduce_on_device(shape)?,
+                        None => false,
+                    };
+                    let grads = match on_device {
+                        true => None,
+                        false => Some(engine.accumulated()?),
+                    };
+                    Ok(Reply::Accumulated(Box::new(share), grads))
+                })
+            }
+            Command::Apply { shape, sum, lr, clip_norm } => {
+                let set = match &sum {
+                    Some(sum) => engine.set_accumulated(shape, sum),
+                    None => Ok(()),
+                };
+                set.and_then(|()| engine.apply(lr, clip_norm)).map(Reply::Applied)
+            }
+            Command::Discard => engine.discard().map(|()| Reply::Done),
+            Command::State => engine.state().map(|s| Reply::State(Box::new(s))),
+            Command::Restore(state) => engine.restore(&state).map(|()| Reply::Done),
+            Command::Evaluate { rows, max_anchors, gamma, seed } => {
+                engine.evaluate(&rows, max_anchors, gamma, seed).map(Reply::Evaluated)
+            }
+        };
+        if outbox.send((k, reply.map_err(|e| e.to_string()))).is_err() {
+            return;
+        }
+    }
+}
+
+impl Drop for DataParallel {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            // Closing the command channel ends the worker's loop.
+            let (closed, _) = channel();
+            drop(std::mem::replace(&mut w.commands, closed));
+            // After a failure a worker may be stuck (a device or collective): leave it to the
+            // process's exit rather than hang here.
+            if let Some(t) = w.thread.take().filter(|_| self.broken.borrow().is_none()) {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// `rows` split into `parts` contiguous runs, the first ones one longer when it does not divide.
+fn split<T>(rows: Vec<T>, parts: usize) -> Vec<Vec<T>> {
+    let (base, extra) = (rows.len() / parts, rows.len() % parts);
+    let mut it = rows.into_iter();
+    (0..parts).map(|k| it.by_ref().take(base + usize::from(k < extra)).collect()).collect()
+}
+
+impl StepEngine for DataParallel {
+    fn name(&self) -> String {
+        let targets = self.feed.as_ref().map_or(String::new(), |f| format!(" fed by {} target workers", f.targets()));
+        format!("device, {} data-parallel workers{targets}", self.workers.len())
+    }
+
+    fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
+        self.host_copy = None;
+        let outcome = self.step_rows(batch, rng)?;
+        let waits = self.feed.as_ref().map(|feed| (outcome.waits.map_or(0.0, |w| w.0), feed.take_waited()));
+        Ok(StepOutcome { waits, ..outcome })
+    }
+
+    fn state(&self) -> Result<EngineState> {
+        self.state_of_worker_0()
+    }
+
+    fn restore(&mut self, state: &EngineState) -> Result<()> {
+        self.restore_all(state)
+    }
+
+    fn drafter(&mut self) -> Result<&Drafter> {
+        self.drafter_copy()
+    }
+
+    /// On worker 0 (every replica holds the same weights).
+    fn evaluate(&mut self, rows: &dyn RowSource, max_anchors: usize, gamma: f64, seed: u64) -> Result<EvalReport> {
+        self.evaluate_on_worker_0(rows, max_anchors, gamma, seed)
+    }
+}
+
+impl DataParallel {
+    /// One step over rows that carry their features (or are fed on the device).
+    fn step_rows(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
+        let (prepared, total) = prepare_rows(batch, self.config.block_size, rng)?;
+        let shape = prepared.first().map(|(_, p)| (p.input.layout.context_len, p.input.layout.anchors.len()));
+        let owned: Vec<(TrainRow, PreparedRow)> = prepared.into_iter().map(|(r, p)| (r.clone(), p)).collect();
+        let parts = split(owned, self.workers.len());
+        let fed: Vec<Vec<Row>> = match self.feed.is_some() {
+            true => parts.iter().map(|rows| rows.iter().map(|(r, _)| plain_row(r)).collect()).collect(),
+            false => Vec::new(),
+        };
+        for (k, rows) in parts.into_iter().enumerate() {
+            self.send(k, Command::Accumulate { rows, total, want_stats: batch.want_stats, shape })?;
+        }
+        self.feed_rows(fed);
+        let mut share: Option<Share> = None;
+        let mut sum: Option<Vec<f64>> = None;
+        let mut on_device = false;
+        for (k, reply) in self.collect()?.into_iter().enumerate() {
+            let Reply::Accumulated(s, acc) = reply else {
+                return Err(worker_error(k, "an unexpected reply".into()));
+            };
+            match &mut share {
+                None => share = Some(*s),
+                Some(all) => all.merge(*s),
+            }
+            // The fixed reduction order: worker 0, then 1, ...
+            match (acc, &mut sum) {
+                (None, _) => on_device = true,
+                (Some(acc), None) => sum = Some(acc),
+                (Some(acc), Some(sum)) if !acc.is_empty() && !sum.is_empty() => {
+                    sum.iter_mut().zip(&acc).for_each(|(a, b)| *a += b)
+                }
+                (Some(acc), Some(sum)) if sum.is_empty() => *sum = acc,
+                (Some(_), Some(_)) => {}
+            }
+        }
+        let share = share.expect("at least one worker");
+        let nothing = !on_device && sum.as_ref().is_none_or(|s| s.is_empty());
+        if share.failed.is_some() || shape.is_none() || nothing {
+            self.all(|_| Command::Discard)?;
+            let update = share.failed.is_none().then_some(Ok(0.0));
+            return Ok(share.outcome(total, update, None));
+        }
+        let (shape, sum) = (shape.expect("checked"), sum.filter(|_| !on_device));
+        let replies =
+            self.all(|_| Command::Apply { shape, sum: sum.clone(), lr: batch.lr, clip_norm: batch.clip_norm })?;
+        let Some(Reply::Applied(update)) = replies.into_iter().next() else {
+            return Err(worker_error(0, "an unexpected reply".into()));
+        };
+        Ok(share.outcome(total, Some(update), None))
+    }
+
+    /// Queues every worker's rows with the feed, interleaved (row 0 of each worker, then row 1,
+    /// ...) so that the workers step side by side. A stopped target worker ends the queueing:
+    /// the drafter worker waiting for it reports why.
+    fn feed_rows(&mut self, rows: Vec<Vec<Row>>) {
+        let Some(feed) = &mut self.feed else { return };
+        let mut queues: Vec<std::vec::IntoIter<Row>> = rows.into_iter().map(Vec::into_iter).collect();
+        loop {
+            let mut any = false;
+            for (k, q) in queues.iter_mut().enumerate() {
+                if let Some(row) = q.next() {
+                    any = true;
+                    if feed.queue(k, row).is_err() {
+                        return;
+                    }
+                }
+            }
+            if !any {
+                return;
+            }
+        }
+    }
+
+    fn state_of_worker_0(&self) -> Result<EngineState> {
+        match self.one(Command::State)? {
+            Reply::State(s) => Ok(*s),
+            _ => Err(worker_error(0, "an unexpected reply".into())),
+        }
+    }
+
+    fn restore_all(&mut self, state: &EngineState) -> Result<()> {
+        self.host_copy = None;
+        self.all(|_| Command::Restore(Box::new(state.clone()))).map(|_| ())
+    }
+
+    fn drafter_copy(&mut self) -> Result<&Drafter> {
+        if self.host_copy.is_none() {
+            let state = self.state_of_worker_0()?;
+            let mut params = state.params.into_iter();
+            self.host_copy = Some(Drafter::from_fn(self.config.clone(), |_, _| {
+                params.next().ok_or_else(|| dflash_reference::Error::invalid("checkpoint", "too few tensors"))
+            })?);
+        }
+        Ok(self.host_copy.as_ref().expect("made above"))
+    }
+
+    fn evaluate_on_worker_0(
+        &mut self,
+        rows: &dyn RowSource,
+        max_anchors: usize,
+        gamma: f64,
+        seed: u64,
+    ) -> Result<EvalReport> {
+        let rows = (0..rows.len()).map(|i| rows.row(i)).collect::<Result<Vec<_>>>()?;
+        let fed = match self.feed.is_some() {
+            true => vec![rows.iter().map(plain_row).collect()],
+            false => Vec::new(),
+        };
+        self.send(0, Command::Evaluate { rows, max_anchors, gamma, seed })?;
+        self.feed_rows(fed);
+        match self.one_reply(0)? {
+            Reply::Evaluated(e) => Ok(e),
+            _ => Err(worker_error(0, "an unexpected reply".into())),
+        }
+    }
+}
+
+/// A training row as the target's forward reads it (one document when it has no ids).
+fn plain_row(r: &TrainRow) -> Row {
+    Row {
+        tokens: r.tokens.clone(),
+        loss_mask: r.loss_mask.clone(),
+        doc_ids: r.doc_ids.clone().unwrap_or_else(|| vec![0; r.len()]),
+        positions: r.positions.clone(),
+    }
+}
