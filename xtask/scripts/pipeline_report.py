@@ -1,0 +1,66 @@
+"""The report of gpu_pipeline_check.sh: per case, the single trainer against the pipeline
+(losses bitwise, samples/s, each side's waits); writes OUT/pipeline.json with date, device and
+commit, prints a table, and exits 1 when a case fails.
+usage: pipeline_report.py WORK OUT BUNDLE CASE..."""
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+
+# The pipeline may be this much slower and still count as "no lower": the run-to-run spread
+# of one configuration on a shared machine.
+SPREAD = 0.02
+# Steps before the median of samples/s (compilation, allocation, the pipeline filling).
+WARMUP_STEPS = 4
+
+work, out, bundle = sys.argv[1:4]
+names = sys.argv[4:]
+
+
+def train(path):
+    return [v for v in map(json.loads, open(f"{work}/{path}/metrics.jsonl")) if v["kind"] == "train"]
+
+
+def case(name):
+    single, pipeline = train(f"{name}/single"), train(f"{name}/pipeline")
+    same = sum(a["loss"] == b["loss"] for a, b in zip(single, pipeline))
+
+    def rate(lines):
+        return statistics.median(v["samples_per_s"] for v in lines[WARMUP_STEPS:])
+
+    waits = [(v["drafters_waited_s"], v["targets_waited_s"]) for v in pipeline[WARMUP_STEPS:]]
+    ratio = rate(pipeline) / rate(single)
+    return {
+        "steps": len(single),
+        "losses_bitwise_equal": same,
+        "single_samples_per_s": rate(single),
+        "pipeline_samples_per_s": rate(pipeline),
+        "ratio": ratio,
+        "pipeline_drafters_waited_s_per_step": statistics.median(w[0] for w in waits),
+        "pipeline_targets_waited_s_per_step": statistics.median(w[1] for w in waits),
+        "first_loss": single[0]["loss"],
+        "last_loss": single[-1]["loss"],
+        "ok": same == len(single) == len(pipeline) and ratio >= 1 - SPREAD,
+    }
+
+
+device = subprocess.run(
+    ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+).stdout.strip()
+cases = {name: case(name) for name in names}
+result = {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "device": device,
+    "commit": open(f"{bundle}/commit.txt").read().strip(),
+    "cases": cases,
+}
+json.dump(result, open(f"{out}/pipeline.json", "w"), indent=1)
+print(f"{'case':<10} {'equal':>6} {'single/s':>9} {'pipeline/s':>10} {'ratio':>6} {'drafter waited':>15} {'target waited':>14}")
+for name, r in cases.items():
+    print(
+        f"{name:<10} {r['losses_bitwise_equal']:>3}/{r['steps']:<2} {r['single_samples_per_s']:>9.2f} "
+        f"{r['pipeline_samples_per_s']:>10.2f} {r['ratio']:>6.3f} {r['pipeline_drafters_waited_s_per_step']:>13.3f} s "
+        f"{r['pipeline_targets_waited_s_per_step']:>12.3f} s"
+    )
+sys.exit(0 if all(r["ok"] for r in cases.values()) else 1)
