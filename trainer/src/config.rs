@@ -136,6 +136,18 @@ pub struct RunConfig {
     /// The `gpu` step: one GPU per worker, target workers first (empty: every worker on GPU 0).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<usize>,
+    /// Several processes training as one (`dist::group`): this process's rank, the number of
+    /// processes, rank 0's address and port. Unset: the torchrun variables (`RANK`,
+    /// `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), else one process. Never saved with a
+    /// checkpoint ([`LAUNCH_OPTIONS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_addr: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_port: Option<usize>,
 }
 
 impl Default for RunConfig {
@@ -188,6 +200,10 @@ impl Default for RunConfig {
             drafter_workers: 1,
             target_workers: 0,
             gpus: Vec::new(),
+            rank: None,
+            world_size: None,
+            master_addr: None,
+            master_port: None,
         }
     }
 }
@@ -277,7 +293,15 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
         Kind::Ints,
         "gpu step: one GPU per worker, target workers first, e.g. 0,0 for a target and a drafter worker on GPU 0",
     ),
+    ("rank", Kind::Int, "several processes: this process's rank, below world_size (default: $RANK, or 0)"),
+    ("world_size", Kind::Int, "several processes training as one: how many (default: $WORLD_SIZE, or 1)"),
+    ("master_addr", Kind::Text, "several processes: rank 0's address (default: $MASTER_ADDR, or 127.0.0.1)"),
+    ("master_port", Kind::Int, "several processes: rank 0's TCP port (default: $MASTER_PORT, or 29500)"),
 ];
+
+/// How a process joins the others of its run (`dist::group::Launch`): options of one process,
+/// not of the run, so a checkpoint neither saves nor hashes them ([`RunConfig::without_launch`]).
+pub const LAUNCH_OPTIONS: &[&str] = &["rank", "world_size", "master_addr", "master_port"];
 
 /// Options that may change between a checkpoint and its resumption: they do not change the
 /// steps already taken or the next ones' losses (`steps` / `epochs` change the schedule of the
@@ -298,6 +322,10 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "drafter_workers",
     "target_workers",
     "gpus",
+    "rank",
+    "world_size",
+    "master_addr",
+    "master_port",
 ];
 
 /// The block size of the built-in tiny drafter.
@@ -386,6 +414,12 @@ impl RunConfig {
     /// The config as TOML text (what `--plan` prints and a checkpoint stores).
     pub fn to_toml(&self) -> String {
         toml::to_string(self).expect("a RunConfig always serializes")
+    }
+
+    /// The config without the [`LAUNCH_OPTIONS`] (what a checkpoint saves and hashes: a run
+    /// resumes on any number of processes).
+    pub fn without_launch(&self) -> RunConfig {
+        RunConfig { rank: None, world_size: None, master_addr: None, master_port: None, ..self.clone() }
     }
 
     /// `gamma`, or the block size's default.

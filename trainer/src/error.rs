@@ -23,6 +23,10 @@ pub enum Error {
     /// A training step failed.
     #[error("step {step}: {message}")]
     Step { step: usize, message: String },
+    /// Several processes could not join, or one of them failed or went silent (the message names
+    /// the ranks).
+    #[error("process group: {0}")]
+    Group(String),
     /// The run stopped on non-finite losses or gradients.
     #[error("{0}")]
     NonFinite(String),

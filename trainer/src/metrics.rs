@@ -103,7 +103,8 @@ pub fn truncate_to_step(file: &Path, step: usize) -> Result<usize> {
 /// Writes the metrics of a run: JSON lines and the terminal.
 pub struct Reporter {
     file: PathBuf,
-    jsonl: File,
+    /// `None`: [`Reporter::silent`].
+    jsonl: Option<File>,
     bar: Option<ProgressBar>,
     total_steps: usize,
     since: Instant,
@@ -142,7 +143,7 @@ impl Reporter {
         let now = Instant::now();
         Ok(Reporter {
             file,
-            jsonl,
+            jsonl: Some(jsonl),
             bar,
             total_steps,
             since: now,
@@ -155,13 +156,34 @@ impl Reporter {
         })
     }
 
+    /// A reporter that writes nothing and prints only skipped steps (on stderr): a rank other
+    /// than 0 of several processes (rank 0 reports the run).
+    pub fn silent(total_steps: usize) -> Self {
+        let now = Instant::now();
+        Reporter {
+            file: PathBuf::new(),
+            jsonl: None,
+            bar: None,
+            total_steps,
+            since: now,
+            tokens: 0,
+            samples: 0,
+            flops: 0.0,
+            waits: None,
+            started: now,
+            quiet: true,
+        }
+    }
+
     fn write(&mut self, value: &Value) -> Result<()> {
-        writeln!(self.jsonl, "{value}").and_then(|()| self.jsonl.flush()).map_err(|e| Error::io(&self.file, e))
+        let Some(jsonl) = &mut self.jsonl else { return Ok(()) };
+        writeln!(jsonl, "{value}").and_then(|()| jsonl.flush()).map_err(|e| Error::io(&self.file, e))
     }
 
     /// Syncs `metrics.jsonl` (before a checkpoint, so the lines it covers are on disk).
     pub fn sync(&mut self) -> Result<()> {
-        self.jsonl.sync_data().map_err(|e| Error::io(&self.file, e))
+        let Some(jsonl) = &self.jsonl else { return Ok(()) };
+        jsonl.sync_data().map_err(|e| Error::io(&self.file, e))
     }
 
     /// Prints a line above the progress bar (or plainly).

@@ -167,6 +167,8 @@ pub struct Trainer<'a> {
     total_steps: usize,
     config_sha256: String,
     data_sha256: String,
+    /// Whether this process writes the run folder and evaluates (false: a rank other than 0).
+    writes: bool,
 }
 
 /// What [`Trainer::run`] did.
@@ -188,9 +190,16 @@ impl<'a> Trainer<'a> {
         }
         let total_steps = c.total_steps(inputs.data.len());
         let data_sha256 = inputs.data.sha256()?;
-        let config_sha256 = sha256_hex(c.to_toml().as_bytes());
+        let config_sha256 = sha256_hex(c.without_launch().to_toml().as_bytes());
         let state = LoopState::new(inputs.data.len(), c.seed);
-        Ok(Trainer { inputs, state, total_steps, config_sha256, data_sha256 })
+        Ok(Trainer { inputs, state, total_steps, config_sha256, data_sha256, writes: true })
+    }
+
+    /// The same steps, but nothing written under `out` (metrics, checkpoints) and no evaluation:
+    /// a rank other than 0 of several processes (rank 0 writes and evaluates).
+    pub fn without_writing(mut self) -> Self {
+        self.writes = false;
+        self
     }
 
     pub fn total_steps(&self) -> usize {
@@ -232,6 +241,10 @@ impl<'a> Trainer<'a> {
         };
         let out = &self.inputs.config.out;
         let mut notes = Vec::new();
+        if !self.writes {
+            notes.push(format!("resumed from {} at step {}", found.dir.display(), s.step));
+            return Ok(notes);
+        }
         for tmp in checkpoint::leftover_temporaries(out) {
             std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
             notes.push(format!("removed {}, a checkpoint that was never completed", tmp.display()));
@@ -258,14 +271,17 @@ impl<'a> Trainer<'a> {
     pub fn run_steps(&mut self, engine: &mut dyn StepEngine, max_steps: usize) -> Result<RunSummary> {
         let c = self.inputs.config;
         let out = c.out.clone();
-        if self.state.step == 0 {
+        if self.state.step == 0 && self.writes {
             let file = metrics::metrics_file(&out);
             if file.exists() {
                 std::fs::remove_file(&file).map_err(|e| Error::io(&file, e))?;
             }
         }
         let total = self.total_steps;
-        let mut reporter = Reporter::new(&out, self.state.step, total, self.inputs.quiet)?;
+        let mut reporter = match self.writes {
+            true => Reporter::new(&out, self.state.step, total, self.inputs.quiet)?,
+            false => Reporter::silent(total),
+        };
         let b = self.inputs.draft_config.block_size;
         let gamma = c.gamma_for(b);
         let mut summary = RunSummary { first_step: self.state.step, ..RunSummary::default() };
@@ -324,7 +340,7 @@ impl<'a> Trainer<'a> {
             }
             let done = self.state.step;
             let eval_now = c.eval_every > 0 && done.is_multiple_of(c.eval_every);
-            if (eval_now || done == total) && !self.inputs.held_out.is_empty() {
+            if (eval_now || done == total) && !self.inputs.held_out.is_empty() && self.writes {
                 let e = engine.evaluate(self.inputs.held_out, c.anchors, gamma, c.seed)?;
                 let tau = match self.inputs.tau {
                     Some(tau) => Some(tau(engine.drafter()?)?),
@@ -332,7 +348,8 @@ impl<'a> Trainer<'a> {
                 };
                 reporter.eval(step, e.loss, &e.accuracy, e.tau_hat, tau)?;
             }
-            if (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total {
+            let checkpoint_now = (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total;
+            if checkpoint_now && self.writes {
                 reporter.sync()?;
                 let engine_state = engine.state()?;
                 let state = self.state.to_state(engine_state.t, self.config_sha256.clone(), self.data_sha256.clone());
@@ -341,7 +358,7 @@ impl<'a> Trainer<'a> {
                     self.inputs.draft_config,
                     &engine_state,
                     state,
-                    c,
+                    &c.without_launch(),
                     c.keep_checkpoints,
                 )?;
                 reporter.say(&format!("  checkpoint {}", dir.display()));

@@ -11,6 +11,12 @@
 //! worker that does not answer within [`WORKER_TIMEOUT`], stops the step at once, naming the
 //! worker, and aborts the others' reductions (no hang).
 //!
+//! Several processes ([`group`]) train as one the same way: every process draws the same rows,
+//! splits them over all the processes' workers (rank-major: process `r`'s workers take parts
+//! `r*local..`), and sums its workers' gradients with the other processes' through the process
+//! group ([`group::WorkerRank`]) or NCCL; each step's loss, FLOPs, stats and non-finite flag are
+//! summed over the processes too, so every rank logs the same loss and skips the same steps.
+//!
 //! Features come from the rows, from each engine's own target, or from target workers
 //! ([`feed::FeedPool`]: threads with a target's forward whose features stay on the device, in
 //! slots the drafter workers read in place, the rows streamed while the drafters step). Each
@@ -18,9 +24,11 @@
 //! drafters.
 
 pub mod feed;
+pub mod group;
 pub mod reduce;
 
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -34,6 +42,7 @@ use crate::engine::{prepare_rows, EngineState, Share, StepBatch, StepEngine, Ste
 use crate::error::{Error, Result};
 use crate::rows::RowSource;
 use feed::FeedPool;
+use group::ProcessGroup;
 use reduce::Abort;
 
 /// How long the coordinator waits for a drafter worker's answer (a step of many rows on a large
@@ -154,6 +163,8 @@ pub struct DataParallel {
     config: dflash_reference::config::DraftConfig,
     /// The drafter as of the last [`StepEngine::drafter`] call.
     host_copy: Option<Drafter>,
+    /// The other processes training with this one, when several.
+    process: Option<Arc<ProcessGroup>>,
 }
 
 impl DataParallel {
@@ -178,7 +189,15 @@ impl DataParallel {
                 .map_err(|e| Error::option("drafter_workers", format!("worker {k}: cannot start its thread: {e}")))?;
             workers.push(Worker { commands, thread: Some(thread), abort: None });
         }
-        let mut dp = DataParallel { workers, replies, broken: Default::default(), feed: None, config, host_copy: None };
+        let mut dp = DataParallel {
+            workers,
+            replies,
+            broken: Default::default(),
+            feed: None,
+            config,
+            host_copy: None,
+            process: None,
+        };
         for (k, reply) in dp.collect()?.into_iter().enumerate() {
             let Reply::Made(abort) = reply else { return Err(worker_error(k, "an unexpected reply".into())) };
             dp.workers[k].abort = abort;
@@ -191,6 +210,18 @@ impl DataParallel {
     pub fn with_feed(mut self, feed: FeedPool) -> Self {
         self.feed = Some(feed);
         self
+    }
+
+    /// The same as one process of `group`: it steps its workers' parts of every step's rows
+    /// (see the module doc). Every worker's engine must sum its gradients through the group
+    /// (or NCCL across the processes).
+    pub fn with_process(mut self, group: Arc<ProcessGroup>) -> Result<Self> {
+        if let Some(k) = self.workers.iter().position(|w| w.abort.is_none()) {
+            let why = "has no reduction group: several processes sum their gradients through one";
+            return Err(worker_error(k, why.into()));
+        }
+        self.process = Some(group);
+        Ok(self)
     }
 
     fn send(&self, k: usize, command: Command) -> Result<()> {
@@ -222,15 +253,21 @@ impl DataParallel {
                     Error::option("drafter workers", "stopped without a reply (their threads ended)")
                 }
             };
-            for w in &self.workers {
-                if let Some(abort) = &w.abort {
-                    abort();
-                }
-            }
-            *self.broken.borrow_mut() = Some(failure.to_string());
-            return Err(failure);
+            return Err(self.stop(failure));
         }
         Ok(got.into_iter().map(|r| r.expect("all collected")).collect())
+    }
+
+    /// After `failure`: aborts every worker's reduction (and so the process group) and marks
+    /// the workers stopped.
+    fn stop(&self, failure: Error) -> Error {
+        for w in &self.workers {
+            if let Some(abort) = &w.abort {
+                abort();
+            }
+        }
+        *self.broken.borrow_mut() = Some(failure.to_string());
+        failure
     }
 
     /// Sends `command(k)` to every worker, then collects the replies (see [`Self::collect`]).
@@ -342,7 +379,9 @@ fn split<T>(rows: Vec<T>, parts: usize) -> Vec<Vec<T>> {
 impl StepEngine for DataParallel {
     fn name(&self) -> String {
         let targets = self.feed.as_ref().map_or(String::new(), |f| format!(" fed by {} target workers", f.targets()));
-        format!("device, {} data-parallel workers{targets}", self.workers.len())
+        let process = self.process.as_ref();
+        let process = process.map_or(String::new(), |g| format!(" on rank {} of {} processes", g.rank(), g.world()));
+        format!("device, {} data-parallel workers{targets}{process}", self.workers.len())
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
@@ -376,7 +415,10 @@ impl DataParallel {
         let (prepared, total) = prepare_rows(batch, self.config.block_size, rng)?;
         let shape = prepared.first().map(|(_, p)| (p.input.layout.context_len, p.input.layout.anchors.len()));
         let owned: Vec<(TrainRow, PreparedRow)> = prepared.into_iter().map(|(r, p)| (r.clone(), p)).collect();
-        let parts = split(owned, self.workers.len());
+        // Every process's workers' parts, rank-major; this process steps its own.
+        let local = self.workers.len();
+        let (rank, world) = self.process.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
+        let parts: Vec<_> = split(owned, local * world).into_iter().skip(rank * local).take(local).collect();
         let fed: Vec<Vec<Row>> = match self.feed.is_some() {
             true => parts.iter().map(|rows| rows.iter().map(|(r, _)| plain_row(r)).collect()).collect(),
             false => Vec::new(),
@@ -407,7 +449,10 @@ impl DataParallel {
                 (Some(_), Some(_)) => {}
             }
         }
-        let share = share.expect("at least one worker");
+        let mut share = share.expect("at least one worker");
+        if let Some(group) = &self.process {
+            share = group.sum_shares(share).map_err(|e| self.stop(e))?;
+        }
         let nothing = !on_device && sum.as_ref().is_none_or(|s| s.is_empty());
         if share.failed.is_some() || shape.is_none() || nothing {
             self.all(|_| Command::Discard)?;
