@@ -26,7 +26,8 @@ use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
 use dflash_trainer::config::{known_flags, options_help, RunConfig, StepKind, FIELDS};
 use dflash_trainer::dist::feed::{FeedEnd, FeedPool, MakeSlotFill, SlotFill, TargetSlots};
-use dflash_trainer::dist::reduce::HostGroup;
+use dflash_trainer::dist::group::{self, Launch, ProcessGroup};
+use dflash_trainer::dist::reduce::{GradReduce, HostGroup};
 use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
 use dflash_trainer::engine::{CpuEngine, DeviceEngine, Frozen, StepEngine};
 use dflash_trainer::metrics;
@@ -50,6 +51,12 @@ anchors). The target runs on the GPU in the same process (online features; `--st
 CPU twins, for small targets), or `--features CACHE` reads the features `cargo xtask features`
 wrote. Everything (options, files, the drafter against the target, the mask token, the cache's
 provenance, the memory plan) is checked before the device is touched.
+
+Several processes (one per node, or per GPU) train as one: `--world-size N --rank R
+--master-addr A --master-port P` on each, or the torchrun variables (WORLD_SIZE, RANK,
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK). They meet at rank 0 (the same config and data, checked),
+split each step's rows and sum their gradients (`host` step: through rank 0; `gpu`: NCCL). Rank
+0 alone writes the run folder; `--resume OUT` on every rank continues.
 
 The options come from a preset (the built-in one, or the recipe with --target), then the keys of
 `--config FILE` (TOML, the names below with `_`), then `--key value` on the command line.
@@ -107,9 +114,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
     }
     config.validate().map_err(err)?;
+    let launch = Launch::resolve(&config, &|name| std::env::var(name).ok()).map_err(err)?;
     match config.target.is_some() {
-        true => real_run(config, cli.plan, resume, resume_notes),
-        false => builtin_run(config, cli.plan, resume, resume_notes),
+        true => real_run(config, &launch, cli.plan, resume, resume_notes),
+        false => builtin_run(config, &launch, cli.plan, resume, resume_notes),
     }
 }
 
@@ -124,8 +132,12 @@ fn check_resume(config: &RunConfig, resume: &Resume, notes: &mut Vec<String>) ->
     Ok(())
 }
 
-/// `--out` checked writable and made ready for a fresh run (a finished run there is replaced).
-fn prepare_out(config: &RunConfig, resume: &Resume) -> Result<(), String> {
+/// `--out` checked writable and made ready for a fresh run (a finished run there is replaced);
+/// by rank 0 alone (the other ranks write nothing there).
+fn prepare_out(config: &RunConfig, launch: &Launch, resume: &Resume) -> Result<(), String> {
+    if launch.rank > 0 {
+        return Ok(());
+    }
     config.check_out().map_err(|e| e.to_string())?;
     if resume.is_none() {
         for note in prepare_fresh_out(&config.out).map_err(|e| e.to_string())? {
@@ -135,16 +147,20 @@ fn prepare_out(config: &RunConfig, resume: &Resume) -> Result<(), String> {
     Ok(())
 }
 
-/// The loop: resume when asked, then every remaining step.
+/// The loop: resume when asked, then every remaining step (written by rank 0 alone).
 fn train_loop(
     inputs: RunInputs,
     engine: &mut dyn StepEngine,
+    launch: &Launch,
     resume: &Resume,
     mut notes: Vec<String>,
 ) -> Result<RunSummary, String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     let config = inputs.config;
     let mut trainer = Trainer::new(inputs).map_err(err)?;
+    if launch.rank > 0 {
+        trainer = trainer.without_writing();
+    }
     if let Some((found, _)) = resume {
         notes.extend(trainer.resume(engine, found).map_err(err)?);
     }
@@ -223,8 +239,47 @@ fn report_files(config: &RunConfig, summary: &RunSummary, final_dir: &Path, svg:
     println!("total {:.1}s", started.elapsed().as_secs_f64());
 }
 
+/// Joins the other processes of the run (none alone) before any engine is made: their config,
+/// `rows` and resumed checkpoint's step must be this one's.
+fn join_processes(
+    launch: &Launch,
+    config: &RunConfig,
+    rows: &dyn RowSource,
+    resume: &Resume,
+) -> Result<Option<Arc<ProcessGroup>>, String> {
+    if launch.world_size == 1 {
+        return Ok(None);
+    }
+    let err = |e: dflash_trainer::Error| e.to_string();
+    let first_step = resume.as_ref().map_or(0, |(found, _)| found.state.step);
+    let fingerprint = group::fingerprint(config, &rows.sha256().map_err(err)?, first_step).map_err(err)?;
+    let (rank, world, addr, port) = (launch.rank, launch.world_size, &launch.master_addr, launch.master_port);
+    println!("process rank {rank} of {world}: joining the others through rank 0 at {addr}:{port} ...");
+    let joined = ProcessGroup::join(launch, fingerprint).map_err(err)?;
+    println!("process rank {rank} of {world}: joined");
+    Ok(Some(Arc::new(joined)))
+}
+
+/// A rank other than 0 at the end of its run (rank 0 wrote the run folder and the drafter).
+fn follower_end(launch: &Launch, summary: &RunSummary, started: Instant) -> Result<(), String> {
+    println!(
+        "process rank {} of {}: {} steps trained with the others in {:.1}s; rank 0 wrote the run folder",
+        launch.rank,
+        launch.world_size,
+        summary.steps_run,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// The built-in default: a random target built in code, rows sampled from it.
-fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec<String>) -> Result<(), String> {
+fn builtin_run(
+    config: RunConfig,
+    launch: &Launch,
+    plan: bool,
+    resume: Resume,
+    mut resume_notes: Vec<String>,
+) -> Result<(), String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     let draft_config = builtin::draft_config(&config);
     let config = config.resolved(draft_config.block_size, config.rows);
@@ -236,7 +291,7 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
         println!("{}", plan.describe());
         return Ok(());
     }
-    prepare_out(&config, &resume)?;
+    prepare_out(&config, launch, &resume)?;
 
     let started = Instant::now();
     print!(
@@ -268,8 +323,9 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
     let tau_before = mean_tau(&setup.target, &drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
     let eval_before =
         evaluate(&drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
+    let processes = join_processes(launch, &config, &setup.data, &resume)?;
     let mut engine: Box<dyn StepEngine> = match config.step {
-        StepKind::Gpu if config.drafter_workers == 1 => {
+        StepKind::Gpu if config.drafter_workers == 1 && processes.is_none() => {
             let gpu = crate::gpu_conformance::open_gpu_at(config.topology().1[0])?;
             println!("step on {}", gpu.name());
             let d = setup.draft_config.dims.head_dim;
@@ -290,9 +346,9 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
                     Checkpointing::PerLayer,
                 ))
             });
-            Box::new(gpu_workers(&config.topology().1, &setup.draft_config, engine)?)
+            Box::new(gpu_workers(&launch.topology(&config).1, &setup.draft_config, engine, processes.as_ref())?)
         }
-        StepKind::Host if config.drafter_workers > 1 => {
+        StepKind::Host if config.drafter_workers > 1 || processes.is_some() => {
             let (c, draft, frozen_head) = (config.clone(), setup.draft_config.clone(), head.clone());
             let engine: Arc<HostEngine> = Arc::new(move |_| {
                 let drafter = builtin::init_drafter(&c, &draft)?;
@@ -300,7 +356,7 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
                 let adamw = builtin::adamw_config(&c);
                 Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, Checkpointing::PerLayer))
             });
-            Box::new(host_workers(config.drafter_workers, &setup.draft_config, engine)?)
+            Box::new(host_workers(config.drafter_workers, &setup.draft_config, engine, processes.as_ref())?)
         }
         kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
     };
@@ -313,7 +369,10 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
         tau: Some(&tau),
         quiet: false,
     };
-    let summary = train_loop(inputs, engine.as_mut(), &resume, resume_notes)?;
+    let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
+    if launch.rank > 0 {
+        return follower_end(launch, &summary, started);
+    }
 
     let drafter = engine.drafter().map_err(err)?;
     let tau_after = mean_tau(&setup.target, drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
@@ -332,7 +391,13 @@ fn builtin_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: 
 }
 
 /// A real run: the user's target and data (features online or from a cache).
-fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec<String>) -> Result<(), String> {
+fn real_run(
+    config: RunConfig,
+    launch: &Launch,
+    plan: bool,
+    resume: Resume,
+    mut resume_notes: Vec<String>,
+) -> Result<(), String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     let started = Instant::now();
     let setup = real::prepare(&config).map_err(err)?;
@@ -408,7 +473,8 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
         );
         return Ok(());
     }
-    prepare_out(&config, &resume)?;
+    prepare_out(&config, launch, &resume)?;
+    let processes = join_processes(launch, &config, &train_rows, &resume)?;
 
     let drafter = Drafter::init(d.clone(), config.seed + 1, DType::F32).map_err(|e| e.to_string())?;
     println!("drafter: {} trainable parameters", drafter.num_params());
@@ -431,7 +497,7 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
     let targets = config.target_workers;
     let mut engine: Box<dyn StepEngine> = match config.step {
         StepKind::Gpu => {
-            let (target_gpus, drafter_gpus) = config.topology();
+            let (target_gpus, drafter_gpus) = launch.topology(&config);
             let head_dim = d.dims.head_dim;
             // The target's forward on `gpu`, bf16 (with the LM head when the step shares it).
             let (target, ids) = (t.clone(), ids.clone());
@@ -441,7 +507,7 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
                 f.load_weights(|n, s| w.get(n, s, DType::BF16))?;
                 Ok(f)
             };
-            if targets == 0 && drafter_gpus.len() == 1 {
+            if targets == 0 && drafter_gpus.len() == 1 && processes.is_none() {
                 let gpu = crate::gpu_conformance::open_gpu_at(drafter_gpus[0])?;
                 let frozen = match online {
                     true => {
@@ -477,7 +543,7 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
                         DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw.clone(), policy);
                     Ok(fed(e, &ends, k))
                 });
-                let workers = gpu_workers(&drafter_gpus, d, engine)?;
+                let workers = gpu_workers(&drafter_gpus, d, engine, processes.as_ref())?;
                 Box::new(match feed {
                     Some(feed) => workers.with_feed(feed),
                     None => workers,
@@ -513,10 +579,10 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
                 let e = DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy);
                 Ok(fed(e, &ends, k))
             });
-            match (config.drafter_workers, feed) {
-                (1, None) => Box::new(engine(0).map_err(err)?),
-                (n, feed) => {
-                    let workers = host_workers(n, d, engine)?;
+            match (config.drafter_workers, feed, &processes) {
+                (1, None, None) => Box::new(engine(0).map_err(err)?),
+                (n, feed, _) => {
+                    let workers = host_workers(n, d, engine, processes.as_ref())?;
                     Box::new(match feed {
                         Some(feed) => workers.with_feed(feed),
                         None => workers,
@@ -535,8 +601,9 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
         Some(rows) => rows,
         None => &no_rows,
     };
+    // Rank 0 alone evaluates (and reports).
     let eval = |engine: &mut dyn StepEngine| -> Result<Option<EvalReport>, String> {
-        match held.is_empty() {
+        match held.is_empty() || launch.rank > 0 {
             true => Ok(None),
             false => engine.evaluate(held, config.anchors, gamma, config.seed).map(Some).map_err(err),
         }
@@ -547,10 +614,14 @@ fn real_run(config: RunConfig, plan: bool, resume: Resume, mut resume_notes: Vec
         let target = reference_target.as_ref().expect("loaded when tau_prompts > 0");
         mean_tau(target, drafter, &prompts, config.tau_tokens)
     };
-    let tau: Option<TauProbe> = (config.tau_prompts > 0 && !prompts.is_empty()).then_some(&measure_tau);
+    let tau: Option<TauProbe> =
+        (config.tau_prompts > 0 && !prompts.is_empty() && launch.rank == 0).then_some(&measure_tau);
     let tau_before = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
     let inputs = RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, tau, quiet: false };
-    let summary = train_loop(inputs, engine.as_mut(), &resume, resume_notes)?;
+    let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
+    if launch.rank > 0 {
+        return follower_end(launch, &summary, started);
+    }
     let eval_after = eval(engine.as_mut())?;
     let tau_after = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
     let held_summary = eval_before.as_ref().zip(eval_after.as_ref()).map(|(b, a)| (held.len(), b, a));
@@ -575,33 +646,64 @@ type HostEngine = dyn Fn(usize) -> dflash_trainer::Result<DeviceEngine<Host<f32>
 type FeedEnds = std::sync::Mutex<Vec<Option<FeedEnd>>>;
 
 /// Data-parallel drafter workers on `gpus` (one each), their gradients summed through NCCL
-/// (one rank per worker, even alone: the same path at every count).
-fn gpu_workers(gpus: &[usize], d: &DraftConfig, engine: Arc<GpuEngine>) -> Result<DataParallel, String> {
-    let id = nccl::unique_id().map_err(|e| e.to_string())?;
-    let (listed, world) = (gpus.to_vec(), gpus.len());
+/// (one rank per worker, even alone: the same path at every count). With several processes,
+/// one communicator over every process's workers (NCCL rank `rank * local + k`), its id made by
+/// rank 0 and sent through the process group. (That path needs GPUs on several processes: it is
+/// not tested here.)
+fn gpu_workers(
+    gpus: &[usize],
+    d: &DraftConfig,
+    engine: Arc<GpuEngine>,
+    processes: Option<&Arc<ProcessGroup>>,
+) -> Result<DataParallel, String> {
+    let local = gpus.len();
+    let (id, first, world) = match processes {
+        None => (nccl::unique_id().map_err(|e| e.to_string())?, 0, local),
+        Some(g) => (g.share_nccl_id().map_err(|e| e.to_string())?, g.rank() * local, g.world() * local),
+    };
+    let listed = gpus.to_vec();
     let make: Arc<MakeReplica> = Arc::new(move |k| {
         let gpus = &listed;
         let gpu =
             Gpu::open(gpus[k])?.ok_or_else(|| dflash_trainer::Error::option("gpus", format!("no GPU {}", gpus[k])))?;
-        let rank = Rank::join(&gpu, k, world, &id)?;
+        let rank = Rank::join(&gpu, first + k, world, &id)?;
         Ok(Box::new(engine(k, gpu)?.with_reduce(Box::new(rank))) as Box<dyn Replica>)
     });
-    let workers = DataParallel::new(world, d.clone(), make).map_err(|e| e.to_string())?;
+    let workers = DataParallel::new(local, d.clone(), make).map_err(|e| e.to_string())?;
     println!("drafter workers on GPUs {gpus:?}, gradients all-reduced through NCCL");
-    Ok(workers)
+    across(workers, processes)
 }
 
 /// `count` data-parallel drafter workers on the CPU twins, their gradients summed through the
-/// in-process group (NCCL's twin).
-fn host_workers(count: usize, d: &DraftConfig, engine: Arc<HostEngine>) -> Result<DataParallel, String> {
-    let ranks = std::sync::Mutex::new(HostGroup::ranks(count).into_iter().map(Some).collect::<Vec<_>>());
+/// in-process group (NCCL's twin), and across the processes through their group when several.
+fn host_workers(
+    count: usize,
+    d: &DraftConfig,
+    engine: Arc<HostEngine>,
+    processes: Option<&Arc<ProcessGroup>>,
+) -> Result<DataParallel, String> {
+    type Ranks = Vec<Box<dyn GradReduce + Send>>;
+    let ranks: Ranks = match processes {
+        None => HostGroup::ranks(count).into_iter().map(|r| Box::new(r) as _).collect(),
+        Some(g) => group::worker_ranks(g, count).into_iter().map(|r| Box::new(r) as _).collect(),
+    };
+    let ranks = std::sync::Mutex::new(ranks.into_iter().map(Some).collect::<Vec<_>>());
     let make: Arc<MakeReplica> = Arc::new(move |k| {
         let rank = ranks.lock().ok().and_then(|mut r| r[k].take());
         let rank =
             rank.ok_or_else(|| dflash_trainer::Error::option("drafter_workers", format!("worker {k} made twice")))?;
-        Ok(Box::new(engine(k)?.with_reduce(Box::new(rank))) as Box<dyn Replica>)
+        Ok(Box::new(engine(k)?.with_reduce(rank)) as Box<dyn Replica>)
     });
-    DataParallel::new(count, d.clone(), make).map_err(|e| e.to_string())
+    let workers = DataParallel::new(count, d.clone(), make).map_err(|e| e.to_string())?;
+    across(workers, processes)
+}
+
+/// `workers` as this process's part of the processes' run, when several.
+fn across(workers: DataParallel, processes: Option<&Arc<ProcessGroup>>) -> Result<DataParallel, String> {
+    match processes {
+        None => Ok(workers),
+        Some(g) => workers.with_process(g.clone()).map_err(|e| e.to_string()),
+    }
 }
 
 /// `targets` target workers feeding `drafters` drafter workers through `fill` (none without

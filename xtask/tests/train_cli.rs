@@ -701,3 +701,133 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
     assert!(!result.status.success() && text(&result.stderr).contains("drafter_workers"), "{}", text(&result.stderr));
 }
+
+/// A free TCP port on 127.0.0.1 (for rank 0 to listen on).
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
+/// How soon the other process must exit after one is killed: the killed process's sockets
+/// close at once, the survivor fails in its next collective (within its current step, here a
+/// fraction of a second); the bound leaves room for a loaded CI machine, far below the
+/// collective timeout (30 min).
+const PEER_STOPS_WITHIN: Duration = Duration::from_secs(20);
+
+/// Several processes through the binary (the host step), joined through the TCP rendezvous:
+/// rank 0 from options, rank 1 from the torchrun variables. Two processes train like one with
+/// the same rows per step (losses within 1e-6: the same f32 sums in another grouping), rank 1
+/// writing nothing (its --out stays absent); their checkpoint resumes on both ranks with two
+/// drafter workers each (the in-process group inside each process, the process group across)
+/// with the same next losses; a rank killed mid-run makes the other exit with an error naming it
+/// within seconds.
+#[test]
+fn processes_joined_through_the_rendezvous_train_like_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    write_target_folder(&target, rand::rng().random_range(0..1 << 30));
+    let cache = tmp.path().join("data-cache");
+    let seed = rand::rng().random_range(0..1u64 << 40).to_string();
+    let common = ["--step", "host", "--rows-per-step", "4", "--seed", &seed];
+    let args = |out: &Path, extra: &[&str]| {
+        let mut all: Vec<&str> = common.to_vec();
+        all.extend(extra);
+        real_args(&target, &cache, out, &all)
+    };
+    let one = tmp.path().join("one");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(args(&one, &["--steps", "6", "--checkpoint-every", "3"]))
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let want = loss_values(&one);
+    // Rank 0 by options, rank 1 by the variables torchrun sets.
+    let spawn = |rank: usize, port: &str, cmd: Vec<String>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+        c.args(cmd).stdout(Stdio::piped()).stderr(Stdio::piped());
+        match rank {
+            0 => c.args(["--rank", "0", "--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", port]),
+            _ => c
+                .envs([("RANK", "1"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")])
+                .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)]),
+        };
+        c.spawn().unwrap()
+    };
+    let both = |cmd0: Vec<String>, cmd1: Vec<String>| {
+        let port = free_port();
+        let (zero, one) = (spawn(0, &port, cmd0), spawn(1, &port, cmd1));
+        let (zero, one) = (zero.wait_with_output().unwrap(), one.wait_with_output().unwrap());
+        for (rank, r) in [&zero, &one].into_iter().enumerate() {
+            assert!(r.status.success(), "rank {rank}:\n{}\n{}", text(&r.stdout), text(&r.stderr));
+        }
+        (text(&zero.stdout), text(&one.stdout))
+    };
+    let close = |a: &[f64], b: &[f64], what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (s, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() / y.abs() <= 1e-6, "{what}: step {s}: {x} vs {y}");
+        }
+        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs()).fold(0.0, f64::max);
+        eprintln!("{what}: losses within {worst:.1e} relative");
+    };
+    let (two, elsewhere) = (tmp.path().join("two"), tmp.path().join("rank-1"));
+    let steps = ["--steps", "6", "--checkpoint-every", "3"];
+    let (stdout0, stdout1) = both(args(&two, &steps), args(&elsewhere, &steps));
+    assert!(stdout0.contains("1 data-parallel workers on rank 0 of 2 processes"), "{stdout0}");
+    assert!(stdout1.contains("process rank 1 of 2: 6 steps trained"), "{stdout1}");
+    close(&loss_values(&two), &want, "2 processes vs 1");
+    assert!(two.join("drafter/model.safetensors").exists() && two.join("checkpoint-6/state.json").exists());
+    assert!(!elsewhere.exists(), "rank 1 wrote under its --out");
+    // One process with 2 drafter workers sums the same parts in the same order: bitwise.
+    let pair = tmp.path().join("pair");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(args(&pair, &["--steps", "6", "--drafter-workers", "2"]))
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    assert_eq!(losses(&two), losses(&pair), "2 processes vs 2 drafter workers in one");
+
+    // Back at the checkpoint of step 3, resumed on both ranks with 2 drafter workers each.
+    std::fs::remove_dir_all(two.join("checkpoint-6")).unwrap();
+    std::fs::remove_file(two.join("latest")).unwrap();
+    let resume: Vec<String> =
+        ["train", "--resume", two.to_str().unwrap(), "--drafter-workers", "2"].map(String::from).to_vec();
+    let (stdout0, stdout1) = both(resume.clone(), resume);
+    assert!(stdout0.contains("2 data-parallel workers on rank 0 of 2 processes"), "{stdout0}");
+    assert!(stdout1.contains("resume: resumed from") && stdout1.contains("at step 3"), "{stdout1}");
+    close(&loss_values(&two), &want, "resumed on 2 processes x 2 workers vs 1");
+
+    // A long run; a random rank killed (SIGKILL) once rank 0 has logged a few steps.
+    let (long, port) = (tmp.path().join("long"), free_port());
+    let steps = ["--steps", "100000", "--checkpoint-every", "0", "--eval-every", "0"];
+    let mut ranks = [spawn(0, &port, args(&long, &steps)), spawn(1, &port, args(&long, &steps))];
+    let started = Instant::now();
+    while losses(&long).len() < 3 {
+        assert!(started.elapsed() < Duration::from_secs(120), "the two processes never trained");
+        assert!(ranks.iter_mut().all(|r| r.try_wait().unwrap().is_none()), "a rank stopped early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let victim = rand::rng().random_range(0..2);
+    let [zero, one] = ranks;
+    let (mut killed, survivor) = if victim == 0 { (zero, one) } else { (one, zero) };
+    killed.kill().unwrap();
+    let at = Instant::now();
+    killed.wait().unwrap();
+    let mut survivor = survivor;
+    let status = loop {
+        if let Some(status) = survivor.try_wait().unwrap() {
+            break status;
+        }
+        assert!(at.elapsed() < PEER_STOPS_WITHIN, "still running {PEER_STOPS_WITHIN:?} after rank {victim} was killed");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = at.elapsed();
+    let stderr = text(&survivor.wait_with_output().unwrap().stderr);
+    assert!(!status.success());
+    assert!(stderr.contains(&format!("rank {victim} closed its connection")), "{stderr}");
+    eprintln!(
+        "rank {} exited {:.2} s after rank {victim} was killed: {}",
+        1 - victim,
+        took.as_secs_f64(),
+        stderr.trim()
+    );
+}
