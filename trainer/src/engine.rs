@@ -80,7 +80,7 @@ pub struct StepOutcome {
     pub flops: f64,
     /// The device memory the step and the target's forward were planned to take (bytes).
     pub device_bytes: Option<u64>,
-    /// With target workers (`dist::TargetPool`): the seconds the drafter workers waited for the
+    /// With target workers (`dist::feed`): the seconds the drafter workers waited for the
     /// rows' features, and the seconds the target workers then waited for the drafters' step.
     pub waits: Option<(f64, f64)>,
 }
