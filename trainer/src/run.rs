@@ -180,6 +180,10 @@ pub struct RunSummary {
     pub skipped_total: usize,
     /// The checkpoints written.
     pub checkpoints: Vec<PathBuf>,
+    /// Seconds inside the engine's steps, and with target workers the pipeline's waits over
+    /// them (`StepOutcome::waits`, summed).
+    pub step_seconds: f64,
+    pub waits: Option<(f64, f64)>,
 }
 
 impl<'a> Trainer<'a> {
@@ -304,8 +308,14 @@ impl<'a> Trainer<'a> {
                 clip_norm: c.clip_norm,
                 want_stats: log_now,
             };
+            let started = std::time::Instant::now();
             let outcome =
                 engine.step(&batch, &mut self.state.rng).map_err(|e| Error::Step { step, message: e.to_string() })?;
+            summary.step_seconds += started.elapsed().as_secs_f64();
+            if let Some((d, t)) = outcome.waits {
+                let (a, b) = summary.waits.unwrap_or((0.0, 0.0));
+                summary.waits = Some((a + d, b + t));
+            }
             let tokens: usize = batch.micro_batches.iter().flatten().map(|r| r.len()).sum();
             reporter.count(step, tokens as u64, (c.rows_per_update()) as u64, outcome.flops, outcome.waits);
             self.state.step += 1;

@@ -360,3 +360,20 @@ fn a_failing_target_worker_stops_the_run_with_its_error() {
     let message = FeedPool::new(2, 1, make).err().expect("refused").to_string();
     assert!(message.contains("target worker 1") && message.contains("no such GPU"), "{message}");
 }
+
+/// The pipeline's balance from its waits: 1 target worker and 2 drafter workers over 10 s, the
+/// drafters idle half their time and the target never: per row the target is busy as long as a
+/// drafter (10 s over R rows against 2 x 5 s over R rows), so 1 target worker per drafter worker
+/// balances them; with both sides busy, and with the targets idle, the advice says so.
+#[test]
+fn the_pipeline_balance_comes_from_both_sides_waits() {
+    use dflash_trainer::dist::feed::balance;
+    let (ratio, line) = balance((10.0, 0.0), 10.0, 1, 2).expect("a balance");
+    assert!((ratio - 1.0).abs() < 1e-12, "{ratio}");
+    assert!(line.contains("waited 50%") && line.contains("more target workers"), "{line}");
+    let (ratio, line) = balance((0.2, 0.3), 10.0, 2, 2).unwrap();
+    assert!((ratio - 2.0 * 0.985 / (2.0 * 0.99)).abs() < 1e-12 && line.contains("both sides are busy"), "{line}");
+    let (ratio, line) = balance((0.0, 12.0), 10.0, 2, 1).unwrap();
+    assert!((ratio - 2.0 * 0.4).abs() < 1e-12 && line.contains("fewer target workers"), "{ratio} {line}");
+    assert!(balance((0.0, 0.0), 0.0, 1, 1).is_none());
+}

@@ -209,6 +209,12 @@ fn report_end(
             mean(&losses[losses.len() - window..])
         );
     }
+    let balance = summary.waits.and_then(|w| {
+        dflash_trainer::dist::feed::balance(w, summary.step_seconds, config.target_workers, config.drafter_workers)
+    });
+    if let Some((_, line)) = balance {
+        println!("{line}");
+    }
     if summary.skipped_total > 0 {
         println!("skipped steps (non-finite loss or gradient): {}", summary.skipped_total);
     }

@@ -667,6 +667,7 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
     assert!(result.status.success(), "{}", text(&result.stderr));
     assert!(text(&result.stdout).contains("fed by 1 target workers"), "{}", text(&result.stdout));
+    assert!(text(&result.stdout).contains("pipeline: the drafter workers waited"), "{}", text(&result.stdout));
     close(&loss_values(&fed), &want, "1 target + 2 drafter workers vs 1");
     // 1 target worker feeding 1 drafter worker: the single engine's losses bitwise (the same
     // features, read from the target worker's slot instead of the engine's own forward).

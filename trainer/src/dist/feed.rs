@@ -126,6 +126,39 @@ impl<B: Backend> SlotFill for TargetSlots<B> {
     }
 }
 
+/// The pipeline's balance over a run (spec section 9): `waits` = (seconds the `drafters` drafter
+/// workers waited for features, seconds the `targets` target workers waited for the drafters),
+/// summed over steps that took `seconds`. A worker is busy when it is not waiting, and both sides
+/// handle the same rows, so a row's cost on one side is that side's busy worker-seconds per row;
+/// the ratio of the target's cost to the drafter's is how many target workers per drafter worker
+/// keep both busy. Returns that ratio and a sentence for the run's end.
+pub fn balance(waits: (f64, f64), seconds: f64, targets: usize, drafters: usize) -> Option<(f64, String)> {
+    if seconds <= 0.0 || targets == 0 || drafters == 0 {
+        return None;
+    }
+    let (t, d) = (targets as f64, drafters as f64);
+    let idle_d = (waits.0 / (d * seconds)).clamp(0.0, 1.0);
+    let idle_t = (waits.1 / (t * seconds)).clamp(0.0, 1.0);
+    let busy_d = 1.0 - idle_d;
+    if busy_d <= 0.0 {
+        return None;
+    }
+    let ratio = t * (1.0 - idle_t) / (d * busy_d);
+    let advice = match (idle_d > 0.1, idle_t > 0.1) {
+        (true, _) => "the drafters wait for features: more target workers (or GPUs) would feed them",
+        (false, true) => "the targets wait for the drafters: fewer target workers would do",
+        (false, false) => "both sides are busy",
+    };
+    Some((
+        ratio,
+        format!(
+            "pipeline: the drafter workers waited {:.0}% of the steps' time for features, the target workers {:.0}% for the drafters; {advice} (balanced at about {ratio:.2} target workers per drafter worker)",
+            100.0 * idle_d,
+            100.0 * idle_t
+        ),
+    ))
+}
+
 struct FeedWorker {
     rows: SyncSender<(Row, usize)>,
     thread: Option<JoinHandle<()>>,
