@@ -53,7 +53,35 @@ impl KeyBuilder {
     }
 }
 
+/// `path`'s temporary name for writer `n` of process `pid`: `NAME.tmp.PID.N`.
+fn tmp_name(path: &Path, pid: u32, n: u64) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp.{pid}.{n}"));
+    path.with_file_name(name)
+}
+
+/// Removes `path`'s temporary files left by processes that no longer run (on Linux, where
+/// `/proc` says; elsewhere none is removed). Errors are ignored: a leftover only takes space.
+fn remove_dead_writers(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else { return };
+    let prefix = format!("{}.tmp.", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir }) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = file.strip_prefix(&prefix).and_then(|rest| rest.split('.').next()) else { continue };
+        let alive = Path::new("/proc").join(pid).exists() || !Path::new("/proc/self").exists();
+        if pid.parse::<u32>().is_ok() && !alive {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// Writes a cache: documents streamed in, then [`CacheWriter::finish`] renames it into place.
+/// Each writer has a temporary name of its own (process id and a counter), so processes that
+/// tokenize the same data at once (the ranks of one machine, started with the same options)
+/// each rename a whole file into place; the temporary files of writers that died are removed.
 pub struct CacheWriter {
     path: PathBuf,
     tmp: PathBuf,
@@ -64,7 +92,10 @@ pub struct CacheWriter {
 
 impl CacheWriter {
     pub fn create(path: &Path, key: &[u8; 32]) -> Result<Self> {
-        let tmp = path.with_extension("tmp");
+        static WRITERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        remove_dead_writers(path);
+        let n = WRITERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = tmp_name(path, std::process::id(), n);
         let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let mut w = CacheWriter {
             path: path.to_owned(),
@@ -209,5 +240,48 @@ impl Cache {
         let tokens = buf[..n * 4].chunks(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
         let loss_mask = (0..n).map(|k| buf[n * 4 + k / 8] >> (k % 8) & 1 == 1).collect();
         Ok(Document { tokens, loss_mask })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn doc(rng: &mut rand_chacha::ChaCha8Rng) -> Document {
+        let n = rng.random_range(3..40);
+        Document {
+            tokens: (0..n).map(|_| rng.random_range(0..1000)).collect(),
+            loss_mask: (0..n).map(|_| rng.random()).collect(),
+        }
+    }
+
+    /// Two writers of the same cache at once (two ranks tokenizing the same data): each writes a
+    /// file of its own and renames it whole, so the cache is one writer's, never a mix; a dead
+    /// process's leftover is removed, a live one's kept.
+    #[test]
+    fn concurrent_writers_leave_a_whole_cache() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("docs.cache");
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
+        let dead = tmp_name(&path, u32::MAX - 1, 0);
+        let live = tmp_name(&path, std::process::id(), 1 << 40);
+        std::fs::write(&dead, b"half").unwrap();
+        std::fs::write(&live, b"in progress").unwrap();
+        let key = [7u8; 32];
+        let (mut a, mut b) = (CacheWriter::create(&path, &key).unwrap(), CacheWriter::create(&path, &key).unwrap());
+        assert!(!dead.exists() && live.exists(), "the dead writer's file goes, the live one's stays");
+        let docs: Vec<Document> = (0..6).map(|_| doc(&mut rng)).collect();
+        for (i, d) in docs.iter().enumerate() {
+            a.push(d, 0, i as u32).unwrap();
+            b.push(d, 0, i as u32).unwrap();
+        }
+        b.finish(&Stats::default()).unwrap();
+        a.finish(&Stats::default()).unwrap();
+        let cache = Cache::open(&path, &key).unwrap().expect("a whole cache");
+        assert_eq!(cache.len(), docs.len());
+        for (i, d) in docs.iter().enumerate() {
+            assert_eq!(cache.document(i).unwrap().tokens, d.tokens);
+        }
     }
 }
