@@ -4,7 +4,6 @@
 //! its rows, a failed or stuck rank aborts the others).
 
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
 
 use dflash_optimized::device::nccl::Rank;
 
@@ -30,8 +29,9 @@ impl GradReduce for Rank {
     }
 }
 
-/// How long a host rank waits for the others before failing (a stuck peer).
-pub const HOST_REDUCE_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a host rank waits for the others before failing (a stuck peer): as long as the
+/// coordinator waits for a worker, since a peer may be stepping, or evaluating on rank 0.
+pub const HOST_REDUCE_TIMEOUT: std::time::Duration = super::WORKER_TIMEOUT;
 
 #[derive(Default)]
 struct Round {
