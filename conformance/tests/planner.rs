@@ -289,3 +289,37 @@ fn the_27b_hybrid_and_its_drafter_fit_one_h200_at_4096() {
     plan.check_fits(device_bytes(), "one H200").expect("fits");
     assert!(plan.check_fits(plan.bytes - 1, "a smaller GPU").is_err());
 }
+
+/// The AdamW state sharded over N drafter workers: each worker's layout holds the fp32 masters
+/// and both moments of its shard only (3 x 4 bytes per parameter of the shard), the whole
+/// accumulated gradients, and everything else as the unsharded layout; the shards tile the
+/// parameters.
+#[test]
+fn a_sharded_optimizer_state_divides_its_memory_by_the_workers() {
+    use dflash_optimized::memory::step::optimizer_shard;
+    let p = named_configs().into_iter().next().expect("named configs");
+    let whole = StepLayout::new(&p.config, p.shape, Checkpointing::PerLayer, true, (BF16, F32)).expect("layout");
+    let params = whole.optimizer.expect("optimizer").shard.1 as u64;
+    let optimizer =
+        |l: &StepLayout| -> u64 { l.items.iter().filter(|i| i.lifetime == Lifetime::Optimizer).map(|i| i.bytes).sum() };
+    for workers in [2, 3, 8] {
+        let mut next = 0;
+        for k in 0..workers {
+            let shard = optimizer_shard(params as usize, k, workers);
+            assert_eq!(shard.0, next, "{workers} workers: shard {k} starts where {} ended", k.saturating_sub(1));
+            next = shard.1;
+            let l = StepLayout::sharded(&p.config, p.shape, Checkpointing::PerLayer, Some(shard), (BF16, F32), true)
+                .expect("layout");
+            let held = (shard.1 - shard.0) as u64;
+            // Regions start on ALIGN: the three shrunk regions and the alignment padding after
+            // them move the totals by less than one ALIGN each.
+            let padding = 4 * ALIGN;
+            let want = optimizer(&whole) - 3 * 4 * (params - held);
+            let got = optimizer(&l);
+            assert!(got.abs_diff(want) <= padding, "{workers} workers, shard {k}: {got} vs {want}");
+            let rest = |l: &StepLayout| l.total_bytes() - optimizer(l);
+            assert!(rest(&l).abs_diff(rest(&whole)) <= padding, "{workers} workers, shard {k}: the rest is unchanged");
+        }
+        assert_eq!(next as u64, params, "{workers} workers: the shards tile the parameters");
+    }
+}

@@ -133,6 +133,9 @@ pub struct RunConfig {
     /// Real runs, online: target workers computing the rows' features for the drafter workers
     /// (`dist::feed`); 0: each drafter worker runs the target itself.
     pub target_workers: usize,
+    /// Shard the AdamW state (fp32 masters and moments) over the drafter workers: each holds and
+    /// updates its shard, and the workers gather each other's updated weights.
+    pub shard_optimizer: bool,
     /// The `gpu` step: one GPU per worker, target workers first (empty: every worker on GPU 0).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<usize>,
@@ -199,6 +202,7 @@ impl Default for RunConfig {
             target_layer_ids: None,
             drafter_workers: 1,
             target_workers: 0,
+            shard_optimizer: false,
             gpus: Vec::new(),
             rank: None,
             world_size: None,
@@ -287,6 +291,11 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
         "target_workers",
         Kind::Int,
         "real runs, online: target workers feeding the drafter workers (0: each drafter worker runs the target)",
+    ),
+    (
+        "shard_optimizer",
+        Kind::Bool,
+        "shard the AdamW state over the drafter workers (its memory divided by their count)",
     ),
     (
         "gpus",
@@ -567,6 +576,16 @@ impl RunConfig {
             return Err(Error::option(
                 "target_workers",
                 "target workers compute features online in a real run with the `host` or `gpu` step (`--target`, no `--features`)",
+            ));
+        }
+        if self.shard_optimizer && (self.drafter_workers < 2 || self.step == StepKind::Reference) {
+            return Err(Error::option(
+                "shard_optimizer",
+                format!(
+                    "with {} drafter worker(s) and the `{}` step: the AdamW state is sharded over 2 or more drafter workers of the `host` or `gpu` step",
+                    self.drafter_workers,
+                    self.step.name()
+                ),
             ));
         }
         self.validate_gpus()?;

@@ -9,7 +9,7 @@
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::flops::{step_model_flops, target_forward_flops};
-use dflash_optimized::memory::step::{Checkpointing, StepShape};
+use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, StepShape};
 use dflash_optimized::model::drafter_step::DrafterStep;
 use dflash_optimized::model::target_forward::TargetForward;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
@@ -94,6 +94,50 @@ pub struct EngineState {
     pub m: Vec<Tensor>,
     pub v: Vec<Tensor>,
     pub t: i32,
+}
+
+impl EngineState {
+    /// The whole state from the states of workers whose optimizer state was sharded: parameter
+    /// `i` of the flat vector (in parameter order) from the worker whose shard holds it.
+    pub fn join(states: &[EngineState], shards: &[(usize, usize)]) -> Result<EngineState> {
+        let first = states.first().ok_or_else(|| Error::option("shard_optimizer", "no worker states"))?;
+        let flat = |ts: &[Tensor]| -> Result<Vec<f32>> {
+            let mut v = Vec::new();
+            for t in ts {
+                v.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            }
+            Ok(v)
+        };
+        let pick = |field: fn(&EngineState) -> &Vec<Tensor>| -> Result<Vec<Tensor>> {
+            let mut all = Vec::new();
+            for (state, &(lo, hi)) in states.iter().zip(shards) {
+                all.extend_from_slice(&flat(field(state))?[lo..hi]);
+            }
+            let mut rest = all.as_slice();
+            field(first)
+                .iter()
+                .map(|t| {
+                    let (mine, next) = rest.split_at(t.elem_count());
+                    rest = next;
+                    Ok(Tensor::from_vec(mine.to_vec(), t.dims(), &candle_core::Device::Cpu)?)
+                })
+                .collect()
+        };
+        Ok(EngineState {
+            names: first.names.clone(),
+            params: pick(|s| &s.params)?,
+            m: pick(|s| &s.m)?,
+            v: pick(|s| &s.v)?,
+            t: first.t,
+        })
+    }
+}
+
+/// The shards of `config`'s flat parameters over `workers` drafter workers
+/// (`memory::step::optimizer_shard`).
+pub fn optimizer_shards(config: &DraftConfig, workers: usize) -> Vec<(usize, usize)> {
+    let params = dflash_optimized::model::drafter_step::param_slots(config).iter().map(|s| s.len).sum();
+    (0..workers).map(|k| optimizer_shard(params, k, workers)).collect()
 }
 
 /// A training step's executor.
@@ -358,6 +402,8 @@ pub struct DeviceEngine<B: Backend> {
     feed: Option<FeedEnd>,
     /// The all-reduce of the accumulated gradients over the drafter workers, on the device.
     reduce: Option<Box<dyn GradReduce>>,
+    /// With the optimizer state sharded: (this worker, the workers).
+    shard: Option<(usize, usize)>,
 }
 
 /// What a [`Frozen::Host`] engine keeps on the device, stored: the embedding table `[V, H]` the
@@ -391,7 +437,22 @@ impl<B: Backend> DeviceEngine<B> {
             host_tables: None,
             feed: None,
             reduce: None,
+            shard: None,
         }
+    }
+
+    /// The same engine holding the masters and AdamW moments of its shard of the parameters
+    /// only (`memory::step::optimizer_shard(P, k, workers)`): it updates its shard, and the
+    /// workers gather each other's updated weights through the reduction group (needs
+    /// [`DeviceEngine::with_reduce`]). Cuts the optimizer state's memory by the worker count.
+    pub fn with_sharded_optimizer(mut self, k: usize, workers: usize) -> Self {
+        self.shard = Some((k, workers));
+        self
+    }
+
+    /// Every worker's shard of the flat parameters, when sharded.
+    fn shards(&self) -> Option<Vec<(usize, usize)>> {
+        self.shard.map(|(_, n)| optimizer_shards(&self.config, n))
     }
 
     /// The same engine fed by target workers on its device: rows carry `[S, 0]` features and
@@ -457,9 +518,14 @@ impl<B: Backend> DeviceEngine<B> {
             return Ok(());
         }
         let shape = StepShape { context_len: s, num_anchors: n, lm_chunk_rows: 1024 };
+        let shard = match (self.shards(), self.shard) {
+            (Some(all), Some((k, _))) => all[k],
+            _ => (0, dflash_optimized::model::drafter_step::param_slots(&self.config).iter().map(|s| s.len).sum()),
+        };
         let mut step = match &self.frozen {
             Frozen::Host(head) => {
-                let mut step = DrafterStep::new((self.make)()?, &self.config, shape, self.policy, true)?;
+                let mut step =
+                    DrafterStep::sharded((self.make)()?, &self.config, shape, self.policy, Some(shard), None)?;
                 step.load_lm_head(head)?;
                 step
             }
@@ -467,7 +533,7 @@ impl<B: Backend> DeviceEngine<B> {
                 let head = forward.frozen_tables().1.ok_or_else(|| {
                     Error::option("target", "the target's forward holds no LM head to share (made without it)")
                 })?;
-                DrafterStep::with_head((self.make)()?, &self.config, shape, self.policy, true, Some(head))?
+                DrafterStep::sharded((self.make)()?, &self.config, shape, self.policy, Some(shard), Some(head))?
             }
         };
         let drafter = self.init.take().ok_or_else(|| Error::option("engine", "no drafter weights to load"))?;
@@ -617,9 +683,18 @@ impl<B: Backend> DeviceEngine<B> {
     /// Clips and applies the accumulated gradients: `Ok(norm)`, or `Err(tensor)` when a
     /// gradient is not finite (nothing applied). Either way the accumulator is left empty.
     pub fn apply(&mut self, lr: f64, clip_norm: f64) -> Result<std::result::Result<f64, String>> {
+        let shards = self.shards();
         let Some((step, adam)) = &mut self.step else { return Ok(Ok(0.0)) };
         match adam.update(step, lr, clip_norm) {
-            Ok(norm) => Ok(Ok(norm)),
+            Ok(norm) => {
+                if let Some(shards) = shards {
+                    let reduce = self.reduce.as_ref().ok_or_else(|| {
+                        Error::option("shard_optimizer", "a sharded optimizer state needs a reduction group")
+                    })?;
+                    reduce.all_gather_shards(step.addr(step.layout.weights), B::Elem::BYTES, &shards)?;
+                }
+                Ok(Ok(norm))
+            }
             Err(dflash_optimized::Error::NonFinite { what, .. }) => {
                 adam.discard(step)?;
                 Ok(Err(what))
@@ -666,10 +741,13 @@ impl<B: Backend> DeviceEngine<B> {
     fn download_state(&self) -> Result<Option<EngineState>> {
         let Some((step, adam)) = &self.step else { return Ok(None) };
         let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
-        let n = step.num_params();
+        // A shard's values in place, zero elsewhere (`EngineState::join` takes each shard).
+        let (n, (lo, hi)) = (step.num_params(), opt.shard);
         let get = |r| -> Result<Vec<f64>> {
-            let v: Vec<Acc<B>> = download(step.backend(), step.addr(r), n)?;
-            Ok(v.into_iter().map(Real::to_f64).collect())
+            let v: Vec<Acc<B>> = download(step.backend(), step.addr(r), hi - lo)?;
+            let mut all = vec![0.0; n];
+            all[lo..hi].iter_mut().zip(v).for_each(|(a, x)| *a = x.to_f64());
+            Ok(all)
         };
         let (p, m, v) = (get(opt.master)?, get(opt.adam_m)?, get(opt.adam_v)?);
         let split = |all: &[f64]| -> Result<Vec<Tensor>> {
@@ -930,6 +1008,7 @@ fn upload_moments<B: Backend>(step: &DrafterStep<B>, adam: &mut DeviceAdamW, sta
                 format!("{} moments for {} parameters", values.len(), step.num_params()),
             ));
         }
+        let values = &values[opt.shard.0..opt.shard.1];
         // SAFETY: plain-old-data values viewed as their bytes.
         let bytes =
             unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(&values[..])) };

@@ -72,6 +72,32 @@ fn grouped(count: usize, setup: &Arc<BuiltinSetup>, c: &RunConfig, ends: Vec<Fee
     DataParallel::new(count, setup.draft_config.clone(), make).expect("workers")
 }
 
+/// `count` grouped workers sharding the optimizer state over themselves.
+fn sharded(count: usize, setup: &Arc<BuiltinSetup>, c: &RunConfig) -> DataParallel {
+    let ranks = std::sync::Mutex::new(HostGroup::ranks(count).into_iter().map(Some).collect::<Vec<_>>());
+    let (setup2, c2) = (setup.clone(), c.clone());
+    let make: Arc<MakeReplica> = Arc::new(move |k| {
+        let rank = ranks.lock().unwrap()[k].take().expect("one rank per worker");
+        let e = engine(&setup2, &c2).with_reduce(Box::new(rank)).with_sharded_optimizer(k, count);
+        Ok(Box::new(e) as Box<dyn Replica>)
+    });
+    DataParallel::new(count, setup.draft_config.clone(), make).expect("workers").with_sharded_optimizer()
+}
+
+/// Every tensor of two states, bitwise.
+fn same_state(a: &EngineState, b: &EngineState, what: &str) {
+    assert_eq!(a.t, b.t, "{what}: step count");
+    for (field, (x, y)) in [("params", (&a.params, &b.params)), ("m", (&a.m, &b.m)), ("v", (&a.v, &b.v))] {
+        for ((name, p), q) in a.names.iter().zip(x).zip(y) {
+            let (p, q) = (
+                p.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                q.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert!(p.iter().zip(&q).all(|(u, v)| u.to_bits() == v.to_bits()), "{what}: {field} {name}");
+        }
+    }
+}
+
 /// A target worker's twin for the built-in rows: a row's features (looked up by its tokens)
 /// copied into a host slot, as a target's forward would write them.
 struct Lookup {
@@ -376,4 +402,33 @@ fn the_pipeline_balance_comes_from_both_sides_waits() {
     let (ratio, line) = balance((0.0, 12.0), 10.0, 2, 1).unwrap();
     assert!((ratio - 2.0 * 0.4).abs() < 1e-12 && line.contains("fewer target workers"), "{ratio} {line}");
     assert!(balance((0.0, 0.0), 0.0, 1, 1).is_none());
+}
+
+/// The AdamW state sharded over 2 and 3 workers: each updates its shard of the same all-reduced
+/// gradients with the same per-element arithmetic and the same global norm, then the workers
+/// gather the weights, so losses and the joined state (masters, moments) are bitwise those of
+/// the unsharded workers; a sharded checkpoint resumes unsharded and on another count.
+#[test]
+fn sharded_optimizer_state_trains_like_the_whole() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    for count in [2, 3] {
+        let (mut whole, mut split) = (grouped(count, &setup, &c, Vec::new()), sharded(count, &setup, &c));
+        let want = losses(&mut whole, &setup, &c, 0..4, &mut ChaCha8Rng::seed_from_u64(9));
+        let got = losses(&mut split, &setup, &c, 0..4, &mut ChaCha8Rng::seed_from_u64(9));
+        assert_eq!(got, want, "{count} sharded workers");
+        same_state(&split.state().unwrap(), &whole.state().unwrap(), &format!("{count} sharded workers"));
+    }
+    // A 2-worker sharded run's state at step 3, resumed whole on 2 and sharded on 3 workers.
+    let mut two = sharded(2, &setup, &c);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    losses(&mut two, &setup, &c, 0..3, &mut rng);
+    let (state, rng_3) = (two.state().unwrap(), rng.clone());
+    let want = losses(&mut two, &setup, &c, 3..5, &mut rng);
+    let mut whole = grouped(2, &setup, &c, Vec::new());
+    whole.restore(&state).unwrap();
+    assert_eq!(losses(&mut whole, &setup, &c, 3..5, &mut rng_3.clone()), want, "resumed whole on 2");
+    let mut three = sharded(3, &setup, &c);
+    three.restore(&state).unwrap();
+    close(&losses(&mut three, &setup, &c, 3..5, &mut rng_3.clone()), &want, "resumed sharded on 3");
 }

@@ -352,7 +352,13 @@ fn builtin_run(
                     Checkpointing::PerLayer,
                 ))
             });
-            Box::new(gpu_workers(&launch.topology(&config).1, &setup.draft_config, engine, processes.as_ref())?)
+            Box::new(gpu_workers(
+                &launch.topology(&config).1,
+                &setup.draft_config,
+                engine,
+                processes.as_ref(),
+                config.shard_optimizer,
+            )?)
         }
         StepKind::Host if config.drafter_workers > 1 || processes.is_some() => {
             let (c, draft, frozen_head) = (config.clone(), setup.draft_config.clone(), head.clone());
@@ -362,7 +368,13 @@ fn builtin_run(
                 let adamw = builtin::adamw_config(&c);
                 Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, Checkpointing::PerLayer))
             });
-            Box::new(host_workers(config.drafter_workers, &setup.draft_config, engine, processes.as_ref())?)
+            Box::new(host_workers(
+                config.drafter_workers,
+                &setup.draft_config,
+                engine,
+                processes.as_ref(),
+                config.shard_optimizer,
+            )?)
         }
         kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
     };
@@ -549,7 +561,7 @@ fn real_run(
                         DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw.clone(), policy);
                     Ok(fed(e, &ends, k))
                 });
-                let workers = gpu_workers(&drafter_gpus, d, engine, processes.as_ref())?;
+                let workers = gpu_workers(&drafter_gpus, d, engine, processes.as_ref(), config.shard_optimizer)?;
                 Box::new(match feed {
                     Some(feed) => workers.with_feed(feed),
                     None => workers,
@@ -588,7 +600,7 @@ fn real_run(
             match (config.drafter_workers, feed, &processes) {
                 (1, None, None) => Box::new(engine(0).map_err(err)?),
                 (n, feed, _) => {
-                    let workers = host_workers(n, d, engine, processes.as_ref())?;
+                    let workers = host_workers(n, d, engine, processes.as_ref(), config.shard_optimizer)?;
                     Box::new(match feed {
                         Some(feed) => workers.with_feed(feed),
                         None => workers,
@@ -661,6 +673,7 @@ fn gpu_workers(
     d: &DraftConfig,
     engine: Arc<GpuEngine>,
     processes: Option<&Arc<ProcessGroup>>,
+    shard: bool,
 ) -> Result<DataParallel, String> {
     let local = gpus.len();
     let (id, first, world) = match processes {
@@ -673,11 +686,11 @@ fn gpu_workers(
         let gpu =
             Gpu::open(gpus[k])?.ok_or_else(|| dflash_trainer::Error::option("gpus", format!("no GPU {}", gpus[k])))?;
         let rank = Rank::join(&gpu, first + k, world, &id)?;
-        Ok(Box::new(engine(k, gpu)?.with_reduce(Box::new(rank))) as Box<dyn Replica>)
+        Ok(Box::new(sharded(engine(k, gpu)?.with_reduce(Box::new(rank)), shard, k, local)) as Box<dyn Replica>)
     });
     let workers = DataParallel::new(local, d.clone(), make).map_err(|e| e.to_string())?;
     println!("drafter workers on GPUs {gpus:?}, gradients all-reduced through NCCL");
-    across(workers, processes)
+    across(if shard { workers.with_sharded_optimizer() } else { workers }, processes)
 }
 
 /// `count` data-parallel drafter workers on the CPU twins, their gradients summed through the
@@ -687,6 +700,7 @@ fn host_workers(
     d: &DraftConfig,
     engine: Arc<HostEngine>,
     processes: Option<&Arc<ProcessGroup>>,
+    shard: bool,
 ) -> Result<DataParallel, String> {
     type Ranks = Vec<Box<dyn GradReduce + Send>>;
     let ranks: Ranks = match processes {
@@ -698,10 +712,23 @@ fn host_workers(
         let rank = ranks.lock().ok().and_then(|mut r| r[k].take());
         let rank =
             rank.ok_or_else(|| dflash_trainer::Error::option("drafter_workers", format!("worker {k} made twice")))?;
-        Ok(Box::new(engine(k)?.with_reduce(rank)) as Box<dyn Replica>)
+        Ok(Box::new(sharded(engine(k)?.with_reduce(rank), shard, k, count)) as Box<dyn Replica>)
     });
     let workers = DataParallel::new(count, d.clone(), make).map_err(|e| e.to_string())?;
-    across(workers, processes)
+    across(if shard { workers.with_sharded_optimizer() } else { workers }, processes)
+}
+
+/// `engine` holding worker `k`'s shard of the optimizer state over `workers`, when `shard`.
+fn sharded<B: dflash_optimized::backend::Backend>(
+    engine: DeviceEngine<B>,
+    shard: bool,
+    k: usize,
+    workers: usize,
+) -> DeviceEngine<B> {
+    match shard {
+        true => engine.with_sharded_optimizer(k, workers),
+        false => engine,
+    }
 }
 
 /// `workers` as this process's part of the processes' run, when several.

@@ -507,6 +507,7 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--drafter-workers", "0"], &["drafter_workers", "at least 1"]);
     fails(&["--drafter-workers", "2", "--step", "reference"], &["drafter_workers", "host", "gpu"]);
     fails(&["--target-workers", "1", "--step", "reference"], &["target_workers", "host"]);
+    fails(&["--shard-optimizer", "yes"], &["shard_optimizer", "2 or more drafter workers"]);
     // The GPUs: one per worker, drafter workers on GPUs of their own, targets beside them.
     fails(&["--gpus", "0", "--step", "host"], &["gpus", "`host` step"]);
     let gpu = |extra: &[&'static str]| [&["--step", "gpu"], extra].concat();
@@ -659,6 +660,13 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     };
     let want = loss_values(&one);
     close(&loss_values(&two), &want, "2 workers vs 1");
+    // The AdamW state sharded over the 2 workers: the same losses as the whole state.
+    let split = tmp.path().join("split");
+    let mut args = real_args(&target, &cache, &split, &["--step", "host", "--steps", "6", "--rows-per-step", "3"]);
+    args.extend(["--drafter-workers", "2", "--shard-optimizer", "yes"].map(String::from));
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    close(&loss_values(&split), &want, "2 workers sharding the optimizer vs 1");
     // 1 target worker feeding 2 drafter workers through its queue: the same losses; the train
     // lines say how long each side waited.
     let fed = tmp.path().join("fed");

@@ -95,6 +95,37 @@ impl Rank {
         self.stream.synchronize().map_err(|e| Error::Gpu(format!("after ncclAllReduce: {e}")))
     }
 
+    /// Every rank's part of the buffer at `addr` to every rank: `parts[r]` = (byte offset, bytes)
+    /// of rank `r`'s part, broadcast from `r` in place (one group of broadcasts); waits for it.
+    pub fn broadcast_parts(&self, addr: u64, parts: &[(usize, usize)]) -> Result<()> {
+        if parts.len() != self.world {
+            return Err(Error::invalid("NCCL parts", format!("{} parts for {} ranks", parts.len(), self.world)));
+        }
+        nccl("ncclGroupStart", result::group_start)?;
+        for (root, &(offset, bytes)) in parts.iter().enumerate() {
+            let at = (addr + offset as u64) as *mut std::ffi::c_void;
+            // SAFETY: callers pass a live buffer holding every part on this rank's GPU; the
+            // stream orders it; the group is ended below whatever happens.
+            let sent = nccl("ncclBroadcast", || unsafe {
+                result::broadcast(
+                    at,
+                    at,
+                    bytes,
+                    sys::ncclDataType_t::ncclUint8,
+                    root as i32,
+                    self.comm,
+                    self.stream.cu_stream() as sys::cudaStream_t,
+                )
+            });
+            if let Err(e) = sent {
+                let _ = nccl("ncclGroupEnd", result::group_end);
+                return Err(e);
+            }
+        }
+        nccl("ncclGroupEnd", result::group_end)?;
+        self.stream.synchronize().map_err(|e| Error::Gpu(format!("after ncclBroadcast: {e}")))
+    }
+
     pub fn abort_handle(&self) -> AbortHandle {
         AbortHandle { comm: self.comm as usize, ended: self.ended.clone() }
     }

@@ -136,12 +136,24 @@ impl StepDims {
 }
 
 /// The optimizer's regions (fp32 on the GPU): master weights, accumulated gradients, moments.
+/// Masters and moments hold parameters `shard.0..shard.1` of the flat parameter vector (all of
+/// them, or this worker's shard when the optimizer state is sharded over drafter workers); the
+/// accumulated gradients hold every parameter (they are all-reduced whole).
 #[derive(Clone, Copy, Debug)]
 pub struct OptimizerRegions {
     pub master: Region,
     pub grad_acc: Region,
     pub adam_m: Region,
     pub adam_v: Region,
+    pub shard: (usize, usize),
+}
+
+/// Worker `k`'s shard of `params` parameters over `workers`: contiguous, the first ones one
+/// longer when it does not divide.
+pub fn optimizer_shard(params: usize, k: usize, workers: usize) -> (usize, usize) {
+    let (base, extra) = (params / workers, params % workers);
+    let lo = k * base + k.min(extra);
+    (lo, lo + base + usize::from(k < extra))
 }
 
 /// One row's inputs: features `[S, F*H]` (stored), RoPE tables `[Q or K, d]` (arithmetic type),
@@ -303,6 +315,20 @@ impl StepLayout {
         shape: StepShape,
         policy: Checkpointing,
         optimizer: bool,
+        widths: (u64, u64),
+        own_head: bool,
+    ) -> Result<Self> {
+        let shard = optimizer.then(|| (0, StepDims::new(config, shape).map_or(0, |z| z.params)));
+        Self::sharded(config, shape, policy, shard, widths, own_head)
+    }
+
+    /// [`StepLayout::with_head`] with the optimizer's masters and moments for parameters
+    /// `shard.0..shard.1` only (no optimizer regions when `None`).
+    pub fn sharded(
+        config: &DraftConfig,
+        shape: StepShape,
+        policy: Checkpointing,
+        shard: Option<(usize, usize)>,
         (elem_bytes, acc_bytes): (u64, u64),
         own_head: bool,
     ) -> Result<Self> {
@@ -316,15 +342,18 @@ impl StepLayout {
             true => Some(ar.take("frozen LM head", Model, "lm_head", &[z.v, z.h], e)?),
             false => None,
         };
-        let optimizer = if optimizer {
-            Some(OptimizerRegions {
-                master: ar.take("master weights (fp32)", Optimizer, "master", &[z.params], a)?,
+        let optimizer = match shard {
+            Some((lo, hi)) if lo > hi || hi > z.params => {
+                return Err(crate::Error::invalid("optimizer shard", format!("{lo}..{hi} of {} parameters", z.params)))
+            }
+            Some((lo, hi)) => Some(OptimizerRegions {
+                master: ar.take("master weights (fp32)", Optimizer, "master", &[hi - lo], a)?,
                 grad_acc: ar.take("accumulated gradients (fp32)", Optimizer, "grad_acc", &[z.params], a)?,
-                adam_m: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_m", &[z.params], a)?,
-                adam_v: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_v", &[z.params], a)?,
-            })
-        } else {
-            None
+                adam_m: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_m", &[hi - lo], a)?,
+                adam_v: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_v", &[hi - lo], a)?,
+                shard: (lo, hi),
+            }),
+            None => None,
         };
         let input = InputRegions {
             features: ar.take(INPUTS, Saved, "features", &[z.s, z.fw], e)?,

@@ -158,9 +158,23 @@ impl<B: Backend> DrafterStep<B> {
         optimizer: bool,
         shared_head: Option<u64>,
     ) -> Result<Self> {
+        let shard = optimizer.then(|| (0, param_slots(config).iter().map(|s| s.len).sum()));
+        Self::sharded(dev, config, shape, policy, shard, shared_head)
+    }
+
+    /// [`DrafterStep::with_head`] holding the optimizer's masters and moments for parameters
+    /// `shard.0..shard.1` of the flat vector only (`StepLayout::sharded`).
+    pub fn sharded(
+        dev: B,
+        config: &DraftConfig,
+        shape: StepShape,
+        policy: Checkpointing,
+        shard: Option<(usize, usize)>,
+        shared_head: Option<u64>,
+    ) -> Result<Self> {
         let elem = B::Elem::BYTES as u64;
         let widths = (elem, <B::Elem as Elem>::Acc::BYTES as u64);
-        let layout = StepLayout::with_head(config, shape, policy, optimizer, widths, shared_head.is_none())?;
+        let layout = StepLayout::sharded(config, shape, policy, shard, widths, shared_head.is_none())?;
         let device =
             format!("{} ({} policy, S={} N={})", dev.name(), policy.name(), shape.context_len, shape.num_anchors);
         layout.check_fits(dev.available_bytes()?, &device)?;
@@ -306,7 +320,9 @@ impl<B: Backend> DrafterStep<B> {
             flat.iter().map(|&x| B::Elem::from_acc(<B::Elem as Elem>::Acc::from_f64(x))).collect();
         self.upload("weights", self.layout.weights, &stored)?;
         if let Some(opt) = self.layout.optimizer {
-            self.upload("master", opt.master, &Self::acc(flat))?;
+            let (lo, hi) = opt.shard;
+            flat.truncate(hi);
+            self.upload("master", opt.master, &Self::acc(flat.split_off(lo)))?;
         }
         Ok(())
     }

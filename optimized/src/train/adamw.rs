@@ -12,7 +12,8 @@ use crate::model::drafter_step::{DrafterStep, Grads};
 use crate::ops::elementwise::{AdamWArgs, AdamWBuffers, ElementwiseOps};
 use crate::{Error, Result};
 
-/// AdamW state on the backend: the step count (the moments live in the step's optimizer regions).
+/// AdamW state on the backend: the step count (the moments live in the step's optimizer regions,
+/// for all parameters or for the step's shard of them).
 pub struct DeviceAdamW {
     pub config: AdamWConfig,
     regions: OptimizerRegions,
@@ -68,15 +69,19 @@ impl DeviceAdamW {
             bc2: 1.0 - c.beta2.powi(self.t),
             grad_scale,
         };
+        // A sharded state updates its shard of the (whole, all-reduced) gradients only; the
+        // other shards' stored weights come from their workers (`DeviceEngine`'s gather).
         let r = self.regions;
+        let (lo, hi) = r.shard;
+        let acc = <<B::Elem as crate::ops::Elem>::Acc as crate::ops::Real>::BYTES;
         let buffers = AdamWBuffers {
             p: step.addr(r.master),
-            g: step.addr(r.grad_acc),
+            g: step.addr(r.grad_acc) + (lo * acc) as u64,
             m: step.addr(r.adam_m),
             v: step.addr(r.adam_v),
-            p_stored: step.addr(step.layout.weights),
+            p_stored: step.addr(step.layout.weights) + (lo * <B::Elem as crate::ops::Elem>::BYTES) as u64,
         };
-        step.backend().ops().adamw_update(buffers, step.num_params(), args)?;
+        step.backend().ops().adamw_update(buffers, hi - lo, args)?;
         step.zero(r.grad_acc)?;
         Ok(norm)
     }

@@ -135,6 +135,10 @@ impl Launch {
                 let g = world_given.as_ref().expect("a world above 1 is given");
                 return Err(g.error("several processes run the `host` or the `gpu` step, not `reference`"));
             }
+            if config.shard_optimizer {
+                let g = world_given.as_ref().expect("a world above 1 is given");
+                return Err(g.error("the AdamW state is sharded over one process's drafter workers (`shard_optimizer`), not across processes yet"));
+            }
         }
         Ok(Launch { rank, world_size, master_addr, master_port, local_rank })
     }

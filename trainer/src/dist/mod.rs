@@ -165,6 +165,8 @@ pub struct DataParallel {
     host_copy: Option<Drafter>,
     /// The other processes training with this one, when several.
     process: Option<Arc<ProcessGroup>>,
+    /// The workers' optimizer state is sharded: a checkpoint joins their shards.
+    sharded: bool,
 }
 
 impl DataParallel {
@@ -197,6 +199,7 @@ impl DataParallel {
             config,
             host_copy: None,
             process: None,
+            sharded: false,
         };
         for (k, reply) in dp.collect()?.into_iter().enumerate() {
             let Reply::Made(abort) = reply else { return Err(worker_error(k, "an unexpected reply".into())) };
@@ -209,6 +212,13 @@ impl DataParallel {
     /// engines were made with its ends).
     pub fn with_feed(mut self, feed: FeedPool) -> Self {
         self.feed = Some(feed);
+        self
+    }
+
+    /// The same over workers whose engines shard the optimizer state
+    /// (`DeviceEngine::with_sharded_optimizer(k, workers)`): their states are joined.
+    pub fn with_sharded_optimizer(mut self) -> Self {
+        self.sharded = true;
         self
     }
 
@@ -490,7 +500,22 @@ impl DataParallel {
         }
     }
 
+    /// The run's state: worker 0's (every replica holds the same), or every worker's shard of
+    /// it joined.
     fn state_of_worker_0(&self) -> Result<EngineState> {
+        if self.sharded {
+            let states = self
+                .all(|_| Command::State)?
+                .into_iter()
+                .enumerate()
+                .map(|(k, r)| match r {
+                    Reply::State(s) => Ok(*s),
+                    _ => Err(worker_error(k, "an unexpected reply".into())),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let shards = crate::engine::optimizer_shards(&self.config, self.workers.len());
+            return EngineState::join(&states, &shards);
+        }
         match self.one(Command::State)? {
             Reply::State(s) => Ok(*s),
             _ => Err(worker_error(0, "an unexpected reply".into())),

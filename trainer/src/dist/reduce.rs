@@ -17,6 +17,13 @@ pub type Abort = Arc<dyn Fn() + Send + Sync>;
 pub trait GradReduce {
     fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> Result<()>;
     fn abort(&self) -> Abort;
+    /// With the optimizer state sharded: every rank's buffer at `addr` (values of `elem` bytes)
+    /// holds fresh values in its own shard (`shards[rank]`, contiguous in rank order); after the
+    /// call every rank holds all of them.
+    fn all_gather_shards(&self, addr: u64, elem: usize, shards: &[(usize, usize)]) -> Result<()> {
+        let _ = (addr, elem, shards);
+        Err(Error::option("shard_optimizer", "this reduction group cannot gather sharded weights"))
+    }
 }
 
 impl GradReduce for Rank {
@@ -27,6 +34,10 @@ impl GradReduce for Rank {
         let handle = self.abort_handle();
         Arc::new(move || handle.abort())
     }
+    fn all_gather_shards(&self, addr: u64, elem: usize, shards: &[(usize, usize)]) -> Result<()> {
+        let bytes: Vec<(usize, usize)> = shards.iter().map(|&(lo, hi)| (lo * elem, (hi - lo) * elem)).collect();
+        Ok(Rank::broadcast_parts(self, addr, &bytes)?)
+    }
 }
 
 /// How long a host rank waits for the others before failing (a stuck peer): as long as the
@@ -35,17 +46,17 @@ pub const HOST_REDUCE_TIMEOUT: std::time::Duration = super::WORKER_TIMEOUT;
 
 #[derive(Default)]
 struct Round {
-    /// Each rank's values of the round being gathered.
-    parts: Vec<Option<Vec<f32>>>,
-    /// The last completed round's sum, and its number.
-    sum: Arc<Vec<f32>>,
+    /// Each rank's bytes of the round being gathered.
+    parts: Vec<Option<Vec<u8>>>,
+    /// The last completed round's result, and its number.
+    result: Arc<Vec<u8>>,
     done: u64,
     aborted: bool,
 }
 
 /// The CPU twin of an NCCL communicator over host memory (the `Host<f32>` backend's addresses):
-/// ranks deposit their values, the last to arrive sums them in rank order (a fixed order: the
-/// same bits at every run).
+/// ranks deposit their bytes, the last to arrive combines them in rank order (a fixed order: the
+/// same bits at every run) and every rank reads the result.
 pub struct HostGroup {
     round: Mutex<Round>,
     arrived: Condvar,
@@ -66,29 +77,28 @@ impl HostGroup {
     }
 }
 
-impl GradReduce for HostRank {
-    fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> Result<()> {
+impl HostRank {
+    /// Deposits `mine`; once every rank has, `combine` (the parts in rank order) gives the
+    /// round's result, which every rank gets.
+    fn exchange(&self, mine: Vec<u8>, combine: impl FnOnce(Vec<Vec<u8>>) -> Result<Vec<u8>>) -> Result<Arc<Vec<u8>>> {
         let fail = |m: &str| Error::option(format!("drafter worker {}", self.rank), m.to_string());
-        // SAFETY: the caller passes a live host buffer of `count` f32 that only this thread uses.
-        let values = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, count) };
         let g = &self.group;
         let mut round = g.round.lock().map_err(|_| fail("the reduction group is poisoned"))?;
         if round.aborted {
             return Err(fail("the reduction was aborted (another worker failed)"));
         }
         let this = round.done;
-        round.parts[self.rank] = Some(values.to_vec());
+        round.parts[self.rank] = Some(mine);
         if round.parts.iter().all(Option::is_some) {
-            let mut sum = vec![0f32; count];
-            for part in round.parts.iter_mut().map(|p| p.take().expect("all arrived")) {
-                if part.len() != count {
+            let parts = round.parts.iter_mut().map(|p| p.take().expect("all arrived")).collect();
+            match combine(parts) {
+                Ok(result) => round.result = Arc::new(result),
+                Err(e) => {
                     round.aborted = true;
                     g.arrived.notify_all();
-                    return Err(fail("ranks reduce different sizes"));
+                    return Err(e);
                 }
-                sum.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
             }
-            round.sum = Arc::new(sum);
             round.done += 1;
             g.arrived.notify_all();
         } else {
@@ -102,12 +112,48 @@ impl GradReduce for HostRank {
             }
             if timeout.timed_out() {
                 return Err(fail(&format!(
-                    "the other workers did not reach the all-reduce within {} s",
+                    "the other workers did not reach the collective within {} s",
                     HOST_REDUCE_TIMEOUT.as_secs()
                 )));
             }
         }
-        values.copy_from_slice(&round.sum);
+        Ok(round.result.clone())
+    }
+}
+
+impl GradReduce for HostRank {
+    fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> Result<()> {
+        // SAFETY: the caller passes a live host buffer of `count` f32 that only this thread uses.
+        let values = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, count) };
+        let rank = self.rank;
+        let sum = self.exchange(dflash_optimized::ops::bytes_of(values).to_vec(), |parts| {
+            let mut sum = vec![0f32; count];
+            for part in parts {
+                if part.len() != count * 4 {
+                    return Err(Error::option(format!("drafter worker {rank}"), "ranks reduce different sizes"));
+                }
+                part.chunks_exact(4)
+                    .zip(sum.iter_mut())
+                    .for_each(|(b, a)| *a += f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            }
+            Ok(dflash_optimized::ops::bytes_of(&sum).to_vec())
+        })?;
+        // SAFETY: as above, as bytes.
+        unsafe { std::ptr::copy_nonoverlapping(sum.as_ptr(), addr as *mut u8, count * 4) };
+        Ok(())
+    }
+
+    fn all_gather_shards(&self, addr: u64, elem: usize, shards: &[(usize, usize)]) -> Result<()> {
+        let (lo, hi) = shards[self.rank];
+        // SAFETY: the caller passes a live host buffer of `shards`' last end values of `elem` bytes.
+        let mine = unsafe { std::slice::from_raw_parts((addr as usize + lo * elem) as *const u8, (hi - lo) * elem) };
+        let all = self.exchange(mine.to_vec(), |parts| Ok(parts.concat()))?;
+        let end = shards.last().map_or(0, |s| s.1) * elem;
+        if all.len() != end {
+            return Err(Error::option(format!("drafter worker {}", self.rank), "shards that do not tile the weights"));
+        }
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(all.as_ptr(), addr as *mut u8, end) };
         Ok(())
     }
 
