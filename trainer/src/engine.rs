@@ -444,7 +444,7 @@ impl<B: Backend> DeviceEngine<B> {
     /// The same engine holding the masters and AdamW moments of its shard of the parameters
     /// only (`memory::step::optimizer_shard(P, k, workers)`): it updates its shard, and the
     /// workers gather each other's updated weights through the reduction group (needs
-    /// [`DeviceEngine::with_reduce`]). Cuts the optimizer state's memory by the worker count.
+    /// [`DeviceEngine::with_reduce`]). Divides the masters' and moments' memory by the worker count.
     pub fn with_sharded_optimizer(mut self, k: usize, workers: usize) -> Self {
         self.shard = Some((k, workers));
         self
@@ -1010,8 +1010,7 @@ fn upload_moments<B: Backend>(step: &DrafterStep<B>, adam: &mut DeviceAdamW, sta
         }
         let values = &values[opt.shard.0..opt.shard.1];
         // SAFETY: plain-old-data values viewed as their bytes.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(&values[..])) };
+        let bytes = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) };
         step.backend().upload(step.addr(region), bytes)?;
     }
     adam.set_step_count(state.t);

@@ -478,6 +478,9 @@ fn real_run(
         if !fits {
             println!("the run does not fit one H200: lower --max-len or --anchors");
         }
+        if config.shard_optimizer {
+            print_sharded_optimizer(d, shape, config.drafter_workers)?;
+        }
         let steps = config.total_steps(train_rows.len());
         let rows = (steps * config.rows_per_update()) as f64;
         let per_row = real_flops_per_row(&config, &setup);
@@ -716,6 +719,37 @@ fn host_workers(
     });
     let workers = DataParallel::new(count, d.clone(), make).map_err(|e| e.to_string())?;
     across(if shard { workers.with_sharded_optimizer() } else { workers }, processes)
+}
+
+/// The optimizer state per drafter worker when sharded over `workers` (the largest shard's),
+/// against the whole state the plan above counts.
+fn print_sharded_optimizer(d: &DraftConfig, shape: StepShape, workers: usize) -> Result<(), String> {
+    use dflash_optimized::memory::{Lifetime, BF16, F32};
+    let optimizer = |shard: (usize, usize)| -> Result<u64, String> {
+        let l = dflash_optimized::memory::step::StepLayout::sharded(
+            d,
+            shape,
+            Checkpointing::PerLayer,
+            Some(shard),
+            (BF16, F32),
+            true,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(l.items.iter().filter(|i| i.lifetime == Lifetime::Optimizer).map(|i| i.bytes).sum())
+    };
+    let shards = dflash_trainer::engine::optimizer_shards(d, workers);
+    let whole = optimizer((0, shards.last().map_or(0, |s| s.1)))?;
+    let largest = optimizer(shards[0])?;
+    let size = |b: u64| match b >= 1_000_000_000 {
+        true => format!("{:.2} GB", b as f64 / 1e9),
+        false => format!("{:.2} MB", b as f64 / 1e6),
+    };
+    println!(
+        "optimizer state sharded over {workers} drafter workers: {} per worker instead of {} (the accumulated gradients stay whole)",
+        size(largest),
+        size(whole)
+    );
+    Ok(())
 }
 
 /// `engine` holding worker `k`'s shard of the optimizer state over `workers`, when `shard`.

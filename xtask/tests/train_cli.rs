@@ -397,6 +397,17 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
     assert!(!planned.join("metrics.jsonl").exists(), "--plan trained");
+    // With the AdamW state sharded over 2 drafter GPUs: per worker the whole accumulated
+    // gradients (4 bytes per parameter) and half the masters and moments (12 / 2), against 16.
+    let extra = ["--plan", "--step", "gpu", "--gpus", "0,1", "--drafter-workers", "2", "--shard-optimizer", "yes"];
+    let result =
+        Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &planned, &extra)).output().unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    let line = stdout.lines().find(|l| l.contains("sharded over 2 drafter workers")).expect("the sharded state's line");
+    let gb: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    // The whole state's bytes against the largest shard's, in the same unit below 1 GB.
+    assert!(gb.len() == 3 && line.matches("MB").count() == 2 && (gb[1] / gb[2] - 10.0 / 16.0).abs() < 0.01, "{line}");
     let (mut first, mut stats) = (Vec::new(), Vec::new());
     for (name, step) in [("host", "host"), ("reference", "reference")] {
         let out = tmp.path().join(name);
