@@ -361,7 +361,9 @@ impl<'a> Trainer<'a> {
             let checkpoint_now = (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total;
             if checkpoint_now && self.writes {
                 reporter.sync()?;
+                let started = std::time::Instant::now();
                 let engine_state = engine.state()?;
+                let fetched = started.elapsed().as_secs_f64();
                 let state = self.state.to_state(engine_state.t, self.config_sha256.clone(), self.data_sha256.clone());
                 let dir = checkpoint::write_checkpoint(
                     &out,
@@ -371,7 +373,17 @@ impl<'a> Trainer<'a> {
                     &c.without_launch(),
                     c.keep_checkpoints,
                 )?;
-                reporter.say(&format!("  checkpoint {}", dir.display()));
+                let bytes: u64 = ["model.safetensors", "training.safetensors"]
+                    .iter()
+                    .filter_map(|f| std::fs::metadata(dir.join(f)).ok())
+                    .map(|m| m.len())
+                    .sum();
+                reporter.say(&format!(
+                    "  checkpoint {} ({:.2} GB: state fetched in {fetched:.1}s, written and synced in {:.1}s)",
+                    dir.display(),
+                    bytes as f64 / 1e9,
+                    started.elapsed().as_secs_f64() - fetched
+                ));
                 summary.checkpoints.push(dir);
             }
         }

@@ -497,8 +497,13 @@ fn real_run(
     prepare_out(&config, launch, &resume)?;
     let processes = join_processes(launch, &config, &train_rows, &resume)?;
 
+    let drafter_started = Instant::now();
     let drafter = Drafter::init(d.clone(), config.seed + 1, DType::F32).map_err(|e| e.to_string())?;
-    println!("drafter: {} trainable parameters", drafter.num_params());
+    println!(
+        "drafter: {} trainable parameters (initialized in {:.1}s)",
+        drafter.num_params(),
+        drafter_started.elapsed().as_secs_f64()
+    );
     let adamw = builtin::adamw_config(&config);
     let policy = Checkpointing::PerLayer;
     let weights = || WeightSet::load_dir(&setup.target_dir).map_err(|e| e.to_string());
@@ -523,9 +528,16 @@ fn real_run(
             // The target's forward on `gpu`, bf16 (with the LM head when the step shares it).
             let (target, ids) = (t.clone(), ids.clone());
             let forward = move |cuda: Cuda, with_lm_head: bool| -> dflash_trainer::Result<TargetForward<Cuda>> {
+                let started = Instant::now();
                 let mut f = TargetForward::new(cuda, &target, &ids, max_len, with_lm_head)?;
                 let w = WeightSet::load_dir(&dir)?;
                 f.load_weights(|n, s| w.get(n, s, DType::BF16))?;
+                println!(
+                    "target forward: layers 0..={} on {} in bf16, loaded in {:.1}s",
+                    ids.iter().max().copied().unwrap_or(0),
+                    dflash_optimized::backend::Backend::name(f.backend()),
+                    started.elapsed().as_secs_f64()
+                );
                 Ok(f)
             };
             if targets == 0 && drafter_gpus.len() == 1 && processes.is_none() {
