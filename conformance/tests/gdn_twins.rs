@@ -4,12 +4,14 @@
 //! per case (several seeds and shapes: T below, at and above the chunk of 64, packed documents,
 //! value heads sharing key heads), stored as f64, f32 and bf16 and given to the reference as the
 //! same stored values in f64; the twin's chunked delta rule against the reference's recurrent form;
-//! and the twins composed into the reference's whole token mixer.
+//! the twins composed into the reference's whole token mixer; and the gated attention's partial
+//! RoPE and sigmoid output gate against `reference::hybrid::layers`.
 
 use std::ops::Range;
 
 use candle_core::{Device, Tensor};
 use dflash_conformance::tolerance::{rel_error, Tolerance};
+use dflash_optimized::ops::elementwise::Heads;
 use dflash_optimized::ops::gdn::twin::GdnTwin;
 use dflash_optimized::ops::gdn::{DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, GDN_CHUNK};
 use dflash_optimized::ops::Elem;
@@ -18,8 +20,8 @@ use dflash_reference::hybrid::gdn::{
     causal_conv1d, gated_delta_chunked, gated_delta_recurrent, gdn_layer, l2_normalize, repeat_heads, DeltaInputs,
     GdnForm, GdnWeights, DEFAULT_CHUNK, L2_NORM_EPS,
 };
-use dflash_reference::hybrid::layers::{sigmoid, softplus};
-use dflash_reference::ops::{linear, rms_norm, silu};
+use dflash_reference::hybrid::layers::{partial_rope, sigmoid, softplus};
+use dflash_reference::ops::{linear, rms_norm, rope_tables, silu};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -448,4 +450,58 @@ fn bad_shapes_and_documents_are_refused() {
     let short = tiling(&[5]);
     let err = twin.conv1d_silu(0, 0, 0, shape, &short).expect_err("docs short of T").to_string();
     assert!(err.contains("do not tile"), "{err}");
+}
+
+/// The partial RoPE twin's relative error against `layers::partial_rope` on `[T, heads, d]` with
+/// RoPE on the first `rotary` dims, positions restarting (two documents), in place.
+fn partial_rope_error<E: Elem>((t, heads, d, rotary): (usize, usize, usize, usize), seed: u64) -> f64 {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (mut x, x64) = stored::<E>(&normal(t * heads * d, 1.0, &mut rng));
+    let positions: Vec<usize> = (0..t).map(|i| if i < t / 3 { i } else { i - t / 3 }).collect();
+    let (cos, sin) = rope_tables(&positions, rotary, 1e4, candle_core::DType::F64).expect("tables");
+    let values = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f64>()).expect("values");
+    let ((cos_a, _), (sin_a, _)) = (arithmetic::<E>(&values(&cos)), arithmetic::<E>(&values(&sin)));
+    let x_addr = out_addr(&mut x);
+    let dims = Heads { tokens: t, heads, head_dim: d };
+    GdnTwin::<E>::default().partial_rope(x_addr, addr(&cos_a), addr(&sin_a), x_addr, dims, rotary).expect("rope");
+    let want = partial_rope(&tensor(x64, &[t, heads, d]), &cos, &sin).expect("reference rope");
+    rel_error(&widened(&x, &[t, heads, d]), &want)
+}
+
+/// The output gate twin's relative error against `x * sigmoid(gate)`, in place.
+fn output_gate_error<E: Elem>(n: usize, seed: u64) -> f64 {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (mut x, x64) = stored::<E>(&normal(n, 1.0, &mut rng));
+    let (gate, gate64) = stored::<E>(&normal(n, 2.0, &mut rng));
+    let x_addr = out_addr(&mut x);
+    GdnTwin::<E>::default().output_gate(x_addr, addr(&gate), x_addr, n).expect("gate");
+    let want = sigmoid(&tensor(gate64, &[n])).and_then(|g| Ok((tensor(x64, &[n]) * g)?)).expect("reference gate");
+    rel_error(&widened(&x, &[n]), &want)
+}
+
+/// Partial RoPE (a quarter, a half and all of the head rotated, the tail copied) and the output
+/// gate, stored as f64, f32 and bf16, against the reference; an odd or too wide rotary part is
+/// refused.
+#[test]
+fn partial_rope_and_output_gate_match_the_reference() {
+    let storages = [GDN_TWIN_F64, GDN_TWIN_F32, GDN_TWIN_BF16];
+    let mut worst = [0.0f64; 3];
+    for (seed, shape) in [(5, 2, 16, 4), (37, 3, 32, 16), (9, 1, 8, 8), (70, 2, 64, 16)].into_iter().enumerate() {
+        let seed = seed as u64;
+        let rope = [partial_rope_error::<f64>, partial_rope_error::<f32>, partial_rope_error::<bf16>];
+        let gate = [output_gate_error::<f64>, output_gate_error::<f32>, output_gate_error::<bf16>];
+        for (s, tol) in storages.iter().enumerate() {
+            let n = shape.0 * shape.1 * shape.2;
+            for (op, err) in [("partial_rope", rope[s](shape, seed)), ("output_gate", gate[s](n, seed))] {
+                assert!(err <= tol.rel, "{op} {shape:?} storage {s}: {err:.3e} above {:.0e} ({})", tol.rel, tol.reason);
+                worst[s] = worst[s].max(err);
+            }
+        }
+    }
+    eprintln!("partial_rope and output_gate worst: f64 {:.2e}, f32 {:.2e}, bf16 {:.2e}", worst[0], worst[1], worst[2]);
+    let twin = GdnTwin::<f64>::default();
+    for rotary in [3, 10] {
+        let err = twin.partial_rope(0, 0, 0, 0, Heads { tokens: 1, heads: 1, head_dim: 8 }, rotary).expect_err("bad");
+        assert!(err.to_string().contains("must be even and at most head_dim 8"), "{err}");
+    }
 }

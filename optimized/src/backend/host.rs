@@ -13,6 +13,8 @@ use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::twin::{attention_backward, attention_forward};
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::twin::{ld, st, sta, ElementwiseTwin};
+use crate::ops::gdn::twin::GdnTwin;
+use crate::ops::gdn::GdnOps;
 use crate::ops::matmul::{twin::matmul, Mat};
 use crate::ops::{Elem, Real};
 use crate::{Error, Result};
@@ -42,12 +44,13 @@ impl Drop for HostAlloc {
 /// The CPU as a backend, storing `E`.
 pub struct Host<E> {
     ops: ElementwiseTwin<E>,
+    gdn: GdnTwin<E>,
     _elem: PhantomData<E>,
 }
 
 impl<E> Default for Host<E> {
     fn default() -> Self {
-        Host { ops: ElementwiseTwin::default(), _elem: PhantomData }
+        Host { ops: ElementwiseTwin::default(), gdn: GdnTwin::default(), _elem: PhantomData }
     }
 }
 
@@ -116,6 +119,10 @@ impl<E: Elem> Backend for Host<E> {
 
     fn ops(&self) -> &ElementwiseTwin<E> {
         &self.ops
+    }
+
+    fn gdn_ops(&self) -> Option<&dyn GdnOps> {
+        Some(&self.gdn)
     }
 
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()> {

@@ -9,6 +9,7 @@ pub mod host;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::ElementwiseOps;
+use crate::ops::gdn::GdnOps;
 use crate::ops::matmul::Mat;
 pub use crate::ops::Elem;
 use crate::Result;
@@ -42,6 +43,11 @@ pub trait Backend {
     /// Waits for the work queued so far (before another worker reads what it wrote).
     fn synchronize(&self) -> Result<()>;
     fn ops(&self) -> &Self::Ops;
+    /// The hybrid target's ops (GatedDeltaNet, partial RoPE, output gate) where the backend has
+    /// them: the CPU twins on the host; `None` on the GPU until their kernels exist.
+    fn gdn_ops(&self) -> Option<&dyn GdnOps> {
+        None
+    }
     /// `c [m, n] = a @ b + beta * c`, accumulating in the arithmetic type.
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()>;
     /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y` (a linear layer, HF weight layout).

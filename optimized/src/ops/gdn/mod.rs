@@ -1,7 +1,8 @@
 //! The GatedDeltaNet token mixer of the hybrid target (spec section 10) on raw addresses (host
 //! pointers for the CPU twins of [`twin`]; no kernel yet): the depthwise causal conv1d + SiLU,
 //! the gates `beta` and `g`, the gated delta rule in chunks of [`GDN_CHUNK`] (the WY / UT form)
-//! and the gated output norm. "Stored" values are the backend's element type (`Elem`); the gates,
+//! and the gated output norm; and the gated attention's two ops the elementwise kernels lack
+//! (partial RoPE, the sigmoid output gate). "Stored" values are the backend's element type (`Elem`); the gates,
 //! the state and the chunk scratch are its arithmetic type (`Elem::Acc`). Packed rows come as
 //! documents: token ranges tiling `0..T`, each of which restarts the conv window and the state.
 
@@ -12,6 +13,7 @@ use std::ops::Range;
 use dflash_reference::hybrid::config::GdnDims;
 
 pub use crate::memory::hybrid::GDN_CHUNK;
+use crate::ops::elementwise::Heads;
 use crate::{Error, Result};
 
 /// Sizes of one GatedDeltaNet call: `tokens` T, `H_k` key heads of `d_k` (queries share them),
@@ -126,7 +128,8 @@ pub struct GateInputs {
     pub dt_bias: u64,
 }
 
-/// The GatedDeltaNet ops: `twin::GdnTwin` on the CPU. Every call checks `shape` (and `docs`).
+/// The hybrid target's ops without a kernel yet: `twin::GdnTwin` on the CPU. Every GatedDeltaNet
+/// call checks `shape` (and `docs`).
 pub trait GdnOps {
     /// `y [T, C] = silu(conv(x))`: the depthwise causal conv over time of `x [T, C]` with taps
     /// `w [C, K]` (tap `K-1` on the current token), zero left padding from each document's start.
@@ -145,4 +148,12 @@ pub trait GdnOps {
     /// `y [T, H_v, d_v] = rms_norm(o) * w * silu(z)` per head, with `o`, `z` `[T, H_v, d_v]` and
     /// `w [d_v]`; `y` may be `o`.
     fn gated_rms_norm(&self, o: u64, z: u64, w: u64, y: u64, shape: GdnShape, eps: f64) -> Result<()>;
+
+    /// `y [T, heads, d]`: RoPE (rotate-half) on the first `rotary` dims of each head with the
+    /// tables `cos`, `sin` `[T, rotary]` (arithmetic type), the other dims copied; `y` may be `x`.
+    /// Refuses an odd `rotary` or one above `d`.
+    fn partial_rope(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads, rotary: usize) -> Result<()>;
+
+    /// `y [n] = x * sigmoid(gate)` (the gated attention's output gate); `y` may be `x`.
+    fn output_gate(&self, x: u64, gate: u64, y: u64, n: usize) -> Result<()>;
 }

@@ -13,8 +13,9 @@ use dflash_reference::hybrid::gdn::L2_NORM_EPS;
 
 use super::{DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, GDN_CHUNK};
 use crate::ops::elementwise::twin::{ld, lda, st, sta};
+use crate::ops::elementwise::Heads;
 use crate::ops::{Elem, Real};
-use crate::Result;
+use crate::{Error, Result};
 
 /// The CPU twins on values stored as `E`.
 pub struct GdnTwin<E>(PhantomData<E>);
@@ -257,6 +258,31 @@ impl<E: Elem> GdnOps for GdnTwin<E> {
                 st::<E>(y, base + i, ld::<E>(o, base + i) * inv * ld::<E>(w, i) * gate);
             }
         }
+        Ok(())
+    }
+
+    fn partial_rope(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads, rotary: usize) -> Result<()> {
+        let Heads { tokens, heads, head_dim: d } = dims;
+        if !rotary.is_multiple_of(2) || rotary > d {
+            return Err(Error::invalid("rotary_dim", format!("{rotary}: must be even and at most head_dim {d}")));
+        }
+        let half = rotary / 2;
+        for row in 0..tokens * heads {
+            let (t, base) = (row / heads, row * d);
+            // Each pair (i, i + half) is read whole before either is written (in place).
+            for i in 0..half {
+                let (a, b) = (ld::<E>(x, base + i), ld::<E>(x, base + i + half));
+                let (c, s) = (t * rotary + i, t * rotary + i + half);
+                st::<E>(y, base + i, a * lda::<E::Acc>(cos, c) - b * lda::<E::Acc>(sin, c));
+                st::<E>(y, base + i + half, b * lda::<E::Acc>(cos, s) + a * lda::<E::Acc>(sin, s));
+            }
+            (rotary..d).for_each(|i| st::<E>(y, base + i, ld::<E>(x, base + i)));
+        }
+        Ok(())
+    }
+
+    fn output_gate(&self, x: u64, gate: u64, y: u64, n: usize) -> Result<()> {
+        (0..n).for_each(|i| st::<E>(y, i, ld::<E>(x, i) * sigmoid(ld::<E>(gate, i))));
         Ok(())
     }
 }
