@@ -1,35 +1,163 @@
-//! The memory of a Qwen3.5/3.6 hybrid target's forward (spec section 10), planned before any GPU
-//! forward of it exists: its weights (the embedding table, layers `0..=max(target_layer_ids)`
-//! of either kind, the untied LM head the drafter shares), one layer's activations for a launch of
-//! `T` tokens (the larger of a GatedDeltaNet layer's and a gated attention layer's, each
-//! overlaid with the MLP's), the GatedDeltaNet's fp32 state and its chunked form's scratch, and
-//! the feature buffer `[T, F*H]`; and the drafter such a target gets (spec sections 1 and 10).
+//! The memory of a Qwen3.5/3.6 hybrid target's forward (spec section 10): its weights (the
+//! embedding table, layers `0..=max(target_layer_ids)` of either kind, the untied LM head the
+//! drafter shares), one layer's activations for a launch of `T` tokens (the larger of a
+//! GatedDeltaNet layer's and a gated attention layer's, each overlaid with the MLP's), the
+//! GatedDeltaNet's fp32 state and its chunked form's scratch, and the feature buffer `[T, F*H]`,
+//! as a typed layout over one allocation ([`HybridLayout`], what `model::hybrid_forward` consumes)
+//! whose items are the plan ([`HybridTargetPlan`]); and the drafter such a target gets (spec
+//! sections 1 and 10).
 //!
 //! Shapes: T tokens, H hidden, I SwiGLU, V vocab; GDN: H_k/H_v heads of d_k/d_v, conv channels
-//! `2 H_k d_k + H_v d_v`, chunks of C; attention: nh/nkv heads of d, q_proj also the gate.
+//! `2 H_k d_k + H_v d_v`, chunks of C; attention: nh/nkv heads of d, q_proj also the gate, RoPE
+//! on the first r dims.
+
+use std::collections::HashMap;
 
 use dflash_reference::config::{default_target_layer_ids, AttnKind, DraftConfig, ModelDims};
 use dflash_reference::hybrid::{hybrid_param_shapes, HybridConfig, HybridLayerKind};
 
-use super::{add, check_fits, gb, Arena, Item, Lifetime};
+use super::attention::key_ranges_bytes;
+use super::{add, check_fits, gb, Arena, Item, Lifetime, Region};
+use crate::ops::attention::ranges::KeyRanges;
+use crate::ops::constants::TILE_K;
+use crate::ops::gdn::GdnShape;
 use crate::{Error, Result};
 
 /// Rows per chunk of the chunked GatedDeltaNet forward (the WY/UT form).
 pub const GDN_CHUNK: usize = 64;
 
-/// The planned memory of a hybrid target's forward, itemised.
+/// One GatedDeltaNet layer's weights (HF names under `linear_attn.`), stored; `conv1d` `[C, K]`.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnWeightRegions {
+    pub in_proj_qkv: Region,
+    pub in_proj_z: Region,
+    pub in_proj_b: Region,
+    pub in_proj_a: Region,
+    pub conv1d: Region,
+    pub a_log: Region,
+    pub dt_bias: Region,
+    pub norm: Region,
+    pub out_proj: Region,
+}
+
+/// One gated attention layer's weights (HF names under `self_attn.`), stored; `q_proj`
+/// `[2, nh*d, H]` holds every head's query rows, then every head's gate rows.
+#[derive(Clone, Copy, Debug)]
+pub struct GatedAttnWeightRegions {
+    pub q_proj: Region,
+    pub k_proj: Region,
+    pub v_proj: Region,
+    pub o_proj: Region,
+    pub q_norm: Region,
+    pub k_norm: Region,
+}
+
+/// A layer's token mixer.
+#[derive(Clone, Copy, Debug)]
+pub enum MixerRegions {
+    Gdn(GdnWeightRegions),
+    Attention(GatedAttnWeightRegions),
+}
+
+/// One decoder layer's weights; `gate_up` is `[2I, H]` (gate rows, then up rows).
+#[derive(Clone, Copy, Debug)]
+pub struct HybridLayerWeights {
+    pub input_norm: Region,
+    pub post_norm: Region,
+    pub gate_up: Region,
+    pub down: Region,
+    pub mixer: MixerRegions,
+}
+
+/// A GatedDeltaNet layer's scratch: the projections `qkv_pre [T, C]`, `z [T, H_v d_v]`, `b`,
+/// `a` `[T, H_v]` (stored), the conv's output `qkv [T, C]`, the delta rule's output `o`
+/// (gated in place), the gates `beta`, `g` `[T, H_v]` and the chunk scratch and state of
+/// [`GdnShape::scratch_values`] (arithmetic type).
+#[derive(Clone, Copy, Debug)]
+pub struct GdnScratch {
+    pub qkv_pre: Region,
+    pub qkv: Region,
+    pub z: Region,
+    pub o: Region,
+    pub b: Region,
+    pub a: Region,
+    pub beta: Region,
+    pub g: Region,
+    pub chunk: Region,
+    pub state: Region,
+}
+
+/// A gated attention layer's scratch: `q`, `gate`, `out` `[T, nh*d]`, `k`, `v` `[T, nkv*d]`
+/// (stored; q and k normed and rotated in place), `lse [nh, T]` and the head norms' inverse RMS
+/// `inv_q [T*nh]`, `inv_k [T*nkv]` (arithmetic type).
+#[derive(Clone, Copy, Debug)]
+pub struct GatedAttnScratch {
+    pub q: Region,
+    pub gate: Region,
+    pub k: Region,
+    pub v: Region,
+    pub out: Region,
+    pub lse: Region,
+    pub inv_q: Region,
+    pub inv_k: Region,
+}
+
+/// The MLP's scratch: `gate_up [T, 2I]`, `h [T, I]`.
+#[derive(Clone, Copy, Debug)]
+pub struct HybridMlpScratch {
+    pub gate_up: Region,
+    pub h: Region,
+}
+
+/// The hybrid target forward's typed layout over one allocation, for launches of up to `tokens`.
 #[derive(Clone, Debug)]
-pub struct HybridTargetPlan {
-    /// Layers run: `max(target_layer_ids) + 1`.
-    pub layers: usize,
+pub struct HybridLayout {
     pub tokens: usize,
+    /// Layers run: `max(target_layer_ids) + 1`.
+    pub layers_run: usize,
+    pub embed: Region,
+    pub layers: Vec<HybridLayerWeights>,
+    /// Every weight read, as `(HF name, shape, region)` (gate and up the halves of `gate_up`).
+    pub weights: Vec<(String, Vec<usize>, Region)>,
+    /// The RoPE tables of positions `0..T` `[T, r]` (arithmetic type), made once.
+    pub cos_table: Region,
+    pub sin_table: Region,
+    /// A launch's token ids and positions (u32 `[T]`), its RoPE tables `[T, r]` gathered from the
+    /// position tables, and per tapped layer `f` the u32 rows `t*F + f` of the features `[T*F, H]`.
+    pub token_ids: Region,
+    pub positions: Region,
+    pub cos: Region,
+    pub sin: Region,
+    pub feature_rows: Vec<Region>,
+    /// The residual stream and the normed input `[T, H]`, its inverse RMS `[T]`.
+    pub x: Region,
+    pub xn: Region,
+    pub inv: Region,
+    /// `None` when no layer run is of that kind.
+    pub gdn: Option<GdnScratch>,
+    pub attn: Option<GatedAttnScratch>,
+    pub mlp: HybridMlpScratch,
+    /// The features `[T, F*H]`.
+    pub features: Region,
+    /// The allocation's bytes (the key ranges are beside it).
     pub bytes: u64,
     pub items: Vec<Item>,
 }
 
-impl HybridTargetPlan {
-    /// The plan of `config` tapping `layer_ids` for launches of `tokens` tokens of one sequence,
-    /// storing `widths = (stored, arithmetic)` bytes per value.
+/// The item of a weight by its HF name.
+fn weight_item(name: &str) -> &'static str {
+    match name {
+        "model.embed_tokens.weight" => "target embedding table (shared)",
+        "lm_head.weight" => "target LM head (the drafter's, shared)",
+        n if n.contains(".linear_attn.") => "target GatedDeltaNet weights",
+        n if n.contains(".self_attn.") => "target gated attention weights",
+        _ => "target MLP and norm weights",
+    }
+}
+
+impl HybridLayout {
+    /// The layout of `config` tapping `layer_ids` for launches of up to `tokens` tokens, storing
+    /// `widths = (stored, arithmetic)` bytes per value.
     pub fn new(config: &HybridConfig, layer_ids: &[usize], tokens: usize, widths: (u64, u64)) -> Result<Self> {
         let last = *layer_ids.iter().max().ok_or_else(|| Error::invalid("target_layer_ids", "is empty"))?;
         if last >= config.num_layers() {
@@ -44,63 +172,196 @@ impl HybridTargetPlan {
         let (e, a) = widths;
         let (t, h, i) = (tokens, config.hidden_size, config.intermediate_size);
         let mut ar = Arena::default();
-        use Lifetime::{Layer, Model, Saved};
-        // Weights: what the forward reads (the final norm is never run).
+        use Lifetime::{Input, Layer, Model, Saved};
+        // Weights: what the forward reads (the final norm is never run); gate and up stacked.
         let ran = |name: &str| match name.strip_prefix("model.layers.") {
             Some(rest) => rest.split('.').next().and_then(|l| l.parse::<usize>().ok()).is_some_and(|l| l <= last),
             None => name == "model.embed_tokens.weight" || name == "lm_head.weight",
         };
+        let mut weights = Vec::new();
+        let mut gate = None;
         for (name, shape) in hybrid_param_shapes(config).into_iter().filter(|(n, _)| ran(n)) {
-            let item = match name.as_str() {
-                "model.embed_tokens.weight" => "target embedding table (shared)",
-                "lm_head.weight" => "target LM head (the drafter's, shared)",
-                n if n.contains(".linear_attn.") => "target GatedDeltaNet weights",
-                n if n.contains(".self_attn.") => "target gated attention weights",
-                _ => "target MLP and norm weights",
+            let region = if name.ends_with("mlp.gate_proj.weight") {
+                let both = ar.take(weight_item(&name), Model, "mlp.gate_up_proj", &[2, shape[0], shape[1]], e)?;
+                gate = Some(both);
+                Region { bytes: both.bytes / 2, ..both }
+            } else if name.ends_with("mlp.up_proj.weight") {
+                let both = gate.take().ok_or_else(|| Error::invalid(&name, "comes before its gate_proj"))?;
+                both.skip(both.bytes / 2)
+            } else {
+                ar.take(weight_item(&name), Model, &name, &shape, e)?
             };
-            ar.take(item, Model, &name, &shape, e)?;
+            weights.push((name, shape, region));
         }
-        let f = layer_ids.len();
-        ar.take("target residual stream and normed input", Saved, "x, xn", &[2, t, h], e)?;
-        ar.take("target features", Saved, "features", &[t, f * h], e)?;
-        let g = &config.gdn;
+        let named: HashMap<&str, Region> = weights.iter().map(|(n, _, r)| (n.as_str(), *r)).collect();
+        let layers = (0..=last)
+            .map(|l| {
+                let w = |n: &str| named[format!("model.layers.{l}.{n}").as_str()];
+                let mixer = match config.layer_kinds[l] {
+                    HybridLayerKind::Linear => MixerRegions::Gdn(GdnWeightRegions {
+                        in_proj_qkv: w("linear_attn.in_proj_qkv.weight"),
+                        in_proj_z: w("linear_attn.in_proj_z.weight"),
+                        in_proj_b: w("linear_attn.in_proj_b.weight"),
+                        in_proj_a: w("linear_attn.in_proj_a.weight"),
+                        conv1d: w("linear_attn.conv1d.weight"),
+                        a_log: w("linear_attn.A_log"),
+                        dt_bias: w("linear_attn.dt_bias"),
+                        norm: w("linear_attn.norm.weight"),
+                        out_proj: w("linear_attn.out_proj.weight"),
+                    }),
+                    HybridLayerKind::Full => MixerRegions::Attention(GatedAttnWeightRegions {
+                        q_proj: w("self_attn.q_proj.weight"),
+                        k_proj: w("self_attn.k_proj.weight"),
+                        v_proj: w("self_attn.v_proj.weight"),
+                        o_proj: w("self_attn.o_proj.weight"),
+                        q_norm: w("self_attn.q_norm.weight"),
+                        k_norm: w("self_attn.k_norm.weight"),
+                    }),
+                };
+                let gate_up = w("mlp.gate_proj.weight");
+                HybridLayerWeights {
+                    input_norm: w("input_layernorm.weight"),
+                    post_norm: w("post_attention_layernorm.weight"),
+                    gate_up: Region { bytes: 2 * gate_up.bytes, ..gate_up },
+                    down: w("mlp.down_proj.weight"),
+                    mixer,
+                }
+            })
+            .collect();
+        let embed = named["model.embed_tokens.weight"];
         let kinds: Vec<HybridLayerKind> = config.layer_kinds[..=last].to_vec();
+        let r = config.rope.rotary_dim;
+        // Not weights (`weight_bytes`), though made once.
+        const TABLES: &str = "target RoPE tables of positions 0..T";
+        let cos_table = ar.take(TABLES, Saved, "cos table", &[t, r], a)?;
+        let sin_table = ar.take(TABLES, Saved, "sin table", &[t, r], a)?;
+        const INPUTS: &str = "target inputs (tokens, RoPE tables, feature rows)";
+        let token_ids = ar.take(INPUTS, Saved, "tokens", &[t], 4)?;
+        let positions = ar.take(INPUTS, Saved, "positions", &[t], 4)?;
+        let cos = ar.take(INPUTS, Saved, "cos", &[t, r], a)?;
+        let sin = ar.take(INPUTS, Saved, "sin", &[t, r], a)?;
+        let f = layer_ids.len();
+        let feature_rows = (0..f).map(|_| ar.take(INPUTS, Saved, "feature rows", &[t], 4)).collect::<Result<_>>()?;
         let (d, nh, nkv) = (config.head_dim, config.num_heads, config.num_kv_heads);
-        ar.overlay(
+        if kinds.contains(&HybridLayerKind::Full) {
+            // Beside the allocation: the causal plan of each document length, at most one row
+            // group and one KV tile more per document than one plan of T (documents <= T).
+            let group_rows = KeyRanges::causal_group_rows(nh / nkv);
+            let plans = key_ranges_bytes(t.div_ceil(group_rows) + t, TILE_K * (t.div_ceil(TILE_K) + t))?;
+            ar.count("target attention key ranges", Input, plans);
+        }
+        const RESIDUAL: &str = "target residual stream and normed input";
+        let x = ar.take(RESIDUAL, Saved, "x", &[t, h], e)?;
+        let xn = ar.take(RESIDUAL, Saved, "xn", &[t, h], e)?;
+        let inv = ar.take(RESIDUAL, Saved, "inv", &[t], a)?;
+        let features = ar.take("target features", Saved, "features", &[t, f * h], e)?;
+        let g = GdnShape::new(&config.gdn, t);
+        let ((gdn, attn), mlp) = ar.overlay(
             |ar| {
                 ar.overlay(
                     |ar| {
                         if !kinds.contains(&HybridLayerKind::Linear) {
-                            return Ok(());
+                            return Ok(None);
                         }
                         const GDN: &str = "target GatedDeltaNet scratch (one layer)";
-                        ar.take(GDN, Layer, "qkv before and after the conv", &[2, t, g.conv_dim()], e)?;
-                        ar.take(GDN, Layer, "z, and the gated output", &[2, t, g.value_dim()], e)?;
-                        ar.take(GDN, Layer, "beta and g", &[2, t, g.num_value_heads], a)?;
-                        // The chunked form keeps, per head and chunk, the C x C decay-weighted
-                        // k k^T inverse and the chunk's W and U rows (fp32).
-                        let chunk_rows = t.div_ceil(GDN_CHUNK) * GDN_CHUNK;
-                        let per_row = GDN_CHUNK + g.key_head_dim + g.value_head_dim;
-                        ar.take(GDN, Layer, "chunk scratch", &[g.num_value_heads, chunk_rows, per_row], a)?;
-                        ar.take(GDN, Layer, "state", &[g.num_value_heads, g.key_head_dim, g.value_head_dim], a)?;
-                        Ok(())
+                        let mut s = |what: &str, dims: &[usize], w: u64| ar.take(GDN, Layer, what, dims, w);
+                        let (chunk, state) = g.scratch_values();
+                        Ok(Some(GdnScratch {
+                            qkv_pre: s("qkv before the conv", &[t, g.conv_channels()], e)?,
+                            qkv: s("qkv after the conv", &[t, g.conv_channels()], e)?,
+                            z: s("z", &[t, g.value_dim()], e)?,
+                            o: s("the gated output", &[t, g.value_dim()], e)?,
+                            b: s("b", &[t, g.value_heads], e)?,
+                            a: s("a", &[t, g.value_heads], e)?,
+                            beta: s("beta", &[t, g.value_heads], a)?,
+                            g: s("g", &[t, g.value_heads], a)?,
+                            chunk: s("chunk scratch", &[chunk], a)?,
+                            state: s("state", &[state], a)?,
+                        }))
                     },
                     |ar| {
                         if !kinds.contains(&HybridLayerKind::Full) {
-                            return Ok(());
+                            return Ok(None);
                         }
                         const ATT: &str = "target gated attention scratch (one layer)";
-                        ar.take(ATT, Layer, "q and gate", &[t, 2 * nh * d], e)?;
-                        ar.take(ATT, Layer, "k, v", &[2, t, nkv * d], e)?;
-                        ar.take(ATT, Layer, "q normed and rotated, attention out", &[2, t, nh * d], e)?;
-                        ar.take(ATT, Layer, "lse", &[nh, t], a)?;
-                        Ok(())
+                        let mut s = |what: &str, dims: &[usize], w: u64| ar.take(ATT, Layer, what, dims, w);
+                        Ok(Some(GatedAttnScratch {
+                            q: s("q", &[t, nh * d], e)?,
+                            gate: s("gate", &[t, nh * d], e)?,
+                            k: s("k", &[t, nkv * d], e)?,
+                            v: s("v", &[t, nkv * d], e)?,
+                            out: s("attention out", &[t, nh * d], e)?,
+                            lse: s("lse", &[nh, t], a)?,
+                            inv_q: s("inv_q", &[t, nh], a)?,
+                            inv_k: s("inv_k", &[t, nkv], a)?,
+                        }))
                     },
                 )
             },
-            |ar| ar.take("target MLP scratch (one layer)", Layer, "gate_up, h", &[t, 3 * i], e).map(|_| ()),
+            |ar| {
+                let mut s =
+                    |what: &str, dims: &[usize]| ar.take("target MLP scratch (one layer)", Layer, what, dims, e);
+                Ok(HybridMlpScratch { gate_up: s("gate_up", &[t, 2 * i])?, h: s("h", &[t, i])? })
+            },
         )?;
-        Ok(HybridTargetPlan { layers: last + 1, tokens, bytes: ar.bytes(), items: ar.items })
+        Ok(HybridLayout {
+            tokens,
+            layers_run: last + 1,
+            embed,
+            layers,
+            weights,
+            cos_table,
+            sin_table,
+            token_ids,
+            positions,
+            cos,
+            sin,
+            feature_rows,
+            x,
+            xn,
+            inv,
+            gdn,
+            attn,
+            mlp,
+            features,
+            bytes: ar.bytes(),
+            items: ar.items,
+        })
+    }
+
+    /// The allocation and the key ranges beside it.
+    pub fn total_bytes(&self) -> Result<u64> {
+        let beside = self.items.iter().filter(|i| i.lifetime == Lifetime::Input).map(|i| i.bytes).sum();
+        add("hybrid target", self.bytes, beside)
+    }
+
+    /// The layout's plan: its items and total.
+    pub fn plan(&self) -> Result<HybridTargetPlan> {
+        Ok(HybridTargetPlan {
+            layers: self.layers_run,
+            tokens: self.tokens,
+            bytes: self.total_bytes()?,
+            items: self.items.clone(),
+        })
+    }
+}
+
+/// The planned memory of a hybrid target's forward, itemised: [`HybridLayout`]'s items.
+#[derive(Clone, Debug)]
+pub struct HybridTargetPlan {
+    /// Layers run: `max(target_layer_ids) + 1`.
+    pub layers: usize,
+    pub tokens: usize,
+    /// The allocation and the key ranges beside it.
+    pub bytes: u64,
+    pub items: Vec<Item>,
+}
+
+impl HybridTargetPlan {
+    /// The plan of `config` tapping `layer_ids` for launches of `tokens` tokens, storing
+    /// `widths = (stored, arithmetic)` bytes per value.
+    pub fn new(config: &HybridConfig, layer_ids: &[usize], tokens: usize, widths: (u64, u64)) -> Result<Self> {
+        HybridLayout::new(config, layer_ids, tokens, widths)?.plan()
     }
 
     /// Refuses the plan when it needs more than `available` bytes of `device`, naming the largest
@@ -163,4 +424,43 @@ pub fn hybrid_drafter(config: &HybridConfig, mask_token_id: u32) -> Result<Draft
         mask_token_id,
         target_layer_ids: default_target_layer_ids(config.num_layers(), 5),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fixture hybrid (GDN and attention layers) tapping layers 3 and 1 at T = 100, bf16:
+    /// the plan is the layout's items and total; the weight regions hold exactly the plan's
+    /// weights (the parameter count of layers 0..=3, the embedding and the head, 2 bytes each);
+    /// each layer-scratch item is the sum of its regions; every region lies in the allocation.
+    #[test]
+    fn the_layout_is_the_plan() {
+        let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/target-qwen3_5/config.json");
+        let config = HybridConfig::from_file(&file).expect("fixture config");
+        let layout = HybridLayout::new(&config, &[3, 1], 100, (2, 4)).expect("layout");
+        let plan = HybridTargetPlan::new(&config, &[3, 1], 100, (2, 4)).expect("plan");
+        assert_eq!(plan.items, layout.items);
+        assert_eq!(plan.bytes, layout.total_bytes().expect("total"));
+        let layer = |r: &str| r.split('.').next().and_then(|l| l.parse::<usize>().ok());
+        let in_layers = |n: &str| n.strip_prefix("model.layers.").is_none_or(|r| layer(r).is_some_and(|l| l <= 3));
+        let params: usize = hybrid_param_shapes(&config)
+            .into_iter()
+            .filter(|(n, _)| n != "model.norm.weight" && in_layers(n))
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        let weights: u64 = layout.weights.iter().map(|(_, _, r)| r.bytes).sum();
+        assert_eq!((weights, plan.weight_bytes().expect("weights")), (2 * params as u64, 2 * params as u64));
+        let item = |name: &str| plan.items.iter().find(|i| i.name == name).map(|i| i.bytes).expect(name);
+        let (g, a, m) = (layout.gdn.expect("GDN scratch"), layout.attn.expect("attention scratch"), layout.mlp);
+        let gdn = [g.qkv_pre, g.qkv, g.z, g.o, g.b, g.a, g.beta, g.g, g.chunk, g.state];
+        let attn = [a.q, a.gate, a.k, a.v, a.out, a.lse, a.inv_q, a.inv_k];
+        let sum = |r: &[Region]| r.iter().map(|r| r.bytes).sum::<u64>();
+        assert_eq!(sum(&gdn), item("target GatedDeltaNet scratch (one layer)"));
+        assert_eq!(sum(&attn), item("target gated attention scratch (one layer)"));
+        assert_eq!(sum(&[m.gate_up, m.h]), item("target MLP scratch (one layer)"));
+        let others = [m.gate_up, m.h, layout.x, layout.features, layout.cos_table];
+        let all = gdn.iter().chain(&attn).chain(&others);
+        assert!(all.chain(layout.weights.iter().map(|(_, _, r)| r)).all(|r| r.offset + r.bytes <= layout.bytes));
+    }
 }
