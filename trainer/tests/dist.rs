@@ -117,14 +117,17 @@ impl SlotFill for Lookup {
     }
 }
 
+/// A [`Lookup`] with `count` slots.
+fn lookup(setup: &Arc<BuiltinSetup>, count: usize) -> dflash_trainer::Result<Box<dyn SlotFill>> {
+    let dev = Host::<f32>::default();
+    let bytes = setup.data[0].features.elem_count() * 4;
+    let slots = (0..count).map(|i| dev.alloc(&format!("slot {i}"), bytes)).collect::<Result<Vec<_>, _>>()?;
+    Ok(Box::new(Lookup { setup: setup.clone(), dev, slots }))
+}
+
 fn lookup_feed(targets: usize, drafters: usize, setup: &Arc<BuiltinSetup>) -> (FeedPool, Vec<FeedEnd>) {
     let setup = setup.clone();
-    let make: Arc<MakeSlotFill> = Arc::new(move |_, count| {
-        let dev = Host::<f32>::default();
-        let bytes = setup.data[0].features.elem_count() * 4;
-        let slots = (0..count).map(|i| dev.alloc(&format!("slot {i}"), bytes)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Box::new(Lookup { setup: setup.clone(), dev, slots }) as Box<dyn SlotFill>)
-    });
+    let make: Arc<MakeSlotFill> = Arc::new(move |_, count| lookup(&setup, count));
     FeedPool::new(targets, drafters, make).expect("feed")
 }
 
@@ -374,11 +377,16 @@ fn a_failing_target_worker_stops_the_run_with_its_error() {
     }
     let c = config();
     let setup = Arc::new(builtin::setup(&c).expect("setup"));
-    let make: Arc<MakeSlotFill> = Arc::new(|_, _| Ok(Box::new(Broken) as _));
+    // Target worker 1 fails; target worker 0 works: the error names 1, whichever drafter says it.
+    let setup2 = setup.clone();
+    let make: Arc<MakeSlotFill> = Arc::new(move |t, count| match t {
+        1 => Ok(Box::new(Broken) as _),
+        _ => lookup(&setup2, count),
+    });
     let (pool, ends) = FeedPool::new(2, 2, make).unwrap();
     let mut dp = grouped(2, &setup, &c, ends).with_feed(pool);
     let message = dp.step(&batch(&setup, 0, &c), &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
-    assert!(message.contains("target worker 0") && message.contains("the forward failed (injected)"), "{message}");
+    assert!(message.contains("target worker 1") && message.contains("the forward failed (injected)"), "{message}");
     let make: Arc<MakeSlotFill> = Arc::new(|t, _| match t {
         1 => Err(dflash_trainer::Error::option("device", "no such GPU")),
         _ => Ok(Box::new(Broken) as _),
