@@ -294,6 +294,14 @@ impl Reporter {
     }
 }
 
+/// A size for people: GB with 2 decimals from 1 GB, else MB with 2.
+pub fn size_text(bytes: u64) -> String {
+    match bytes >= 1_000_000_000 {
+        true => format!("{:.2} GB", bytes as f64 / 1e9),
+        false => format!("{:.2} MB", bytes as f64 / 1e6),
+    }
+}
+
 /// Draws `OUT/training.svg` from `metrics.jsonl`: the training loss (and held-out loss) over
 /// steps on top, tau_hat (training and held-out) below.
 pub fn plot(out: &Path) -> Result<PathBuf> {

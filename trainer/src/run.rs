@@ -379,9 +379,9 @@ impl<'a> Trainer<'a> {
                     .map(|m| m.len())
                     .sum();
                 reporter.say(&format!(
-                    "  checkpoint {} ({:.2} GB: state fetched in {fetched:.1}s, written and synced in {:.1}s)",
+                    "  checkpoint {} ({}: state fetched in {fetched:.1}s, written and synced in {:.1}s)",
                     dir.display(),
-                    bytes as f64 / 1e9,
+                    crate::metrics::size_text(bytes),
                     started.elapsed().as_secs_f64() - fetched
                 ));
                 summary.checkpoints.push(dir);

@@ -752,14 +752,10 @@ fn print_sharded_optimizer(d: &DraftConfig, shape: StepShape, workers: usize) ->
     let shards = dflash_trainer::engine::optimizer_shards(d, workers);
     let whole = optimizer((0, shards.last().map_or(0, |s| s.1)))?;
     let largest = optimizer(shards[0])?;
-    let size = |b: u64| match b >= 1_000_000_000 {
-        true => format!("{:.2} GB", b as f64 / 1e9),
-        false => format!("{:.2} MB", b as f64 / 1e6),
-    };
     println!(
         "optimizer state sharded over {workers} drafter workers: {} per worker instead of {} (the accumulated gradients stay whole)",
-        size(largest),
-        size(whole)
+        metrics::size_text(largest),
+        metrics::size_text(whole)
     );
     Ok(())
 }
