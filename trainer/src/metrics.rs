@@ -140,20 +140,7 @@ impl Reporter {
                 "step", "loss", "tau_hat", "lr", "grad norm", "tok/s", "elapsed"
             );
         }
-        let now = Instant::now();
-        Ok(Reporter {
-            file,
-            jsonl: Some(jsonl),
-            bar,
-            total_steps,
-            since: now,
-            tokens: 0,
-            samples: 0,
-            flops: 0.0,
-            waits: None,
-            started: now,
-            quiet,
-        })
+        Ok(Reporter { file, jsonl: Some(jsonl), bar, quiet, ..Reporter::silent(total_steps) })
     }
 
     /// A reporter that writes nothing and prints only skipped steps (on stderr): a rank other

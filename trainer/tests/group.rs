@@ -342,6 +342,10 @@ fn the_launch_comes_from_the_options_or_the_torchrun_variables() {
         ),
         (bad(base.clone(), &[("WORLD_SIZE", "2"), ("LOCAL_RANK", "x")]), "`LOCAL_RANK=x`"),
         (bad(RunConfig { world_size: Some(2), step: StepKind::Reference, ..base.clone() }, &[]), "not `reference`"),
+        (
+            bad(RunConfig { shard_optimizer: true, drafter_workers: 2, ..base.clone() }, &[("WORLD_SIZE", "2")]),
+            "`shard_optimizer`), not across processes",
+        ),
     ];
     for (message, named) in cases {
         assert!(message.contains(named), "`{named}` missing from: {message}");
