@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::{download, Allocation, Backend};
-use dflash_optimized::flops::{step_model_flops, target_forward_flops};
+use dflash_optimized::flops::step_model_flops;
 use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, StepShape};
 use dflash_optimized::model::drafter_step::DrafterStep;
 use dflash_optimized::model::target_forward::TargetForward;
@@ -17,8 +17,8 @@ use dflash_optimized::ops::{bytes_of, stored, Elem, Real};
 use dflash_optimized::train::adamw::DeviceAdamW;
 use dflash_optimized::train::gradients::HostGradients;
 use dflash_reference::config::DraftConfig;
+use dflash_reference::data::Row;
 use dflash_reference::data::TrainRow;
-use dflash_reference::data::{document_runs, Row};
 use dflash_reference::drafter::{Drafter, FrozenHead};
 use dflash_reference::eval::{evaluate_rows, BlockStats, EvalReport, Evaluation};
 use dflash_reference::optim::{clip_grad_norm, collect_grads, AdamW, AdamWConfig};
@@ -593,11 +593,7 @@ impl<B: Backend> DeviceEngine<B> {
                 forward.run(&[&plain])?;
                 let (embed, _) = forward.frozen_tables();
                 step.set_input_device(forward.features_addr(), embed, &p.input, &p.targets)?;
-                let layers = forward.layer_ids.iter().max().map_or(0, |&l| l + 1);
-                Ok(document_runs(&plain.doc_ids)
-                    .into_iter()
-                    .map(|run| target_forward_flops(&forward.config, layers, run.len(), false))
-                    .sum())
+                Ok(forward.row_flops(&plain.doc_ids))
             }
         }
     }

@@ -174,6 +174,16 @@ impl<B: Backend> TargetForward<B> {
         (embed, head)
     }
 
+    /// Model FLOPs of this forward on a packed row with `doc_ids` (`flops::target_forward_flops`
+    /// per document over the layers run, no LM head).
+    pub fn row_flops(&self, doc_ids: &[i64]) -> f64 {
+        let layers = self.layer_ids.iter().max().map_or(0, |&l| l + 1);
+        document_runs(doc_ids)
+            .into_iter()
+            .map(|run| crate::flops::target_forward_flops(&self.config, layers, run.len(), false))
+            .sum()
+    }
+
     /// The features of the last launch `[tokens, F*H]`: their address.
     pub fn features_addr(&self) -> u64 {
         self.layout.features.map(|r| self.at(r)).expect("the forward's layout holds its features")

@@ -17,10 +17,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use dflash_optimized::backend::{Allocation, Backend};
-use dflash_optimized::flops::target_forward_flops;
 use dflash_optimized::model::target_forward::TargetForward;
 use dflash_optimized::ops::Elem;
-use dflash_reference::data::{document_runs, Row};
+use dflash_reference::data::Row;
 
 use crate::error::{Error, Result};
 
@@ -117,12 +116,7 @@ impl<B: Backend> SlotFill for TargetSlots<B> {
         let dev = self.forward.backend();
         dev.copy(dst, self.forward.features_addr(), s * z.fw * B::Elem::BYTES)?;
         dev.synchronize()?;
-        let layers = self.forward.layer_ids.iter().max().map_or(0, |&l| l + 1);
-        let flops = document_runs(&row.doc_ids)
-            .into_iter()
-            .map(|run| target_forward_flops(&self.forward.config, layers, run.len(), false))
-            .sum();
-        Ok((dst, flops))
+        Ok((dst, self.forward.row_flops(&row.doc_ids)))
     }
 }
 
