@@ -19,6 +19,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 pub use crate::attention_cases::rel_error;
+use crate::gdn_cases::run_gdn_ops;
 use crate::op_cases::{run_ops, OpOutputs};
 use crate::setups::{gpu_draft_case, DraftCase};
 use crate::tolerance::{Tolerance, GPU_STEP_BF16, STEP_F32, STEP_F64};
@@ -225,9 +226,17 @@ pub fn rounded_to(case: DraftCase, storage: DType) -> Result<DraftCase> {
 /// Every CUDA kernel and the cuBLAS matmul against the one set of CPU twins (`Host<f64>`) on
 /// the same fresh random inputs of `seed` (`op_cases::run_ops`).
 pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
-    let got = run_ops(&Cuda::new(gpu, 64)?, seed)?;
-    let want = run_ops(&Host::<f64>::default(), seed)?;
+    let got = kernel_cases(&Cuda::new(gpu, 64)?, seed)?;
+    let want = kernel_cases(&Host::<f64>::default(), seed)?;
     Ok(compare_ops(&got, &want))
+}
+
+/// Every kernel's op case on backend `dev`: the elementwise ops and the matmul, then the
+/// GatedDeltaNet ops.
+pub fn kernel_cases<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
+    let mut cases = run_ops(dev, seed)?;
+    cases.extend(run_gdn_ops(dev, seed)?);
+    Ok(cases)
 }
 
 /// Each output of each op of `got` against the same output of `want`, under the output's

@@ -4,9 +4,11 @@
 
 pub mod attention_cases;
 pub mod decode_cases;
+pub mod gdn_cases;
 pub mod gpu_attention;
 pub mod gpu_step;
 pub mod heap;
+pub mod hybrid_cases;
 pub mod op_cases;
 pub mod setups;
 pub mod target_cases;

@@ -92,7 +92,7 @@ pub fn draw_bf16(n: usize, mean: f64, std: f64, rng: &mut ChaCha8Rng) -> Vec<f64
 }
 
 /// `x` rounded to f32 (arithmetic-type inputs).
-fn f32_exact(x: f64) -> f64 {
+pub fn f32_exact(x: f64) -> f64 {
     f64::from(x as f32)
 }
 

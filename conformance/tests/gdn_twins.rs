@@ -13,7 +13,9 @@ use candle_core::{Device, Tensor};
 use dflash_conformance::tolerance::{rel_error, Tolerance};
 use dflash_optimized::ops::elementwise::Heads;
 use dflash_optimized::ops::gdn::twin::GdnTwin;
-use dflash_optimized::ops::gdn::{DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, GDN_CHUNK};
+use dflash_optimized::ops::gdn::{
+    groups, DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, Segments, GDN_CHUNK,
+};
 use dflash_optimized::ops::Elem;
 use dflash_reference::hybrid::config::GdnDims;
 use dflash_reference::hybrid::gdn::{
@@ -66,6 +68,11 @@ impl Case {
         let mut starts = vec![false; self.shape.tokens];
         self.docs.iter().for_each(|d| starts[d.start] = true);
         starts
+    }
+
+    /// The documents as the twins take them (no device table).
+    fn segments(&self) -> Segments<'_> {
+        Segments { ranges: &self.docs, table: 0 }
     }
 
     fn label(&self) -> String {
@@ -191,15 +198,24 @@ fn random_gates(shape: GdnShape, rng: &mut ChaCha8Rng) -> (Vec<f64>, Vec<f64>) {
     (beta, g)
 }
 
-/// The twin's delta rule on stored `qkv` and arithmetic `beta`, `g`: `out [T, H_v, d_v]`.
+/// The twin's delta rule on stored `qkv` and arithmetic `beta`, `g`, its groups of chunks in
+/// order (as the forward runs them): `out [T, H_v, d_v]`.
 fn twin_delta<E: Elem>(qkv: &[E], beta: &[E::Acc], g: &[E::Acc], case: &Case) -> Vec<E> {
     let shape = case.shape;
     let mut out = vec![E::default(); shape.tokens * shape.value_dim()];
-    let (chunk, state) = shape.scratch_values();
-    let (mut chunk, mut state) = (vec![E::Acc::default(); chunk], vec![E::Acc::default(); state]);
+    let d = shape.scratch_values();
+    let (mut w, mut states) = (vec![E::default(); d.w], vec![E::default(); d.states]);
+    let (mut u, mut carry) = (vec![E::Acc::default(); d.u], vec![E::Acc::default(); d.carry]);
     let b = DeltaBuffers { qkv: addr(qkv), beta: addr(beta), g: addr(g), out: out_addr(&mut out) };
-    let s = DeltaScratch { chunk: out_addr(&mut chunk), state: out_addr(&mut state) };
-    GdnTwin::<E>::default().gated_delta(b, s, shape, &case.docs).expect("gated_delta twin");
+    let s = DeltaScratch {
+        w: out_addr(&mut w),
+        u: out_addr(&mut u),
+        states: out_addr(&mut states),
+        carry: out_addr(&mut carry),
+    };
+    for group in groups(&case.docs, shape) {
+        GdnTwin::<E>::default().gated_delta(b, s, shape, case.segments(), group).expect("gated_delta twin");
+    }
     out
 }
 
@@ -210,7 +226,9 @@ fn conv_error<E: Elem>(case: &Case) -> f64 {
     let (x, x64) = stored::<E>(&normal(t * c, 1.0, &mut rng));
     let (w, w64) = stored::<E>(&normal(c * k, 0.5, &mut rng));
     let mut y = vec![E::default(); t * c];
-    GdnTwin::<E>::default().conv1d_silu(addr(&x), addr(&w), out_addr(&mut y), case.shape, &case.docs).expect("conv");
+    GdnTwin::<E>::default()
+        .conv1d_silu(addr(&x), addr(&w), out_addr(&mut y), case.shape, case.segments())
+        .expect("conv");
     let want = causal_conv1d(&tensor(x64, &[t, c]), &tensor(w64, &[c, k]), &case.starts()).and_then(|y| silu(&y));
     rel_error(&widened(&y, &[t, c]), &want.expect("reference conv"))
 }
@@ -409,7 +427,7 @@ fn twins_compose_to_the_reference_token_mixer() {
     let twin = GdnTwin::<f64>::default();
     let (qkv_pre, conv_taps) = (project(&qkv_w), values(&conv));
     let mut qkv = vec![0.0; t * c];
-    twin.conv1d_silu(addr(&qkv_pre), addr(&conv_taps), out_addr(&mut qkv), s, &case.docs).expect("conv");
+    twin.conv1d_silu(addr(&qkv_pre), addr(&conv_taps), out_addr(&mut qkv), s, case.segments()).expect("conv");
     let (b, a, a_log, dt_bias) = (project(&b_w), project(&a_w), values(&a_log), values(&dt_bias));
     let (mut beta, mut g) = (vec![0.0; t * hv], vec![0.0; t * hv]);
     let gates = GateInputs { b: addr(&b), a: addr(&a), a_log: addr(&a_log), dt_bias: addr(&dt_bias) };
@@ -448,8 +466,17 @@ fn bad_shapes_and_documents_are_refused() {
     assert!(err.contains("empty size"), "{err}");
     let twin = GdnTwin::<f64>::default();
     let short = tiling(&[5]);
-    let err = twin.conv1d_silu(0, 0, 0, shape, &short).expect_err("docs short of T").to_string();
+    let err = twin.conv1d_silu(0, 0, 0, shape, Segments { ranges: &short, table: 0 }).expect_err("short").to_string();
     assert!(err.contains("do not tile"), "{err}");
+    // Chunk groups: empty, beyond the chunks, or longer than the state slots.
+    let docs = tiling(&[3, 10]);
+    let b = DeltaBuffers { qkv: 0, beta: 0, g: 0, out: 0 };
+    let s = DeltaScratch { w: 0, u: 0, states: 0, carry: 0 };
+    for group in [0..0, 1..3, 0..2] {
+        let err = twin.gated_delta(b, s, shape, Segments { ranges: &docs, table: 0 }, group.clone());
+        let err = err.expect_err("bad group").to_string();
+        assert!(err.contains("within the 2 chunks and at most 1 long"), "{group:?}: {err}");
+    }
 }
 
 /// The partial RoPE twin's relative error against `layers::partial_rope` on `[T, heads, d]` with

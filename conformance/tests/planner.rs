@@ -233,23 +233,6 @@ fn qwen3_8b_target_and_its_drafter_fit_one_h200() {
     assert!(err.contains("target layer weights") && err.contains("NVIDIA H200"), "{err}");
 }
 
-/// The 27B Qwen3.5 hybrid of spec section 10 (hidden 5120, SwiGLU 17408, 64 layers = 48
-/// GatedDeltaNet + 16 gated attention, H_k 16 / H_v 48 heads of 128, 24/4 attention heads of 256,
-/// vocab 248320, untied).
-fn qwen3_5_27b() -> dflash_reference::hybrid::HybridConfig {
-    let value = serde_json::json!({
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 5120,
-        "intermediate_size": 17408, "num_hidden_layers": 64, "full_attention_interval": 4,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "head_dim": 256,
-        "num_attention_heads": 24, "num_key_value_heads": 4,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        "attn_output_gate": true, "vocab_size": 248320, "tie_word_embeddings": false,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-    });
-    dflash_reference::hybrid::HybridConfig::from_value(std::path::Path::new("27b/config.json"), &value).expect("config")
-}
-
 /// Proves the hybrid planner's weights against the spec's layer math counted by hand: per
 /// GatedDeltaNet layer in_proj_qkv (2*16*128 + 48*128 channels) x H, in_proj_z 48*128 x H,
 /// in_proj_a/b 48 x H each, the conv taps (channels x 4), A_log, dt_bias (48 each), the output
@@ -260,7 +243,7 @@ fn qwen3_5_27b() -> dflash_reference::hybrid::HybridConfig {
 #[test]
 fn the_27b_hybrid_and_its_drafter_fit_one_h200_at_4096() {
     use dflash_optimized::memory::hybrid::{hybrid_drafter, HybridTargetPlan};
-    let config = qwen3_5_27b();
+    let config = dflash_optimized::memory::named::qwen3_5_27b_target();
     let draft = hybrid_drafter(&config, 248319).expect("drafter");
     assert_eq!(draft.target_layer_ids, vec![1, 16, 31, 46, 61]);
     let plan = HybridTargetPlan::new(&config, &draft.target_layer_ids, 4096, (BF16, F32)).expect("plan");

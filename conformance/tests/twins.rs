@@ -518,17 +518,17 @@ fn argmax_rows_matches_reference_on_nan_infinities_and_signed_zeros() {
     }
 }
 
-/// The op cases `xtask gpu-conformance` compares the CUDA kernels with, run here on the bf16
-/// twins (the GPU's storage, fp32 arithmetic) against the f64 twins, output by output under
-/// the tolerances the GPU run uses (bf16 outputs, fp32 outputs, exact copies), for two seeds.
+/// The op cases `xtask gpu-conformance` compares the CUDA kernels with (the elementwise ops, the
+/// matmul and the GatedDeltaNet ops), run here on the bf16 twins (the GPU's storage, fp32
+/// arithmetic) against the f64 twins, output by output under the tolerances the GPU run uses
+/// (bf16 outputs, fp32 outputs, exact copies), for two seeds.
 #[test]
 fn bf16_twins_match_the_f64_twins_on_the_gpu_op_cases() {
-    use dflash_conformance::gpu_step::compare_ops;
-    use dflash_conformance::op_cases::run_ops;
+    use dflash_conformance::gpu_step::{compare_ops, kernel_cases};
     use dflash_optimized::backend::host::Host;
     for seed in [7u64, 8] {
-        let got = run_ops(&Host::<half::bf16>::default(), seed).expect("bf16 twins");
-        let want = run_ops(&Host::<f64>::default(), seed).expect("f64 twins");
+        let got = kernel_cases(&Host::<half::bf16>::default(), seed).expect("bf16 twins");
+        let want = kernel_cases(&Host::<f64>::default(), seed).expect("f64 twins");
         for check in compare_ops(&got, &want) {
             eprintln!("seed {seed} {}: {:?} (bound {:e})", check.name, check.errors, check.tolerance);
             assert!(check.pass(), "seed {seed} {}: {:?} above {:e}", check.name, check.errors, check.tolerance);

@@ -8,6 +8,8 @@ benchmarks:
   gemm        the cuBLAS bf16 linear: checked against the CPU, timed   (results/gemm-h200.json)
   step        the GPU training step per policy vs PyTorch, MFU, peaks  (results/step-h200.json)
   target      the target forward (features) vs transformers, 8B shape (results/target-h200.json)
+  hybrid      the hybrid target forward vs transformers (fla and torch), 27B layer shapes
+                                                                       (results/target-hybrid-h200.json)
   eval        batch-1 decoding, plain and speculative, vs transformers generate (results/eval-h200.json)
   train       training end to end (target + step + AdamW) vs PyTorch   (results/train-h200.json)
   data        (this machine) render + tokenize + mask + pack vs Python  (results/data-cpu.json)
@@ -21,6 +23,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Some("gemm") => crate::bench_gemm::run(args.collect()),
         Some("step") => crate::bench_step::run(args.collect()),
         Some("target") => crate::bench_target::run(args.collect()),
+        Some("hybrid") => crate::bench_hybrid::run(args.collect()),
         Some("eval") => crate::bench_eval::run(args.collect()),
         Some("train") => crate::bench_train::run(args.collect()),
         Some("data") => crate::bench_data::run(args.collect()),

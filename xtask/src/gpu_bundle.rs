@@ -10,9 +10,10 @@ use crate::args::Options;
 
 const HELP: &str = "usage: cargo xtask gpu-bundle
 
-Builds the release xtask and fills gpu-bundle/ (git-ignored) at the repository root with the
-binary, xtask/bench/*.py and commit.txt (git rev-parse HEAD, `-dirty` when the tree has changes),
-then prints its size and the command to run on the GPU machine.";
+Builds the release xtask, compiles every CUDA kernel with NVRTC when its library opens here
+(LD_LIBRARY_PATH; CUDA_HOME for the headers), and fills gpu-bundle/ (git-ignored) at the repository
+root with the binary, xtask/bench/*.py and commit.txt (git rev-parse HEAD, `-dirty` when the tree
+has changes), then prints its size and the command to run on the GPU machine.";
 
 /// Name of the folder, at the repository root.
 const BUNDLE: &str = "gpu-bundle";
@@ -96,6 +97,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     let commit = git_commit(&root)?;
     ensure_excluded(&root)?;
+    compile_kernels()?;
 
     let bundle = root.join(BUNDLE);
     if bundle.exists() {
@@ -144,6 +146,23 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "Then commit $OUT/attestation.json as fixtures/gpu/attestation.json, and $OUT/attention-h200.json and \
          $OUT/step-h200.json into results/."
     );
+    Ok(())
+}
+
+/// Compiles every kernel module with NVRTC when its library opens here (`LD_LIBRARY_PATH`, and
+/// `CUDA_HOME` for `cuda_bf16.h`), so a kernel that does not compile fails here rather than on the
+/// GPU machine; says so when it cannot.
+fn compile_kernels() -> Result<(), String> {
+    use dflash_optimized::device::gpu::{compile, nvrtc_present};
+    if !nvrtc_present() {
+        println!("kernels: not compiled here (no NVRTC library; set LD_LIBRARY_PATH and CUDA_HOME to check them)");
+        return Ok(());
+    }
+    for (module, source) in dflash_optimized::ops::sources::compiled_modules() {
+        let started = std::time::Instant::now();
+        compile(&module, &source).map_err(|e| e.to_string())?;
+        println!("kernels: {module} compiles with NVRTC ({:.1}s)", started.elapsed().as_secs_f64());
+    }
     Ok(())
 }
 

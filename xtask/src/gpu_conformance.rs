@@ -12,8 +12,9 @@ use dflash_conformance::decode_cases::{
 };
 use dflash_conformance::gpu_attention::conformance_case;
 use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck, PoolMeter};
+use dflash_conformance::hybrid_cases::{hybrid_check, random_hybrid_cases, GPU_HYBRID_SEED};
 use dflash_conformance::target_cases::{random_target_cases, target_check};
-use dflash_conformance::tolerance::GPU_KERNEL_BF16;
+use dflash_conformance::tolerance::{GPU_KERNEL_BF16, HYBRID_BF16};
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::sources::{kernel_hash, KERNEL_SOURCES};
@@ -28,10 +29,12 @@ const HELP: &str = "usage: xtask gpu-conformance [options]     (on the GPU machi
 Runs the CUDA attention kernels on the conformance cases (odd sizes, N=1, a padding block, S not a
 multiple of 64, a window larger than S, several documents, GQA 32/8 d=128, causal full and
 sliding) against their CPU twin and the reference (relative errors below 1e-2); every
-elementwise.cu kernel and the cuBLAS matmul against the same CPU twins CI runs, in f64 (below
-1e-2); the target's forward (Qwen3 and Llama, d 64/128, GQA, yarn/llama3 RoPE, packed documents)
+elementwise.cu and gdn.cu kernel and the cuBLAS matmul against the same CPU twins CI runs, in f64
+(below 1e-2; the chunked delta rule's tensor-core products below 2e-2); the target's forward (Qwen3 and Llama, d 64/128, GQA, yarn/llama3 RoPE, packed documents)
 against the reference in f32 (features below 1e-2, each document alone as packed, memory-pool peak
-at most its layout); greedy and speculative decoding with K/V caches (random GPU-sized targets and
+at most its layout); the hybrid target's forward (GatedDeltaNet d_k 128 and 32, gated attention
+d 256 and 64, packed documents) against the reference in f32 likewise (below 3e-2: bf16 storage
+alone gives 1.9e-2 there); greedy and speculative decoding with K/V caches (random GPU-sized targets and
 drafters, and the built-in target with its trained drafter): lossless, accept lengths the longest
 agreeing prefixes, every token and draft the f32 reference's argmax up to a bf16 near-tie; and the GPU training step of random drafters (sliding + full layer, packed
 documents, keep=false blocks) under every checkpointing policy against the reference in f64 (loss
@@ -197,6 +200,20 @@ fn target_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
         .collect()
 }
 
+/// The hybrid target's forward on the GPU (bf16, `gdn.cu`) for the random hybrids against the
+/// reference in f32, with its memory-pool peak against its layout.
+fn hybrid_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
+    let cases = random_hybrid_cases(GPU_HYBRID_SEED, candle_core::DType::F32)?;
+    let mut meter = PoolMeter::new(gpu);
+    cases
+        .iter()
+        .map(|case| {
+            let d = case.model.config.head_dim;
+            hybrid_check(case, || Cuda::new(gpu, d), HYBRID_BF16, Some(&mut meter))
+        })
+        .collect()
+}
+
 /// Greedy and speculative decoding on the GPU (bf16, K/V caches): lossless against its own greedy
 /// decode, accept lengths the longest agreeing prefixes, and every token and draft the reference's
 /// argmax (f32, teacher-forced on our output) up to a bf16 near-tie; for the random GPU-sized pairs
@@ -269,6 +286,8 @@ fn step_checks(gpu: &Gpu) -> Result<Vec<Value>, String> {
     record("kernel twins".to_string(), kernel_checks(gpu, KERNEL_SEED), started.elapsed().as_secs_f64());
     let started = Instant::now();
     record("target forward".to_string(), target_checks(gpu), started.elapsed().as_secs_f64());
+    let started = Instant::now();
+    record("hybrid forward".to_string(), hybrid_checks(gpu), started.elapsed().as_secs_f64());
     let started = Instant::now();
     record("decoding".to_string(), decode_checks(gpu), started.elapsed().as_secs_f64());
     for seed in STEP_SEEDS {

@@ -16,6 +16,7 @@ mod bench_attention;
 mod bench_data;
 mod bench_eval;
 mod bench_gemm;
+mod bench_hybrid;
 mod bench_step;
 mod bench_target;
 mod bench_train;

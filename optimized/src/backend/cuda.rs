@@ -1,5 +1,5 @@
-//! The GPU as a backend: the device's memory pool, cuBLAS, the attention kernels and
-//! `elementwise.cu`, all on the GPU's one stream.
+//! The GPU as a backend: the device's memory pool, cuBLAS, the attention kernels,
+//! `elementwise.cu` and `gdn.cu`, all on the GPU's one stream.
 
 use std::sync::Arc;
 
@@ -12,6 +12,8 @@ use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::cuda::ElementwiseKernels;
+use crate::ops::gdn::cuda::GdnKernels;
+use crate::ops::gdn::GdnOps;
 use crate::ops::matmul::cuda::{Blas, Out};
 use crate::ops::matmul::Mat;
 use crate::Result;
@@ -22,12 +24,14 @@ impl Allocation for Buf<u8> {
     }
 }
 
-/// The H200 (or any CUDA GPU): the memory pool, cuBLAS, the attention kernels and `step.cu`.
+/// The H200 (or any CUDA GPU): the memory pool, cuBLAS, the attention kernels, the elementwise
+/// kernels and the hybrid target's GatedDeltaNet kernels.
 pub struct Cuda {
     name: String,
     stream: Arc<CudaStream>,
     kernels: ElementwiseKernels,
     attention: AttentionKernels,
+    gdn: GdnKernels,
     blas: Blas,
     available: u64,
 }
@@ -41,6 +45,7 @@ impl Cuda {
             stream: gpu.stream().clone(),
             kernels: ElementwiseKernels::load(gpu)?,
             attention: AttentionKernels::load(gpu, head_dim)?,
+            gdn: GdnKernels::load(gpu)?,
             blas: Blas::new(gpu)?,
             available: gpu.available_bytes()?,
         })
@@ -93,6 +98,10 @@ impl Backend for Cuda {
 
     fn ops(&self) -> &ElementwiseKernels {
         &self.kernels
+    }
+
+    fn gdn_ops(&self) -> &dyn GdnOps {
+        &self.gdn
     }
 
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()> {

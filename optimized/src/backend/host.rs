@@ -121,8 +121,8 @@ impl<E: Elem> Backend for Host<E> {
         &self.ops
     }
 
-    fn gdn_ops(&self) -> Option<&dyn GdnOps> {
-        Some(&self.gdn)
+    fn gdn_ops(&self) -> &dyn GdnOps {
+        &self.gdn
     }
 
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()> {

@@ -43,11 +43,9 @@ pub trait Backend {
     /// Waits for the work queued so far (before another worker reads what it wrote).
     fn synchronize(&self) -> Result<()>;
     fn ops(&self) -> &Self::Ops;
-    /// The hybrid target's ops (GatedDeltaNet, partial RoPE, output gate) where the backend has
-    /// them: the CPU twins on the host; `None` on the GPU until their kernels exist.
-    fn gdn_ops(&self) -> Option<&dyn GdnOps> {
-        None
-    }
+    /// The hybrid target's ops (GatedDeltaNet, partial RoPE, output gate): the CPU twins on the
+    /// host, `gdn.cu` on the GPU.
+    fn gdn_ops(&self) -> &dyn GdnOps;
     /// `c [m, n] = a @ b + beta * c`, accumulating in the arithmetic type.
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()>;
     /// `y [rows, n] = x [rows, k] @ w [n, k]^T + beta * y` (a linear layer, HF weight layout).

@@ -238,14 +238,21 @@ impl Gpu {
     }
 }
 
-/// Compiles `source` to PTX with NVRTC; errors name the module and carry NVRTC's log.
-fn compile(module: &str, source: &str) -> Result<Ptx> {
+/// Whether the NVRTC library can be opened here (no GPU needed): `cargo xtask gpu-bundle` then
+/// compiles every kernel before the binary goes to the GPU machine.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to load the NVRTC library (and unloads it again).
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles `source` to PTX with NVRTC (no GPU needed); errors name the module and carry NVRTC's
+/// log.
+pub fn compile(module: &str, source: &str) -> Result<Ptx> {
     let what = format!("compiling module `{module}` with NVRTC");
     if module.contains('\0') || source.contains('\0') {
         return Err(Error::Gpu(format!("{what}: the module name or source contains a NUL byte")));
     }
-    // SAFETY: only tries to load the NVRTC library (and unloads it again).
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+    if !nvrtc_present() {
         return Err(Error::Gpu(format!(
             "{what}: the NVRTC library (libnvrtc.so.13) was not found; run with LD_LIBRARY_PATH=/usr/local/cuda/lib64"
         )));

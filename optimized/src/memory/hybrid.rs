@@ -20,11 +20,8 @@ use super::attention::key_ranges_bytes;
 use super::{add, check_fits, gb, Arena, Item, Lifetime, Region};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::constants::TILE_K;
-use crate::ops::gdn::GdnShape;
+use crate::ops::gdn::{segment_table_len, GdnShape};
 use crate::{Error, Result};
-
-/// Rows per chunk of the chunked GatedDeltaNet forward (the WY/UT form).
-pub const GDN_CHUNK: usize = 64;
 
 /// One GatedDeltaNet layer's weights (HF names under `linear_attn.`), stored; `conv1d` `[C, K]`.
 #[derive(Clone, Copy, Debug)]
@@ -71,8 +68,9 @@ pub struct HybridLayerWeights {
 
 /// A GatedDeltaNet layer's scratch: the projections `qkv_pre [T, C]`, `z [T, H_v d_v]`, `b`,
 /// `a` `[T, H_v]` (stored), the conv's output `qkv [T, C]`, the delta rule's output `o`
-/// (gated in place), the gates `beta`, `g` `[T, H_v]` and the chunk scratch and state of
-/// [`GdnShape::scratch_values`] (arithmetic type).
+/// (gated in place), the gates `beta`, `g` `[T, H_v]` (arithmetic type) and the delta rule's
+/// scratch of [`GdnShape::scratch_values`] (`ops::gdn::DeltaScratch`: W and the entering states
+/// stored, U / Delta and the carried state arithmetic).
 #[derive(Clone, Copy, Debug)]
 pub struct GdnScratch {
     pub qkv_pre: Region,
@@ -83,8 +81,10 @@ pub struct GdnScratch {
     pub a: Region,
     pub beta: Region,
     pub g: Region,
-    pub chunk: Region,
-    pub state: Region,
+    pub w: Region,
+    pub u: Region,
+    pub states: Region,
+    pub carry: Region,
 }
 
 /// A gated attention layer's scratch: `q`, `gate`, `out` `[T, nh*d]`, `k`, `v` `[T, nkv*d]`
@@ -122,10 +122,12 @@ pub struct HybridLayout {
     /// The RoPE tables of positions `0..T` `[T, r]` (arithmetic type), made once.
     pub cos_table: Region,
     pub sin_table: Region,
-    /// A launch's token ids and positions (u32 `[T]`), its RoPE tables `[T, r]` gathered from the
-    /// position tables, and per tapped layer `f` the u32 rows `t*F + f` of the features `[T*F, H]`.
+    /// A launch's token ids and positions (u32 `[T]`), its GatedDeltaNet segment table (u32, see
+    /// `ops::gdn::segment_table`), its RoPE tables `[T, r]` gathered from the position tables, and
+    /// per tapped layer `f` the u32 rows `t*F + f` of the features `[T*F, H]`.
     pub token_ids: Region,
     pub positions: Region,
+    pub segments: Region,
     pub cos: Region,
     pub sin: Region,
     pub feature_rows: Vec<Region>,
@@ -238,6 +240,7 @@ impl HybridLayout {
         const INPUTS: &str = "target inputs (tokens, RoPE tables, feature rows)";
         let token_ids = ar.take(INPUTS, Saved, "tokens", &[t], 4)?;
         let positions = ar.take(INPUTS, Saved, "positions", &[t], 4)?;
+        let segments = ar.take(INPUTS, Saved, "segment table", &[segment_table_len(t)], 4)?;
         let cos = ar.take(INPUTS, Saved, "cos", &[t, r], a)?;
         let sin = ar.take(INPUTS, Saved, "sin", &[t, r], a)?;
         let f = layer_ids.len();
@@ -265,7 +268,7 @@ impl HybridLayout {
                         }
                         const GDN: &str = "target GatedDeltaNet scratch (one layer)";
                         let mut s = |what: &str, dims: &[usize], w: u64| ar.take(GDN, Layer, what, dims, w);
-                        let (chunk, state) = g.scratch_values();
+                        let d = g.scratch_values();
                         Ok(Some(GdnScratch {
                             qkv_pre: s("qkv before the conv", &[t, g.conv_channels()], e)?,
                             qkv: s("qkv after the conv", &[t, g.conv_channels()], e)?,
@@ -275,8 +278,10 @@ impl HybridLayout {
                             a: s("a", &[t, g.value_heads], e)?,
                             beta: s("beta", &[t, g.value_heads], a)?,
                             g: s("g", &[t, g.value_heads], a)?,
-                            chunk: s("chunk scratch", &[chunk], a)?,
-                            state: s("state", &[state], a)?,
+                            w: s("W of the chunks", &[d.w], e)?,
+                            u: s("U then Delta of the chunks", &[d.u], a)?,
+                            states: s("the states entering the chunks", &[d.states], e)?,
+                            carry: s("the carried state", &[d.carry], a)?,
                         }))
                     },
                     |ar| {
@@ -314,6 +319,7 @@ impl HybridLayout {
             sin_table,
             token_ids,
             positions,
+            segments,
             cos,
             sin,
             feature_rows,
@@ -453,7 +459,7 @@ mod tests {
         assert_eq!((weights, plan.weight_bytes().expect("weights")), (2 * params as u64, 2 * params as u64));
         let item = |name: &str| plan.items.iter().find(|i| i.name == name).map(|i| i.bytes).expect(name);
         let (g, a, m) = (layout.gdn.expect("GDN scratch"), layout.attn.expect("attention scratch"), layout.mlp);
-        let gdn = [g.qkv_pre, g.qkv, g.z, g.o, g.b, g.a, g.beta, g.g, g.chunk, g.state];
+        let gdn = [g.qkv_pre, g.qkv, g.z, g.o, g.b, g.a, g.beta, g.g, g.w, g.u, g.states, g.carry];
         let attn = [a.q, a.gate, a.k, a.v, a.out, a.lse, a.inv_q, a.inv_k];
         let sum = |r: &[Region]| r.iter().map(|r| r.bytes).sum::<u64>();
         assert_eq!(sum(&gdn), item("target GatedDeltaNet scratch (one layer)"));

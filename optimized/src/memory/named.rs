@@ -1,6 +1,7 @@
 //! The named configurations the planner and the benchmarks use.
 
 use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
+use dflash_reference::hybrid::HybridConfig;
 
 use super::step::StepShape;
 
@@ -79,4 +80,23 @@ pub fn qwen3_8b_target() -> TargetConfig {
         tie_word_embeddings: false,
         rope_scaling: RopeScaling::Default,
     }
+}
+
+/// The 27B Qwen3.5 hybrid of spec section 10 (random weights have its shape): hidden 5120,
+/// SwiGLU 17408, 64 layers = 48 GatedDeltaNet + 16 gated attention (every 4th), H_k 16 / H_v 48
+/// heads of 128, 24/4 attention heads of 256 with RoPE on a quarter (theta 1e7), vocab 248320,
+/// untied.
+pub fn qwen3_5_27b_target() -> HybridConfig {
+    let value = serde_json::json!({
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 5120,
+        "intermediate_size": 17408, "num_hidden_layers": 64, "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "head_dim": 256,
+        "num_attention_heads": 24, "num_key_value_heads": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        "attn_output_gate": true, "vocab_size": 248320, "tie_word_embeddings": false,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    });
+    HybridConfig::from_value(std::path::Path::new("qwen3.5-27b/config.json"), &value)
+        .expect("the named 27B hybrid config is valid")
 }

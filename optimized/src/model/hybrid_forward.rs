@@ -1,7 +1,7 @@
 //! The frozen hybrid target's forward (spec section 10: Qwen3.5/3.6, GatedDeltaNet and gated
 //! attention layers) over packed training rows, layer by layer over a backend: the matmuls, the
 //! norms, SwiGLU and the causal attention through the backend's ops, the GatedDeltaNet, partial
-//! RoPE and output gate through its [`GdnOps`] (the CPU twins; no kernel yet). Only layers
+//! RoPE and output gate through its [`GdnOps`] (the CPU twins, or `gdn.cu`). Only layers
 //! `0..=max(target_layer_ids)` run (no final norm, no logits); each tapped layer's output is
 //! scattered into the features `[T, F*H]` (concatenated per token, in `layer_ids` order).
 //!
@@ -29,7 +29,7 @@ use crate::memory::Region;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::{ElementwiseOps, Heads};
-use crate::ops::gdn::{DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape};
+use crate::ops::gdn::{groups, segment_table, DeltaBuffers, DeltaScratch, GateInputs, GdnShape, Segments};
 use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
 use crate::{Error, Result};
 
@@ -68,9 +68,7 @@ impl<B: Backend> HybridForward<B> {
     pub fn new(dev: B, config: &HybridConfig, layer_ids: &[usize], max_tokens: usize) -> Result<Self> {
         let widths = (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64);
         let layout = HybridLayout::new(config, layer_ids, max_tokens, widths)?;
-        if dev.gdn_ops().is_none() {
-            return Err(Error::invalid("hybrid target", format!("{} has no GatedDeltaNet ops yet", dev.name())));
-        }
+        dev.gdn_ops().check_shape(GdnShape::new(&config.gdn, max_tokens))?;
         let device = format!("{} (hybrid target, {max_tokens} tokens per launch)", dev.name());
         layout.plan()?.check_fits(dev.available_bytes()?, &device)?;
         let bytes = usize::try_from(layout.bytes)
@@ -100,10 +98,6 @@ impl<B: Backend> HybridForward<B> {
 
     fn at(&self, r: Region) -> u64 {
         r.at(self.base)
-    }
-
-    fn gdn(&self) -> Result<&dyn GdnOps> {
-        self.dev.gdn_ops().ok_or_else(|| Error::invalid("hybrid target", "the backend lost its GatedDeltaNet ops"))
     }
 
     /// Loads every weight the forward reads from `get(hf_name, shape)` (text-layout names, e.g. a
@@ -173,6 +167,9 @@ impl<B: Backend> HybridForward<B> {
         let lay = &self.layout;
         self.dev.upload(self.at(lay.token_ids), bytes_of(&tokens))?;
         self.dev.upload(self.at(lay.positions), bytes_of(&positions))?;
+        if lay.gdn.is_some() {
+            self.dev.upload(self.at(lay.segments), bytes_of(&segment_table(&segments, total)))?;
+        }
         // The RoPE tables of the positions, rows copied as stored-width columns.
         let cols = self.config.rope.rotary_dim * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
         let ops = self.dev.ops();
@@ -225,19 +222,23 @@ impl<B: Backend> HybridForward<B> {
     /// conv window restarting at each of `segments`.
     fn gdn_mixer(&self, w: &GdnWeightRegions, t: usize, segments: &[Range<usize>]) -> Result<()> {
         let s = self.layout.gdn.expect("a layout with GatedDeltaNet layers holds their scratch");
-        let (gdn, h, eps) = (self.gdn()?, self.config.hidden_size, self.config.rms_norm_eps);
+        let (gdn, h, eps) = (self.dev.gdn_ops(), self.config.hidden_size, self.config.rms_norm_eps);
         let shape = GdnShape::new(&self.config.gdn, t);
         let (xn, hv, vd) = (self.at(self.layout.xn), shape.value_heads, shape.value_dim());
         let at = |r: Region| self.at(r);
+        let docs = Segments { ranges: segments, table: self.at(self.layout.segments) };
         self.dev.linear(xn, t, h, at(w.in_proj_qkv), shape.conv_channels(), at(s.qkv_pre), 0.0)?;
-        gdn.conv1d_silu(at(s.qkv_pre), at(w.conv1d), at(s.qkv), shape, segments)?;
+        gdn.conv1d_silu(at(s.qkv_pre), at(w.conv1d), at(s.qkv), shape, docs)?;
         self.dev.linear(xn, t, h, at(w.in_proj_z), vd, at(s.z), 0.0)?;
         self.dev.linear(xn, t, h, at(w.in_proj_b), hv, at(s.b), 0.0)?;
         self.dev.linear(xn, t, h, at(w.in_proj_a), hv, at(s.a), 0.0)?;
         let gates = GateInputs { b: at(s.b), a: at(s.a), a_log: at(w.a_log), dt_bias: at(w.dt_bias) };
         gdn.gdn_gates(gates, at(s.beta), at(s.g), shape)?;
         let buffers = DeltaBuffers { qkv: at(s.qkv), beta: at(s.beta), g: at(s.g), out: at(s.o) };
-        gdn.gated_delta(buffers, DeltaScratch { chunk: at(s.chunk), state: at(s.state) }, shape, segments)?;
+        let scratch = DeltaScratch { w: at(s.w), u: at(s.u), states: at(s.states), carry: at(s.carry) };
+        for group in groups(segments, shape) {
+            gdn.gated_delta(buffers, scratch, shape, docs, group)?;
+        }
         gdn.gated_rms_norm(at(s.o), at(s.z), at(w.norm), at(s.o), shape, eps)?;
         self.dev.linear(at(s.o), t, vd, at(w.out_proj), h, self.at(self.layout.x), 1.0)
     }
@@ -246,7 +247,7 @@ impl<B: Backend> HybridForward<B> {
     /// document (padding rows zero).
     fn attention_mixer(&self, w: &GatedAttnWeightRegions, t: usize, launch: &Launch<'_, B::Ranges>) -> Result<()> {
         let s = self.layout.attn.expect("a layout with attention layers holds their scratch");
-        let (gdn, ops) = (self.gdn()?, self.dev.ops());
+        let (gdn, ops) = (self.dev.gdn_ops(), self.dev.ops());
         let c = &self.config;
         let (h, d, nh, nkv, eps) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.rms_norm_eps);
         let (qd, kd, e) = (nh * d, nkv * d, B::Elem::BYTES as u64);

@@ -26,6 +26,28 @@ pub const NORM_PARTS: usize = 64;
 /// CTAs of the grid-stride elementwise kernels (2 waves of 132 SMs x 8).
 pub const ELEMENTWISE_CTAS: u32 = 2112;
 
+/// Rows per chunk of the chunked GatedDeltaNet forward (the WY/UT form), its kernels and twin.
+pub const GDN_CHUNK: usize = 64;
+
+/// Threads of the chunk-parallel delta-rule CTAs (`gated_delta_prepare`, `gated_delta_output`):
+/// 8 warps, and 4 lanes per column of the chunk's UT inverse.
+pub const GDN_THREADS: usize = 4 * GDN_CHUNK;
+/// Threads of a `gated_delta_state` CTA: a warp per 16 rows of the chunk.
+pub const GDN_STATE_THREADS: usize = 2 * GDN_CHUNK;
+/// State columns (of `d_v`) one `gated_delta_state` CTA carries through the chunks.
+pub const GDN_STATE_COLS: usize = 32;
+/// Largest key and value head dims of the delta-rule kernels (multiples of 16; Qwen3.5/3.6: 128).
+pub const GDN_MAX_HEAD_DIM: usize = 128;
+/// Extra bf16 columns of the delta-rule kernels' shared tiles (rows 16 bytes apart, fragment loads
+/// free of bank conflicts).
+pub const GDN_PAD: usize = 8;
+/// Most taps of the GPU's causal conv (`conv1d_silu` keeps them in registers; Qwen3.5/3.6: 4).
+pub const GDN_MAX_CONV: usize = 4;
+/// Tokens one `conv1d_silu` thread runs through (its last inputs in registers).
+pub const GDN_CONV_TOKENS: usize = 32;
+/// Values one lane of `gated_rms_norm` holds: value head dims of at most this many x 32.
+pub const GDN_NORM_LANE_ELEMS: usize = 8;
+
 /// The `#define`s every kernel source is compiled with (and hashed with).
 pub fn prelude() -> String {
     [
@@ -36,6 +58,15 @@ pub fn prelude() -> String {
         ("VEC", VEC),
         ("MAX_CHUNKS_PER_THREAD", MAX_CHUNKS_PER_THREAD),
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),
+        ("GDN_CHUNK", GDN_CHUNK),
+        ("GDN_THREADS", GDN_THREADS),
+        ("GDN_STATE_THREADS", GDN_STATE_THREADS),
+        ("GDN_STATE_COLS", GDN_STATE_COLS),
+        ("GDN_MAX_HEAD_DIM", GDN_MAX_HEAD_DIM),
+        ("GDN_PAD", GDN_PAD),
+        ("GDN_MAX_CONV", GDN_MAX_CONV),
+        ("GDN_CONV_TOKENS", GDN_CONV_TOKENS),
+        ("GDN_NORM_LANE_ELEMS", GDN_NORM_LANE_ELEMS),
     ]
     .iter()
     .map(|(name, value)| format!("#define {name} {value}\n"))

@@ -10,11 +10,13 @@ use super::constants::prelude;
 pub const ELEMENTWISE_CU: &str = include_str!("elementwise/elementwise.cu");
 /// `attention.cu`, as written (compiled per head dim).
 pub const ATTENTION_CU: &str = include_str!("attention/attention.cu");
+/// `gdn.cu`, as written.
+pub const GDN_CU: &str = include_str!("gdn/gdn.cu");
 
 /// `(path under optimized/src/ops, source)` of every kernel file, sorted by path. A unit test
 /// checks that this list matches the folders, so a new kernel file cannot be left out.
 pub const KERNEL_SOURCES: &[(&str, &str)] =
-    &[("attention/attention.cu", ATTENTION_CU), ("elementwise/elementwise.cu", ELEMENTWISE_CU)];
+    &[("attention/attention.cu", ATTENTION_CU), ("elementwise/elementwise.cu", ELEMENTWISE_CU), ("gdn/gdn.cu", GDN_CU)];
 
 /// Head dims the attention kernels are built for (multiples of 64 up to 256).
 pub const ATTENTION_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
@@ -34,10 +36,28 @@ pub fn elementwise_source() -> &'static str {
     SOURCE.get_or_init(|| format!("{}{ELEMENTWISE_CU}", prelude()))
 }
 
+/// What NVRTC compiles for `gdn.cu`: the constants' prelude, then the source (made once per
+/// process).
+pub fn gdn_source() -> &'static str {
+    static SOURCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SOURCE.get_or_init(|| format!("{}{GDN_CU}", prelude()))
+}
+
 /// What NVRTC compiles for `attention.cu` at `head_dim`: the prelude, the head dim's defines, the
 /// source.
 pub fn attention_source(head_dim: usize) -> String {
     format!("{}{}{ATTENTION_CU}", prelude(), attention_defines(head_dim))
+}
+
+/// Every module the GPU compiles, as `(module name, source with its defines)`: `elementwise`, `gdn`
+/// and `attention_d{D}` for each head dim of [`ATTENTION_HEAD_DIMS`].
+pub fn compiled_modules() -> Vec<(String, String)> {
+    let mut modules = vec![
+        ("elementwise".to_string(), elementwise_source().to_string()),
+        ("gdn".to_string(), gdn_source().to_string()),
+    ];
+    modules.extend(ATTENTION_HEAD_DIMS.map(|d| (format!("attention_d{d}"), attention_source(d))));
+    modules
 }
 
 /// Everything the kernels are compiled with besides their sources: the prelude and the attention

@@ -24,7 +24,19 @@ fn launch_err(kernel: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '
     move |e| Error::Gpu(format!("launch {kernel}: {e}"))
 }
 
-fn i32_of(what: &str, v: usize) -> Result<i32> {
+/// Launches a kernel with its arguments on `stream`, under `name` in errors and profiles.
+pub(crate) fn launch_named(
+    stream: &Arc<CudaStream>,
+    name: &str,
+    mut b: LaunchArgs<'_>,
+    cfg: LaunchConfig,
+) -> Result<()> {
+    // SAFETY: every launcher checks the sizes its kernel relies on before building `b`.
+    profile::scope(stream, || name.to_string(), || unsafe { b.launch(cfg) }.map_err(launch_err(name)))?;
+    Ok(())
+}
+
+pub(crate) fn i32_of(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(what, format!("{v} exceeds i32")))
 }
 
@@ -51,7 +63,7 @@ pub struct ElementwiseKernels {
     fill_normal_bf16: CudaFunction,
 }
 
-fn grid(n: usize, per: u32) -> u32 {
+pub(crate) fn grid(n: usize, per: u32) -> u32 {
     (n.div_ceil(per as usize) as u32).max(1)
 }
 
@@ -86,7 +98,7 @@ impl ElementwiseKernels {
         LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
     }
 
-    fn elementwise_cfg(n: usize) -> LaunchConfig {
+    pub(crate) fn elementwise_cfg(n: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (grid(n, ROW_THREADS).min(ELEMENTWISE_CTAS), 1, 1),
             block_dim: (ROW_THREADS, 1, 1),
@@ -116,10 +128,8 @@ impl ElementwiseKernels {
     }
 
     /// Launches a kernel with its arguments, under `name` in errors and profiles.
-    fn launch(&self, name: &str, mut b: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
-        // SAFETY: every launcher checks the sizes its kernel relies on before building `b`.
-        profile::scope(&self.stream, || name.to_string(), || unsafe { b.launch(cfg) }.map_err(launch_err(name)))?;
-        Ok(())
+    fn launch(&self, name: &str, b: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+        launch_named(&self.stream, name, b, cfg)
     }
 
     /// Whether [`ElementwiseKernels::linear_row`] takes `y [1, n] = x [1, k] @ w [n, k]^T`: `k` a

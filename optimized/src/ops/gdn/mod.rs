@@ -1,18 +1,20 @@
 //! The GatedDeltaNet token mixer of the hybrid target (spec section 10) on raw addresses (host
-//! pointers for the CPU twins of [`twin`]; no kernel yet): the depthwise causal conv1d + SiLU,
+//! pointers for the CPU twins of [`twin`], device addresses for the kernels of [`cuda`],
+//! `gdn.cu`): the depthwise causal conv1d + SiLU,
 //! the gates `beta` and `g`, the gated delta rule in chunks of [`GDN_CHUNK`] (the WY / UT form)
 //! and the gated output norm; and the gated attention's two ops the elementwise kernels lack
 //! (partial RoPE, the sigmoid output gate). "Stored" values are the backend's element type (`Elem`); the gates,
 //! the state and the chunk scratch are its arithmetic type (`Elem::Acc`). Packed rows come as
 //! documents: token ranges tiling `0..T`, each of which restarts the conv window and the state.
 
+pub mod cuda;
 pub mod twin;
 
 use std::ops::Range;
 
 use dflash_reference::hybrid::config::GdnDims;
 
-pub use crate::memory::hybrid::GDN_CHUNK;
+pub use crate::ops::constants::GDN_CHUNK;
 use crate::ops::elementwise::Heads;
 use crate::{Error, Result};
 
@@ -56,12 +58,20 @@ impl GdnShape {
         2 * self.key_dim() + self.value_dim()
     }
 
-    /// Values of the chunk scratch `[H_v, ceil(T/C) C, C + d_k + d_v]` and of the state
-    /// `[H_v, d_k, d_v]`, in the arithmetic type, as `memory::hybrid` plans them.
-    pub fn scratch_values(&self) -> (usize, usize) {
-        let rows = self.tokens.div_ceil(GDN_CHUNK) * GDN_CHUNK;
-        let per_row = GDN_CHUNK + self.key_head_dim + self.value_head_dim;
-        (self.value_heads * rows * per_row, self.value_heads * self.key_head_dim * self.value_head_dim)
+    /// Chunks a delta-rule launch runs at most (a group): the chunks of `T` tokens in one segment.
+    pub fn state_slots(&self) -> usize {
+        self.tokens.div_ceil(GDN_CHUNK).max(1)
+    }
+
+    /// Values of the delta rule's scratch, as `memory::hybrid` plans them: see [`DeltaScratch`].
+    pub fn scratch_values(&self) -> DeltaScratchValues {
+        let (hv, t, dk, dv) = (self.value_heads, self.tokens, self.key_head_dim, self.value_head_dim);
+        DeltaScratchValues {
+            w: hv * t * dk,
+            u: hv * t * dv,
+            states: hv * self.state_slots() * dk * dv,
+            carry: hv * dk * dv,
+        }
     }
 
     /// Refuses empty sizes and `H_v` not a multiple of `H_k`.
@@ -98,14 +108,78 @@ impl GdnShape {
     }
 }
 
-/// The chunked delta rule's scratch, arithmetic type, sizes from [`GdnShape::scratch_values`]:
-/// `chunk` (per value head, row `t` holds token `t`'s row, within its chunk, of the UT inverse
-/// `(I + A)^-1` and then of the decayed `Q K^T` `[C]`, of W `[d_k]`, and of U and then Delta
-/// `[d_v]`) and `state` `[H_v, d_k, d_v]`.
+/// The segments of one GatedDeltaNet launch: `ranges` tile `0..T` in order, each restarting the
+/// conv window and the state; `table` is the address of their [`segment_table`] (u32
+/// `[3T]`, uploaded by the caller), which the kernels read and the twins do not.
+#[derive(Clone, Copy, Debug)]
+pub struct Segments<'a> {
+    pub ranges: &'a [Range<usize>],
+    pub table: u64,
+}
+
+/// Values of the segment table of a launch of `tokens` tokens.
+pub fn segment_table_len(tokens: usize) -> usize {
+    3 * tokens
+}
+
+/// The chunks of [`GDN_CHUNK`] tokens of `ranges`, each segment chunked from its own start.
+pub fn chunks(ranges: &[Range<usize>]) -> impl Iterator<Item = Range<usize>> + '_ {
+    ranges.iter().flat_map(|r| r.clone().step_by(GDN_CHUNK).map(move |b| b..(b + GDN_CHUNK).min(r.end)))
+}
+
+/// The groups of at most [`GdnShape::state_slots`] consecutive chunks (indices into [`chunks`])
+/// that the delta-rule launches of `ranges` run, in order.
+pub fn groups(ranges: &[Range<usize>], shape: GdnShape) -> impl Iterator<Item = Range<usize>> {
+    let (count, slots) = (chunks(ranges).count(), shape.state_slots());
+    (0..count).step_by(slots).map(move |first| first..(first + slots).min(count))
+}
+
+/// Refuses a `group` of chunks that is empty, beyond the chunks of `ranges` or longer than
+/// [`GdnShape::state_slots`].
+pub fn check_group(ranges: &[Range<usize>], group: &Range<usize>, shape: GdnShape) -> Result<()> {
+    let count = chunks(ranges).count();
+    if group.is_empty() || group.end > count || group.len() > shape.state_slots() {
+        return Err(Error::invalid(
+            "chunk group",
+            format!("{group:?}: must be non-empty, within the {count} chunks and at most {} long", shape.state_slots()),
+        ));
+    }
+    Ok(())
+}
+
+/// The device table of `ranges` tiling `0..tokens`: per token the start of its segment `[T]`,
+/// then each of [`chunks`] as `(begin, end)`, zero-padded to [`segment_table_len`] values.
+pub fn segment_table(ranges: &[Range<usize>], tokens: usize) -> Vec<u32> {
+    let mut table = vec![0u32; segment_table_len(tokens)];
+    for r in ranges {
+        table[r.clone()].iter_mut().for_each(|s| *s = r.start as u32);
+    }
+    for (i, c) in chunks(ranges).enumerate() {
+        (table[tokens + 2 * i], table[tokens + 2 * i + 1]) = (c.start as u32, c.end as u32);
+    }
+    table
+}
+
+/// The chunked delta rule's scratch (per value head): `w [T, d_k]` (stored type: row `t` token
+/// `t`'s row of W, an operand of the chunk's products), `u [T, d_v]` (arithmetic type: U, then
+/// Delta = U - W S), `states [state_slots, d_k, d_v]` (stored type: slot `i` the state entering
+/// chunk `i` of the group, an operand of the output's products) and `carry [d_k, d_v]`
+/// (arithmetic type: the state carried through the chunks and from one group to the next).
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaScratch {
-    pub chunk: u64,
-    pub state: u64,
+    pub w: u64,
+    pub u: u64,
+    pub states: u64,
+    pub carry: u64,
+}
+
+/// Values of each region of a [`DeltaScratch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaScratchValues {
+    pub w: usize,
+    pub u: usize,
+    pub states: usize,
+    pub carry: usize,
 }
 
 /// Inputs and output of [`GdnOps::gated_delta`]: `qkv [T, C]` (stored: the conv's output, q
@@ -128,22 +202,34 @@ pub struct GateInputs {
     pub dt_bias: u64,
 }
 
-/// The hybrid target's ops without a kernel yet: `twin::GdnTwin` on the CPU. Every GatedDeltaNet
-/// call checks `shape` (and `docs`).
+/// The hybrid target's ops: `twin::GdnTwin` on the CPU, `cuda::GdnKernels` on the GPU. Every
+/// GatedDeltaNet call checks `shape` (and `docs`).
 pub trait GdnOps {
+    /// Refuses a shape the ops cannot run (the kernels' head dims), before any work.
+    fn check_shape(&self, shape: GdnShape) -> Result<()>;
+
     /// `y [T, C] = silu(conv(x))`: the depthwise causal conv over time of `x [T, C]` with taps
     /// `w [C, K]` (tap `K-1` on the current token), zero left padding from each document's start.
     /// `y` must not overlap `x`.
-    fn conv1d_silu(&self, x: u64, w: u64, y: u64, shape: GdnShape, docs: &[Range<usize>]) -> Result<()>;
+    fn conv1d_silu(&self, x: u64, w: u64, y: u64, shape: GdnShape, docs: Segments<'_>) -> Result<()>;
 
     /// `beta [T, H_v] = sigmoid(b)`, `g [T, H_v] = -exp(A_log) * softplus(a + dt_bias)`
     /// (arithmetic type).
     fn gdn_gates(&self, inp: GateInputs, beta: u64, g: u64, shape: GdnShape) -> Result<()>;
 
-    /// The gated delta rule in chunks of [`GDN_CHUNK`] (each document chunked from its own start,
-    /// the state zero there): per value head `h` (key head `h / (H_v / H_k)`), q and k L2-normed
-    /// (eps [`dflash_reference::hybrid::gdn::L2_NORM_EPS`]), q scaled by `d_k^-0.5`.
-    fn gated_delta(&self, b: DeltaBuffers, s: DeltaScratch, shape: GdnShape, docs: &[Range<usize>]) -> Result<()>;
+    /// The gated delta rule over the chunks `group` of [`chunks`] of `docs` (see [`groups`]; each
+    /// document chunked from its own start), per value head `h` (key head `h / (H_v / H_k)`),
+    /// q and k L2-normed (eps [`dflash_reference::hybrid::gdn::L2_NORM_EPS`]), q scaled by
+    /// `d_k^-0.5`. The state enters from the carry, zero where a chunk starts its document, and
+    /// leaves into it: the groups of a launch run in order.
+    fn gated_delta(
+        &self,
+        b: DeltaBuffers,
+        s: DeltaScratch,
+        shape: GdnShape,
+        docs: Segments<'_>,
+        group: Range<usize>,
+    ) -> Result<()>;
 
     /// `y [T, H_v, d_v] = rms_norm(o) * w * silu(z)` per head, with `o`, `z` `[T, H_v, d_v]` and
     /// `w [d_v]`; `y` may be `o`.

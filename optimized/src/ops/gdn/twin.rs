@@ -3,15 +3,15 @@
 //! twins against the reference). Addresses are host pointers read and written value by value
 //! (`ld`/`st` of the elementwise twins). The delta rule runs one value head at a time on that
 //! head's scratch rows and state, as one block of a kernel would; the per-chunk values a kernel
-//! keeps in shared memory (cumulative decays, beta, inverse norms) are stack arrays of
-//! [`GDN_CHUNK`]. Nothing allocates.
+//! keeps in shared memory (cumulative decays, beta, inverse norms, the `[C, C]` tile of the UT
+//! inverse and then of P) are stack arrays of [`GDN_CHUNK`]. Nothing allocates.
 
 use std::marker::PhantomData;
 use std::ops::Range;
 
 use dflash_reference::hybrid::gdn::L2_NORM_EPS;
 
-use super::{DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, GDN_CHUNK};
+use super::{check_group, chunks, DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, Segments, GDN_CHUNK};
 use crate::ops::elementwise::twin::{ld, lda, st, sta};
 use crate::ops::elementwise::Heads;
 use crate::ops::{Elem, Real};
@@ -49,21 +49,20 @@ struct Head<E> {
     q0: usize,
     k0: usize,
     v0: usize,
-    /// Address of this head's first chunk-scratch row, and the values per row.
-    rows: u64,
-    width: usize,
-    /// Address of this head's state `[d_k, d_v]`.
-    state: u64,
+    /// This head's W `[T, d_k]` (stored), U then Delta `[T, d_v]`, entering states
+    /// `[state_slots, d_k, d_v]` (stored) and carried state `[d_k, d_v]`.
+    w: u64,
+    u: u64,
+    states: u64,
+    carry: u64,
     stored: PhantomData<E>,
 }
 
 impl<E: Elem> Head<E> {
     fn new(b: DeltaBuffers, s: DeltaScratch, shape: GdnShape, h: usize) -> Self {
-        let (dk, dv) = (shape.key_head_dim, shape.value_head_dim);
+        let (t, dk, dv) = (shape.tokens, shape.key_head_dim, shape.value_head_dim);
         let kh = h / (shape.value_heads / shape.key_heads);
-        let width = GDN_CHUNK + dk + dv;
-        let head_rows = shape.tokens.div_ceil(GDN_CHUNK) * GDN_CHUNK;
-        let bytes = std::mem::size_of::<E::Acc>() as u64;
+        let (e, a) = (E::BYTES as u64, std::mem::size_of::<E::Acc>() as u64);
         Head {
             b,
             shape,
@@ -71,9 +70,10 @@ impl<E: Elem> Head<E> {
             q0: kh * dk,
             k0: shape.key_dim() + kh * dk,
             v0: 2 * shape.key_dim() + h * dv,
-            rows: s.chunk + (h * head_rows * width) as u64 * bytes,
-            width,
-            state: s.state + (h * dk * dv) as u64 * bytes,
+            w: s.w + (h * t * dk) as u64 * e,
+            u: s.u + (h * t * dv) as u64 * a,
+            states: s.states + (h * shape.state_slots() * dk * dv) as u64 * e,
+            carry: s.carry + (h * dk * dv) as u64 * a,
             stored: PhantomData,
         }
     }
@@ -90,21 +90,32 @@ impl<E: Elem> Head<E> {
         ld::<E>(self.b.qkv, t * self.shape.conv_channels() + self.v0 + c)
     }
 
-    /// Scratch value `col` of token `t`'s row.
-    fn get(&self, t: usize, col: usize) -> E::Acc {
-        lda(self.rows, t * self.width + col)
+    /// W's value `(t, a)`, as stored.
+    fn w(&self, t: usize, a: usize) -> E::Acc {
+        ld::<E>(self.w, t * self.shape.key_head_dim + a)
     }
 
-    fn set(&self, t: usize, col: usize, v: E::Acc) {
-        sta(self.rows, t * self.width + col, v)
+    /// U's (then Delta's) value `(t, c)`.
+    fn u(&self, t: usize, c: usize) -> E::Acc {
+        lda(self.u, t * self.shape.value_head_dim + c)
     }
 
+    fn set_u(&self, t: usize, c: usize, v: E::Acc) {
+        sta(self.u, t * self.shape.value_head_dim + c, v)
+    }
+
+    /// The carried state's value `(a, c)`.
     fn s(&self, a: usize, c: usize) -> E::Acc {
-        lda(self.state, a * self.shape.value_head_dim + c)
+        lda(self.carry, a * self.shape.value_head_dim + c)
     }
 
     fn set_s(&self, a: usize, c: usize, v: E::Acc) {
-        sta(self.state, a * self.shape.value_head_dim + c, v)
+        sta(self.carry, a * self.shape.value_head_dim + c, v)
+    }
+
+    /// The stored entering state of group slot `slot`, value `(a, c)`.
+    fn entering(&self, slot: usize, a: usize, c: usize) -> E::Acc {
+        ld::<E>(self.states, (slot * self.shape.key_head_dim + a) * self.shape.value_head_dim + c)
     }
 
     /// `1 / sqrt(sum(x^2) + eps)` of the `d_k` values `x(c)`.
@@ -113,21 +124,31 @@ impl<E: Elem> Head<E> {
         E::Acc::ONE / (ss + E::Acc::from_f64(L2_NORM_EPS)).sqrt()
     }
 
-    fn zero_state(&self) {
+    /// The carried state: zero where a document starts, then stored to group slot `slot` (the
+    /// state entering the chunk).
+    fn enter(&self, restart: bool, slot: usize) {
         let (dk, dv) = (self.shape.key_head_dim, self.shape.value_head_dim);
-        (0..dk * dv).for_each(|i| sta(self.state, i, E::Acc::ZERO));
+        for a in 0..dk {
+            for c in 0..dv {
+                if restart {
+                    self.set_s(a, c, E::Acc::ZERO);
+                }
+                st::<E>(self.states, (slot * dk + a) * dv + c, self.s(a, c));
+            }
+        }
     }
 
-    /// The `n` tokens from `begin` (one chunk of one document) through the UT form of
-    /// `reference::hybrid::gdn::gated_delta_chunked`, the state entering as `S_0` and leaving as
-    /// `S_n`. Columns of each scratch row: `[0, C)` the UT inverse `T = (I + A)^-1` (solved in
-    /// place over A), then `P = (Q K^T) * D`; `[C, C + d_k)` W; then U, then Delta.
-    fn chunk(&self, begin: usize, n: usize) {
+    /// The `n` tokens from `begin` (one chunk of one document, group slot `slot`) through the UT
+    /// form of `reference::hybrid::gdn::gated_delta_chunked`, the carried state entering as `S_0`
+    /// (its stored copy in the slot where it multiplies W and Q, as the kernels' operands) and
+    /// leaving as `S_n`. The chunk's `[C, C]` matrices (the UT inverse `T = (I + A)^-1`, solved
+    /// in place over A, then `P = (Q K^T) * D`) are a kernel's shared tile, here on the stack.
+    fn chunk(&self, begin: usize, n: usize, slot: usize) {
         let (dk, dv, hv, h) = (self.shape.key_head_dim, self.shape.value_head_dim, self.shape.value_heads, self.h);
-        let (w0, u0) = (GDN_CHUNK, GDN_CHUNK + dk);
         let scale = E::Acc::from_f64((dk as f64).powf(-0.5));
         let (mut gamma, mut beta) = ([E::Acc::ZERO; GDN_CHUNK], [E::Acc::ZERO; GDN_CHUNK]);
         let (mut q_inv, mut k_inv) = ([E::Acc::ZERO; GDN_CHUNK], [E::Acc::ZERO; GDN_CHUNK]);
+        let mut tile = [[E::Acc::ZERO; GDN_CHUNK]; GDN_CHUNK];
         let mut decay = E::Acc::ZERO;
         for i in 0..n {
             let t = begin + i;
@@ -150,41 +171,41 @@ impl<E: Elem> Head<E> {
         // overwrites it and never after.
         for i in 0..n {
             for j in 0..i {
-                self.set(row(i), j, beta[i] * (gamma[i] - gamma[j]).exp() * kk(i, j));
+                tile[i][j] = beta[i] * (gamma[i] - gamma[j]).exp() * kk(i, j);
             }
             for m in 0..i {
-                let t_im = (m..i).fold(E::Acc::ZERO, |s, j| s + self.get(row(i), j) * self.get(row(j), m));
-                self.set(row(i), m, -t_im);
+                let t_im = (m..i).fold(E::Acc::ZERO, |s, j| s + tile[i][j] * tile[j][m]);
+                tile[i][m] = -t_im;
             }
-            self.set(row(i), i, E::Acc::ONE);
+            tile[i][i] = E::Acc::ONE;
         }
-        // W = T (beta exp(gamma) K), U = T (beta V).
+        // W = T (beta exp(gamma) K) (stored), U = T (beta V).
         for i in 0..n {
-            let t_ij = |j: usize| self.get(row(i), j) * beta[j];
+            let t_ij = |j: usize| tile[i][j] * beta[j];
             for c in 0..dk {
                 let w = (0..=i).fold(E::Acc::ZERO, |s, j| s + t_ij(j) * gamma[j].exp() * self.k(row(j), c) * k_inv[j]);
-                self.set(row(i), w0 + c, w);
+                st::<E>(self.w, row(i) * dk + c, w);
             }
             for c in 0..dv {
-                self.set(row(i), u0 + c, (0..=i).fold(E::Acc::ZERO, |s, j| s + t_ij(j) * self.v(row(j), c)));
+                self.set_u(row(i), c, (0..=i).fold(E::Acc::ZERO, |s, j| s + t_ij(j) * self.v(row(j), c)));
             }
         }
         // Delta = U - W S_0 (over U); P over T.
         for i in 0..n {
             for c in 0..dv {
-                let ws = (0..dk).fold(E::Acc::ZERO, |s, a| s + self.get(row(i), w0 + a) * self.s(a, c));
-                self.set(row(i), u0 + c, self.get(row(i), u0 + c) - ws);
+                let ws = (0..dk).fold(E::Acc::ZERO, |s, a| s + self.w(row(i), a) * self.entering(slot, a, c));
+                self.set_u(row(i), c, self.u(row(i), c) - ws);
             }
             for j in 0..=i {
-                self.set(row(i), j, (gamma[i] - gamma[j]).exp() * qk(i, j));
+                tile[i][j] = (gamma[i] - gamma[j]).exp() * qk(i, j);
             }
         }
         // O = (exp(gamma) Q) S_0 + P Delta.
         for i in 0..n {
             let t = row(i);
             for c in 0..dv {
-                let qs = (0..dk).fold(E::Acc::ZERO, |s, a| s + self.q(t, a) * self.s(a, c)) * q_inv[i];
-                let pd = (0..=i).fold(E::Acc::ZERO, |s, j| s + self.get(t, j) * self.get(row(j), u0 + c));
+                let qs = (0..dk).fold(E::Acc::ZERO, |s, a| s + self.q(t, a) * self.entering(slot, a, c)) * q_inv[i];
+                let pd = (0..=i).fold(E::Acc::ZERO, |s, j| s + tile[i][j] * self.u(row(j), c));
                 st::<E>(self.b.out, (t * hv + h) * dv + c, gamma[i].exp() * qs + pd);
             }
         }
@@ -193,7 +214,7 @@ impl<E: Elem> Head<E> {
         for a in 0..dk {
             for c in 0..dv {
                 let kd = (0..n).fold(E::Acc::ZERO, |s, j| {
-                    s + (last - gamma[j]).exp() * self.k(row(j), a) * k_inv[j] * self.get(row(j), u0 + c)
+                    s + (last - gamma[j]).exp() * self.k(row(j), a) * k_inv[j] * self.u(row(j), c)
                 });
                 self.set_s(a, c, last.exp() * self.s(a, c) + kd);
             }
@@ -202,10 +223,14 @@ impl<E: Elem> Head<E> {
 }
 
 impl<E: Elem> GdnOps for GdnTwin<E> {
-    fn conv1d_silu(&self, x: u64, w: u64, y: u64, shape: GdnShape, docs: &[Range<usize>]) -> Result<()> {
-        shape.check_docs(docs)?;
+    fn check_shape(&self, shape: GdnShape) -> Result<()> {
+        shape.check()
+    }
+
+    fn conv1d_silu(&self, x: u64, w: u64, y: u64, shape: GdnShape, docs: Segments<'_>) -> Result<()> {
+        shape.check_docs(docs.ranges)?;
         let (channels, kernel) = (shape.conv_channels(), shape.conv_kernel);
-        for doc in docs {
+        for doc in docs.ranges {
             for t in doc.clone() {
                 let lags = kernel.min(t - doc.start + 1);
                 for c in 0..channels {
@@ -232,15 +257,22 @@ impl<E: Elem> GdnOps for GdnTwin<E> {
         Ok(())
     }
 
-    fn gated_delta(&self, b: DeltaBuffers, s: DeltaScratch, shape: GdnShape, docs: &[Range<usize>]) -> Result<()> {
-        shape.check_docs(docs)?;
+    fn gated_delta(
+        &self,
+        b: DeltaBuffers,
+        s: DeltaScratch,
+        shape: GdnShape,
+        docs: Segments<'_>,
+        group: Range<usize>,
+    ) -> Result<()> {
+        shape.check_docs(docs.ranges)?;
+        check_group(docs.ranges, &group, shape)?;
+        let starts_document = |t: usize| docs.ranges.binary_search_by_key(&t, |r| r.start).is_ok();
         for h in 0..shape.value_heads {
             let head = Head::<E>::new(b, s, shape, h);
-            for doc in docs {
-                head.zero_state();
-                for begin in doc.clone().step_by(GDN_CHUNK) {
-                    head.chunk(begin, GDN_CHUNK.min(doc.end - begin));
-                }
+            for (slot, c) in chunks(docs.ranges).skip(group.start).take(group.len()).enumerate() {
+                head.enter(starts_document(c.start), slot);
+                head.chunk(c.start, c.len(), slot);
             }
         }
         Ok(())

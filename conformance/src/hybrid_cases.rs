@@ -1,0 +1,137 @@
+//! The hybrid target's forward (`dflash_optimized::model::hybrid_forward`, spec section 10)
+//! against the reference (`HybridModel::row_features`, the delta rule in its recurrent form) on
+//! any backend: random hybrids the GPU kernels can run (GatedDeltaNet head dims 128 and 32, value
+//! heads sharing key heads, gated attention with heads of 256 and 64 and partial RoPE, tied and
+//! untied) on packed rows of several documents (one longer than a chunk of 64), padding, and
+//! launches of T no multiple of 64. Written once over the backend: CI runs it on `Host`, the
+//! H200 on `Cuda`.
+
+use candle_core::{DType, Tensor};
+use dflash_optimized::backend::Backend;
+use dflash_optimized::model::hybrid_forward::HybridForward;
+use dflash_optimized::Result;
+use dflash_reference::data::{document_runs, Row};
+use dflash_reference::hybrid::{HybridConfig, HybridModel};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+
+use crate::gpu_step::{GpuCheck, PeakMeter};
+use crate::target_cases::packed_row;
+use crate::tolerance::{rel_error, Tolerance};
+
+/// Seed of the random hybrids `xtask gpu-conformance` runs (and CI runs on the bf16 twins).
+pub const GPU_HYBRID_SEED: u64 = 11;
+
+/// One hybrid forward to check: a model, the layers it taps and the rows of one launch.
+pub struct HybridCase {
+    pub name: String,
+    pub model: HybridModel,
+    pub layer_ids: Vec<usize>,
+    pub rows: Vec<Row>,
+}
+
+/// A hybrid config of `layer_types`, GatedDeltaNet `(H_k, H_v, d_k, d_v)` and gated attention
+/// `(heads, K/V heads, head_dim)` with RoPE on a quarter of the head.
+pub fn hybrid_config(
+    hidden: usize,
+    layer_types: &[&str],
+    (key_heads, value_heads, dk, dv): (usize, usize, usize, usize),
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    vocab: usize,
+    tied: bool,
+) -> Result<HybridConfig> {
+    let value = json!({
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden, "intermediate_size": hidden * 3 / 2 + 8,
+        "num_hidden_layers": layer_types.len(), "vocab_size": vocab, "layer_types": layer_types,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": dk, "linear_value_head_dim": dv,
+        "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+        "head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": tied, "max_position_embeddings": 8192,
+    });
+    Ok(HybridConfig::from_value(std::path::Path::new("random/config.json"), &value)?)
+}
+
+/// Random hybrids the GPU kernels can run, weights N(0, 0.02) (transformers' init; the GDN
+/// decays, conv taps and norms as `HybridModel::random` draws them) rounded to bf16 as a
+/// checkpoint stores them, the reference computing in `dtype`; each with a packed row of three
+/// documents (one across a chunk boundary) and padding, and a row of one document.
+pub fn random_hybrid_cases(seed: u64, dtype: DType) -> Result<Vec<HybridCase>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let specs = [
+        ("d_k 128 H_v 4/2, attention d 256 gqa2", 256, (2, 4, 128, 128), (4, 2, 256), false),
+        ("d_k 32 d_v 48 H_v 3/1, attention d 64 mha, tied", 192, (1, 3, 32, 48), (2, 2, 64), true),
+    ];
+    let mut cases = Vec::new();
+    for (i, (name, hidden, gdn, attn, tied)) in specs.into_iter().enumerate() {
+        let kinds = ["linear_attention", "linear_attention", "full_attention", "linear_attention"];
+        let config = hybrid_config(hidden, &kinds, gdn, attn, 300, tied)?;
+        let random = HybridModel::random(config.clone(), seed * 10 + i as u64, 0.02, DType::F32)?;
+        let model =
+            HybridModel::from_fn(config, |name, _| Ok(random.weight(name)?.to_dtype(DType::BF16)?.to_dtype(dtype)?))?;
+        let v = model.config.vocab_size;
+        let rows = vec![
+            packed_row(&[rng.random_range(65..140), 1, rng.random_range(2..70)], rng.random_range(1..30), v, &mut rng),
+            packed_row(&[rng.random_range(130..300)], 0, v, &mut rng),
+        ];
+        cases.push(HybridCase { name: name.to_string(), model, layer_ids: vec![3, 0, 2], rows });
+    }
+    Ok(cases)
+}
+
+/// The case's rows through the forward on `backend()` against the reference's features (f64),
+/// within `tol`; and the first row's documents each run alone on the backend against their slice
+/// of the packed run (the same computation on a shorter launch). With a `meter`, the forward's
+/// measured peak against its layout.
+pub fn hybrid_check<B: Backend>(
+    case: &HybridCase,
+    backend: impl Fn() -> Result<B>,
+    tol: Tolerance,
+    meter: Option<&mut dyn PeakMeter>,
+) -> Result<GpuCheck> {
+    let (ids, config) = (&case.layer_ids, &case.model.config);
+    let rows: Vec<&Row> = case.rows.iter().collect();
+    let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
+    let mut meter = meter;
+    if let Some(m) = meter.as_deref_mut() {
+        m.start()?;
+    }
+    let mut forward = HybridForward::new(backend()?, config, ids, total)?;
+    forward.load_weights(|name, _| case.model.weight(name))?;
+    forward.run(&rows)?;
+    let memory = match meter {
+        Some(m) => Some((m.peak()?, forward.layout.total_bytes()?)),
+        None => None,
+    };
+    let got = forward.features_to_host()?;
+    let mut want = Vec::with_capacity(got.len());
+    for row in &rows {
+        want.extend(flat(&case.model.row_features(row, ids)?)?);
+    }
+    let mut errors = vec![("features".to_string(), rel_error(&vec_tensor(&got)?, &vec_tensor(&want)?))];
+    let fw = ids.len() * config.hidden_size;
+    let mut worst_alone = 0.0f64;
+    for run in document_runs(&rows[0].doc_ids) {
+        let alone = Row {
+            tokens: rows[0].tokens[run.clone()].to_vec(),
+            loss_mask: rows[0].loss_mask[run.clone()].to_vec(),
+            doc_ids: vec![0; run.len()],
+            positions: (0..run.len()).collect(),
+        };
+        forward.run(&[&alone])?;
+        let one = forward.features_to_host()?;
+        worst_alone = worst_alone.max(rel_error(&vec_tensor(&one)?, &vec_tensor(&got[run.start * fw..run.end * fw])?));
+    }
+    errors.push(("each document alone vs packed".to_string(), worst_alone));
+    Ok(GpuCheck { name: format!("hybrid {} ({total} tokens)", case.name), errors, tolerance: tol.rel, memory })
+}
+
+fn flat(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+}
+
+fn vec_tensor(v: &[f64]) -> Result<Tensor> {
+    Ok(Tensor::new(v, &candle_core::Device::Cpu)?)
+}

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""transformers side of `xtask bench hybrid` (run on the GPU machine; nothing is downloaded).
+
+usage: python3 target_hybrid_torch.py INPUT.json
+
+INPUT.json (written by xtask):
+    {"mode": "make", "model_dir": DIR, "config": {...Qwen3_5TextConfig fields...}, "seed": int}
+        Writes a random Qwen3_5ForCausalLM in HF format (bf16 safetensors shards, config.json) to
+        DIR, unless DIR/config.json exists. Weights: transformers' own init, made on the GPU in bf16.
+    {"mode": "time", "model_dir": DIR, "seq": S, "warmup": int, "iters": int, "seed": int,
+     "layer_ids": [...], "features_out": FILE}
+        Loads DIR (bf16, sdpa attention) and times the decoder stack
+        model.model(input_ids, output_hidden_states=True, use_cache=False) under torch.no_grad() (no
+        LM head) for one row of S random tokens: the median of `iters` CUDA-event timings after
+        `warmup` calls; peak = torch.cuda.max_memory_allocated over the timed calls (weights
+        included). Then one more call with forward hooks on the decoder layers `layer_ids` writes
+        their outputs (the drafter's features, [S, F*H] float32, little-endian, in layer_ids order)
+        to FILE, with the tokens beside it (FILE.tokens, u32), for xtask to compare with its own.
+        Which GatedDeltaNet kernels transformers runs follows from the environment: the
+        flash-linear-attention package (`fla`) when it is importable, else the PyTorch fallback;
+        the answer says which ("gdn_kernels").
+
+Prints one JSON object on stdout: {"torch": ver, "transformers": ver, ...}; logs go to stderr.
+"""
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+from target_torch import median_ms
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def make(spec):
+    out = spec["model_dir"]
+    if os.path.isfile(os.path.join(out, "config.json")):
+        log(f"{out}: exists, kept")
+        return {"made": False}
+    torch.manual_seed(spec["seed"])
+    config = transformers.Qwen3_5TextConfig(**spec["config"])
+    with torch.device("cuda"):
+        model = transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+    log(f"made a random Qwen3.5 of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; saving")
+    model.save_pretrained(out, max_shard_size="4GB")
+    return {"made": True}
+
+
+def gdn_kernels():
+    """What transformers' GatedDeltaNet layers run here: fla's Triton kernels or the torch path."""
+    if importlib.util.find_spec("fla") is None:
+        return "torch (flash-linear-attention not installed; causal-conv1d not installed)"
+    import fla
+
+    conv = "causal-conv1d" if importlib.util.find_spec("causal_conv1d") else "torch conv1d"
+    return f"fla {getattr(fla, '__version__', '?')} + {conv}"
+
+
+def time_forward(spec):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).to("cuda").eval()
+    model.requires_grad_(False)
+    kernels = gdn_kernels()
+    log(f"GatedDeltaNet kernels: {kernels}")
+    seq, vocab = spec["seq"], model.config.vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(spec["seed"])
+    ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=gen)
+
+    def call():
+        with torch.no_grad():
+            return model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+
+    ms, out = median_ms(call, spec["warmup"], spec["iters"], torch.cuda.reset_peak_memory_stats)
+    del out
+    peak = torch.cuda.max_memory_allocated()
+    log(f"transformers ({kernels}) S={seq}: {ms:.2f} ms, peak {peak / 1e9:.2f} GB")
+    result = {"seq": seq, "ms": ms, "peak_bytes": peak, "gdn_kernels": kernels}
+    if spec.get("features_out"):
+        captured = {}
+        hooks = [
+            model.model.layers[l].register_forward_hook(
+                lambda _m, _i, o, l=l: captured.__setitem__(l, (o[0] if isinstance(o, tuple) else o).detach())
+            )
+            for l in spec["layer_ids"]
+        ]
+        with torch.no_grad():
+            model.model(input_ids=ids, use_cache=False)
+        for h in hooks:
+            h.remove()
+        features = torch.cat([captured[l][0].float() for l in spec["layer_ids"]], dim=-1)
+        with open(spec["features_out"], "wb") as f:
+            f.write(features.contiguous().cpu().numpy().tobytes())
+        with open(spec["features_out"] + ".tokens", "wb") as f:
+            f.write(ids[0].to(torch.int32).cpu().numpy().tobytes())
+    return result
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    out.update(make(spec) if spec["mode"] == "make" else time_forward(spec))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
