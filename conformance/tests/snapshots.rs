@@ -11,6 +11,7 @@ use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{DraftInput, Drafter};
 use dflash_reference::loss::{decayed_ce, default_gamma, BlockTargets};
 use dflash_reference::mask::BlockLayout;
+use dflash_reference::target::Target;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 

@@ -12,6 +12,7 @@ use dflash_conformance::setups::random_target_config;
 use dflash_reference::config::AttnKind;
 use dflash_reference::drafter::DraftInput;
 use dflash_reference::speculative::{argmax_rows, greedy_decode, speculative_decode, SpecOutput};
+use dflash_reference::target::Target;
 use dflash_reference::target::TargetModel;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
@@ -169,4 +170,31 @@ fn empty_prompt_is_an_error() {
     assert!(spec.to_string().contains("prompt"), "{spec}");
     let greedy = greedy_decode(&pair.target, &[], 5).expect_err("greedy accepted an empty prompt");
     assert!(greedy.to_string().contains("prompt"), "{greedy}");
+}
+
+/// Through the reference `Target` trait the hybrid target decodes like the dense one (spec
+/// sections 4 and 10): with the built-in hybrid and a random drafter of its shape, speculative
+/// decoding equals plain greedy decoding on prompts shorter and longer than a GatedDeltaNet
+/// chunk, every accept length in `[1, B]`; a drafter for a target of another depth is refused,
+/// naming both sides.
+#[test]
+fn a_hybrid_target_decodes_losslessly() {
+    use dflash_reference::builtin::{hybrid_draft_config, hybrid_target};
+    use dflash_reference::drafter::Drafter;
+    let target = hybrid_target(3, DType::F32).expect("hybrid target");
+    let config = hybrid_draft_config(&target.config);
+    let drafter = Drafter::init(config.clone(), 4, DType::F32).expect("drafter");
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for len in [5, 70] {
+        let prompt = random_prompt(len, target.config.vocab_size, &mut rng);
+        let out = speculative_decode(&target, &drafter, &prompt, 12).expect("speculative");
+        let greedy = greedy_decode(&target, &prompt, 12).expect("greedy");
+        assert_eq!(out.tokens, greedy, "prompt of {len}");
+        assert!(out.accept_lengths.iter().all(|a| (1..=config.block_size).contains(a)), "{:?}", out.accept_lengths);
+    }
+    let mut deeper = config;
+    deeper.num_target_layers += 1;
+    let other = Drafter::init(deeper, 4, DType::F32).expect("drafter");
+    let err = speculative_decode(&target, &other, &[1, 2, 3], 4).expect_err("another depth").to_string();
+    assert!(err.contains("num_target_layers 9 but the target's is 8"), "{err}");
 }

@@ -9,7 +9,8 @@ use rand::Rng;
 use crate::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
 use crate::data::TrainRow;
 use crate::error::{Error, Result};
-use crate::target::TargetModel;
+use crate::hybrid::{HybridConfig, HybridModel};
+use crate::target::{Target, TargetModel};
 
 /// Init std of the tiny target's embedding and LM head: large, so that its next-token
 /// distributions are peaked (a learnable signal), unlike a 0.02 init whose outputs are near uniform.
@@ -51,6 +52,47 @@ pub fn gpu_target_config() -> TargetConfig {
     let d = &mut config.dims;
     (d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads, d.head_dim) = (128, 256, 2, 1, 64);
     config
+}
+
+/// The built-in hybrid target (spec section 10) the GPU kernels can run, with random weights
+/// (seeded) scaled as the GPU built-in one: hidden 128, SwiGLU 256, 8 layers (gated attention at
+/// layers 3 and 7 with 2/1 heads of 64, RoPE on a quarter of each; GatedDeltaNet elsewhere with
+/// 1/2 heads of 32), vocab 128 (id 127 = mask), untied.
+pub fn hybrid_target(seed: u64, dtype: DType) -> Result<HybridModel> {
+    let layer_std = TINY_TARGET_LAYER_STD * (64.0f64 / 128.0).sqrt();
+    HybridModel::random_with(hybrid_target_config(), seed, dtype, |name| {
+        if name.starts_with("model.layers.") {
+            layer_std
+        } else {
+            TINY_TARGET_TABLE_STD
+        }
+    })
+}
+
+/// The built-in hybrid target's config.
+pub fn hybrid_target_config() -> HybridConfig {
+    let value = serde_json::json!({
+        "model_type": "qwen3_5_text", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8,
+        "full_attention_interval": 4, "vocab_size": 128, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2, "head_dim": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": false, "max_position_embeddings": 4096,
+    });
+    HybridConfig::from_value(std::path::Path::new("builtin-hybrid/config.json"), &value)
+        .expect("the built-in hybrid config is valid")
+}
+
+/// The built-in hybrid's drafter: the GPU built-in drafter's layers (heads of 64, its own full
+/// RoPE, as a hybrid's drafter is a Qwen3-layout stack, spec section 10) on the hybrid's hidden
+/// size, SwiGLU size, vocab and layer count.
+pub fn hybrid_draft_config(target: &HybridConfig) -> DraftConfig {
+    let mut dense = gpu_target_config();
+    let d = &mut dense.dims;
+    (d.hidden_size, d.intermediate_size, d.vocab_size) =
+        (target.hidden_size, target.intermediate_size, target.vocab_size);
+    d.layer_kinds = vec![AttnKind::Full; target.num_layers()];
+    tiny_draft_config(&dense)
 }
 
 /// The tiny target: Qwen3, hidden 64, 8 layers, 4/2 heads of 16, vocab 128 (id 127 = mask).
@@ -108,7 +150,7 @@ fn sample_token(logits: &[f64], temperature: f64, banned: u32, rng: &mut impl Rn
 
 /// Continues `prompt` by `len` tokens sampled from `target` at `temperature`, never `banned`.
 pub fn sample_continuation(
-    target: &TargetModel,
+    target: &dyn Target,
     prompt: &[u32],
     len: usize,
     temperature: f64,
@@ -139,7 +181,7 @@ pub fn random_prompt(len: usize, vocab: usize, banned: u32, rng: &mut impl Rng) 
 /// `n_rows` rows: a random prompt of `prompt_len` tokens (loss mask 0) continued by `gen_len`
 /// tokens sampled from the target (loss mask 1), with the target's features at `layer_ids`.
 pub fn generate_rows(
-    target: &TargetModel,
+    target: &dyn Target,
     config: &DraftConfig,
     n_rows: usize,
     prompt_len: usize,
@@ -147,7 +189,7 @@ pub fn generate_rows(
     temperature: f64,
     rng: &mut impl Rng,
 ) -> Result<Vec<TrainRow>> {
-    let vocab = target.config.dims.vocab_size;
+    let vocab = target.vocab_size();
     (0..n_rows)
         .map(|_| {
             let prompt = random_prompt(prompt_len, vocab, config.mask_token_id, rng);
@@ -161,7 +203,7 @@ pub fn generate_rows(
 
 /// Mean next-token entropy (nats) of the target over `rows` at `temperature`: the floor the
 /// drafter's offset-1 loss approaches. Temperature 0 (greedy sampling) has entropy 0.
-pub fn target_entropy(target: &TargetModel, rows: &[TrainRow], temperature: f64) -> Result<f64> {
+pub fn target_entropy(target: &dyn Target, rows: &[TrainRow], temperature: f64) -> Result<f64> {
     if temperature == 0.0 {
         return Ok(0.0);
     }

@@ -450,24 +450,32 @@ impl DraftConfig {
     /// Each mismatch names both sides.
     pub fn check_target(&self, target: &TargetConfig) -> Result<()> {
         let (d, t) = (&self.dims, &target.dims);
-        let pairs = [
-            ("hidden_size", d.hidden_size, t.hidden_size),
-            ("num_attention_heads", d.num_heads, t.num_heads),
-            ("num_key_value_heads", d.num_kv_heads, t.num_kv_heads),
-            ("head_dim", d.head_dim, t.head_dim),
-            ("vocab_size", d.vocab_size, t.vocab_size),
-            ("num_target_layers", self.num_target_layers, t.num_layers()),
-        ];
-        if let Some((name, ours, theirs)) = pairs.into_iter().find(|(_, a, b)| a != b) {
+        self.check_sizes(
+            &[
+                ("hidden_size", d.hidden_size, t.hidden_size),
+                ("num_attention_heads", d.num_heads, t.num_heads),
+                ("num_key_value_heads", d.num_kv_heads, t.num_kv_heads),
+                ("head_dim", d.head_dim, t.head_dim),
+                ("vocab_size", d.vocab_size, t.vocab_size),
+                ("num_target_layers", self.num_target_layers, t.num_layers()),
+            ],
+            t.vocab_size,
+        )
+    }
+
+    /// Refuses the first of `pairs` (name, this drafter's size, the target's) that differ, and a
+    /// mask token not below the target's `vocab`; each mismatch names both sides.
+    pub fn check_sizes(&self, pairs: &[(&str, usize, usize)], vocab: usize) -> Result<()> {
+        if let Some((name, ours, theirs)) = pairs.iter().find(|(_, a, b)| a != b) {
             return Err(Error::invalid(
                 "drafter config",
                 format!("{name} {ours} but the target's is {theirs} (the drafter must match its target)"),
             ));
         }
-        if self.mask_token_id as usize >= t.vocab_size {
+        if self.mask_token_id as usize >= vocab {
             return Err(Error::invalid(
                 "drafter config",
-                format!("mask_token_id {} is not below the target's vocab_size {}", self.mask_token_id, t.vocab_size),
+                format!("mask_token_id {} is not below the target's vocab_size {vocab}", self.mask_token_id),
             ));
         }
         Ok(())

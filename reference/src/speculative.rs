@@ -5,7 +5,7 @@ use candle_core::{Tensor, D};
 
 use crate::drafter::{DraftInput, Drafter};
 use crate::error::{Error, Result};
-use crate::target::TargetModel;
+use crate::target::Target;
 
 /// The result of a speculative decode.
 #[derive(Clone, Debug, PartialEq)]
@@ -152,12 +152,12 @@ fn check_prompt(prompt: &[u32]) -> Result<()> {
 }
 
 /// Plain greedy decoding: `max_new` tokens, each the target's argmax after all before it.
-pub fn greedy_decode(target: &TargetModel, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+pub fn greedy_decode(target: &dyn Target, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
     plain_decode(target, prompt, max_new, &Sampling::Greedy)
 }
 
 /// Plain decoding: `max_new` tokens, each the target's choice under `sampling` after all before.
-pub fn plain_decode(target: &TargetModel, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>> {
+pub fn plain_decode(target: &dyn Target, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>> {
     check_prompt(prompt)?;
     let mut seq = prompt.to_vec();
     for _ in 0..max_new {
@@ -172,7 +172,7 @@ pub fn plain_decode(target: &TargetModel, prompt: &[u32], max_new: usize, sampli
 /// committed positions' features, verify it with one target forward, accept the longest
 /// prefix the target agrees with, and take the target's next token as the new bonus.
 pub fn speculative_decode(
-    target: &TargetModel,
+    target: &dyn Target,
     drafter: &Drafter,
     prompt: &[u32],
     max_new: usize,
@@ -185,14 +185,14 @@ pub fn speculative_decode(
 /// longest agreeing prefix, and its choice after it is the new bonus; the output equals
 /// [`plain_decode`]'s under the same `sampling`.
 pub fn speculative_decode_with(
-    target: &TargetModel,
+    target: &dyn Target,
     drafter: &Drafter,
     prompt: &[u32],
     max_new: usize,
     sampling: &Sampling,
 ) -> Result<SpecOutput> {
     check_prompt(prompt)?;
-    drafter.config.check_target(&target.config)?;
+    target.check_drafter(&drafter.config)?;
     let layer_ids = &drafter.config.target_layer_ids;
     let b = drafter.config.block_size;
     let head = target.frozen_head();

@@ -9,13 +9,60 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::attention::dense_attention;
-use crate::config::{TargetArch, TargetConfig};
+use crate::config::{DraftConfig, TargetArch, TargetConfig};
 use crate::data::{document_runs, Row};
 use crate::drafter::{is_norm, random_normal, FrozenHead};
 use crate::error::{Error, Result};
 use crate::io::{save_weights_f32, WeightSet};
 use crate::mask::causal_dense;
 use crate::ops::{head_rms_norm, linear, rms_norm, rope, rope_tables_scaled, swiglu};
+
+/// A frozen target as the reference runs it: the dense Qwen3/Llama [`TargetModel`], or the
+/// Qwen3.5/3.6 hybrid (`hybrid::HybridModel`, spec section 10). Decoding, sampling the built-in
+/// rows and their features go through it.
+pub trait Target: Send + Sync {
+    fn vocab_size(&self) -> usize;
+    fn hidden_size(&self) -> usize;
+    fn num_layers(&self) -> usize;
+    /// Causal forward over one document `tokens` (positions `0..T`): logits `[T, V]` and the
+    /// outputs `[T, H]` of the decoder layers `capture` (before the final norm).
+    fn forward(&self, tokens: &[u32], capture: &[usize]) -> Result<TargetOutput>;
+    /// The drafter's context features of a packed row `[S, F*H]` (each document alone,
+    /// padding rows zero).
+    fn row_features(&self, row: &Row, layer_ids: &[usize]) -> Result<Tensor>;
+    /// The frozen embedding table and LM head the drafter shares.
+    fn frozen_head(&self) -> FrozenHead;
+    /// Refuses a drafter that does not fit this target, naming both sides.
+    fn check_drafter(&self, drafter: &DraftConfig) -> Result<()>;
+    /// The features of one document `[T, F*H]`: the outputs of `layer_ids` concatenated per token.
+    fn features(&self, tokens: &[u32], layer_ids: &[usize]) -> Result<Tensor> {
+        Ok(Tensor::cat(&self.forward(tokens, layer_ids)?.hidden, 1)?)
+    }
+}
+
+impl Target for TargetModel {
+    fn vocab_size(&self) -> usize {
+        self.config.dims.vocab_size
+    }
+    fn hidden_size(&self) -> usize {
+        self.config.dims.hidden_size
+    }
+    fn num_layers(&self) -> usize {
+        self.config.dims.num_layers()
+    }
+    fn forward(&self, tokens: &[u32], capture: &[usize]) -> Result<TargetOutput> {
+        TargetModel::forward(self, tokens, capture)
+    }
+    fn row_features(&self, row: &Row, layer_ids: &[usize]) -> Result<Tensor> {
+        TargetModel::row_features(self, row, layer_ids)
+    }
+    fn frozen_head(&self) -> FrozenHead {
+        TargetModel::frozen_head(self)
+    }
+    fn check_drafter(&self, drafter: &DraftConfig) -> Result<()> {
+        drafter.check_target(&self.config)
+    }
+}
 
 /// A target model's weights, keyed by their HF names.
 pub struct TargetModel {
@@ -160,13 +207,6 @@ impl TargetModel {
         let logits = linear(&rms_norm(&x, self.w("model.norm.weight"), eps)?, &self.frozen_head().lm_head)?;
         let hidden = capture.iter().map(|&l| layer_outputs[l].clone()).collect();
         Ok(TargetOutput { logits, hidden })
-    }
-
-    /// The drafter's context features for `tokens`: the outputs of `layer_ids` concatenated
-    /// per token, `[T, F*H]`.
-    pub fn features(&self, tokens: &[u32], layer_ids: &[usize]) -> Result<Tensor> {
-        let out = self.forward(tokens, layer_ids)?;
-        Ok(Tensor::cat(&out.hidden, 1)?)
     }
 
     /// The features of a packed training row `[S, F*H]`: each document's tokens run through the

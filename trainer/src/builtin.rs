@@ -1,18 +1,20 @@
-//! The built-in tiny setup of `cargo xtask train`: a random Qwen3 target built in code, its
-//! tiny drafter, training and held-out rows sampled from the target, and the prompts of the
-//! speculative-decoding tau. Everything follows from the config's seed and data options, so a
-//! resumed run regenerates the same rows (checked by their sha256).
+//! The built-in tiny setup of `cargo xtask train`: a random target built in code (a Qwen3, or a
+//! Qwen3.5-style hybrid), its tiny drafter, training and held-out rows sampled from the target,
+//! and the prompts of the speculative-decoding tau. Everything follows from the config's seed and
+//! data options, so a resumed run regenerates the same rows (checked by their sha256).
 
 use candle_core::DType;
 use dflash_reference::builtin::{
-    generate_rows, gpu_target, random_prompt, target_entropy, tiny_draft_config, tiny_target,
+    generate_rows, gpu_target, gpu_target_config, hybrid_draft_config, hybrid_target, hybrid_target_config,
+    random_prompt, target_entropy, tiny_draft_config, tiny_target, tiny_target_config,
 };
 use dflash_reference::config::DraftConfig;
 use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{param_shapes, Drafter};
+use dflash_reference::hybrid::hybrid_param_shapes;
 use dflash_reference::optim::AdamWConfig;
 use dflash_reference::speculative::{greedy_decode, speculative_decode};
-use dflash_reference::target::TargetModel;
+use dflash_reference::target::Target;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -21,7 +23,7 @@ use crate::error::{Error, Result};
 
 /// The tiny target, its drafter's config, the rows and the tau prompts.
 pub struct BuiltinSetup {
-    pub target: TargetModel,
+    pub target: Box<dyn Target>,
     pub draft_config: DraftConfig,
     pub data: Vec<TrainRow>,
     pub held_out: Vec<TrainRow>,
@@ -32,14 +34,51 @@ pub struct BuiltinSetup {
 
 /// The built-in drafter's config for the built-in target `c` names (no weights are made).
 pub fn draft_config(c: &RunConfig) -> DraftConfig {
-    tiny_draft_config(&target_config(c))
+    match c.builtin_target {
+        BuiltinTarget::Tiny => tiny_draft_config(&tiny_target_config()),
+        BuiltinTarget::Gpu => tiny_draft_config(&gpu_target_config()),
+        BuiltinTarget::Hybrid => hybrid_draft_config(&hybrid_target_config()),
+    }
 }
 
-/// The built-in target's config.
-pub fn target_config(c: &RunConfig) -> dflash_reference::config::TargetConfig {
+/// What the built-in target `c` names is, in words, and its parameters (no weights are made).
+pub fn target_summary(c: &RunConfig) -> (String, usize) {
     match c.builtin_target {
-        BuiltinTarget::Tiny => dflash_reference::builtin::tiny_target_config(),
-        BuiltinTarget::Gpu => dflash_reference::builtin::gpu_target_config(),
+        BuiltinTarget::Tiny | BuiltinTarget::Gpu => {
+            let t = match c.builtin_target {
+                BuiltinTarget::Tiny => tiny_target_config(),
+                _ => gpu_target_config(),
+            };
+            let d = &t.dims;
+            let params = d.num_layers()
+                * (4 * d.hidden_size * d.num_heads * d.head_dim + 3 * d.hidden_size * d.intermediate_size)
+                + d.hidden_size * d.vocab_size;
+            let text = format!(
+                "Qwen3 (random, built in) hidden {} x {} layers, vocab {}",
+                d.hidden_size,
+                d.num_layers(),
+                d.vocab_size
+            );
+            (text, params)
+        }
+        BuiltinTarget::Hybrid => {
+            let t = hybrid_target_config();
+            let params = hybrid_param_shapes(&t)
+                .iter()
+                .filter(|(name, _)| name != "model.embed_tokens.weight")
+                .map(|(_, s)| s.iter().product::<usize>())
+                .sum();
+            let linear =
+                t.layer_kinds.iter().filter(|k| **k == dflash_reference::hybrid::HybridLayerKind::Linear).count();
+            let text = format!(
+                "Qwen3.5-style hybrid (random, built in) hidden {} x {} layers ({linear} GatedDeltaNet + {} gated attention), vocab {}",
+                t.hidden_size,
+                t.num_layers(),
+                t.num_layers() - linear,
+                t.vocab_size
+            );
+            (text, params)
+        }
     }
 }
 
@@ -51,17 +90,18 @@ pub fn num_params(config: &DraftConfig) -> usize {
 /// The tiny target (seed), then `rows` training rows, `eval_rows` held-out rows and
 /// `tau_prompts` prompts from one generator (seed + 2).
 pub fn setup(c: &RunConfig) -> Result<BuiltinSetup> {
-    let target = match c.builtin_target {
-        BuiltinTarget::Tiny => tiny_target(c.seed, DType::F32)?,
-        BuiltinTarget::Gpu => gpu_target(c.seed, DType::F32)?,
+    let target: Box<dyn Target> = match c.builtin_target {
+        BuiltinTarget::Tiny => Box::new(tiny_target(c.seed, DType::F32)?),
+        BuiltinTarget::Gpu => Box::new(gpu_target(c.seed, DType::F32)?),
+        BuiltinTarget::Hybrid => Box::new(hybrid_target(c.seed, DType::F32)?),
     };
-    let draft_config = tiny_draft_config(&target.config);
+    let draft_config = draft_config(c);
     let mut rng = ChaCha8Rng::seed_from_u64(c.seed + 2);
     let (p, g, t) = (c.prompt_len, c.continuation_len, c.temperature);
-    let data = generate_rows(&target, &draft_config, c.rows, p, g, t, &mut rng)?;
-    let held_out = generate_rows(&target, &draft_config, c.eval_rows, p, g, t, &mut rng)?;
-    let entropy = target_entropy(&target, &data, t)?;
-    let vocab = target.config.dims.vocab_size;
+    let data = generate_rows(target.as_ref(), &draft_config, c.rows, p, g, t, &mut rng)?;
+    let held_out = generate_rows(target.as_ref(), &draft_config, c.eval_rows, p, g, t, &mut rng)?;
+    let entropy = target_entropy(target.as_ref(), &data, t)?;
+    let vocab = target.vocab_size();
     let prompts = (0..c.tau_prompts).map(|_| random_prompt(p, vocab, draft_config.mask_token_id, &mut rng)).collect();
     Ok(BuiltinSetup { target, draft_config, data, held_out, prompts, entropy })
 }
@@ -78,7 +118,7 @@ pub fn adamw_config(c: &RunConfig) -> AdamWConfig {
 
 /// Mean tau of greedy speculative decoding over `prompts` (`new_tokens` each); checks that the
 /// output is identical to plain greedy decoding.
-pub fn mean_tau(target: &TargetModel, drafter: &Drafter, prompts: &[Vec<u32>], new_tokens: usize) -> Result<f64> {
+pub fn mean_tau(target: &dyn Target, drafter: &Drafter, prompts: &[Vec<u32>], new_tokens: usize) -> Result<f64> {
     let mut sum = 0.0;
     for prompt in prompts {
         let spec = speculative_decode(target, drafter, prompt, new_tokens)?;

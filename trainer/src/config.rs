@@ -46,6 +46,9 @@ pub enum BuiltinTarget {
     Tiny,
     /// Hidden 128, heads of 64 (the GPU kernels' granule): the GPU built-in default.
     Gpu,
+    /// A Qwen3.5-style hybrid (GatedDeltaNet + gated attention, spec section 10) of the GPU
+    /// built-in's size.
+    Hybrid,
 }
 
 /// Every option of a run. `steps` or `epochs` sets the length (not both; `steps` wins when a
@@ -243,7 +246,7 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("gamma", Kind::Float, "loss decay over block offsets (default: 7 for blocks of 16, 5 for 10, 4 for 8)"),
     ("seed", Kind::Int, "seed of the target, the drafter's init, the data and the anchors"),
     ("step", Kind::Text, "the step: `reference` (candle autograd), `host` (the GPU step on the CPU twins) or `gpu`"),
-    ("builtin_target", Kind::Text, "built-in target: `tiny` (CPU) or `gpu` (heads of 64, which the GPU kernels need)"),
+    ("builtin_target", Kind::Text, "built-in target: `tiny` (CPU), `gpu` (heads of 64, which the GPU kernels need) or `hybrid` (a Qwen3.5-style GatedDeltaNet hybrid of the `gpu` one's size)"),
     ("out", Kind::Text, "run folder: checkpoints, metrics.jsonl, training.svg, drafter/"),
     ("checkpoint_every", Kind::Int, "a checkpoint every N steps (0: only at the end)"),
     ("keep_checkpoints", Kind::Int, "checkpoints kept (older ones deleted once a new one is complete)"),
@@ -398,8 +401,11 @@ impl RunConfig {
             if key == "step" && !["reference", "host", "gpu"].contains(&value.as_str()) {
                 return Err(Error::option("--step", format!("unknown step `{value}` (reference, host or gpu)")));
             }
-            if key == "builtin_target" && !["tiny", "gpu"].contains(&value.as_str()) {
-                return Err(Error::option("--builtin-target", format!("unknown target `{value}` (tiny or gpu)")));
+            if key == "builtin_target" && !["tiny", "gpu", "hybrid"].contains(&value.as_str()) {
+                return Err(Error::option(
+                    "--builtin-target",
+                    format!("unknown target `{value}` (tiny, gpu or hybrid)"),
+                ));
             }
             layer.insert(key, parse_value(flag, kind, value)?);
         }
@@ -592,7 +598,7 @@ impl RunConfig {
         if self.target.is_none() && self.step == StepKind::Gpu && self.builtin_target == BuiltinTarget::Tiny {
             return Err(Error::option(
                 "step",
-                "`gpu` needs `builtin_target = gpu` (the tiny target's heads of 16 are below the GPU kernels' 64)",
+                "`gpu` needs `builtin_target = gpu` or `hybrid` (the tiny target's heads of 16 are below the GPU kernels' 64)",
             ));
         }
         for (name, value) in [

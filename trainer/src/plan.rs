@@ -1,6 +1,6 @@
 //! `--plan`: the resolved config, the run's size and an estimate of its time, without training.
 
-use dflash_reference::config::{DraftConfig, TargetConfig};
+use dflash_reference::config::DraftConfig;
 
 use crate::builtin::num_params;
 use crate::config::RunConfig;
@@ -24,8 +24,9 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The plan of `c` (resolved) on built-in rows of `row_len` tokens.
-    pub fn new(c: &RunConfig, draft: &DraftConfig, target: &TargetConfig, train_rows: usize) -> Plan {
+    /// The plan of `c` (resolved) on built-in rows, sampled from a target of `target_params`
+    /// parameters (its layers and LM head).
+    pub fn new(c: &RunConfig, draft: &DraftConfig, target_params: usize, train_rows: usize) -> Plan {
         let steps = c.total_steps(train_rows);
         let rows = steps as u64 * c.rows_per_update() as u64;
         let s = c.builtin_row_len() as f64;
@@ -36,10 +37,7 @@ impl Plan {
             6.0 * (f * h * h * s) + 6.0 * (num_params(draft) as f64 + h * v) * (c.anchors * draft.block_size) as f64;
         let train_flops = per_row * rows as f64;
         // Each sampled token runs the target over the whole sequence so far.
-        let t = &target.dims;
-        let target_params = (t.num_layers()
-            * (4 * t.hidden_size * t.num_heads * t.head_dim + 3 * t.hidden_size * t.intermediate_size)
-            + t.hidden_size * t.vocab_size) as f64;
+        let target_params = target_params as f64;
         let seq_sum: f64 = (0..c.continuation_len).map(|i| (c.prompt_len + i) as f64).sum();
         let data_flops = 2.0 * target_params * seq_sum * (c.rows + c.eval_rows) as f64;
         Plan {

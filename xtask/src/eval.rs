@@ -275,7 +275,7 @@ impl Decoders {
                 Ok(d.speculative_decode_traced(prompt, max_new, sampling).map_err(|e| e.to_string())?.0)
             }
             Decoders::Reference { target, drafter } => {
-                speculative_decode_with(target, drafter, prompt, max_new, sampling).map_err(|e| e.to_string())
+                speculative_decode_with(target.as_ref(), drafter, prompt, max_new, sampling).map_err(|e| e.to_string())
             }
         }
     }
@@ -284,7 +284,7 @@ impl Decoders {
         match self {
             Decoders::Gpu(d) => d.plain_decode(prompt, max_new, sampling).map_err(|e| e.to_string()),
             Decoders::Reference { target, .. } => {
-                plain_decode(target, prompt, max_new, sampling).map_err(|e| e.to_string())
+                plain_decode(target.as_ref(), prompt, max_new, sampling).map_err(|e| e.to_string())
             }
         }
     }

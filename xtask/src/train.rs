@@ -291,8 +291,7 @@ fn builtin_run(
     let config = config.resolved(draft_config.block_size, config.rows);
     check_resume(&config, &resume, &mut resume_notes)?;
     if plan {
-        let target_config = builtin::target_config(&config);
-        let plan = Plan::new(&config, &draft_config, &target_config, config.rows);
+        let plan = Plan::new(&config, &draft_config, builtin::target_summary(&config).1, config.rows);
         println!("# resolved config\n{}", config.to_toml());
         println!("{}", plan.describe());
         return Ok(());
@@ -312,13 +311,10 @@ fn builtin_run(
         setup.entropy
     );
     let drafter = builtin::init_drafter(&config, &setup.draft_config).map_err(err)?;
-    let t = &setup.target.config.dims;
     let d = &setup.draft_config;
     println!(
-        "target: Qwen3 (random, built in) hidden {} x {} layers, vocab {}; drafter: {} layers, block {}, features from target layers {:?}, {} trainable parameters",
-        t.hidden_size,
-        t.num_layers(),
-        t.vocab_size,
+        "target: {}; drafter: {} layers, block {}, features from target layers {:?}, {} trainable parameters",
+        builtin::target_summary(&config).0,
         d.dims.num_layers(),
         d.block_size,
         d.target_layer_ids,
@@ -326,7 +322,7 @@ fn builtin_run(
     );
     let head = setup.target.frozen_head();
     let gamma = config.gamma_for(d.block_size);
-    let tau_before = mean_tau(&setup.target, &drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
+    let tau_before = mean_tau(setup.target.as_ref(), &drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
     let eval_before =
         evaluate(&drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
     let processes = join_processes(launch, &config, &setup.data, &resume)?;
@@ -378,7 +374,7 @@ fn builtin_run(
         }
         kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
     };
-    let tau = |d: &Drafter| mean_tau(&setup.target, d, &setup.prompts, config.tau_tokens);
+    let tau = |d: &Drafter| mean_tau(setup.target.as_ref(), d, &setup.prompts, config.tau_tokens);
     let inputs = RunInputs {
         config: &config,
         draft_config: &setup.draft_config,
@@ -393,7 +389,7 @@ fn builtin_run(
     }
 
     let drafter = engine.drafter().map_err(err)?;
-    let tau_after = mean_tau(&setup.target, drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
+    let tau_after = mean_tau(setup.target.as_ref(), drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
     let eval_after =
         evaluate(drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
     let held = Some((setup.held_out.len(), &eval_before, &eval_after));

@@ -11,6 +11,7 @@ use candle_core::Tensor;
 use dflash_conformance::target_cases::write_target_folder;
 use dflash_conformance::tolerance::{rel_error, GPU_KERNEL_BF16};
 use dflash_data::features::FeatureCache;
+use dflash_reference::target::Target;
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)

@@ -52,7 +52,8 @@ fn absurd_configs_are_clear_errors() {
 }
 
 /// `plan --target` plans a target folder next to its drafter; a missing folder, and `bench
-/// target`'s and `bench train`'s bad values, are clear errors before any work (no GPU needed to see them).
+/// target`'s, `bench train`'s, `bench eval`'s and `bench hybrid`'s bad values, are clear errors
+/// before any work (no GPU needed to see them).
 #[test]
 fn plan_target_and_bench_target_options() {
     let xtask = env!("CARGO_BIN_EXE_xtask");
@@ -88,7 +89,7 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
-    let cases: [(&[&str], &str); 17] = [
+    let cases: [(&[&str], &str); 22] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
@@ -106,6 +107,11 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "eval", "--random-drafter", "maybe"], "option `--random-drafter`"),
         (&["bench", "eval", "--profile", "maybe"], "option `--profile`"),
         (&["bench", "eval", "--seed", "x"], "--seed"),
+        (&["bench", "hybrid", "--layers", "0"], "--layers 0: between 1 and 64"),
+        (&["bench", "hybrid", "--layers", "65"], "--layers 65: between 1 and 64"),
+        (&["bench", "hybrid", "--seq", "0"], "--seq and --iters must be at least 1"),
+        (&["bench", "hybrid", "--layer-ids", "1,x"], "`x` is not a layer"),
+        (&["bench", "hybrid", "--fla", "/no/such/site"], "no `fla` package there"),
     ];
     for (args, needle) in cases {
         let out = std::process::Command::new(xtask).args(args).output().unwrap();

@@ -19,12 +19,13 @@ use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::config::DraftConfig;
 use crate::data::Row;
-use crate::drafter::random_normal;
+use crate::drafter::{random_normal, FrozenHead};
 use crate::error::{Error, Result};
 use crate::io::{save_weights_f32, WeightSet};
 use crate::ops::{linear, rope_tables, swiglu};
-use crate::target::TargetOutput;
+use crate::target::{Target, TargetOutput};
 pub use config::{HybridConfig, HybridLayerKind, HybridLayout};
 pub use gdn::GdnForm;
 use gdn::{gdn_layer, segment_starts, GdnWeights};
@@ -108,6 +109,12 @@ impl HybridModel {
     /// norm weights normal(0, 0.1), the GDN output norm 1 + normal(0, 0.1), `A_log` and `dt_bias`
     /// normal(0, 0.5).
     pub fn random(config: HybridConfig, seed: u64, std: f64, dtype: DType) -> Result<Self> {
+        Self::random_with(config, seed, dtype, |_| std)
+    }
+
+    /// [`Self::random`] with the std of each matrix (embedding, LM head, projections) by its
+    /// name.
+    pub fn random_with(config: HybridConfig, seed: u64, dtype: DType, std_of: impl Fn(&str) -> f64) -> Result<Self> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         Self::from_fn(config, |name, shape| {
             let (std, centre) = if name.ends_with("linear_attn.norm.weight") {
@@ -119,7 +126,7 @@ impl HybridModel {
             } else if name.ends_with("conv1d.weight") {
                 (RANDOM_CONV_STD, 0.0)
             } else {
-                (std, 0.0)
+                (std_of(name), 0.0)
             };
             Ok(random_normal(shape, std, &mut rng, dtype)?.affine(1.0, centre)?)
         })
@@ -278,6 +285,42 @@ impl HybridModel {
         let logits = linear(&zero_centred_rms_norm(&x, self.w("model.norm.weight"), eps)?, lm_head)?;
         let hidden = capture.iter().map(|&l| layer_outputs[l].clone()).collect();
         Ok(TargetOutput { logits, hidden })
+    }
+}
+
+impl Target for HybridModel {
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+    fn hidden_size(&self) -> usize {
+        self.config.hidden_size
+    }
+    fn num_layers(&self) -> usize {
+        self.config.num_layers()
+    }
+    fn forward(&self, tokens: &[u32], capture: &[usize]) -> Result<TargetOutput> {
+        HybridModel::forward(self, tokens, capture)
+    }
+    fn row_features(&self, row: &Row, layer_ids: &[usize]) -> Result<Tensor> {
+        HybridModel::row_features(self, row, layer_ids)
+    }
+    fn frozen_head(&self) -> FrozenHead {
+        let embed = self.w("model.embed_tokens.weight").clone();
+        let lm_head = if self.config.tie_word_embeddings { embed.clone() } else { self.w("lm_head.weight").clone() };
+        FrozenHead { embed, lm_head }
+    }
+    /// The drafter of a hybrid is a Qwen3-layout stack of its own heads (spec section 10): it
+    /// shares the hidden size, the vocabulary and the layer count its features come from.
+    fn check_drafter(&self, drafter: &DraftConfig) -> Result<()> {
+        let c = &self.config;
+        drafter.check_sizes(
+            &[
+                ("hidden_size", drafter.dims.hidden_size, c.hidden_size),
+                ("vocab_size", drafter.dims.vocab_size, c.vocab_size),
+                ("num_target_layers", drafter.num_target_layers, c.num_layers()),
+            ],
+            c.vocab_size,
+        )
     }
 }
 

@@ -10,7 +10,7 @@
 // Segments (documents and padding runs tiling 0..T, each restarting the conv window and the
 // state) come as the host's segment table (ops/gdn/mod.rs `segment_table`, u32): per token the
 // start of its segment [T], then each chunk of GDN_CHUNK tokens from its segment's start as
-// (begin, end) pairs. A delta-rule launch runs the chunks chunk0..chunk0+count of the table (a
+// (begin, end, starts its segment) triples. A delta-rule launch runs the chunks chunk0..chunk0+count of the table (a
 // group: at most `slots`). Its scratch (ops/gdn/mod.rs `DeltaScratch`), per value head: W
 // [T, d_k] (bf16), U and then Delta [T, d_v] (fp32), the states entering the group's chunks
 // [slots, d_k, d_v] (bf16) and the carried state [d_k, d_v] (fp32).
@@ -167,19 +167,20 @@ __device__ void load_rows_f32(bf16* dst, int ld, const float* __restrict__ src, 
     }
 }
 
-// inv[i] = scale / sqrt(sum of row i's d squares + eps) for every row of m [GDN_CHUNK][ld]; a warp
-// per row.
+// inv[i] = scale / sqrt(sum of row i's d squares + eps) for every row of m [GDN_CHUNK][ld];
+// blockDim / GDN_CHUNK adjacent lanes per row (a power of two dividing d / 2), each over a
+// contiguous part of it.
 __device__ void inv_norms(float* inv, const bf16* m, int ld, int d, float eps, float scale) {
-    const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
-    for (int i = threadIdx.x / WARP; i < GDN_CHUNK; i += warps) {
-        float ss = 0.f;
-        for (int c = lane; c < d; c += WARP) {
-            const float v = to_f(m[i * ld + c]);
-            ss += v * v;
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) inv[i] = scale / sqrtf(ss + eps);
+    const int per_row = blockDim.x / GDN_CHUNK, i = threadIdx.x / per_row, part = threadIdx.x % per_row;
+    const int len = d / per_row;
+    const bf16* row = m + i * ld + part * len;
+    float ss = 0.f;
+    for (int c = 0; c < len; c += 2) {
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + c));
+        ss += v.x * v.x + v.y * v.y;
     }
+    for (int o = per_row / 2; o > 0; o /= 2) ss += __shfl_xor_sync(FULL, ss, o);
+    if (part == 0) inv[i] = scale / sqrtf(ss + eps);
 }
 
 // Warp 0: gam[i] = g[0] + ... + g[i] over the chunk's values g[0..GDN_CHUNK) (0 from n on).
@@ -223,10 +224,15 @@ struct DeltaHead {
     }
 };
 
-// The (begin, n) of chunk `c` of the segment table.
-__device__ __forceinline__ int2 chunk_of(const unsigned* __restrict__ table, int tokens, int c) {
-    const int begin = (int)table[tokens + 2 * c];
-    return make_int2(begin, (int)table[tokens + 2 * c + 1] - begin);
+// Chunk `c` of the segment table: its first token, its length and whether it starts its segment.
+struct Chunk {
+    int begin, n;
+    bool restart;
+};
+__device__ __forceinline__ Chunk chunk_of(const unsigned* __restrict__ table, int tokens, int c) {
+    const unsigned* e = table + tokens + 3 * c;
+    const int begin = (int)e[0];
+    return Chunk{begin, (int)e[1] - begin, e[2] != 0u};
 }
 
 // ---- kernels --------------------------------------------------------------------------------------
@@ -321,8 +327,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     float* inv = bet + GDN_CHUNK;
     float* graw = inv + GDN_CHUNK;
     const int h = blockIdx.y, tid = threadIdx.x, warp = tid / WARP;
-    const int2 chunk = chunk_of(table, tokens, chunk0 + blockIdx.x);
-    const int begin = chunk.x, n = chunk.y;
+    const Chunk chunk = chunk_of(table, tokens, chunk0 + blockIdx.x);
+    const int begin = chunk.begin, n = chunk.n;
     const DeltaHead hd(h, key_heads, value_heads, dk, dv);
     async_rows_bf16(kb, kld, qkv, hd.channels, begin, n, hd.k0, dk);
     async_rows_bf16(vb, vld, qkv, hd.channels, begin, n, hd.v0, dv);
@@ -355,10 +361,16 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
                 j < i && i < n ? bet[i] * expf(gam[i] - gam[j]) * acc[nt][r] * inv[i] * inv[j] : 0.f;
         }
     __syncthreads();
-    // T = (I + A)^-1, column m by the 4 lanes 4m..4m+3: T_im = -sum_{m <= j < i} A_ij T_jm, T_mm = 1.
+    // T = (I + A)^-1 by blocks of 16 (A strictly lower): the diagonal blocks D_b = (I + A_bb)^-1
+    // by forward substitution, column m by the 4 lanes 4m..4m+3 (T_im = -sum_{m <= j < i} A_ij T_jm,
+    // T_mm = 1); then the blocks below by distance d = 1, 2, 3:
+    // T_ij = -D_i (sum_{j <= k < i} A_ik T_kj), the sums in x (over tw, free until its turn).
     {
-        const int m = tid / 4, p = tid % 4;
-        for (int i = 0; i < GDN_CHUNK; ++i) {
+        constexpr int B = 16, NB = GDN_CHUNK / B;
+        for (int e = tid; e < GDN_CHUNK * GDN_CHUNK; e += blockDim.x)
+            if (e / GDN_CHUNK / B != e % GDN_CHUNK / B) tm[(e / GDN_CHUNK) * ald + e % GDN_CHUNK] = 0.f;
+        const int m = tid / 4, p = tid % 4, b0 = m / B * B;
+        for (int i = b0; i < b0 + B; ++i) {
             float s = 0.f;
             if (i > m)
                 for (int j = m + p; j < i; j += 4) s += am[i * ald + j] * tm[j * ald + m];
@@ -367,12 +379,32 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
             if (p == 0) tm[i * ald + m] = i < m ? 0.f : (i == m ? 1.f : -s);
             __syncwarp();
         }
+        __syncthreads();
+        float* x = reinterpret_cast<float*>(tw);  // [NB - 1][B][B]
+        for (int d = 1; d < NB; ++d) {
+            const int blocks = NB - d;
+            for (int e = tid; e < blocks * B * B; e += blockDim.x) {
+                const int bi = d + e / (B * B), bj = bi - d, r = e / B % B, c = e % B;
+                float acc = 0.f;
+                for (int k = bj * B; k < bi * B; ++k) acc += am[(bi * B + r) * ald + k] * tm[k * ald + bj * B + c];
+                x[e] = acc;
+            }
+            __syncthreads();
+            for (int e = tid; e < blocks * B * B; e += blockDim.x) {
+                const int bi = d + e / (B * B), bj = bi - d, r = e / B % B, c = e % B;
+                float acc = 0.f;
+                for (int q = 0; q < B; ++q) acc += tm[(bi * B + r) * ald + bi * B + q] * x[(e / (B * B)) * B * B + q * B + c];
+                tm[(bi * B + r) * ald + bj * B + c] = -acc;
+            }
+            __syncthreads();
+        }
     }
+    for (int j = tid; j < GDN_CHUNK; j += blockDim.x) graw[j] = bet[j] * expf(gam[j]) * inv[j];
     __syncthreads();
     for (int e = tid; e < GDN_CHUNK * GDN_CHUNK; e += blockDim.x) {
         const int i = e / GDN_CHUNK, j = e % GDN_CHUNK;
         const float t = tm[i * ald + j];
-        tw[i * tld + j] = to_bf(t * bet[j] * expf(gam[j]) * inv[j]);
+        tw[i * tld + j] = to_bf(t * graw[j]);
         tu[i * tld + j] = to_bf(t * bet[j]);
     }
     __syncthreads();
@@ -449,15 +481,18 @@ extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS)
     float* u_rows = u + (long)h * tokens * dv;
     bf16* head_states = states + (long)h * slots * dk * dv;
     float* head_carry = carry + (long)h * dk * dv;
-    auto issue = [&](int ci, int st) {
-        const int2 c = chunk_of(table, tokens, chunk0 + ci);
-        async_rows_bf16(wb(st), kld, w_rows, dk, c.x, c.y, 0, dk);
-        async_rows_bf16(kb(st), kld, qkv, hd.channels, c.x, c.y, hd.k0, dk);
-        async_rows_f32(ub(st), uld, u_rows, dv, c.x, c.y, c0, cols);
-        async_gates(gb(st), nullptr, g, nullptr, c.x, c.y, value_heads, h);
+    auto issue = [&](const Chunk& c, int st) {
+        async_rows_bf16(wb(st), kld, w_rows, dk, c.begin, c.n, 0, dk);
+        async_rows_bf16(kb(st), kld, qkv, hd.channels, c.begin, c.n, hd.k0, dk);
+        async_rows_f32(ub(st), uld, u_rows, dv, c.begin, c.n, c0, cols);
+        async_gates(gb(st), nullptr, g, nullptr, c.begin, c.n, value_heads, h);
         cp_async_commit();
     };
-    issue(0, 0);
+    // The chunk in work, the next one (its tiles copied in meanwhile) and the one after (its table
+    // entry read meanwhile): no table read waits in the loop.
+    Chunk chunk = chunk_of(table, tokens, chunk0);
+    Chunk next = count > 1 ? chunk_of(table, tokens, chunk0 + 1) : chunk;
+    issue(chunk, 0);
     // S value r of tile (rr, nt): row (warp + WARPS rr) 16 + acc_row(r), column c0 + 8 nt + acc_col(r).
     float s[RT][NT][4];
 #pragma unroll
@@ -473,10 +508,10 @@ extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS)
         const int st = ci % 2;
         cp_async_wait_all();
         __syncthreads();  // this chunk's tiles are in; the last chunk's work is done
-        if (ci + 1 < count) issue(ci + 1, st ^ 1);
-        const int2 chunk = chunk_of(table, tokens, chunk0 + ci);
-        const int begin = chunk.x, n = chunk.y;
-        const bool restart = (int)table[begin] == begin;
+        const Chunk after = ci + 2 < count ? chunk_of(table, tokens, chunk0 + ci + 2) : next;
+        if (ci + 1 < count) issue(next, st ^ 1);
+        const int begin = chunk.begin, n = chunk.n;
+        const bool restart = chunk.restart;
         bf16* slot = head_states + (long)ci * dk * dv;
 #pragma unroll
         for (int rr = 0; rr < RT; ++rr)
@@ -546,6 +581,8 @@ extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS)
                 }
             }
         }
+        chunk = next;
+        next = after;
     }
 #pragma unroll
     for (int rr = 0; rr < RT; ++rr)
@@ -580,8 +617,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     float* ik = iq + GDN_CHUNK;
     float* graw = ik + GDN_CHUNK;
     const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / WARP;
-    const int2 chunk = chunk_of(table, tokens, chunk0 + ci);
-    const int begin = chunk.x, n = chunk.y;
+    const Chunk chunk = chunk_of(table, tokens, chunk0 + ci);
+    const int begin = chunk.begin, n = chunk.n;
     const DeltaHead hd(h, key_heads, value_heads, dk, dv);
     async_rows_bf16(qb, kld, qkv, hd.channels, begin, n, hd.q0, dk);
     async_rows_bf16(kb, kld, qkv, hd.channels, begin, n, hd.k0, dk);

@@ -110,7 +110,7 @@ impl GdnShape {
 
 /// The segments of one GatedDeltaNet launch: `ranges` tile `0..T` in order, each restarting the
 /// conv window and the state; `table` is the address of their [`segment_table`] (u32
-/// `[3T]`, uploaded by the caller), which the kernels read and the twins do not.
+/// `[4T]`, uploaded by the caller), which the kernels read and the twins do not.
 #[derive(Clone, Copy, Debug)]
 pub struct Segments<'a> {
     pub ranges: &'a [Range<usize>],
@@ -119,7 +119,7 @@ pub struct Segments<'a> {
 
 /// Values of the segment table of a launch of `tokens` tokens.
 pub fn segment_table_len(tokens: usize) -> usize {
-    3 * tokens
+    4 * tokens
 }
 
 /// The chunks of [`GDN_CHUNK`] tokens of `ranges`, each segment chunked from its own start.
@@ -148,14 +148,16 @@ pub fn check_group(ranges: &[Range<usize>], group: &Range<usize>, shape: GdnShap
 }
 
 /// The device table of `ranges` tiling `0..tokens`: per token the start of its segment `[T]`,
-/// then each of [`chunks`] as `(begin, end)`, zero-padded to [`segment_table_len`] values.
+/// then each of [`chunks`] as `(begin, end, 1 if it starts its segment)`, zero-padded to
+/// [`segment_table_len`] values.
 pub fn segment_table(ranges: &[Range<usize>], tokens: usize) -> Vec<u32> {
     let mut table = vec![0u32; segment_table_len(tokens)];
     for r in ranges {
         table[r.clone()].iter_mut().for_each(|s| *s = r.start as u32);
     }
     for (i, c) in chunks(ranges).enumerate() {
-        (table[tokens + 2 * i], table[tokens + 2 * i + 1]) = (c.start as u32, c.end as u32);
+        let starts = table[c.start] as usize == c.start;
+        table[tokens + 3 * i..tokens + 3 * i + 3].copy_from_slice(&[c.start as u32, c.end as u32, starts as u32]);
     }
     table
 }
