@@ -19,11 +19,14 @@ use rand_chacha::ChaCha8Rng;
 use crate::op_cases::{draw_bf16, f32_exact, Buffers, Kind, OpOutputs};
 use crate::tolerance::{GDN_DELTA_BF16, GPU_KERNEL_BF16, KERNEL_F32};
 
+/// One GatedDeltaNet case: `(T, H_k, H_v, d_k, d_v, the documents' ends)`.
+type Case = (usize, usize, usize, usize, usize, &'static [usize]);
+
 /// `eps` of the gated output norm (the published configs' `rms_norm_eps`).
 const NORM_EPS: f64 = 1e-6;
 
 /// Documents tiling `0..t` whose lengths end at `ends` (ascending, the last `t`).
-fn tiling(ends: &[usize]) -> Vec<Range<usize>> {
+pub fn tiling(ends: &[usize]) -> Vec<Range<usize>> {
     let mut start = 0;
     ends.iter()
         .map(|&end| {
@@ -57,8 +60,7 @@ pub fn run_gdn_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     let mut out = Vec::new();
     // (T, H_k, H_v, d_k, d_v, document ends): the published dims on five documents (six chunks:
     // two groups of at most four), and small dims on one document of three chunks.
-    let cases: [(usize, usize, usize, usize, usize, &[usize]); 2] =
-        [(200, 2, 6, 128, 128, &[37, 38, 108, 137, 200]), (130, 1, 3, 32, 48, &[130])];
+    let cases: [Case; 2] = [(200, 2, 6, 128, 128, &[37, 38, 108, 137, 200]), (130, 1, 3, 32, 48, &[130])];
     for (tokens, key_heads, value_heads, key_head_dim, value_head_dim, ends) in cases {
         let shape = GdnShape { tokens, key_heads, value_heads, key_head_dim, value_head_dim, conv_kernel: 4 };
         let docs = tiling(ends);

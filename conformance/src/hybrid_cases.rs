@@ -6,19 +6,19 @@
 //! launches of T no multiple of 64. Written once over the backend: CI runs it on `Host`, the
 //! H200 on `Cuda`.
 
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::model::hybrid_forward::HybridForward;
 use dflash_optimized::Result;
-use dflash_reference::data::{document_runs, Row};
+use dflash_reference::data::Row;
 use dflash_reference::hybrid::{HybridConfig, HybridModel};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
 use crate::gpu_step::{GpuCheck, PeakMeter};
-use crate::target_cases::packed_row;
-use crate::tolerance::{rel_error, Tolerance};
+use crate::target_cases::{features_check, packed_row};
+use crate::tolerance::Tolerance;
 
 /// Seed of the random hybrids `xtask gpu-conformance` runs (and CI runs on the bf16 twins).
 pub const GPU_HYBRID_SEED: u64 = 11;
@@ -81,10 +81,8 @@ pub fn random_hybrid_cases(seed: u64, dtype: DType) -> Result<Vec<HybridCase>> {
     Ok(cases)
 }
 
-/// The case's rows through the forward on `backend()` against the reference's features (f64),
-/// within `tol`; and the first row's documents each run alone on the backend against their slice
-/// of the packed run (the same computation on a shorter launch). With a `meter`, the forward's
-/// measured peak against its layout.
+/// The case's rows through the hybrid forward on `backend()` against the reference's features
+/// (f64), within `tol`, as `target_cases::features_check` runs them.
 pub fn hybrid_check<B: Backend>(
     case: &HybridCase,
     backend: impl Fn() -> Result<B>,
@@ -92,46 +90,11 @@ pub fn hybrid_check<B: Backend>(
     meter: Option<&mut dyn PeakMeter>,
 ) -> Result<GpuCheck> {
     let (ids, config) = (&case.layer_ids, &case.model.config);
-    let rows: Vec<&Row> = case.rows.iter().collect();
-    let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
-    let mut meter = meter;
-    if let Some(m) = meter.as_deref_mut() {
-        m.start()?;
-    }
-    let mut forward = HybridForward::new(backend()?, config, ids, total)?;
-    forward.load_weights(|name, _| case.model.weight(name))?;
-    forward.run(&rows)?;
-    let memory = match meter {
-        Some(m) => Some((m.peak()?, forward.layout.total_bytes()?)),
-        None => None,
+    let total = case.rows.iter().map(|r| r.tokens.len()).sum();
+    let make = || {
+        let mut forward = HybridForward::new(backend()?, config, ids, total)?;
+        forward.load_weights(|name, _| case.model.weight(name))?;
+        Ok(forward)
     };
-    let got = forward.features_to_host()?;
-    let mut want = Vec::with_capacity(got.len());
-    for row in &rows {
-        want.extend(flat(&case.model.row_features(row, ids)?)?);
-    }
-    let mut errors = vec![("features".to_string(), rel_error(&vec_tensor(&got)?, &vec_tensor(&want)?))];
-    let fw = ids.len() * config.hidden_size;
-    let mut worst_alone = 0.0f64;
-    for run in document_runs(&rows[0].doc_ids) {
-        let alone = Row {
-            tokens: rows[0].tokens[run.clone()].to_vec(),
-            loss_mask: rows[0].loss_mask[run.clone()].to_vec(),
-            doc_ids: vec![0; run.len()],
-            positions: (0..run.len()).collect(),
-        };
-        forward.run(&[&alone])?;
-        let one = forward.features_to_host()?;
-        worst_alone = worst_alone.max(rel_error(&vec_tensor(&one)?, &vec_tensor(&got[run.start * fw..run.end * fw])?));
-    }
-    errors.push(("each document alone vs packed".to_string(), worst_alone));
-    Ok(GpuCheck { name: format!("hybrid {} ({total} tokens)", case.name), errors, tolerance: tol.rel, memory })
-}
-
-fn flat(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
-}
-
-fn vec_tensor(v: &[f64]) -> Result<Tensor> {
-    Ok(Tensor::new(v, &candle_core::Device::Cpu)?)
+    features_check(&format!("hybrid {}", case.name), &case.model, ids, &case.rows, make, tol, meter)
 }

@@ -8,10 +8,11 @@
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::Backend;
 use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::Result;
 use dflash_reference::config::{AttnKind, ModelDims, RopeScaling, TargetArch, TargetConfig};
 use dflash_reference::data::{document_runs, Row};
-use dflash_reference::target::TargetModel;
+use dflash_reference::target::{Target, TargetModel};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -161,9 +162,7 @@ pub fn random_target_cases(seed: u64, dtype: DType) -> Result<Vec<TargetCase>> {
 }
 
 /// The case's rows through the forward on `backend()` against the reference's features of each
-/// document alone (f64), within `tol`; and the first row's documents each run alone on the
-/// backend against their slice of the packed run (the same computation on a shorter launch).
-/// With a `meter`, the forward's measured peak against its layout.
+/// document alone (f64), within `tol`, as [`features_check`] runs them.
 pub fn target_check<B: Backend>(
     case: &TargetCase,
     backend: impl Fn() -> Result<B>,
@@ -171,27 +170,49 @@ pub fn target_check<B: Backend>(
     meter: Option<&mut dyn PeakMeter>,
 ) -> Result<GpuCheck> {
     let (ids, config) = (&case.layer_ids, &case.model.config);
-    let rows: Vec<&Row> = case.rows.iter().collect();
+    let total = case.rows.iter().map(|r| r.tokens.len()).sum();
+    let make = || {
+        let mut forward = TargetForward::new(backend()?, config, ids, total, false)?;
+        forward.load_weights(|name, _| case.model.weight(name))?;
+        Ok(forward)
+    };
+    features_check(&format!("target {}", case.name), &case.model, ids, &case.rows, make, tol, meter)
+}
+
+/// The rows of one launch through the forward `make` builds against the reference `target`'s
+/// features of each document alone (f64), within `tol`; and the first row's documents each run
+/// alone through the same forward against their slice of the packed run (the same computation on
+/// a shorter launch). With a `meter` (started before the forward is made), the forward's measured
+/// peak against its plan. The check is named `name (T tokens)`.
+pub fn features_check<F: TargetFeatures>(
+    name: &str,
+    target: &dyn Target,
+    ids: &[usize],
+    rows: &[Row],
+    make: impl FnOnce() -> Result<F>,
+    tol: Tolerance,
+    meter: Option<&mut dyn PeakMeter>,
+) -> Result<GpuCheck> {
+    let rows: Vec<&Row> = rows.iter().collect();
     let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
-    let get = |name: &str, _shape: &[usize]| case.model.weight(name);
     let mut meter = meter;
     if let Some(m) = meter.as_deref_mut() {
         m.start()?;
     }
-    let mut forward = TargetForward::new(backend()?, config, ids, total, false)?;
-    forward.load_weights(get)?;
+    let mut forward = make()?;
     forward.run(&rows)?;
     let memory = match meter {
-        Some(m) => Some((m.peak()?, forward.layout.total_bytes()?)),
+        Some(m) => Some((m.peak()?, forward.planned_bytes()?)),
         None => None,
     };
     let got = forward.features_to_host()?;
     let mut want = Vec::with_capacity(got.len());
     for row in &rows {
-        want.extend(flat(&case.model.row_features(row, ids)?)?);
+        want.extend(flat(&target.row_features(row, ids)?)?);
     }
     let mut errors = vec![("features".to_string(), rel_error(&vec_tensor(&got)?, &vec_tensor(&want)?))];
-    let fw = forward.layout.dims.fw;
+    let fw = ids.len() * target.hidden_size();
+    let mut worst_alone = 0.0f64;
     for run in document_runs(&rows[0].doc_ids) {
         let alone = Row {
             tokens: rows[0].tokens[run.clone()].to_vec(),
@@ -201,14 +222,10 @@ pub fn target_check<B: Backend>(
         };
         forward.run(&[&alone])?;
         let one = forward.features_to_host()?;
-        let packed = &got[run.start * fw..run.end * fw];
-        let err = rel_error(&vec_tensor(&one)?, &vec_tensor(packed)?);
-        errors.push((format!("document {}..{} alone", run.start, run.end), err));
+        worst_alone = worst_alone.max(rel_error(&vec_tensor(&one)?, &vec_tensor(&got[run.start * fw..run.end * fw])?));
     }
-    let worst_alone = errors[1..].iter().map(|e| e.1).fold(0.0, f64::max);
-    errors.truncate(1);
     errors.push(("each document alone vs packed".to_string(), worst_alone));
-    Ok(GpuCheck { name: format!("target {} ({total} tokens)", case.name), errors, tolerance: tol.rel, memory })
+    Ok(GpuCheck { name: format!("{name} ({total} tokens)"), errors, tolerance: tol.rel, memory })
 }
 
 fn flat(t: &Tensor) -> Result<Vec<f64>> {

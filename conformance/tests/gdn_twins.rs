@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use candle_core::{Device, Tensor};
+use dflash_conformance::gdn_cases::tiling;
 use dflash_conformance::tolerance::{rel_error, Tolerance};
 use dflash_optimized::ops::elementwise::Heads;
 use dflash_optimized::ops::gdn::twin::GdnTwin;
@@ -80,18 +81,6 @@ impl Case {
         let (t, hk, hv, dk, dv) = (s.tokens, s.key_heads, s.value_heads, s.key_head_dim, s.value_head_dim);
         format!("T {t}, H_k {hk}, H_v {hv}, d_k {dk}, d_v {dv}, docs {:?}, seed {}", self.docs, self.seed)
     }
-}
-
-/// Documents tiling `0..t` whose lengths end at `ends` (ascending, the last `t`).
-fn tiling(ends: &[usize]) -> Vec<Range<usize>> {
-    let mut start = 0;
-    ends.iter()
-        .map(|&end| {
-            let doc = start..end;
-            start = end;
-            doc
-        })
-        .collect()
 }
 
 /// Every case: per shape (T 1, 37, 64, 65, 150 and 200; 1 to 4 value heads per key head), seed 0

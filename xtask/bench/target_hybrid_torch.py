@@ -8,10 +8,10 @@ INPUT.json (written by xtask):
         Writes a random Qwen3_5ForCausalLM in HF format (bf16 safetensors shards, config.json) to
         DIR, unless DIR/config.json exists. Weights: transformers' own init, made on the GPU in bf16.
     {"mode": "time", "model_dir": DIR, "seq": S, "warmup": int, "iters": int, "seed": int,
-     "layer_ids": [...], "features_out": FILE}
+     "layer_ids": [...], "features_out": FILE, "lm_head": bool}
         Loads DIR (bf16, sdpa attention) and times the decoder stack
         model.model(input_ids, output_hidden_states=True, use_cache=False) under torch.no_grad() (no
-        LM head) for one row of S random tokens: the median of `iters` CUDA-event timings after
+        LM head; with "lm_head" the whole model(...), logits included) for one row of S random tokens: the median of `iters` CUDA-event timings after
         `warmup` calls; peak = torch.cuda.max_memory_allocated over the timed calls (weights
         included). Then one more call with forward hooks on the decoder layers `layer_ids` writes
         their outputs (the drafter's features, [S, F*H] float32, little-endian, in layer_ids order)
@@ -24,31 +24,17 @@ Prints one JSON object on stdout: {"torch": ver, "transformers": ver, ...}; logs
 """
 import importlib.util
 import json
-import os
 import sys
 
 import torch
 import transformers
 
-from target_torch import median_ms
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+import target_torch
+from target_torch import log, median_ms
 
 
 def make(spec):
-    out = spec["model_dir"]
-    if os.path.isfile(os.path.join(out, "config.json")):
-        log(f"{out}: exists, kept")
-        return {"made": False}
-    torch.manual_seed(spec["seed"])
-    config = transformers.Qwen3_5TextConfig(**spec["config"])
-    with torch.device("cuda"):
-        model = transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16)
-    log(f"made a random Qwen3.5 of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; saving")
-    model.save_pretrained(out, max_shard_size="4GB")
-    return {"made": True}
+    return target_torch.make(spec, transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM)
 
 
 def gdn_kernels():
@@ -72,9 +58,11 @@ def time_forward(spec):
     gen = torch.Generator(device="cuda").manual_seed(spec["seed"])
     ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=gen)
 
+    run = model if spec.get("lm_head") else model.model
+
     def call():
         with torch.no_grad():
-            return model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            return run(input_ids=ids, output_hidden_states=True, use_cache=False)
 
     ms, out = median_ms(call, spec["warmup"], spec["iters"], torch.cuda.reset_peak_memory_stats)
     del out

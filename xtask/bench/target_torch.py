@@ -29,16 +29,19 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def make(spec):
+def make(spec, config_class=transformers.Qwen3Config, model_class=transformers.Qwen3ForCausalLM):
+    """A random `model_class` of `config_class(**spec["config"])` saved to spec["model_dir"] (bf16,
+    made on the GPU), unless a config.json is there. target_hybrid_torch.py makes its Qwen3.5 with
+    this too."""
     out = spec["model_dir"]
     if os.path.isfile(os.path.join(out, "config.json")):
         log(f"{out}: exists, kept")
         return {"made": False}
     torch.manual_seed(spec["seed"])
-    config = transformers.Qwen3Config(**spec["config"])
+    config = config_class(**spec["config"])
     with torch.device("cuda"):
-        model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
-    log(f"made a random Qwen3 of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; saving")
+        model = model_class(config).to(torch.bfloat16)
+    log(f"made a random {model_class.__name__} of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters; saving")
     model.save_pretrained(out, max_shard_size="4GB")
     return {"made": True}
 

@@ -32,8 +32,9 @@ tokens (median of CUDA-event timings after warm-up):
   - ours: the forward over every layer of the checkpoint (features from layers --layer-ids, the
     last of them the last layer), no final norm or logits;
   - transformers' decoder stack (model.model, bf16, sdpa, output_hidden_states=True, every layer,
-    no LM head), once with the flash-linear-attention package (`fla`) importable from --fla and
-    once without it (its PyTorch fallback).
+    no LM head; with --hf-lm-head yes the whole model, logits included), once with the
+    flash-linear-attention package (`fla`) importable from --fla and once without it (its PyTorch
+    fallback).
 Prints tokens/s, the speed-ups and the peaks, and how far our features are from transformers'
 (fla run; hooks on the same layers, same tokens). Writes one JSON object.
 
@@ -43,6 +44,7 @@ options:
   --layers N      layers of the 27B's shape to keep                (default 16; the whole: 64)
   --layer-ids L   comma-separated tapped layers      (default: the 5-feature rule's ids with the
                                                       last one the last layer: every layer runs)
+  --hf-lm-head yes|no  transformers runs the LM head too  (default no: both sides the same layers)
   --seq S         tokens of the row                                 (default 4096)
   --warmup N      untimed calls                                     (default 2)
   --iters N       timed calls, median reported                      (default 5)
@@ -114,6 +116,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err("--seq and --iters must be at least 1".into());
     }
     let with_torch = opts.yes_no("torch", true)?;
+    let hf_lm_head = opts.yes_no("hf-lm-head", false)?;
     let fla: Option<PathBuf> = Some(opts.get("fla", PathBuf::new())?).filter(|p| !p.as_os_str().is_empty());
     if let Some(fla) = fla.as_ref().filter(|p| !p.join("fla").is_dir()) {
         return Err(format!("--fla {}: no `fla` package there", fla.display()));
@@ -142,7 +145,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     if with_torch {
         let time = |features: bool| {
             json!({"mode": "time", "model_dir": dir, "seq": seq, "warmup": warmup, "iters": iters, "seed": seed,
-                   "layer_ids": ids, "features_out": if features { features_file.display().to_string() } else { String::new() }})
+                   "layer_ids": ids, "lm_head": hf_lm_head,
+                   "features_out": if features { features_file.display().to_string() } else { String::new() }})
         };
         if let Some(fla) = &fla {
             let joined = match std::env::var("PYTHONPATH") {
@@ -177,6 +181,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "layer_ids": ids,
         "ours_layers_run": ids.iter().max().map(|l| l + 1),
         "hf_layers_run": config.num_layers(),
+        "hf_lm_head": hf_lm_head,
         "ours_ms": ours.ms,
         "hf_fla_ms": hf_ms("fla"),
         "hf_torch_ms": hf_ms("torch"),

@@ -89,7 +89,7 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
-    let cases: [(&[&str], &str); 22] = [
+    let cases: [(&[&str], &str); 23] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
@@ -112,6 +112,7 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "hybrid", "--seq", "0"], "--seq and --iters must be at least 1"),
         (&["bench", "hybrid", "--layer-ids", "1,x"], "`x` is not a layer"),
         (&["bench", "hybrid", "--fla", "/no/such/site"], "no `fla` package there"),
+        (&["bench", "hybrid", "--hf-lm-head", "maybe"], "option `--hf-lm-head`"),
     ];
     for (args, needle) in cases {
         let out = std::process::Command::new(xtask).args(args).output().unwrap();

@@ -180,8 +180,8 @@ impl<E: Elem> Head<E> {
             tile[i][i] = E::Acc::ONE;
         }
         // W = T (beta exp(gamma) K) (stored), U = T (beta V).
-        for i in 0..n {
-            let t_ij = |j: usize| tile[i][j] * beta[j];
+        for (i, t_row) in tile.iter().enumerate().take(n) {
+            let t_ij = |j: usize| t_row[j] * beta[j];
             for c in 0..dk {
                 let w = (0..=i).fold(E::Acc::ZERO, |s, j| s + t_ij(j) * gamma[j].exp() * self.k(row(j), c) * k_inv[j]);
                 st::<E>(self.w, row(i) * dk + c, w);
