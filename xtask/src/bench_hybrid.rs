@@ -63,6 +63,7 @@ const OPTIONS: &[&str] = &[
     "target",
     "layers",
     "layer-ids",
+    "hf-lm-head",
     "seq",
     "warmup",
     "iters",

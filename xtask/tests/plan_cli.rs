@@ -112,7 +112,7 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "hybrid", "--seq", "0"], "--seq and --iters must be at least 1"),
         (&["bench", "hybrid", "--layer-ids", "1,x"], "`x` is not a layer"),
         (&["bench", "hybrid", "--fla", "/no/such/site"], "no `fla` package there"),
-        (&["bench", "hybrid", "--hf-lm-head", "maybe"], "option `--hf-lm-head`"),
+        (&["bench", "hybrid", "--hf-lm-head", "maybe"], "option `--hf-lm-head`: `maybe`; yes or no expected"),
     ];
     for (args, needle) in cases {
         let out = std::process::Command::new(xtask).args(args).output().unwrap();
