@@ -48,10 +48,7 @@ def gdn_kernels():
 
 
 def time_forward(spec):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        spec["model_dir"], dtype=torch.bfloat16, attn_implementation="sdpa"
-    ).to("cuda").eval()
-    model.requires_grad_(False)
+    model = target_torch.load_model(spec["model_dir"])
     kernels = gdn_kernels()
     log(f"GatedDeltaNet kernels: {kernels}")
     seq, vocab = spec["seq"], model.config.vocab_size

@@ -35,6 +35,18 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
 }
 
+/// Runs `run` once with the GPU profile on and prints its operations as `what`
+/// ([`print_profile`]).
+pub fn profile_once<T>(what: &str, run: impl FnOnce() -> dflash_optimized::Result<T>) -> Result<(), String> {
+    use dflash_optimized::device::profile;
+    profile::enable(true);
+    let result = run();
+    profile::enable(false);
+    result.map_err(|e| e.to_string())?;
+    print_profile(what, &profile::report().map_err(|e| e.to_string())?);
+    Ok(())
+}
+
 /// Profiled operations by total GPU time, the longest first (`device::profile::report`), with
 /// totals per kind: what `what` spent.
 pub fn print_profile(what: &str, ops: &[(String, f64, usize)]) {

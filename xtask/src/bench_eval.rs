@@ -128,13 +128,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     );
     let (plain_ms, ours_tokens) = timing.plain(&mut decoder, &prompt)?;
     if profile {
-        use dflash_optimized::device::profile;
-        profile::enable(true);
-        let result = decoder.greedy_decode(&prompt, 8);
-        profile::enable(false);
-        result.map_err(err)?;
-        let ops = profile::report().map_err(err)?;
-        crate::bench::print_profile("one plain decode of 8 tokens (prefill included)", &ops);
+        crate::bench::profile_once("one plain decode of 8 tokens (prefill included)", || {
+            decoder.greedy_decode(&prompt, 8)
+        })?;
     }
     let random_spec = match draft.is_some() {
         true => Some(timing.speculative(&mut decoder, &prompt)?),

@@ -328,12 +328,7 @@ fn measure_ours(
     }
     println!("ours S={seq}: {ms:.2} ms, peak {:.2} GB", peak as f64 / 1e9);
     if profile {
-        dflash_optimized::device::profile::enable(true);
-        let result = forward.run(&[&row]);
-        dflash_optimized::device::profile::enable(false);
-        result.map_err(err)?;
-        let ops = dflash_optimized::device::profile::report().map_err(err)?;
-        crate::bench::print_profile(&format!("one forward of S={seq}"), &ops);
+        crate::bench::profile_once(&format!("one forward of S={seq}"), || forward.run(&[&row]))?;
     }
     Ok(Ours { gpu: gpu.name().to_string(), ms, peak, planned, features })
 }

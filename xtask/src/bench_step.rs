@@ -143,14 +143,7 @@ fn measure_ours(
     let peak_bytes = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
     let step_ms = gpu.time_ms(warmup, iters, || step.step(scale).map(|_| ())).map_err(err)?;
     if profile {
-        dflash_optimized::device::profile::enable(true);
-        let result = step.step(scale);
-        dflash_optimized::device::profile::enable(false);
-        result.map_err(err)?;
-        crate::bench::print_profile(
-            &format!("one {} step", policy.name()),
-            &dflash_optimized::device::profile::report().map_err(err)?,
-        );
+        crate::bench::profile_once(&format!("one {} step", policy.name()), || step.step(scale))?;
     }
     Ok(Ours { step_ms, loss, peak_bytes, planned_bytes: step.planned_peak() })
 }

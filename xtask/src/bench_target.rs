@@ -233,12 +233,7 @@ fn measure_ours(
         }
         per_seq.push((ms, peak));
         if profile {
-            dflash_optimized::device::profile::enable(true);
-            let result = forward.run(&[&row]);
-            dflash_optimized::device::profile::enable(false);
-            result.map_err(err)?;
-            let ops = dflash_optimized::device::profile::report().map_err(err)?;
-            crate::bench::print_profile(&format!("one forward of S={seq}"), &ops);
+            crate::bench::profile_once(&format!("one forward of S={seq}"), || forward.run(&[&row]))?;
         }
     }
     Ok(Ours { gpu: gpu.name().to_string(), per_seq, planned: forward.layout.total_bytes().map_err(err)? })

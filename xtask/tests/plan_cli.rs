@@ -89,7 +89,7 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
-    let cases: [(&[&str], &str); 23] = [
+    let cases: [(&[&str], &str); 27] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
@@ -112,6 +112,10 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "hybrid", "--seq", "0"], "--seq and --iters must be at least 1"),
         (&["bench", "hybrid", "--layer-ids", "1,x"], "`x` is not a layer"),
         (&["bench", "hybrid", "--fla", "/no/such/site"], "no `fla` package there"),
+        (&["bench", "hybrid", "--iters", "0"], "--seq and --iters must be at least 1"),
+        (&["bench", "hybrid", "--warmup", "x"], "--warmup"),
+        (&["bench", "hybrid", "--torch", "maybe"], "option `--torch`"),
+        (&["bench", "hybrid", "--profile", "maybe"], "option `--profile`"),
         (&["bench", "hybrid", "--hf-lm-head", "maybe"], "option `--hf-lm-head`: `maybe`; yes or no expected"),
     ];
     for (args, needle) in cases {

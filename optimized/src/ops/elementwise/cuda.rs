@@ -163,7 +163,8 @@ impl ElementwiseKernels {
     }
 
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).
-    fn check_aligned(kernel: &str, ptrs: &[u64]) -> Result<()> {
+    /// Refuses a device address that is not 16-byte aligned (the 16-byte loads), naming the kernel.
+    pub(crate) fn check_aligned(kernel: &str, ptrs: &[u64]) -> Result<()> {
         match ptrs.iter().find(|&&p| p % 16 != 0) {
             Some(p) => Err(Error::Gpu(format!("{kernel}: device address {p:#x} is not 16-byte aligned"))),
             None => Ok(()),

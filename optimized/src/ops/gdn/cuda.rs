@@ -111,13 +111,6 @@ impl GdnKernels {
         }
         Ok(())
     }
-
-    fn check_aligned(kernel: &str, ptrs: &[u64]) -> Result<()> {
-        match ptrs.iter().find(|&&p| p % 16 != 0) {
-            Some(p) => Err(Error::Gpu(format!("{kernel}: device address {p:#x} is not 16-byte aligned"))),
-            None => Ok(()),
-        }
-    }
 }
 
 impl GdnOps for GdnKernels {
@@ -128,7 +121,7 @@ impl GdnOps for GdnKernels {
     fn conv1d_silu(&self, x: u64, w: u64, y: u64, shape: GdnShape, docs: Segments<'_>) -> Result<()> {
         shape.check_docs(docs.ranges)?;
         Self::check_shape_conv(shape)?;
-        Self::check_aligned("conv1d_silu", &[x, y])?;
+        ElementwiseKernels::check_aligned("conv1d_silu", &[x, y])?;
         let channels = shape.conv_channels();
         let (t, c, k) =
             (i32_of("tokens", shape.tokens)?, i32_of("channels", channels)?, i32_of("conv", shape.conv_kernel)?);
@@ -167,7 +160,7 @@ impl GdnOps for GdnKernels {
         shape.check_docs(docs.ranges)?;
         check_group(docs.ranges, &group, shape)?;
         Self::check_head_dims(shape)?;
-        Self::check_aligned("gated_delta", &[buf.qkv, s.w, s.u, s.states])?;
+        ElementwiseKernels::check_aligned("gated_delta", &[buf.qkv, s.w, s.u, s.states])?;
         let (dk, dv) = (shape.key_head_dim, shape.value_head_dim);
         let t = i32_of("tokens", shape.tokens)?;
         let (hk, hv) = (i32_of("key heads", shape.key_heads)?, i32_of("value heads", shape.value_heads)?);
