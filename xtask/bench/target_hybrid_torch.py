@@ -16,9 +16,15 @@ INPUT.json (written by xtask):
         included). Then one more call with forward hooks on the decoder layers `layer_ids` writes
         their outputs (the drafter's features, [S, F*H] float32, little-endian, in layer_ids order)
         to FILE, with the tokens beside it (FILE.tokens, u32), for xtask to compare with its own.
-        Which GatedDeltaNet kernels transformers runs follows from the environment: the
-        flash-linear-attention package (`fla`) when it is importable, else the PyTorch fallback;
-        the answer says which ("gdn_kernels").
+    {"mode": "documents", "cases": [{"model_dir": DIR, "documents": [[token, ...], ...],
+                                     "layer_ids": [...], "features_out": FILE}, ...]}
+        For each case, loads DIR (bf16, sdpa) and runs each document alone through the decoder
+        stack: the outputs of the layers `layer_ids` (forward hooks), [sum of T, F*H] float32 in
+        document order, to FILE, for xtask to compare with the reference in f32 (the error bf16
+        storage costs).
+    In both, which GatedDeltaNet kernels transformers runs follows from the environment: the
+    flash-linear-attention package (`fla`) when it is importable, else the PyTorch fallback;
+    the answer says which ("gdn_kernels").
 
 Prints one JSON object on stdout: {"torch": ver, "transformers": ver, ...}; logs go to stderr.
 """
@@ -67,30 +73,54 @@ def time_forward(spec):
     log(f"transformers ({kernels}) S={seq}: {ms:.2f} ms, peak {peak / 1e9:.2f} GB")
     result = {"seq": seq, "ms": ms, "peak_bytes": peak, "gdn_kernels": kernels}
     if spec.get("features_out"):
-        captured = {}
-        hooks = [
-            model.model.layers[l].register_forward_hook(
-                lambda _m, _i, o, l=l: captured.__setitem__(l, (o[0] if isinstance(o, tuple) else o).detach())
-            )
-            for l in spec["layer_ids"]
-        ]
-        with torch.no_grad():
-            model.model(input_ids=ids, use_cache=False)
-        for h in hooks:
-            h.remove()
-        features = torch.cat([captured[l][0].float() for l in spec["layer_ids"]], dim=-1)
-        with open(spec["features_out"], "wb") as f:
-            f.write(features.contiguous().cpu().numpy().tobytes())
+        write_f32(spec["features_out"], tapped_features(model, ids, spec["layer_ids"]))
         with open(spec["features_out"] + ".tokens", "wb") as f:
             f.write(ids[0].to(torch.int32).cpu().numpy().tobytes())
     return result
+
+
+def tapped_features(model, ids, layer_ids):
+    """The outputs of decoder layers `layer_ids` for `ids` [1, T] (forward hooks, no LM head),
+    concatenated per token: [T, F*H] float32."""
+    captured = {}
+    hooks = [
+        model.model.layers[l].register_forward_hook(
+            lambda _m, _i, o, l=l: captured.__setitem__(l, (o[0] if isinstance(o, tuple) else o).detach())
+        )
+        for l in layer_ids
+    ]
+    with torch.no_grad():
+        model.model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return torch.cat([captured[l][0].float() for l in layer_ids], dim=-1)
+
+
+def write_f32(path, tensor):
+    with open(path, "wb") as f:
+        f.write(tensor.contiguous().cpu().numpy().tobytes())
+
+
+def document_features(spec):
+    kernels = gdn_kernels()
+    for case in spec["cases"]:
+        model = target_torch.load_model(case["model_dir"])
+        features = [
+            tapped_features(model, torch.tensor([doc], device="cuda"), case["layer_ids"]) for doc in case["documents"]
+        ]
+        write_f32(case["features_out"], torch.cat(features))
+        log(f"transformers ({kernels}): features of {len(features)} documents of {case['model_dir']}")
+    return {"gdn_kernels": kernels}
+
+
+MODES = {"make": make, "time": time_forward, "documents": document_features}
 
 
 def main():
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     out = {"torch": torch.__version__, "transformers": transformers.__version__}
-    out.update(make(spec) if spec["mode"] == "make" else time_forward(spec))
+    out.update(MODES[spec["mode"]](spec))
     print(json.dumps(out))
 
 

@@ -115,6 +115,7 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "hybrid", "--iters", "0"], "--seq and --iters must be at least 1"),
         (&["bench", "hybrid", "--warmup", "x"], "--warmup"),
         (&["bench", "hybrid", "--torch", "maybe"], "option `--torch`"),
+        (&["bench", "hybrid", "--accuracy", "maybe"], "option `--accuracy`"),
         (&["bench", "hybrid", "--profile", "maybe"], "option `--profile`"),
         (&["bench", "hybrid", "--hf-lm-head", "maybe"], "option `--hf-lm-head`: `maybe`; yes or no expected"),
     ];
