@@ -89,7 +89,7 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
-    let cases: [(&[&str], &str); 27] = [
+    let cases: [(&[&str], &str); 28] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
