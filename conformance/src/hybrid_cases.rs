@@ -54,6 +54,21 @@ pub fn hybrid_config(
     Ok(HybridConfig::from_value(std::path::Path::new("random/config.json"), &value)?)
 }
 
+/// Writes a hybrid target folder for end-to-end runs into `dir`: the fixture Qwen tokenizer (with
+/// its chat template) and a random Qwen3.5 hybrid of 3 layers (GatedDeltaNet, gated attention,
+/// GatedDeltaNet; hidden 128, so its drafter has one head of 128; heads of 64 and GatedDeltaNet
+/// heads of 32, which the GPU kernels run) whose vocab of 768 covers the
+/// tokenizer, weights N(0, 0.1), saved in HF format; returns the model.
+pub fn write_hybrid_target_folder(dir: &std::path::Path, seed: u64) -> Result<HybridModel> {
+    std::fs::create_dir_all(dir).map_err(|e| dflash_optimized::Error::invalid("folder", e.to_string()))?;
+    crate::target_cases::copy_fixture_tokenizer(dir);
+    let kinds = ["linear_attention", "full_attention", "linear_attention"];
+    let config = hybrid_config(128, &kinds, (1, 2, 32, 32), (2, 1, 64), 768, false)?;
+    let model = HybridModel::random(config, seed, 0.1, DType::F32)?;
+    model.save(dir)?;
+    Ok(model)
+}
+
 /// Random hybrids the GPU kernels can run, weights N(0, 0.02) (transformers' init; the GDN
 /// decays, conv taps and norms as `HybridModel::random` draws them) rounded to bf16 as a
 /// checkpoint stores them, the reference computing in `dtype`; each with a packed row of three

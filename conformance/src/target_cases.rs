@@ -28,15 +28,20 @@ pub struct TargetCase {
     pub rows: Vec<Row>,
 }
 
+/// Copies the fixture Qwen tokenizer (with its chat template) into the folder `dir`.
+pub fn copy_fixture_tokenizer(dir: &std::path::Path) {
+    for entry in std::fs::read_dir(fixtures_dir().join("data/tokenizer-qwen")).expect("fixture tokenizer") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, dir.join(path.file_name().expect("a file"))).expect("copy the tokenizer");
+    }
+}
+
 /// Writes a target folder for end-to-end runs into `dir`: the fixture Qwen tokenizer (with its
 /// chat template) and a random Qwen3 of 3 layers (hidden 32, heads of 8, GQA 4/2) whose vocab of
 /// 768 covers the tokenizer, saved in HF format; returns the model.
 pub fn write_target_folder(dir: &std::path::Path, seed: u64) -> TargetModel {
     std::fs::create_dir_all(dir).expect("target folder");
-    for entry in std::fs::read_dir(fixtures_dir().join("data/tokenizer-qwen")).expect("fixture tokenizer") {
-        let path = entry.expect("entry").path();
-        std::fs::copy(&path, dir.join(path.file_name().expect("a file"))).expect("copy the tokenizer");
-    }
+    copy_fixture_tokenizer(dir);
     let config = TargetConfig {
         arch: TargetArch::Qwen3,
         dims: ModelDims {

@@ -242,9 +242,9 @@ fn qwen3_8b_target_and_its_drafter_fit_one_h200() {
 /// (15 attention layers among them: 3, 7, .., 59). At S=4096 it and its drafter fit one H200.
 #[test]
 fn the_27b_hybrid_and_its_drafter_fit_one_h200_at_4096() {
-    use dflash_optimized::memory::hybrid::{hybrid_drafter, HybridTargetPlan};
+    use dflash_optimized::memory::hybrid::{hybrid_drafter, HybridTargetPlan, HYBRID_DRAFTER_RECIPE};
     let config = dflash_optimized::memory::named::qwen3_5_27b_target();
-    let draft = hybrid_drafter(&config, 248319).expect("drafter");
+    let draft = hybrid_drafter(&config, HYBRID_DRAFTER_RECIPE, 248319).expect("drafter");
     assert_eq!(draft.target_layer_ids, vec![1, 16, 31, 46, 61]);
     let plan = HybridTargetPlan::new(&config, &draft.target_layer_ids, 4096, (BF16, F32)).expect("plan");
     let (h, i, v) = (5120u64, 17408u64, 248320u64);

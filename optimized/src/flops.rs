@@ -3,6 +3,7 @@
 //! them.
 
 use dflash_reference::config::{DraftConfig, TargetConfig};
+use dflash_reference::hybrid::{HybridConfig, HybridLayerKind};
 
 use crate::memory::step::StepShape;
 
@@ -47,6 +48,32 @@ pub fn target_forward_flops(config: &TargetConfig, layers: usize, t: usize, lm_h
     let attention = 4.0 * (c.head_dim * c.num_heads) as f64 * t * (t + 1.0) / 2.0;
     let head = if lm_head { 2.0 * t * (h * c.vocab_size) as f64 } else { 0.0 };
     layers as f64 * (linears + attention) + head
+}
+
+/// Model FLOPs of a hybrid target's forward (spec section 10) of one document of `t` tokens
+/// through its first `layers` layers, no LM head: per layer the SwiGLU 2*T*3*H*I and the mixer's
+/// linears 2*T*(in*out) (GatedDeltaNet: in_proj qkv, z, b, a and out_proj; gated attention: q_proj
+/// with its gate, k, v, o) plus the GatedDeltaNet's delta rule 6*d_k*d_v per value head and token
+/// (read, update and query the state) or the causal attention 4*head_dim*heads*T(T+1)/2.
+pub fn hybrid_forward_flops(config: &HybridConfig, layers: usize, t: usize) -> f64 {
+    let (h, i, g) = (config.hidden_size, config.intermediate_size, &config.gdn);
+    let (qd, kd) = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim);
+    let tf = t as f64;
+    let mlp = 2.0 * tf * (3 * h * i) as f64;
+    let gdn_linears = (g.conv_dim() + g.value_dim() + 2 * g.num_value_heads) * h + g.value_dim() * h;
+    let gdn = 2.0 * tf * gdn_linears as f64
+        + 6.0 * tf * (g.num_value_heads * g.key_head_dim * g.value_head_dim) as f64;
+    let attention = 2.0 * tf * (2 * qd * h + 2 * kd * h + qd * h) as f64
+        + 4.0 * (config.head_dim * config.num_heads) as f64 * tf * (tf + 1.0) / 2.0;
+    config.layer_kinds[..layers.min(config.num_layers())]
+        .iter()
+        .map(|k| {
+            mlp + match k {
+                HybridLayerKind::Linear => gdn,
+                HybridLayerKind::Full => attention,
+            }
+        })
+        .sum()
 }
 
 #[cfg(test)]

@@ -13,9 +13,118 @@ use crate::config::{DraftConfig, TargetArch, TargetConfig};
 use crate::data::{document_runs, Row};
 use crate::drafter::{is_norm, random_normal, FrozenHead};
 use crate::error::{Error, Result};
+use crate::hybrid::{HybridConfig, HybridLayerKind, HybridModel};
 use crate::io::{save_weights_f32, WeightSet};
 use crate::mask::causal_dense;
 use crate::ops::{head_rms_norm, linear, rms_norm, rope, rope_tables_scaled, swiglu};
+
+/// What a target folder's `config.json` holds: a dense Qwen3 or Llama model, or a Qwen3.5/3.6
+/// hybrid (spec section 10; the text config, or the multimodal wrapper's `text_config`).
+#[derive(Clone, Debug)]
+pub enum TargetKind {
+    Dense(TargetConfig),
+    Hybrid(HybridConfig),
+}
+
+impl TargetKind {
+    /// Reads `file`: a hybrid when it nests a `text_config` or its `model_type` is a Qwen3.5's,
+    /// else a dense model (whose parser names what it does not support).
+    pub fn from_file(file: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::invalid(file.display().to_string(), format!("not JSON: {e}")))?;
+        let hybrid = value.get("text_config").is_some()
+            || value["model_type"].as_str().is_some_and(|m| m.starts_with("qwen3_5"));
+        Ok(match hybrid {
+            true => TargetKind::Hybrid(HybridConfig::from_value(file, &value)?),
+            false => TargetKind::Dense(TargetConfig::from_file(file)?),
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        match self {
+            TargetKind::Dense(c) => c.dims.num_layers(),
+            TargetKind::Hybrid(c) => c.num_layers(),
+        }
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            TargetKind::Dense(c) => c.dims.hidden_size,
+            TargetKind::Hybrid(c) => c.hidden_size,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            TargetKind::Dense(c) => c.dims.vocab_size,
+            TargetKind::Hybrid(c) => c.vocab_size,
+        }
+    }
+
+    /// The head size of the target's (full) attention layers.
+    pub fn head_dim(&self) -> usize {
+        match self {
+            TargetKind::Dense(c) => c.dims.head_dim,
+            TargetKind::Hybrid(c) => c.head_dim,
+        }
+    }
+
+    /// One line: the architecture and its sizes.
+    pub fn describe(&self) -> String {
+        let (layers, hidden, vocab) = (self.num_layers(), self.hidden_size(), self.vocab_size());
+        match self {
+            TargetKind::Dense(c) => format!("{} ({layers} layers, hidden {hidden}, vocab {vocab})", c.arch.hf_name()),
+            TargetKind::Hybrid(c) => {
+                let linear = c.layer_kinds.iter().filter(|k| **k == HybridLayerKind::Linear).count();
+                format!(
+                    "Qwen3.5 hybrid ({layers} layers: {linear} GatedDeltaNet + {} gated attention, hidden {hidden}, vocab {vocab})",
+                    layers - linear
+                )
+            }
+        }
+    }
+
+    /// The checkpoint name of the text-model weight `name` (a wrapped hybrid's under
+    /// `model.language_model.`).
+    pub fn checkpoint_name(&self, name: &str) -> String {
+        match self {
+            TargetKind::Dense(_) => name.to_string(),
+            TargetKind::Hybrid(c) => c.layout.checkpoint_name(name),
+        }
+    }
+
+    /// Refuses a drafter that does not fit this target, naming both sides.
+    pub fn check_drafter(&self, drafter: &DraftConfig) -> Result<()> {
+        match self {
+            TargetKind::Dense(c) => drafter.check_target(c),
+            TargetKind::Hybrid(c) => c.check_drafter(drafter),
+        }
+    }
+
+    /// The frozen embedding table and LM head (the table when tied) from the weights `set`.
+    pub fn frozen_head(&self, set: &WeightSet, dtype: DType) -> Result<FrozenHead> {
+        let (v, h) = (self.vocab_size(), self.hidden_size());
+        let tied = match self {
+            TargetKind::Dense(c) => c.tie_word_embeddings,
+            TargetKind::Hybrid(c) => c.tie_word_embeddings,
+        };
+        let embed = set.get(&self.checkpoint_name("model.embed_tokens.weight"), &[v, h], dtype)?;
+        let lm_head = match tied {
+            true => embed.clone(),
+            false => set.get("lm_head.weight", &[v, h], dtype)?,
+        };
+        Ok(FrozenHead { embed, lm_head })
+    }
+
+    /// The reference model of the folder `dir` (whose config this is).
+    pub fn load_model(&self, dir: &Path, dtype: DType) -> Result<Box<dyn Target>> {
+        Ok(match self {
+            TargetKind::Dense(_) => Box::new(TargetModel::load(dir, dtype)?),
+            TargetKind::Hybrid(_) => Box::new(HybridModel::load(dir, dtype)?),
+        })
+    }
+}
 
 /// A frozen target as the reference runs it: the dense Qwen3/Llama [`TargetModel`], or the
 /// Qwen3.5/3.6 hybrid (`hybrid::HybridModel`, spec section 10). Decoding, sampling the built-in

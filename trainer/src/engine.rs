@@ -11,7 +11,7 @@ use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::flops::step_model_flops;
 use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, StepShape};
 use dflash_optimized::model::drafter_step::DrafterStep;
-use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
 use dflash_optimized::ops::{bytes_of, stored, Elem, Real};
 use dflash_optimized::train::adamw::DeviceAdamW;
@@ -372,9 +372,10 @@ pub enum Frozen<B: Backend> {
     /// On the host, with features in the rows: the LM head is uploaded into the step and the
     /// embedding table into a device copy the block embeddings are gathered from.
     Host(FrozenHead),
-    /// The target's forward on the same device computes each row's features; its embedding
-    /// table and LM head are the step's (no second copy). Rows carry `[S, 0]` features.
-    Target(Box<TargetForward<B>>),
+    /// The target's forward (dense or hybrid) on the same device computes each row's features;
+    /// its embedding table and LM head are the step's (no second copy). Rows carry `[S, 0]`
+    /// features.
+    Target(Box<dyn TargetFeatures<Backend = B>>),
 }
 
 /// The engine of the optimized step on a backend (`Cuda` on the GPU; `Host` on the CPU twins):
@@ -609,7 +610,7 @@ impl<B: Backend> DeviceEngine<B> {
                 let features = if self.feed.is_some() { 0 } else { (z.s * z.fw) as u64 };
                 (head.embed.elem_count() as u64 + features) * elem
             }
-            Frozen::Target(forward) => forward.layout.bytes,
+            Frozen::Target(forward) => forward.allocated_bytes(),
         };
         Some(step.planned_peak().saturating_add(extra))
     }

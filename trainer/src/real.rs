@@ -12,7 +12,14 @@ use dflash_data::features::{provenance, FeatureCache};
 use dflash_data::mask::RenderOptions;
 use dflash_data::target::TargetTokenizer;
 use dflash_data::{DataOptions, Dataset, HeldOut};
-use dflash_reference::config::{default_target_layer_ids, DraftConfig, TargetConfig};
+use dflash_optimized::backend::Backend;
+use dflash_optimized::memory::hybrid::hybrid_drafter;
+use dflash_optimized::model::hybrid_forward::HybridForward;
+use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::model::TargetFeatures;
+use dflash_reference::config::{default_target_layer_ids, DraftConfig};
+use dflash_reference::io::WeightSet;
+use dflash_reference::target::TargetKind;
 
 use crate::config::RunConfig;
 use crate::error::{Error, Result};
@@ -24,7 +31,8 @@ pub const DEFAULT_NUM_FEATURES: usize = 5;
 /// Everything a real run reads, checked.
 pub struct RealSetup {
     pub target_dir: PathBuf,
-    pub target_config: TargetConfig,
+    /// The target's config: dense (Qwen3, Llama) or a Qwen3.5/3.6 hybrid.
+    pub target_config: TargetKind,
     pub draft_config: DraftConfig,
     pub tokenizer: TargetTokenizer,
     pub dataset: Dataset,
@@ -65,8 +73,8 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
         return Err(Error::option("target", format!("{}: not a folder", target_dir.display())));
     }
     let config_file = target_dir.join("config.json");
-    let target_config = TargetConfig::from_file(&config_file)?;
-    let layers = target_config.dims.num_layers();
+    let target_config = TargetKind::from_file(&config_file)?;
+    let layers = target_config.num_layers();
     let mut notes = Vec::new();
 
     let cache_index = match &c.features {
@@ -95,7 +103,7 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
     }
 
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| Error::option("target", e.to_string()))?;
-    let vocab = target_config.dims.vocab_size;
+    let vocab = target_config.vocab_size();
     let mask = match c.mask_token_id {
         Some(id) => id,
         None => {
@@ -112,9 +120,19 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
             id as u32
         }
     };
-    let mut draft_config = DraftConfig::for_target(&target_config, c.draft_layers, c.block_size, mask, layer_ids.len());
+    let mut draft_config = match &target_config {
+        TargetKind::Dense(t) => DraftConfig::for_target(t, c.draft_layers, c.block_size, mask, layer_ids.len()),
+        TargetKind::Hybrid(t) => {
+            notes.push(
+                "drafter: a Qwen3-layout stack of heads of 128 for the hybrid target (spec section 10): the last layer full, the others sliding (window 2048), RoPE theta 1e7"
+                    .to_string(),
+            );
+            hybrid_drafter(t, (c.draft_layers, c.block_size, layer_ids.len()), mask)
+                .map_err(|e| Error::option("target", e.to_string()))?
+        }
+    };
     draft_config.target_layer_ids = layer_ids.clone();
-    draft_config.check_target(&target_config)?;
+    target_config.check_drafter(&draft_config)?;
 
     let files: Vec<PathBuf> = c.data.clone();
     let dataset = Dataset::prepare(&tokenizer, &files, &data_options(c)).map_err(data_error)?;
@@ -135,14 +153,14 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
         Some(dir) => {
             let cache =
                 FeatureCache::open(dir, Some(&provenance)).map_err(|e| Error::option("features", e.to_string()))?;
-            if cache.index.hidden_size != target_config.dims.hidden_size {
+            if cache.index.hidden_size != target_config.hidden_size() {
                 return Err(Error::option(
                     "features",
                     format!(
                         "{}: hidden size {}, the target's is {}",
                         dir.display(),
                         cache.index.hidden_size,
-                        target_config.dims.hidden_size
+                        target_config.hidden_size()
                     ),
                 ));
             }
@@ -209,4 +227,31 @@ impl RealSetup {
             None => otherwise,
         }
     }
+}
+
+/// The target's forward on `dev` (dense or hybrid, as `target` says) for launches of up to
+/// `max_len` tokens, tapping `layer_ids`, its weights read from `dir` as `dtype`. A dense forward
+/// holds the LM head only `with_lm_head` (the step shares it); a hybrid's layout always holds it.
+pub fn load_forward<B: Backend + 'static>(
+    dev: B,
+    target: &TargetKind,
+    dir: &std::path::Path,
+    layer_ids: &[usize],
+    max_len: usize,
+    (with_lm_head, dtype): (bool, DType),
+) -> Result<Box<dyn TargetFeatures<Backend = B>>> {
+    let weights = WeightSet::load_dir(dir)?;
+    let get = |name: &str, shape: &[usize]| weights.get(&target.checkpoint_name(name), shape, dtype);
+    Ok(match target {
+        TargetKind::Dense(config) => {
+            let mut f = TargetForward::new(dev, config, layer_ids, max_len, with_lm_head)?;
+            f.load_weights(get)?;
+            Box::new(f)
+        }
+        TargetKind::Hybrid(config) => {
+            let mut f = HybridForward::new(dev, config, layer_ids, max_len)?;
+            f.load_weights(get)?;
+            Box::new(f)
+        }
+    })
 }

@@ -10,7 +10,7 @@ use dflash_data::features::FeatureCache;
 use dflash_data::rows::{Packing, RowBuilder};
 use dflash_data::Dataset;
 use dflash_reference::data::{document_runs, Row, TrainRow};
-use dflash_reference::target::TargetModel;
+use dflash_reference::target::Target;
 use sha2::{Digest, Sha256};
 
 use crate::checkpoint::data_sha256;
@@ -51,7 +51,7 @@ pub enum RowFeatures<'a> {
     /// The offline cache (`xtask features`): each document's features, in `dtype`.
     Cache(&'a FeatureCache, DType),
     /// The reference target on the CPU (small targets; the reference engine).
-    Reference(&'a TargetModel, Vec<usize>),
+    Reference(&'a dyn Target, Vec<usize>),
 }
 
 /// A data set's documents (`docs`, in this order) packed into rows of `seq_len` tokens, every

@@ -14,10 +14,11 @@ use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::memory::gb;
-use dflash_optimized::model::target_forward::TargetForward;
-use dflash_reference::config::{default_target_layer_ids, TargetConfig};
+use dflash_optimized::model::TargetFeatures;
+use dflash_reference::config::default_target_layer_ids;
 use dflash_reference::data::Row;
-use dflash_reference::io::WeightSet;
+use dflash_reference::target::TargetKind;
+use dflash_trainer::real::load_forward;
 
 use crate::data::{data_options, parse_data_args};
 
@@ -89,8 +90,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err(format!("option `--device`: `{device}` (gpu or cpu)"));
     }
     let (target_dir, data_opts) = data_options(&opts)?;
-    let config = TargetConfig::from_file(&target_dir.join("config.json")).map_err(|e| e.to_string())?;
-    let layers = config.dims.num_layers();
+    let config = TargetKind::from_file(&target_dir.join("config.json")).map_err(|e| e.to_string())?;
+    let layers = config.num_layers();
     let layer_ids: Vec<usize> = match opts.get("layer-ids", String::new())? {
         s if s.is_empty() => default_target_layer_ids(layers, 5.min(layers)),
         s => s
@@ -120,11 +121,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let data = Dataset::prepare(&tokenizer, &files, &data_opts).map_err(|e| e.to_string())?;
     let docs = data.cache.len();
     let tokens: u64 = (0..docs).map(|i| data.cache.doc_len(i) as u64).sum();
-    let width = layer_ids.len() * config.dims.hidden_size;
+    let width = layer_ids.len() * config.hidden_size();
     let index = FeatureIndex {
         format: String::new(),
         provenance: provenance(&target_dir, &layer_ids, &data.cache.key).map_err(|e| e.to_string())?,
-        hidden_size: config.dims.hidden_size,
+        hidden_size: config.hidden_size(),
         layer_ids: layer_ids.clone(),
         shard_bytes: (shard_gb * 1e9) as u64,
         documents: docs,
@@ -155,23 +156,21 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     if writer.next_doc() > 0 {
         println!("continuing after document {} ({} complete shards)", writer.next_doc(), writer.index.shards.len());
     }
-    let weights = WeightSet::load_dir(&target_dir).map_err(|e| e.to_string())?;
-    let err = |e: dflash_optimized::Error| e.to_string();
+    let err = |e: dflash_trainer::Error| e.to_string();
     match device.as_str() {
         "gpu" => {
             let gpu = crate::gpu_conformance::open_gpu()?;
-            let cuda = Cuda::new(&gpu, config.dims.head_dim).map_err(err)?;
-            let mut forward = TargetForward::new(cuda, &config, &layer_ids, launch_tokens, false).map_err(err)?;
-            forward.load_weights(|n, s| weights.get(n, s, candle_core::DType::BF16)).map_err(err)?;
-            drop(weights);
-            write_all(&mut forward, &data, &mut writer)?;
+            let cuda = Cuda::new(&gpu, config.head_dim()).map_err(|e| e.to_string())?;
+            let load = (false, candle_core::DType::BF16);
+            let mut forward = load_forward(cuda, &config, &target_dir, &layer_ids, launch_tokens, load).map_err(err)?;
+            write_all(forward.as_mut(), &data, &mut writer)?;
         }
         _ => {
-            let host = Host::<f32>::default();
-            let mut forward = TargetForward::new(host, &config, &layer_ids, launch_tokens, false).map_err(err)?;
-            forward.load_weights(|n, s| weights.get(n, s, candle_core::DType::F32)).map_err(err)?;
-            drop(weights);
-            write_all(&mut forward, &data, &mut writer)?;
+            let load = (false, candle_core::DType::F32);
+            let mut forward =
+                load_forward(Host::<f32>::default(), &config, &target_dir, &layer_ids, launch_tokens, load)
+                    .map_err(err)?;
+            write_all(forward.as_mut(), &data, &mut writer)?;
         }
     }
     let index = writer.finish().map_err(|e| e.to_string())?;
@@ -188,13 +187,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 /// Every document from the writer's next on, several per forward, into the cache; a progress
 /// bar (documents/s, ETA) on a terminal, a line per shard otherwise.
 fn write_all<B: Backend>(
-    forward: &mut TargetForward<B>,
+    forward: &mut dyn TargetFeatures<Backend = B>,
     data: &Dataset,
     writer: &mut FeatureWriter,
 ) -> Result<(), String> {
     let docs = data.cache.len();
     let first = writer.next_doc();
-    let capacity = forward.layout.dims.t;
+    let (capacity, width) = forward.feature_shape();
     let bar = if std::io::stdout().is_terminal() {
         let bar = indicatif::ProgressBar::new((docs - first) as u64);
         bar.set_style(
@@ -230,8 +229,13 @@ fn write_all<B: Backend>(
         }
         let refs: Vec<&Row> = rows.iter().collect();
         forward.run(&refs).map_err(|e| format!("documents {next}..{}: {e}", next + rows.len()))?;
-        let features = forward.features_to_host_bf16().map_err(|e| e.to_string())?;
-        let width = forward.layout.dims.fw;
+        // bf16 bits: the GPU's stored values exactly, the CPU's f32 rounded to nearest.
+        let features: Vec<u16> = forward
+            .features_to_host()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|x| half::bf16::from_f64(x).to_bits())
+            .collect();
         let mut at = 0;
         for row in &rows {
             let n = row.tokens.len();

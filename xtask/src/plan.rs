@@ -8,6 +8,7 @@ use dflash_optimized::memory::gb;
 use dflash_optimized::memory::named::{named_configs, DEFAULT_LM_CHUNK_ROWS};
 use dflash_optimized::memory::step::{plan_step, Checkpointing, StepShape};
 use dflash_reference::config::DraftConfig;
+use dflash_reference::target::TargetKind;
 
 use crate::args::Options;
 
@@ -105,15 +106,16 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 /// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
 fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Result<(), String> {
     let file = dir.join("config.json");
-    let value: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?)
-            .map_err(|e| format!("{}: not JSON: {e}", file.display()))?;
-    let hybrid =
-        value.get("text_config").is_some() || value["model_type"].as_str().is_some_and(|m| m.starts_with("qwen3_5"));
-    if hybrid {
-        return plan_hybrid_target(&file, &value, shape, device_bytes);
-    }
-    let target = dflash_reference::config::TargetConfig::from_file(&file).map_err(|e| e.to_string())?;
+    let target = match TargetKind::from_file(&file).map_err(|e| e.to_string())? {
+        TargetKind::Hybrid(config) => {
+            use dflash_optimized::memory::hybrid::{hybrid_drafter, HYBRID_DRAFTER_RECIPE};
+            let draft = hybrid_drafter(&config, HYBRID_DRAFTER_RECIPE, (config.vocab_size - 1) as u32)
+                .map_err(|e| e.to_string())?;
+            print_hybrid_plan(&file.display().to_string(), &config, &draft, shape, device_bytes, &Checkpointing::ALL)?;
+            return Ok(());
+        }
+        TargetKind::Dense(target) => target,
+    };
     let t = &target.dims;
     let features = 5.min(t.num_layers());
     let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, features);
@@ -165,24 +167,24 @@ pub fn print_target_plan(
     Ok(fits)
 }
 
-/// A Qwen3.5/3.6 hybrid target (spec section 10) and its published drafter's step on one GPU,
-/// each itemised, the sum per policy, and the topology it calls for.
-fn plan_hybrid_target(
-    file: &std::path::Path,
-    value: &serde_json::Value,
+/// A Qwen3.5/3.6 hybrid target (spec section 10) `name` and the step of its drafter `draft` on
+/// one GPU of `device_bytes`, each itemised, the sum per policy of `policies`, and the topology it
+/// calls for; true when both fit under some policy.
+pub fn print_hybrid_plan(
+    name: &str,
+    config: &dflash_reference::hybrid::HybridConfig,
+    draft: &DraftConfig,
     shape: StepShape,
     device_bytes: u64,
-) -> Result<(), String> {
-    use dflash_optimized::memory::hybrid::{hybrid_drafter, HybridTargetPlan};
+    policies: &[Checkpointing],
+) -> Result<bool, String> {
+    use dflash_optimized::memory::hybrid::HybridTargetPlan;
     use dflash_optimized::memory::{BF16, F32};
     let err = |e: dflash_optimized::Error| e.to_string();
-    let config = dflash_reference::hybrid::HybridConfig::from_value(file, value).map_err(|e| e.to_string())?;
-    let draft = hybrid_drafter(&config, (config.vocab_size - 1) as u32).map_err(err)?;
-    let plan = HybridTargetPlan::new(&config, &draft.target_layer_ids, shape.context_len, (BF16, F32)).map_err(err)?;
+    let plan = HybridTargetPlan::new(config, &draft.target_layer_ids, shape.context_len, (BF16, F32)).map_err(err)?;
     let linear = config.layer_kinds.iter().filter(|k| **k == dflash_reference::hybrid::HybridLayerKind::Linear).count();
     println!(
-        "== hybrid target {} ({} layers: {linear} GatedDeltaNet + {} gated attention; hidden {}, vocab {}): forward over layers 0..={} for features of {:?}, {} tokens of one sequence ==",
-        file.display(),
+        "== hybrid target {name} ({} layers: {linear} GatedDeltaNet + {} gated attention; hidden {}, vocab {}): forward over layers 0..={} for features of {:?}, {} tokens of one sequence ==",
         config.num_layers(),
         config.num_layers() - linear,
         config.hidden_size,
@@ -193,12 +195,17 @@ fn plan_hybrid_target(
     );
     print!("{}", plan.render());
     println!(
-        "-- its drafter (spec sections 1 and 10): 4 sliding layers (window 2048) + 1 full, {}/{} heads of 128, rope theta 1e7, block 16",
-        draft.dims.num_heads, draft.dims.num_kv_heads
+        "-- its drafter (spec sections 1 and 10): {} sliding layers (window 2048) + 1 full, {}/{} heads of {}, rope theta {:.0e}, block {}",
+        draft.dims.num_layers() - 1,
+        draft.dims.num_heads,
+        draft.dims.num_kv_heads,
+        draft.dims.head_dim,
+        draft.dims.rope_theta,
+        draft.block_size
     );
     let mut fits_any = false;
-    for policy in Checkpointing::ALL {
-        let step = plan_step(&draft, shape, policy, true).map_err(err)?;
+    for &policy in policies {
+        let step = plan_step(draft, shape, policy, true).map_err(err)?;
         let total = plan.bytes.saturating_add(step.peak);
         let fits = total <= device_bytes;
         fits_any |= fits;
@@ -216,10 +223,10 @@ fn plan_hybrid_target(
     } else {
         let target_gpus = plan.bytes.div_ceil(device_bytes).max(1);
         println!(
-            "topology: the target ({} of weights, {} with one launch) does not share a GPU with the drafter: it needs {target_gpus} GPU(s) of its own and the drafter others (multi-GPU runs are not built yet), or its features cached offline first (`xtask features` through the transformers writer)",
+            "topology: the target ({} of weights, {} with one launch) does not share a GPU with the drafter: it needs {target_gpus} GPU(s) of its own (`train --gpus ... --target-gpus N`, each target GPU a whole replica) and the drafter others, or its features cached offline first (`xtask features`)",
             gb(weights),
             gb(plan.bytes)
         );
     }
-    Ok(())
+    Ok(fits_any)
 }

@@ -16,12 +16,12 @@ use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::device::nccl::{self, Rank};
 use dflash_optimized::flops::PEAK_FLOPS;
 use dflash_optimized::memory::step::{Checkpointing, StepShape};
-use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::model::TargetFeatures;
 use dflash_reference::config::DraftConfig;
 use dflash_reference::drafter::{Drafter, FrozenHead};
 use dflash_reference::eval::{evaluate, EvalReport};
 use dflash_reference::io::WeightSet;
-use dflash_reference::target::TargetModel;
+use dflash_reference::target::TargetKind;
 use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
 use dflash_trainer::config::{known_flags, options_help, RunConfig, StepKind, FIELDS};
@@ -432,11 +432,11 @@ fn real_run(
     // The reference target on the CPU: the reference engine's features, and the real tau.
     let reference_features = config.step == StepKind::Reference && setup.cache.is_none();
     let reference_target = match reference_features || config.tau_prompts > 0 {
-        true => Some(TargetModel::load(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?),
+        true => Some(t.load_model(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?),
         false => None,
     };
     let features = || match reference_target.as_ref().filter(|_| reference_features) {
-        Some(target) => setup.features(dtype, RowFeatures::Reference(target, d.target_layer_ids.clone())),
+        Some(target) => setup.features(dtype, RowFeatures::Reference(target.as_ref(), d.target_layer_ids.clone())),
         None => setup.features(dtype, RowFeatures::Online),
     };
     let (train_rows, held_rows) = setup.rows(&config, features).map_err(err)?;
@@ -447,11 +447,9 @@ fn real_run(
         None => format!("features online from target layers {:?}", d.target_layer_ids),
     };
     println!(
-        "target: {} ({} layers, hidden {}, vocab {}); drafter: {} layers, block {}, mask token {}, {source}; rows: {} of {} tokens for training, {} held out",
+        "target: {}, {}; drafter: {} layers, block {}, mask token {}, {source}; rows: {} of {} tokens for training, {} held out",
         setup.target_dir.display(),
-        t.dims.num_layers(),
-        t.dims.hidden_size,
-        t.dims.vocab_size,
+        t.describe(),
         d.dims.num_layers(),
         d.block_size,
         d.mask_token_id,
@@ -463,14 +461,11 @@ fn real_run(
     if plan {
         println!("# resolved config\n{}", config.to_toml());
         let name = setup.target_dir.display().to_string();
-        let fits = crate::plan::print_target_plan(
-            &name,
-            t,
-            d,
-            shape,
-            (crate::plan::H200_GIB * (1u64 << 30) as f64) as u64,
-            &[Checkpointing::PerLayer],
-        )?;
+        let h200 = (crate::plan::H200_GIB * (1u64 << 30) as f64) as u64;
+        let fits = match t {
+            TargetKind::Dense(t) => crate::plan::print_target_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?,
+            TargetKind::Hybrid(t) => crate::plan::print_hybrid_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?,
+        };
         if !fits {
             println!("the run does not fit one H200: lower --max-len or --anchors");
         }
@@ -502,16 +497,9 @@ fn real_run(
     );
     let adamw = builtin::adamw_config(&config);
     let policy = Checkpointing::PerLayer;
-    let weights = || WeightSet::load_dir(&setup.target_dir).map_err(|e| e.to_string());
     let host_head = |dtype: DType| -> Result<FrozenHead, String> {
-        let w = weights()?;
-        let (v, h) = (t.dims.vocab_size, t.dims.hidden_size);
-        let embed = w.get("model.embed_tokens.weight", &[v, h], dtype).map_err(|e| e.to_string())?;
-        let lm_head = match t.tie_word_embeddings {
-            true => embed.clone(),
-            false => w.get("lm_head.weight", &[v, h], dtype).map_err(|e| e.to_string())?,
-        };
-        Ok(FrozenHead { embed, lm_head })
+        let w = WeightSet::load_dir(&setup.target_dir).map_err(|e| e.to_string())?;
+        t.frozen_head(&w, dtype).map_err(|e| e.to_string())
     };
     let ids = d.target_layer_ids.clone();
     let online = setup.cache.is_none();
@@ -521,13 +509,13 @@ fn real_run(
         StepKind::Gpu => {
             let (target_gpus, drafter_gpus) = launch.topology(&config);
             let head_dim = d.dims.head_dim;
-            // The target's forward on `gpu`, bf16 (with the LM head when the step shares it).
+            // The target's forward on `gpu`, bf16 (with the LM head when the step shares it), on
+            // kernels for its own heads (a hybrid's differ from its drafter's).
             let (target, ids) = (t.clone(), ids.clone());
-            let forward = move |cuda: Cuda, with_lm_head: bool| -> dflash_trainer::Result<TargetForward<Cuda>> {
+            let forward = move |gpu: &Gpu, with_lm_head: bool| -> dflash_trainer::Result<Box<dyn TargetFeatures<Backend = Cuda>>> {
                 let started = Instant::now();
-                let mut f = TargetForward::new(cuda, &target, &ids, max_len, with_lm_head)?;
-                let w = WeightSet::load_dir(&dir)?;
-                f.load_weights(|n, s| w.get(n, s, DType::BF16))?;
+                let cuda = Cuda::new(gpu, target.head_dim())?;
+                let f = real::load_forward(cuda, &target, &dir, &ids, max_len, (with_lm_head, DType::BF16))?;
                 println!(
                     "target forward: layers 0..={} on {} in bf16, loaded in {:.1}s",
                     ids.iter().max().copied().unwrap_or(0),
@@ -539,10 +527,7 @@ fn real_run(
             if targets == 0 && drafter_gpus.len() == 1 && processes.is_none() {
                 let gpu = crate::gpu_conformance::open_gpu_at(drafter_gpus[0])?;
                 let frozen = match online {
-                    true => {
-                        let cuda = Cuda::new(&gpu, head_dim).map_err(|e| e.to_string())?;
-                        Frozen::Target(Box::new(forward(cuda, true).map_err(err)?))
-                    }
+                    true => Frozen::Target(forward(&gpu, true).map_err(err)?),
                     false => Frozen::Host(host_head(DType::F32)?),
                 };
                 println!("step on {}", gpu.name());
@@ -553,7 +538,7 @@ fn real_run(
                 let fill: Arc<MakeSlotFill> = Arc::new(move |k, slots| {
                     let gpu = Gpu::open_own_stream(target_gpus[k])?
                         .ok_or_else(|| dflash_trainer::Error::option("gpus", format!("no GPU {}", target_gpus[k])))?;
-                    let f = forward_for_fill(Cuda::new(&gpu, head_dim)?, false)?;
+                    let f = forward_for_fill(&gpu, false)?;
                     Ok(Box::new(TargetSlots::new(f, slots)?) as Box<dyn SlotFill>)
                 });
                 let (feed, ends) = feed(targets, drafter_gpus.len(), fill)?;
@@ -564,7 +549,7 @@ fn real_run(
                 let (draft, seed) = (d.clone(), config.seed);
                 let engine: Arc<GpuEngine> = Arc::new(move |k, gpu| {
                     let frozen = match &head {
-                        None => Frozen::Target(Box::new(forward(Cuda::new(&gpu, head_dim)?, true)?)),
+                        None => Frozen::Target(forward(&gpu, true)?),
                         Some(head) => Frozen::Host(head.clone()),
                     };
                     let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
@@ -583,11 +568,8 @@ fn real_run(
             // One engine per worker, made in its thread: its own target forward (online, without
             // target workers), or the tables on the host (offline, or fed by target workers).
             let target = t.clone();
-            let forward = move |with_lm_head: bool| -> dflash_trainer::Result<TargetForward<Host<f32>>> {
-                let mut f = TargetForward::new(Host::<f32>::default(), &target, &ids, max_len, with_lm_head)?;
-                let w = WeightSet::load_dir(&dir)?;
-                f.load_weights(|n, s| w.get(n, s, DType::F32))?;
-                Ok(f)
+            let forward = move |with_lm_head: bool| -> dflash_trainer::Result<Box<dyn TargetFeatures<Backend = Host<f32>>>> {
+                real::load_forward(Host::<f32>::default(), &target, &dir, &ids, max_len, (with_lm_head, DType::F32))
             };
             let head = match online && targets == 0 {
                 true => None,
@@ -601,7 +583,7 @@ fn real_run(
             let (draft, seed) = (d.clone(), config.seed);
             let engine: Arc<HostEngine> = Arc::new(move |k| {
                 let frozen = match &head {
-                    None => Frozen::Target(Box::new(forward(true)?)),
+                    None => Frozen::Target(forward(true)?),
                     Some(head) => Frozen::Host(head.clone()),
                 };
                 let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
@@ -641,7 +623,7 @@ fn real_run(
     let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
     let measure_tau = |drafter: &Drafter| {
         let target = reference_target.as_ref().expect("loaded when tau_prompts > 0");
-        mean_tau(target, drafter, &prompts, config.tau_tokens)
+        mean_tau(target.as_ref(), drafter, &prompts, config.tau_tokens)
     };
     let tau: Option<TauProbe> =
         (config.tau_prompts > 0 && !prompts.is_empty() && launch.rank == 0).then_some(&measure_tau);
@@ -803,7 +785,10 @@ fn real_flops_per_row(c: &RunConfig, setup: &RealSetup) -> f64 {
     let layers = d.target_layer_ids.iter().max().map_or(0, |&l| l + 1);
     let target = match setup.cache {
         Some(_) => 0.0,
-        None => dflash_optimized::flops::target_forward_flops(&setup.target_config, layers, c.max_len, false),
+        None => match &setup.target_config {
+            TargetKind::Dense(t) => dflash_optimized::flops::target_forward_flops(t, layers, c.max_len, false),
+            TargetKind::Hybrid(t) => dflash_optimized::flops::hybrid_forward_flops(t, layers, c.max_len),
+        },
     };
     let q = c.anchors * d.block_size;
     let shape = StepShape { context_len: c.max_len, num_anchors: c.anchors, lm_chunk_rows: 1 };

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use dflash_conformance::hybrid_cases::write_hybrid_target_folder;
 use dflash_conformance::target_cases::write_target_folder;
 use dflash_conformance::tolerance::{GPU_STEP_BF16, STEP_F32};
 use rand::Rng;
@@ -470,6 +471,67 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
 
 /// A real run on the CPU twins, killed at random moments and resumed, has bitwise the losses of
 /// an uninterrupted one.
+/// A real run with a Qwen3.5 hybrid target folder on the CPU (spec section 10): `--plan` itemises
+/// the hybrid target next to its drafter's step; online on the twins (the hybrid forward feeding
+/// the step in the same process), with the reference engine (the reference hybrid's features),
+/// and offline from `xtask features` of the hybrid. Each trains and saves the hybrid's drafter
+/// (heads of 128, sliding layers then a full one, the layers asked for); the online twins' first
+/// loss equals the reference's within the f32 step bound, the cache's within the bf16 bound.
+#[test]
+fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("hybrid");
+    write_hybrid_target_folder(&target, rand::rng().random_range(0..1 << 30)).unwrap();
+    let cache = tmp.path().join("data-cache");
+    let run = |out: &Path, extra: &[&str]| {
+        let result =
+            Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, out, extra)).output().unwrap();
+        let stdout = text(&result.stdout);
+        assert!(result.status.success(), "{extra:?}:\n{stdout}\n{}", text(&result.stderr));
+        stdout
+    };
+    let stdout = run(&tmp.path().join("planned"), &["--plan"]);
+    for expected in ["== hybrid target", "2 GatedDeltaNet + 1 gated attention", "target + drafter step", "fits"] {
+        assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
+    }
+    let mut first = Vec::new();
+    for step in ["host", "reference"] {
+        let out = tmp.path().join(step);
+        let stdout = run(&out, &["--step", step, "--steps", "4", "--tau-prompts", "1", "--tau-tokens", "4"]);
+        for expected in ["Qwen3.5 hybrid (3 layers", "held-out tau_hat", "tau (greedy speculative decoding", "saved the drafter"]
+        {
+            assert!(stdout.contains(expected), "{step}: no `{expected}` in\n{stdout}");
+        }
+        let drafter = dflash_reference::drafter::Drafter::load(&out.join("drafter"), candle_core::DType::F32).unwrap();
+        let dims = &drafter.config.dims;
+        assert_eq!(drafter.config.target_layer_ids, vec![2, 0]);
+        assert_eq!((dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim), (128, 1, 1, 128));
+        assert_eq!(dims.vocab_size, 768);
+        let full = dims.layer_kinds.iter().filter(|k| **k == dflash_reference::config::AttnKind::Full).count();
+        assert_eq!((dims.num_layers(), full, dims.layer_kinds[4]), (5, 1, dflash_reference::config::AttnKind::Full));
+        let losses = loss_values(&out);
+        assert!(losses.len() == 4 && losses.iter().all(|l| l.is_finite()), "{step}: {losses:?}");
+        first.push(losses[0]);
+    }
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+    assert!(rel(first[0], first[1]) <= STEP_F32.rel, "online twins {} vs reference {}", first[0], first[1]);
+
+    let features = tmp.path().join("features");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["features", "--device", "cpu", "--target", target.to_str().unwrap()])
+        .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
+        .args(["--out", features.to_str().unwrap(), "--cache", cache.to_str().unwrap()])
+        .args(["--max-len", "256", "--layer-ids", "2,0", "--held-out", "0.2"])
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let out = tmp.path().join("offline");
+    let stdout = run(&out, &["--step", "host", "--steps", "4", "--features", features.to_str().unwrap()]);
+    assert!(stdout.contains("features from the cache"), "{stdout}");
+    let offline = loss_values(&out)[0];
+    assert!(rel(offline, first[0]) <= GPU_STEP_BF16.rel, "from the cache {offline} vs online {}", first[0]);
+}
+
 #[test]
 fn a_killed_real_run_resumes_with_the_uninterrupted_losses() {
     let tmp = tempfile::tempdir().unwrap();

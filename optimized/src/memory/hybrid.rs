@@ -393,16 +393,23 @@ impl HybridTargetPlan {
     }
 }
 
+/// The published hybrid drafter's `(layers, block size, features)` (spec sections 1 and 10).
+pub const HYBRID_DRAFTER_RECIPE: (usize, usize, usize) = (5, 16, 5);
 /// The sliding window of the hybrid targets' drafters (spec section 1: 2048).
 pub const HYBRID_DRAFTER_WINDOW: usize = 2048;
 /// The drafters' own RoPE theta for hybrid targets (spec section 10: 1e7, full RoPE).
 pub const HYBRID_DRAFTER_ROPE_THETA: f64 = 1e7;
 
-/// The drafter of a hybrid target as published (spec sections 1 and 10): a Qwen3-layout stack of
-/// 4 sliding layers (window 2048) and 1 full, heads of 128 (hidden / 128 query heads, 8 K/V
-/// heads), the target's hidden size, SwiGLU size and vocab, its own RoPE theta 1e7, block 16,
-/// features from the 5-feature layer rule.
-pub fn hybrid_drafter(config: &HybridConfig, mask_token_id: u32) -> Result<DraftConfig> {
+/// The drafter of a hybrid target (spec sections 1 and 10): a Qwen3-layout stack of
+/// `num_layers` layers, the last full and the others sliding (window 2048), heads of 128
+/// (hidden / 128 query heads, 8 K/V heads or the most below that divide them), the target's hidden size, SwiGLU size and vocab, its
+/// own RoPE theta 1e7, features from the layer rule for `num_features`. As published: 5 layers,
+/// block 16, 5 features.
+pub fn hybrid_drafter(
+    config: &HybridConfig,
+    (num_layers, block_size, num_features): (usize, usize, usize),
+    mask_token_id: u32,
+) -> Result<DraftConfig> {
     let head_dim = 128;
     if !config.hidden_size.is_multiple_of(head_dim) {
         return Err(Error::invalid(
@@ -410,14 +417,23 @@ pub fn hybrid_drafter(config: &HybridConfig, mask_token_id: u32) -> Result<Draft
             format!("{}: not a multiple of the drafter's heads of {head_dim}", config.hidden_size),
         ));
     }
-    let mut layer_kinds = vec![AttnKind::Sliding { window: HYBRID_DRAFTER_WINDOW }; 4];
+    if num_layers == 0 || num_features == 0 || num_features > config.num_layers() {
+        return Err(Error::invalid(
+            "drafter",
+            format!("{num_layers} layers and {num_features} features for a target of {} layers", config.num_layers()),
+        ));
+    }
+    // 8 K/V heads as published; fewer when the query heads are not a multiple of 8.
+    let heads = config.hidden_size / head_dim;
+    let kv_heads = (1..=8).rev().find(|k| heads.is_multiple_of(*k)).unwrap_or(1);
+    let mut layer_kinds = vec![AttnKind::Sliding { window: HYBRID_DRAFTER_WINDOW }; num_layers - 1];
     layer_kinds.push(AttnKind::Full);
     Ok(DraftConfig {
         dims: ModelDims {
             hidden_size: config.hidden_size,
             intermediate_size: config.intermediate_size,
             num_heads: config.hidden_size / head_dim,
-            num_kv_heads: 8,
+            num_kv_heads: kv_heads,
             head_dim,
             vocab_size: config.vocab_size,
             rms_norm_eps: config.rms_norm_eps,
@@ -425,10 +441,10 @@ pub fn hybrid_drafter(config: &HybridConfig, mask_token_id: u32) -> Result<Draft
             max_position_embeddings: config.max_position_embeddings,
             layer_kinds,
         },
-        block_size: 16,
+        block_size,
         num_target_layers: config.num_layers(),
         mask_token_id,
-        target_layer_ids: default_target_layer_ids(config.num_layers(), 5),
+        target_layer_ids: default_target_layer_ids(config.num_layers(), num_features),
     })
 }
 

@@ -120,6 +120,31 @@ impl<B: Backend> HybridForward<B> {
         Ok(())
     }
 
+    /// The backend the forward runs on.
+    pub fn backend(&self) -> &B {
+        &self.dev
+    }
+
+    /// The address of the embedding table `[V, H]` and of the LM head `[V, H]` (the table when
+    /// tied), stored: the drafter's frozen tables (the layout always holds an untied head).
+    pub fn frozen_tables(&self) -> (u64, Option<u64>) {
+        let embed = self.at(self.layout.embed);
+        let head = match self.config.tie_word_embeddings {
+            true => Some(embed),
+            false => self.layout.weights.iter().find(|(n, _, _)| n == "lm_head.weight").map(|(_, _, r)| self.at(*r)),
+        };
+        (embed, head)
+    }
+
+    /// Model FLOPs of this forward on a packed row with `doc_ids` (`flops::hybrid_forward_flops`
+    /// per document over the layers run).
+    pub fn row_flops(&self, doc_ids: &[i64]) -> f64 {
+        document_runs(doc_ids)
+            .into_iter()
+            .map(|run| crate::flops::hybrid_forward_flops(&self.config, self.layout.layers_run, run.len()))
+            .sum()
+    }
+
     /// The features of the last launch `[tokens, F*H]`: their address.
     pub fn features_addr(&self) -> u64 {
         self.at(self.layout.features)

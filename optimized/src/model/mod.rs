@@ -14,24 +14,58 @@ use dflash_reference::data::Row;
 use crate::backend::Backend;
 use crate::Result;
 
-/// A frozen target's forward writing the drafter's features of packed rows: the dense
-/// [`target_forward::TargetForward`] or the hybrid [`hybrid_forward::HybridForward`].
+/// A frozen target's forward writing the drafter's features of packed rows on its backend: the
+/// dense [`target_forward::TargetForward`] or the hybrid [`hybrid_forward::HybridForward`]. The
+/// training step reads the features and the frozen tables in place.
 pub trait TargetFeatures {
+    type Backend: Backend;
+    /// The backend the forward runs on.
+    fn backend(&self) -> &Self::Backend;
     /// Runs the target over `rows` concatenated (at most its launch capacity), writing their
     /// features `[T, F*H]`.
     fn run(&mut self, rows: &[&Row]) -> Result<()>;
+    /// The address of the last launch's features `[T, F*H]` (stored).
+    fn features_addr(&self) -> u64;
+    /// `(tokens of a launch at most, F*H)`.
+    fn feature_shape(&self) -> (usize, usize);
+    /// The address of the embedding table `[V, H]` and of the LM head `[V, H]` (the table when
+    /// tied; `None` when the forward holds no LM head), stored: the drafter's frozen tables.
+    fn frozen_tables(&self) -> (u64, Option<u64>);
+    /// Model FLOPs of the forward of a packed row with `doc_ids` (per document, layers run).
+    fn row_flops(&self, doc_ids: &[i64]) -> f64;
     /// The features of the last launch on the host, `[T, F*H]` as f64.
     fn features_to_host(&self) -> Result<Vec<f64>>;
+    /// The bytes of the forward's one allocation.
+    fn allocated_bytes(&self) -> u64;
     /// The device memory planned for the forward (its allocation and what lies beside it).
     fn planned_bytes(&self) -> Result<u64>;
 }
 
 impl<B: Backend> TargetFeatures for target_forward::TargetForward<B> {
+    type Backend = B;
+    fn backend(&self) -> &B {
+        target_forward::TargetForward::backend(self)
+    }
     fn run(&mut self, rows: &[&Row]) -> Result<()> {
         target_forward::TargetForward::run(self, rows)
     }
+    fn features_addr(&self) -> u64 {
+        target_forward::TargetForward::features_addr(self)
+    }
+    fn feature_shape(&self) -> (usize, usize) {
+        (self.layout.dims.t, self.layout.dims.fw)
+    }
+    fn frozen_tables(&self) -> (u64, Option<u64>) {
+        target_forward::TargetForward::frozen_tables(self)
+    }
+    fn row_flops(&self, doc_ids: &[i64]) -> f64 {
+        target_forward::TargetForward::row_flops(self, doc_ids)
+    }
     fn features_to_host(&self) -> Result<Vec<f64>> {
         target_forward::TargetForward::features_to_host(self)
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.layout.bytes
     }
     fn planned_bytes(&self) -> Result<u64> {
         self.layout.total_bytes()
@@ -39,11 +73,30 @@ impl<B: Backend> TargetFeatures for target_forward::TargetForward<B> {
 }
 
 impl<B: Backend> TargetFeatures for hybrid_forward::HybridForward<B> {
+    type Backend = B;
+    fn backend(&self) -> &B {
+        hybrid_forward::HybridForward::backend(self)
+    }
     fn run(&mut self, rows: &[&Row]) -> Result<()> {
         hybrid_forward::HybridForward::run(self, rows)
     }
+    fn features_addr(&self) -> u64 {
+        hybrid_forward::HybridForward::features_addr(self)
+    }
+    fn feature_shape(&self) -> (usize, usize) {
+        (self.layout.tokens, self.layer_ids.len() * self.config.hidden_size)
+    }
+    fn frozen_tables(&self) -> (u64, Option<u64>) {
+        hybrid_forward::HybridForward::frozen_tables(self)
+    }
+    fn row_flops(&self, doc_ids: &[i64]) -> f64 {
+        hybrid_forward::HybridForward::row_flops(self, doc_ids)
+    }
     fn features_to_host(&self) -> Result<Vec<f64>> {
         hybrid_forward::HybridForward::features_to_host(self)
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.layout.bytes
     }
     fn planned_bytes(&self) -> Result<u64> {
         self.layout.total_bytes()

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
+use crate::config::DraftConfig;
 use crate::error::{Error, Result};
 use crate::io::write_atomically;
 use crate::json_fields::{read_json, Fields};
@@ -291,6 +292,20 @@ impl HybridConfig {
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         })
+    }
+
+    /// Refuses a drafter that does not fit this target: a drafter of a hybrid is a Qwen3-layout
+    /// stack of its own heads (spec section 10), sharing the hidden size, the vocabulary and the
+    /// layer count its features come from.
+    pub fn check_drafter(&self, drafter: &DraftConfig) -> Result<()> {
+        drafter.check_sizes(
+            &[
+                ("hidden_size", drafter.dims.hidden_size, self.hidden_size),
+                ("vocab_size", drafter.dims.vocab_size, self.vocab_size),
+                ("num_target_layers", drafter.num_target_layers, self.num_layers()),
+            ],
+            self.vocab_size,
+        )
     }
 
     /// Writes the text-layout `config.json` atomically.

@@ -312,16 +312,9 @@ impl Target for HybridModel {
     /// The drafter of a hybrid is a Qwen3-layout stack of its own heads (spec section 10): it
     /// shares the hidden size, the vocabulary and the layer count its features come from.
     fn check_drafter(&self, drafter: &DraftConfig) -> Result<()> {
-        let c = &self.config;
-        drafter.check_sizes(
-            &[
-                ("hidden_size", drafter.dims.hidden_size, c.hidden_size),
-                ("vocab_size", drafter.dims.vocab_size, c.vocab_size),
-                ("num_target_layers", drafter.num_target_layers, c.num_layers()),
-            ],
-            c.vocab_size,
-        )
+        self.config.check_drafter(drafter)
     }
+
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use dflash_optimized::backend::{Allocation, Backend};
-use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::Elem;
 use dflash_reference::data::Row;
 
@@ -86,16 +86,16 @@ pub trait SlotFill {
 /// Makes target worker `t`'s [`SlotFill`] with `slots` slots, in its own thread.
 pub type MakeSlotFill = dyn Fn(usize, usize) -> Result<Box<dyn SlotFill>> + Send + Sync;
 
-/// A target's forward with `count` feature slots on its backend.
+/// A target's forward (dense or hybrid) with `count` feature slots on its backend.
 pub struct TargetSlots<B: Backend> {
-    forward: TargetForward<B>,
+    forward: Box<dyn TargetFeatures<Backend = B>>,
     slots: Vec<B::Alloc>,
 }
 
 impl<B: Backend> TargetSlots<B> {
-    pub fn new(forward: TargetForward<B>, count: usize) -> Result<Self> {
-        let z = forward.layout.dims;
-        let bytes = z.t.checked_mul(z.fw).and_then(|n| n.checked_mul(B::Elem::BYTES));
+    pub fn new(forward: Box<dyn TargetFeatures<Backend = B>>, count: usize) -> Result<Self> {
+        let (t, fw) = forward.feature_shape();
+        let bytes = t.checked_mul(fw).and_then(|n| n.checked_mul(B::Elem::BYTES));
         let bytes = bytes.ok_or_else(|| Error::option("max_len", "the feature slot's size overflows"))?;
         let slots = (0..count)
             .map(|i| forward.backend().alloc(&format!("feature slot {i}"), bytes))
@@ -106,15 +106,15 @@ impl<B: Backend> TargetSlots<B> {
 
 impl<B: Backend> SlotFill for TargetSlots<B> {
     fn fill(&mut self, slot: usize, row: &Row) -> Result<(u64, f64)> {
-        let z = self.forward.layout.dims;
+        let (t, fw) = self.forward.feature_shape();
         let s = row.tokens.len();
-        if s > z.t {
-            return Err(Error::option("rows", format!("a row of {s} tokens; the forward runs at most {}", z.t)));
+        if s > t {
+            return Err(Error::option("rows", format!("a row of {s} tokens; the forward runs at most {t}")));
         }
         self.forward.run(&[row])?;
         let dst = self.slots[slot].ptr();
         let dev = self.forward.backend();
-        dev.copy(dst, self.forward.features_addr(), s * z.fw * B::Elem::BYTES)?;
+        dev.copy(dst, self.forward.features_addr(), s * fw * B::Elem::BYTES)?;
         dev.synchronize()?;
         Ok((dst, self.forward.row_flops(&row.doc_ids)))
     }
