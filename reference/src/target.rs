@@ -62,6 +62,14 @@ impl TargetKind {
         }
     }
 
+    /// The positions the target was trained for (`max_position_embeddings`).
+    pub fn max_positions(&self) -> usize {
+        match self {
+            TargetKind::Dense(c) => c.dims.max_position_embeddings,
+            TargetKind::Hybrid(c) => c.max_position_embeddings,
+        }
+    }
+
     /// The head size of the target's (full) attention layers.
     pub fn head_dim(&self) -> usize {
         match self {

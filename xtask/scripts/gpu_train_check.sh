@@ -1,29 +1,57 @@
 #!/usr/bin/env bash
 # On the GPU machine (from the repository root): a real run on the GPU, end to end, and its exact
-# resumption. transformers makes a small random Qwen3 target folder (heads of 64, which the GPU
-# kernels need) with the fixture tokenizer; `xtask train --target ... --data ... --step gpu` trains
-# on the fixture conversations with the target's features computed online on the GPU. Then:
+# resumption. transformers makes a small random target folder with the fixture tokenizer: a Qwen3
+# (KIND dense: heads of 64, which the GPU kernels need) or a Qwen3.5 hybrid (KIND hybrid: three
+# GatedDeltaNet layers with heads of 128 and a gated attention layer with heads of 64, spec section
+# 10); `xtask train --target ... --data ... --step gpu` trains on the fixture conversations with
+# the target's features computed online on the GPU. Then:
 #   - the same run killed with SIGKILL after its first checkpoint and resumed gives bitwise the
 #     uninterrupted run's losses (the GPU kernels are deterministic: no atomics, fixed orders);
 #   - a 3-step run's losses equal those of the same run on the CPU twins in f32 (`--step host`)
 #     within the bf16 step bound (2e-2 relative);
-#   - `xtask eval` decodes with the trained drafter on the GPU (K/V caches, bf16) and with the
-#     reference decoders on the CPU (f32); the CPU is exactly lossless, the GPU up to bf16 near-ties.
-# usage: xtask/scripts/gpu_train_check.sh BUNDLE_DIR OUT_DIR
+#   - dense: `xtask eval` decodes with the trained drafter on the GPU (K/V caches, bf16) and with
+#     the reference decoders on the CPU (f32); the CPU is exactly lossless, the GPU up to bf16
+#     near-ties;
+#   - hybrid: `xtask features --device gpu` caches the target's features and a 3-step run from the
+#     cache has the online run's losses within the bf16 step bound.
+# usage: xtask/scripts/gpu_train_check.sh BUNDLE_DIR OUT_DIR [dense|hybrid]
 set -euo pipefail
 bundle=$1
 out=$2
+kind=${3:-dense}
 work=$(mktemp -d)
 mkdir -p "$out"
 
-cat > "$work/make.json" <<EOF
+case "$kind" in
+dense)
+  cat > "$work/make.json" <<EOF
 {"mode": "make", "model_dir": "$work/target", "seed": 1,
  "config": {"vocab_size": 768, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
             "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "tie_word_embeddings": false}}
 EOF
-python3 "$bundle/target_torch.py" "$work/make.json" > /dev/null
+  python3 "$bundle/target_torch.py" "$work/make.json" > /dev/null
+  ;;
+hybrid)
+  cat > "$work/make.json" <<EOF
+{"mode": "make", "model_dir": "$work/target", "seed": 1,
+ "config": {"vocab_size": 768, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+            "tie_word_embeddings": false}}
+EOF
+  python3 "$bundle/target_hybrid_torch.py" "$work/make.json" > /dev/null
+  ;;
+*)
+  echo "KIND: dense or hybrid, not $kind"
+  exit 2
+  ;;
+esac
 cp fixtures/data/tokenizer-qwen/* "$work/target/"
 
 args() { # args OUT STEP EXTRA...: the options of one training run into OUT
@@ -53,16 +81,23 @@ echo "killed with $(ls -d "$work"/killed/checkpoint-* "$work"/killed/.checkpoint
 # Shorter rows and fewer anchors for the comparison: the CPU twins run single-threaded.
 run "$work/gpu3" gpu --steps 3 --eval-rows 1 --max-len 256 --anchors 16 > "$out/gpu3.log"
 run "$work/host" host --steps 3 --eval-rows 1 --max-len 256 --anchors 16 > "$out/host.log"
-eval_args="--target $work/target --drafter $work/whole/drafter --prompts fixtures/data/conversations.jsonl --max-prompts 4 --max-new-tokens 32"
-"$bundle/xtask" eval $eval_args --device gpu --out "$out/eval-gpu.json" > "$out/eval-gpu.log"
-"$bundle/xtask" eval $eval_args --device cpu --out "$out/eval-cpu.json" > "$out/eval-cpu.log"
+if [ "$kind" = dense ]; then
+  eval_args="--target $work/target --drafter $work/whole/drafter --prompts fixtures/data/conversations.jsonl --max-prompts 4 --max-new-tokens 32"
+  "$bundle/xtask" eval $eval_args --device gpu --out "$out/eval-gpu.json" > "$out/eval-gpu.log"
+  "$bundle/xtask" eval $eval_args --device cpu --out "$out/eval-cpu.json" > "$out/eval-cpu.log"
+else
+  "$bundle/xtask" features --device gpu --target "$work/target" --data fixtures/data/conversations.jsonl \
+    --cache "$work/cache" --out "$work/features" --max-len 256 --layer-ids 1,3 --held-out 0.2 > "$out/features.log"
+  run "$work/offline3" gpu --steps 3 --eval-rows 1 --max-len 256 --anchors 16 --features "$work/features" \
+    > "$out/offline3.log"
+fi
 cp "$work/whole/metrics.jsonl" "$out/whole-metrics.jsonl"
 cp "$work/killed/metrics.jsonl" "$out/resumed-metrics.jsonl"
 cp "$work/host/metrics.jsonl" "$out/host-metrics.jsonl"
 
-python3 - "$work" "$out" <<'EOF'
+python3 - "$work" "$out" "$kind" <<'EOF'
 import json, sys
-work = sys.argv[1]
+work, kind = sys.argv[1], sys.argv[3]
 def losses(name):
     # The loss's text as written (parsed exactly), per step.
     out = {}
@@ -81,6 +116,12 @@ evals = [json.loads(l) for l in open(f"{work}/whole/metrics.jsonl") if '"eval"' 
 print("held-out:", " -> ".join(f"loss {e['loss']:.3f} tau_hat {e['tau_hat']:.3f}" for e in evals))
 first, last = whole[0], whole[59]
 print(f"training loss {first:.3f} -> {last:.3f}")
+if kind == "hybrid":
+    offline = losses("offline3")
+    worst_offline = max(abs(offline[s] - gpu3[s]) / abs(gpu3[s]) for s in offline)
+    print(f"from the GPU feature cache vs online, first {len(offline)} losses: worst relative difference "
+          f"{worst_offline:.2e} (bound 2e-2)")
+    sys.exit(1 if diff or worst > 2e-2 or worst_offline > 2e-2 else 0)
 out_dir = sys.argv[2]
 gpu_eval, cpu_eval = (json.load(open(f"{out_dir}/eval-{d}.json")) for d in ("gpu", "cpu"))
 same = sum(a["tokens"] == b["tokens"] for a, b in zip(gpu_eval["per_prompt"], cpu_eval["per_prompt"]))

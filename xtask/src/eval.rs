@@ -18,7 +18,7 @@ use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
 use dflash_reference::speculative::{plain_decode, speculative_decode_with, Acceptance, Sampling, SpecOutput};
-use dflash_reference::target::TargetModel;
+use dflash_reference::target::{Target, TargetKind};
 use serde_json::{json, Value};
 
 use crate::args::Options;
@@ -113,15 +113,21 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
     // Everything checked before decoding: the drafter against the target, every prompt's length.
     let err = |e: dflash_reference::Error| e.to_string();
-    let target_config = TargetConfig::from_file(&target_dir.join("config.json")).map_err(err)?;
+    let target_config = TargetKind::from_file(&target_dir.join("config.json")).map_err(err)?;
+    if let (true, TargetKind::Hybrid(_)) = (on_gpu, &target_config) {
+        return Err(format!(
+            "{}: decoding a Qwen3.5 hybrid target on the GPU is not built yet; `--device cpu` runs the reference decoders",
+            target_dir.display()
+        ));
+    }
     let draft_config = DraftConfig::from_file(&drafter_dir.join("config.json")).map_err(err)?;
-    draft_config
-        .check_target(&target_config)
+    target_config
+        .check_drafter(&draft_config)
         .map_err(|e| format!("{} does not fit the target {}: {e}", drafter_dir.display(), target_dir.display()))?;
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
     let prompts = read_prompts(&tokenizer, &files, &render, max_prompts).map_err(|e| e.to_string())?;
     let b = draft_config.block_size;
-    let context = target_config.dims.max_position_embeddings;
+    let context = target_config.max_positions();
     for p in &prompts {
         // A verify step may run up to B - 1 positions past the last token kept.
         let need = p.tokens.len() + max_new + b;
@@ -143,10 +149,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
     }
     let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
-    let mut decoders = match on_gpu {
-        true => Decoders::gpu(&target_dir, &drafter_dir, &target_config, &draft_config, longest + max_new)?,
-        false => Decoders::Reference {
-            target: Box::new(TargetModel::load(&target_dir, DType::F32).map_err(err)?),
+    let mut decoders = match (&target_config, on_gpu) {
+        (TargetKind::Dense(t), true) => Decoders::gpu(&target_dir, &drafter_dir, t, &draft_config, longest + max_new)?,
+        _ => Decoders::Reference {
+            target: target_config.load_model(&target_dir, DType::F32).map_err(err)?,
             drafter: Box::new(Drafter::load(&drafter_dir, DType::F32).map_err(err)?),
         },
     };
@@ -234,7 +240,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 /// The decoders of one evaluation: the cached ones on the GPU, or the reference on the CPU.
 enum Decoders {
     Gpu(Box<SpecDecoder<Cuda>>),
-    Reference { target: Box<TargetModel>, drafter: Box<Drafter> },
+    Reference { target: Box<dyn Target>, drafter: Box<Drafter> },
 }
 
 impl Decoders {
