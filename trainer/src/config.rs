@@ -260,7 +260,7 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("temperature", Kind::Float, "built-in data: sampling temperature (0 = greedy)"),
     ("prompt_len", Kind::Int, "built-in data: random prompt tokens per row (not supervised)"),
     ("continuation_len", Kind::Int, "built-in data: tokens the target continues each prompt with"),
-    ("target", Kind::Text, "real runs: the target's HF folder (config.json, safetensors, tokenizer, chat template)"),
+    ("target", Kind::Text, "real runs: the target's HF folder (config.json, safetensors, tokenizer, chat template): Qwen3, Llama or a Qwen3.5/3.6 hybrid"),
     ("data", Kind::Paths, "real runs: jsonl conversation files (`--data A B ...`)"),
     (
         "features",

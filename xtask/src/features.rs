@@ -34,6 +34,7 @@ arguments; a cache made from anything else is refused. Train from it with `train
 
 options:
   --target DIR         HF folder: config.json, safetensors weights, tokenizer, chat template
+                       (Qwen3, Llama, or a Qwen3.5/3.6 hybrid)
   --data FILE...       jsonl conversations (as `cargo xtask data` reads them)
   --out CACHE          the cache folder
   --layer-ids LIST     comma-separated target layers        (default: the 5-feature rule of spec 1)

@@ -44,10 +44,11 @@ Prints the loss as it falls, then the acceptance length tau of greedy speculativ
 before and after training.
 
 With --target DIR --data FILE...: a real run. The target's HF folder (config.json, safetensors
-weights, tokenizer, chat template) and jsonl conversations (as `cargo xtask data` reads them);
-the drafter is derived from the target (dims, RoPE, vocab) with the spec's recipe (5 layers,
-block 16, 5 feature layers, AdamW lr 6e-4, warmup 4% + cosine, clip 1, 6 epochs, S 3072, 512
-anchors). The target runs on the GPU in the same process (online features; `--step host`: the
+weights, tokenizer, chat template: a Qwen3 or Llama, or a Qwen3.5/3.6 GatedDeltaNet hybrid, text
+or multimodal wrapper) and jsonl conversations (as `cargo xtask data` reads them); the drafter is
+derived from the target (dims, RoPE, vocab; a hybrid's: heads of 128, sliding layers then a full
+one, RoPE theta 1e7) with the spec's recipe (5 layers, block 16, 5 feature layers, AdamW lr 6e-4,
+warmup 4% + cosine, clip 1, 6 epochs, S 3072, 512 anchors). The target runs on the GPU in the same process (online features; `--step host`: the
 CPU twins, for small targets), or `--features CACHE` reads the features `cargo xtask features`
 wrote. Everything (options, files, the drafter against the target, the mask token, the cache's
 provenance, the memory plan) is checked before the device is touched.
