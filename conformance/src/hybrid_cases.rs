@@ -104,12 +104,21 @@ pub fn hybrid_check<B: Backend>(
     tol: Tolerance,
     meter: Option<&mut dyn PeakMeter>,
 ) -> Result<GpuCheck> {
-    let (ids, config) = (&case.layer_ids, &case.model.config);
+    let make = || case_forward(case, backend()?);
+    features_check(&format!("hybrid {}", case.name), &case.model, &case.layer_ids, &case.rows, make, tol, meter)
+}
+
+/// The forward of `case` on `dev` (its model's weights loaded), laid out for its rows.
+fn case_forward<B: Backend>(case: &HybridCase, dev: B) -> Result<HybridForward<B>> {
     let total = case.rows.iter().map(|r| r.tokens.len()).sum();
-    let make = || {
-        let mut forward = HybridForward::new(backend()?, config, ids, total)?;
-        forward.load_weights(|name, _| case.model.weight(name))?;
-        Ok(forward)
-    };
-    features_check(&format!("hybrid {}", case.name), &case.model, ids, &case.rows, make, tol, meter)
+    let mut forward = HybridForward::new(dev, &case.model.config, &case.layer_ids, total)?;
+    forward.load_weights(|name, _| case.model.weight(name))?;
+    Ok(forward)
+}
+
+/// The features of `case`'s rows (one launch) on `dev`, `[T, F*H]` as f64.
+pub fn case_features<B: Backend>(case: &HybridCase, dev: B) -> Result<Vec<f64>> {
+    let mut forward = case_forward(case, dev)?;
+    forward.run(&case.rows.iter().collect::<Vec<_>>())?;
+    forward.features_to_host()
 }

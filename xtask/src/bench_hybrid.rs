@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Tensor};
-use dflash_conformance::hybrid_cases::{hybrid_check, random_hybrid_cases, GPU_HYBRID_SEED};
+use dflash_conformance::hybrid_cases::{case_features, hybrid_check, random_hybrid_cases, GPU_HYBRID_SEED};
 use dflash_conformance::tolerance::HYBRID_BF16;
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::host::Host;
@@ -280,6 +280,8 @@ struct AccuracyRow {
     tokens: usize,
     ours_gpu: f64,
     ours_bf16_twins: f64,
+    /// Ours on the GPU against the bf16 twins (the same storage, f32 arithmetic on the CPU).
+    gpu_vs_twins: f64,
     hf_fla: Option<f64>,
     hf_torch: Option<f64>,
 }
@@ -287,21 +289,25 @@ struct AccuracyRow {
 impl AccuracyRow {
     fn to_json(&self) -> Value {
         json!({"case": self.case, "tokens": self.tokens, "ours_gpu": self.ours_gpu,
-               "ours_bf16_twins": self.ours_bf16_twins, "hf_fla_bf16": self.hf_fla, "hf_torch_bf16": self.hf_torch})
+               "ours_bf16_twins": self.ours_bf16_twins, "ours_gpu_vs_bf16_twins": self.gpu_vs_twins, "hf_fla_bf16": self.hf_fla, "hf_torch_bf16": self.hf_torch})
     }
 
     fn print(rows: &[AccuracyRow]) {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2e}"));
         println!("features vs the reference in f32 (bf16 storage's error), gpu-conformance's random hybrids:");
-        println!("{:<58} {:>9} {:>10} {:>10} {:>11}", "", "ours GPU", "bf16 twins", "hf + fla", "hf, torch");
+        println!(
+            "{:<58} {:>9} {:>10} {:>10} {:>11}   {}",
+            "", "ours GPU", "bf16 twins", "hf + fla", "hf, torch", "GPU vs twins"
+        );
         for r in rows {
             let name = format!("{} ({} tokens)", r.case, r.tokens);
             println!(
-                "{name:<58} {:>9} {:>10} {:>10} {:>11}",
+                "{name:<58} {:>9} {:>10} {:>10} {:>11}   {}",
                 f(Some(r.ours_gpu)),
                 f(Some(r.ours_bf16_twins)),
                 f(r.hf_fla),
-                f(r.hf_torch)
+                f(r.hf_torch),
+                f(Some(r.gpu_vs_twins))
             );
         }
     }
@@ -368,6 +374,10 @@ fn bf16_accuracy(python: &str, script: &Path, fla: Option<&Path>) -> Result<Vec<
             tokens: case.rows.iter().map(|r| r.tokens.len()).sum(),
             ours_gpu: gpu_check.errors[0].1,
             ours_bf16_twins: twin_check.errors[0].1,
+            gpu_vs_twins: rel(
+                &case_features(case, Cuda::new(&gpu, d).map_err(err)?).map_err(err)?,
+                &case_features(case, Host::<half::bf16>::default()).map_err(err)?,
+            ),
             hf_fla: hf("fla")?,
             hf_torch: hf("torch")?,
         });
@@ -417,13 +427,16 @@ fn feature_error(bytes: &[u8], ours: &[f64]) -> Result<f64, String> {
     if bytes.len() != 4 * ours.len() {
         return Err(format!("transformers' features: {} values, ours {}", bytes.len() / 4, ours.len()));
     }
-    let theirs = bytes.chunks_exact(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-    let (mut diff, mut norm) = (0.0, 0.0);
-    for (a, b) in ours.iter().zip(theirs) {
-        diff += (a - b) * (a - b);
-        norm += b * b;
-    }
-    Ok((diff / norm).sqrt())
+    let theirs: Vec<f64> =
+        bytes.chunks_exact(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect();
+    Ok(rel(ours, &theirs))
+}
+
+/// `||got - want|| / ||want||` (Frobenius) of equally long slices.
+fn rel(got: &[f64], want: &[f64]) -> f64 {
+    let diff: f64 = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
+    let norm: f64 = want.iter().map(|b| b * b).sum();
+    (diff / norm).sqrt()
 }
 
 /// What our side measured: the median ms, the pool peak (weights included), the layout's bytes
