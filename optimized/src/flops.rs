@@ -61,8 +61,7 @@ pub fn hybrid_forward_flops(config: &HybridConfig, layers: usize, t: usize) -> f
     let tf = t as f64;
     let mlp = 2.0 * tf * (3 * h * i) as f64;
     let gdn_linears = (g.conv_dim() + g.value_dim() + 2 * g.num_value_heads) * h + g.value_dim() * h;
-    let gdn = 2.0 * tf * gdn_linears as f64
-        + 6.0 * tf * (g.num_value_heads * g.key_head_dim * g.value_head_dim) as f64;
+    let gdn = 2.0 * tf * gdn_linears as f64 + 6.0 * tf * (g.num_value_heads * g.key_head_dim * g.value_head_dim) as f64;
     let attention = 2.0 * tf * (2 * qd * h + 2 * kd * h + qd * h) as f64
         + 4.0 * (config.head_dim * config.num_heads) as f64 * tf * (tf + 1.0) / 2.0;
     config.layer_kinds[..layers.min(config.num_layers())]

@@ -31,8 +31,8 @@ impl TargetKind {
     /// else a dense model (whose parser names what it does not support).
     pub fn from_file(file: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
-        let value: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| Error::invalid(file.display().to_string(), format!("not JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid(file.display().to_string(), format!("not JSON: {e}")))?;
         let hybrid = value.get("text_config").is_some()
             || value["model_type"].as_str().is_some_and(|m| m.starts_with("qwen3_5"));
         Ok(match hybrid {

@@ -103,7 +103,7 @@ fn cut_config(layers: usize) -> Result<HybridConfig, String> {
 /// The 5-feature rule's ids for `layers` of the 27B's layers: as the rule gives them for the
 /// whole model, with the last moved to the last layer for a cut (every layer of it runs).
 fn default_layer_ids(layers: usize) -> Vec<usize> {
-    let mut ids = default_target_layer_ids(layers, 5);
+    let mut ids = default_target_layer_ids(layers, 5.min(layers));
     if let Some(last) = ids.last_mut().filter(|_| layers < qwen3_5_27b_target().num_layers()) {
         *last = layers - 1;
     }
@@ -296,8 +296,8 @@ impl AccuracyRow {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2e}"));
         println!("features vs the reference in f32 (bf16 storage's error), gpu-conformance's random hybrids:");
         println!(
-            "{:<58} {:>9} {:>10} {:>10} {:>11}   {}",
-            "", "ours GPU", "bf16 twins", "hf + fla", "hf, torch", "GPU vs twins"
+            "{:<58} {:>9} {:>10} {:>10} {:>11}   GPU vs twins",
+            "", "ours GPU", "bf16 twins", "hf + fla", "hf, torch"
         );
         for r in rows {
             let name = format!("{} ({} tokens)", r.case, r.tokens);

@@ -341,7 +341,8 @@ fn measure_ours(
         for (row, r) in rows.iter().zip(&train) {
             forward.run(&[row]).map_err(err)?;
             // bf16-exact values: the conversion back is exact.
-            let values: Vec<half::bf16> = forward.features_to_host().map_err(err)?.into_iter().map(half::bf16::from_f64).collect();
+            let values: Vec<half::bf16> =
+                forward.features_to_host().map_err(err)?.into_iter().map(half::bf16::from_f64).collect();
             let fw = draft.num_features() * h;
             let features = Tensor::from_vec(values, (s, fw), &Device::Cpu).map_err(|e| e.to_string())?;
             with_features.push(TrainRow { features, ..r.clone() });

@@ -464,8 +464,12 @@ fn real_run(
         let name = setup.target_dir.display().to_string();
         let h200 = (crate::plan::H200_GIB * (1u64 << 30) as f64) as u64;
         let fits = match t {
-            TargetKind::Dense(t) => crate::plan::print_target_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?,
-            TargetKind::Hybrid(t) => crate::plan::print_hybrid_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?,
+            TargetKind::Dense(t) => {
+                crate::plan::print_target_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?
+            }
+            TargetKind::Hybrid(t) => {
+                crate::plan::print_hybrid_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?
+            }
         };
         if !fits {
             println!("the run does not fit one H200: lower --max-len or --anchors");
@@ -513,7 +517,9 @@ fn real_run(
             // The target's forward on `gpu`, bf16 (with the LM head when the step shares it), on
             // kernels for its own heads (a hybrid's differ from its drafter's).
             let (target, ids) = (t.clone(), ids.clone());
-            let forward = move |gpu: &Gpu, with_lm_head: bool| -> dflash_trainer::Result<Box<dyn TargetFeatures<Backend = Cuda>>> {
+            let forward = move |gpu: &Gpu,
+                                with_lm_head: bool|
+                  -> dflash_trainer::Result<Box<dyn TargetFeatures<Backend = Cuda>>> {
                 let started = Instant::now();
                 let cuda = Cuda::new(gpu, target.head_dim())?;
                 let f = real::load_forward(cuda, &target, &dir, &ids, max_len, (with_lm_head, DType::BF16))?;
@@ -569,9 +575,10 @@ fn real_run(
             // One engine per worker, made in its thread: its own target forward (online, without
             // target workers), or the tables on the host (offline, or fed by target workers).
             let target = t.clone();
-            let forward = move |with_lm_head: bool| -> dflash_trainer::Result<Box<dyn TargetFeatures<Backend = Host<f32>>>> {
-                real::load_forward(Host::<f32>::default(), &target, &dir, &ids, max_len, (with_lm_head, DType::F32))
-            };
+            let forward =
+                move |with_lm_head: bool| -> dflash_trainer::Result<Box<dyn TargetFeatures<Backend = Host<f32>>>> {
+                    real::load_forward(Host::<f32>::default(), &target, &dir, &ids, max_len, (with_lm_head, DType::F32))
+                };
             let head = match online && targets == 0 {
                 true => None,
                 false => Some(host_head(DType::F32)?),

@@ -498,7 +498,8 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
     for step in ["host", "reference"] {
         let out = tmp.path().join(step);
         let stdout = run(&out, &["--step", step, "--steps", "4", "--tau-prompts", "1", "--tau-tokens", "4"]);
-        for expected in ["Qwen3.5 hybrid (3 layers", "held-out tau_hat", "tau (greedy speculative decoding", "saved the drafter"]
+        for expected in
+            ["Qwen3.5 hybrid (3 layers", "held-out tau_hat", "tau (greedy speculative decoding", "saved the drafter"]
         {
             assert!(stdout.contains(expected), "{step}: no `{expected}` in\n{stdout}");
         }

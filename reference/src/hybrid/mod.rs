@@ -314,7 +314,6 @@ impl Target for HybridModel {
     fn check_drafter(&self, drafter: &DraftConfig) -> Result<()> {
         self.config.check_drafter(drafter)
     }
-
 }
 
 #[cfg(test)]
