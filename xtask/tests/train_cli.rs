@@ -363,6 +363,18 @@ fn real_args(target: &Path, cache: &Path, out: &Path, extra: &[&str]) -> Vec<Str
     args
 }
 
+/// `xtask features` on the CPU twins: the cache of `real_args`' data and layers into `features`.
+fn write_features(target: &Path, cache: &Path, features: &Path) {
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["features", "--device", "cpu", "--target", target.to_str().unwrap()])
+        .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
+        .args(["--out", features.to_str().unwrap(), "--cache", cache.to_str().unwrap()])
+        .args(["--max-len", "256", "--layer-ids", "2,0", "--held-out", "0.2"])
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+}
+
 fn repo(path: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
 }
@@ -449,14 +461,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
 
     // Offline: the features of every document cached, then trained from.
     let features = tmp.path().join("features");
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(["features", "--device", "cpu", "--target", target.to_str().unwrap()])
-        .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
-        .args(["--out", features.to_str().unwrap(), "--cache", cache.to_str().unwrap()])
-        .args(["--max-len", "256", "--layer-ids", "2,0", "--held-out", "0.2"])
-        .output()
-        .unwrap();
-    assert!(result.status.success(), "{}", text(&result.stderr));
+    write_features(&target, &cache, &features);
     let out = tmp.path().join("offline");
     let mut extra = vec!["--step", "host", "--features", features.to_str().unwrap()];
     extra.extend(steps);
@@ -536,14 +541,7 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
     assert!(!result.status.success() && text(&result.stderr).contains("not built yet"), "{}", text(&result.stderr));
 
     let features = tmp.path().join("features");
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(["features", "--device", "cpu", "--target", target.to_str().unwrap()])
-        .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
-        .args(["--out", features.to_str().unwrap(), "--cache", cache.to_str().unwrap()])
-        .args(["--max-len", "256", "--layer-ids", "2,0", "--held-out", "0.2"])
-        .output()
-        .unwrap();
-    assert!(result.status.success(), "{}", text(&result.stderr));
+    write_features(&target, &cache, &features);
     let out = tmp.path().join("offline");
     let stdout = run(&out, &["--step", "host", "--steps", "4", "--features", features.to_str().unwrap()]);
     assert!(stdout.contains("features from the cache"), "{stdout}");
