@@ -137,29 +137,38 @@ pub fn repeat_heads(x: &Tensor, group: usize) -> Result<Tensor> {
 
 /// The delta rule token by token, per head (spec section 10): with `S` `[d_k, d_v]` zero at each
 /// document start, `S = alpha_t S; m = S^T k_t; delta = beta_t (v_t - m); S += k_t delta^T;
-/// o_t = S^T q_t`. Returns o `[T, H, d_v]`.
+/// o_t = S^T q_t`, as plain loops in f64 (the result in the inputs' dtype). Returns o
+/// `[T, H, d_v]`.
 pub fn gated_delta_recurrent(inp: &DeltaInputs, starts: &[bool]) -> Result<Tensor> {
     let (t_len, heads, dk) = inp.k.dims3()?;
     let dv = inp.v.dim(2)?;
     check_starts(starts, t_len)?;
-    let zero = Tensor::zeros((heads, dk, dv), inp.v.dtype(), &Device::Cpu)?;
-    let alpha = inp.g.exp()?;
-    let mut state = zero.clone(); // [H, d_k, d_v]
-    let mut outputs = Vec::with_capacity(t_len);
+    let flat = |x: &Tensor| -> Result<Vec<f64>> { Ok(x.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?) };
+    let (q, k, v) = (flat(&inp.q)?, flat(&inp.k)?, flat(&inp.v)?);
+    let (g, beta) = (flat(&inp.g)?, flat(&inp.beta)?); // [T, H]
+    let mut state = vec![0.0; heads * dk * dv]; // [H, d_k, d_v]
+    let mut out = vec![0.0; t_len * heads * dv];
     for (t, &start) in starts.iter().enumerate() {
         if start {
-            state = zero.clone();
+            state.fill(0.0);
         }
-        let row = |x: &Tensor| -> Result<Tensor> { Ok(x.get(t)?.unsqueeze(1)?) }; // [H, 1, d]
-        let (q, k, v) = (row(&inp.q)?, row(&inp.k)?, row(&inp.v)?);
-        let per_head = |x: &Tensor| -> Result<Tensor> { Ok(x.get(t)?.reshape((heads, 1, 1))?) };
-        state = state.broadcast_mul(&per_head(&alpha)?)?;
-        let m = k.matmul(&state)?; // (S^T k)^T, [H, 1, d_v]
-        let delta = (v - m)?.broadcast_mul(&per_head(&inp.beta)?)?;
-        state = (state + k.transpose(1, 2)?.contiguous()?.matmul(&delta)?)?;
-        outputs.push(q.matmul(&state)?.squeeze(1)?); // (S^T q)^T, [H, d_v]
+        for h in 0..heads {
+            let th = t * heads + h;
+            let s = &mut state[h * dk * dv..(h + 1) * dk * dv];
+            let (q_t, k_t, v_t) = (&q[th * dk..][..dk], &k[th * dk..][..dk], &v[th * dv..][..dv]);
+            let alpha = g[th].exp();
+            s.iter_mut().for_each(|x| *x *= alpha);
+            let delta: Vec<f64> =
+                (0..dv).map(|j| beta[th] * (v_t[j] - (0..dk).map(|i| s[i * dv + j] * k_t[i]).sum::<f64>())).collect();
+            for (i, &k_i) in k_t.iter().enumerate() {
+                s[i * dv..(i + 1) * dv].iter_mut().zip(&delta).for_each(|(x, d)| *x += k_i * d);
+            }
+            for (j, o) in out[th * dv..][..dv].iter_mut().enumerate() {
+                *o = (0..dk).map(|i| s[i * dv + j] * q_t[i]).sum();
+            }
+        }
     }
-    Ok(Tensor::stack(&outputs, 0)?)
+    Ok(Tensor::from_vec(out, (t_len, heads, dv), &Device::Cpu)?.to_dtype(inp.v.dtype())?)
 }
 
 /// The same delta rule in chunks of `chunk` tokens (each document chunked from its own start),
