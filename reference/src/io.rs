@@ -1,7 +1,7 @@
 //! Files: atomic writes, and safetensors weight sets whose errors name the file and tensor.
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -59,32 +59,69 @@ pub struct WeightSet {
     tensors: HashMap<String, (Tensor, PathBuf)>,
 }
 
+/// The safetensors files of the checkpoint in `dir` and the file that names them: the shards of
+/// `model.safetensors.index.json`, or `model.safetensors` alone.
+fn checkpoint_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return Ok((dir.join("model.safetensors"), vec![dir.join("model.safetensors")]));
+    }
+    let value = crate::json_fields::read_json(&index)?;
+    let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Field {
+        file: index.clone(),
+        field: "weight_map".into(),
+        message: "missing or not an object".into(),
+    })?;
+    let mut shards: Vec<PathBuf> = Vec::new();
+    for (name, shard) in map {
+        let shard = shard.as_str().ok_or_else(|| Error::Field {
+            file: index.clone(),
+            field: format!("weight_map.{name}"),
+            message: "expected a file name".into(),
+        })?;
+        let path = dir.join(shard);
+        if !shards.contains(&path) {
+            shards.push(path);
+        }
+    }
+    Ok((index, shards))
+}
+
+/// Every tensor of the checkpoint in `dir` with its shape, from the safetensors headers alone (no
+/// tensor is read): what a target's weights are checked against before any work.
+pub fn checkpoint_shapes(dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
+    let (_, files) = checkpoint_files(dir)?;
+    let mut shapes = HashMap::new();
+    for file in files {
+        let bad = |message: String| Error::Tensor { file: file.clone(), tensor: "<header>".into(), message };
+        let mut f = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).map_err(|e| Error::io(&file, e))?;
+        let len = u64::from_le_bytes(len);
+        let size = f.metadata().map_err(|e| Error::io(&file, e))?.len();
+        if len > size.saturating_sub(8) {
+            return Err(bad(format!("a header of {len} bytes in a file of {size}: not a safetensors file")));
+        }
+        let mut header = vec![0u8; len as usize];
+        f.read_exact(&mut header).map_err(|e| Error::io(&file, e))?;
+        let value: serde_json::Value =
+            serde_json::from_slice(&header).map_err(|e| bad(format!("the header is not JSON: {e}")))?;
+        let entries = value.as_object().ok_or_else(|| bad("the header is not a JSON object".into()))?;
+        for (name, entry) in entries.iter().filter(|(n, _)| n.as_str() != "__metadata__") {
+            let dims =
+                entry["shape"].as_array().and_then(|d| d.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
+            let dims: Vec<usize> = dims.ok_or_else(|| bad(format!("tensor `{name}` has no shape")))?;
+            shapes.insert(name.clone(), dims);
+        }
+    }
+    Ok(shapes)
+}
+
 impl WeightSet {
     /// Loads `model.safetensors` from `dir`, or the shards listed in `model.safetensors.index.json`.
     pub fn load_dir(dir: &Path) -> Result<Self> {
-        let index = dir.join("model.safetensors.index.json");
-        if !index.exists() {
-            return Self::load_files(&dir.join("model.safetensors"), &[dir.join("model.safetensors")]);
-        }
-        let value = crate::json_fields::read_json(&index)?;
-        let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Field {
-            file: index.clone(),
-            field: "weight_map".into(),
-            message: "missing or not an object".into(),
-        })?;
-        let mut shards: Vec<PathBuf> = Vec::new();
-        for (name, shard) in map {
-            let shard = shard.as_str().ok_or_else(|| Error::Field {
-                file: index.clone(),
-                field: format!("weight_map.{name}"),
-                message: "expected a file name".into(),
-            })?;
-            let path = dir.join(shard);
-            if !shards.contains(&path) {
-                shards.push(path);
-            }
-        }
-        Self::load_files(&index, &shards)
+        let (origin, files) = checkpoint_files(dir)?;
+        Self::load_files(&origin, &files)
     }
 
     /// Loads the given safetensors files; `origin` names the set in errors about missing tensors.

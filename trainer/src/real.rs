@@ -76,6 +76,16 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
     let target_config = TargetKind::from_file(&config_file)?;
     let layers = target_config.num_layers();
     let mut notes = Vec::new();
+    let unused = target_config.check_checkpoint(&target_dir)?;
+    if !unused.is_empty() {
+        let shown: Vec<&str> = unused.iter().take(3).map(String::as_str).collect();
+        notes.push(format!(
+            "target: {} checkpoint tensors the text model does not use are left out ({}{})",
+            unused.len(),
+            shown.join(", "),
+            if unused.len() > 3 { ", ..." } else { "" }
+        ));
+    }
 
     let cache_index = match &c.features {
         Some(dir) => Some(

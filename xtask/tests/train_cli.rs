@@ -487,6 +487,14 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("hybrid");
     write_hybrid_target_folder(&target, rand::rng().random_range(0..1 << 30)).unwrap();
+    // A multi-token-prediction head in the checkpoint: left out, and said so.
+    let weights = target.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    tensors.insert(
+        "mtp.fc.weight".into(),
+        candle_core::Tensor::ones((2, 3), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
     let cache = tmp.path().join("data-cache");
     let run = |out: &Path, extra: &[&str]| {
         let result =
@@ -496,7 +504,13 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
         stdout
     };
     let stdout = run(&tmp.path().join("planned"), &["--plan"]);
-    for expected in ["== hybrid target", "2 GatedDeltaNet + 1 gated attention", "target + drafter step", "fits"] {
+    for expected in [
+        "== hybrid target",
+        "2 GatedDeltaNet + 1 gated attention",
+        "target + drafter step",
+        "fits",
+        "1 checkpoint tensors the text model does not use are left out (mtp.fc.weight)",
+    ] {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
     let mut first = Vec::new();
@@ -573,8 +587,8 @@ fn bad_real_runs_are_refused_before_any_work() {
     write_target_folder(&target, 3);
     let cache = tmp.path().join("data-cache");
     let out = tmp.path().join("out");
-    let fails = |extra: &[&str], want: &[&str]| {
-        let mut args = real_args(&target, &cache, &out, &["--step", "host", "--steps", "2"]);
+    let refuses = |target: &Path, extra: &[&str], want: &[&str]| {
+        let mut args = real_args(target, &cache, &out, &["--step", "host", "--steps", "2"]);
         args.extend(extra.iter().map(|s| s.to_string()));
         let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
         let stderr = text(&result.stderr);
@@ -584,6 +598,7 @@ fn bad_real_runs_are_refused_before_any_work() {
         }
         assert!(!out.join("metrics.jsonl").exists(), "{extra:?}: training started");
     };
+    let fails = |extra: &[&str], want: &[&str]| refuses(&target, extra, want);
     fails(&["--target-layer-ids", "1,3"], &["target_layer_ids", "layer 3", "3 layers"]);
     fails(&["--anchors", "1000"], &["anchors", "1000"]);
     fails(&["--max-len", "1"], &["max_len"]);
@@ -611,6 +626,20 @@ fn bad_real_runs_are_refused_before_any_work() {
     let tokenizer = dflash_data::target::TargetTokenizer::load(&target).unwrap();
     let common = tokenizer.encode("the").unwrap()[0].to_string();
     fails(&["--mask-token-id", &common], &["mask_token_id", "occurs in the data"]);
+    // A checkpoint without a weight of its last layer, and one with a weight of the wrong shape.
+    let damaged = tmp.path().join("damaged");
+    write_target_folder(&damaged, 3);
+    let weights = damaged.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    let refused = |tensors: &std::collections::HashMap<String, candle_core::Tensor>, want: &[&str]| {
+        candle_core::safetensors::save(tensors, &weights).unwrap();
+        refuses(&damaged, &[], want);
+    };
+    let up = "model.layers.2.mlp.up_proj.weight";
+    let weight = tensors.remove(up).unwrap();
+    refused(&tensors, &[up, "missing from the checkpoint"]);
+    tensors.insert(up.into(), weight.t().unwrap().contiguous().unwrap());
+    refused(&tensors, &[up, "[32, 48]", "[48, 32]"]);
     let missing = tmp.path().join("absent");
     let args = real_args(&missing, &cache, &out, &["--steps", "2"]);
     let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();

@@ -12,7 +12,7 @@ pub mod config;
 pub mod gdn;
 pub mod layers;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
@@ -25,7 +25,7 @@ use crate::drafter::{random_normal, FrozenHead};
 use crate::error::{Error, Result};
 use crate::io::{save_weights_f32, WeightSet};
 use crate::ops::{linear, rope_tables, swiglu};
-use crate::target::{Target, TargetOutput};
+use crate::target::{Target, TargetKind, TargetOutput};
 pub use config::{HybridConfig, HybridLayerKind, HybridLayout};
 pub use gdn::GdnForm;
 use gdn::{gdn_layer, segment_starts, GdnWeights};
@@ -140,23 +140,9 @@ impl HybridModel {
     /// other tensor the model does not have is an error naming it.
     pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
         let config = HybridConfig::from_file(&dir.join("config.json"))?;
+        let ignored = TargetKind::Hybrid(config.clone()).check_checkpoint(dir)?;
         let set = WeightSet::load_dir(dir)?;
         let layout = config.layout;
-        let expected: HashSet<String> =
-            hybrid_param_shapes(&config).into_iter().map(|(name, _)| layout.checkpoint_name(&name)).collect();
-        let mut ignored = Vec::new();
-        for name in set.names() {
-            // A tied checkpoint may still carry its (duplicate) head; the embedding is used.
-            if HybridLayout::is_ignored(name) || (config.tie_word_embeddings && name == "lm_head.weight") {
-                ignored.push(name.to_string());
-            } else if !expected.contains(name) {
-                return Err(Error::Tensor {
-                    file: dir.to_path_buf(),
-                    tensor: name.into(),
-                    message: format!("not a weight of this {layout:?}-layout Qwen3.5 text model"),
-                });
-            }
-        }
         let mut model = Self::from_fn(config, |name, shape| set.get(&layout.checkpoint_name(name), shape, dtype))?;
         model.ignored = ignored;
         Ok(model)
