@@ -64,8 +64,8 @@ pub fn run_gdn_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     for (tokens, key_heads, value_heads, key_head_dim, value_head_dim, ends) in cases {
         let shape = GdnShape { tokens, key_heads, value_heads, key_head_dim, value_head_dim, conv_kernel: 4 };
         let docs = tiling(ends);
-        let table = buf.put(u, &segment_table(&docs, tokens).into_iter().map(f64::from).collect::<Vec<_>>())?;
-        let segments = Segments { ranges: &docs, table };
+        let table = buf.put(u, &segment_table(&docs, tokens, false).into_iter().map(f64::from).collect::<Vec<_>>())?;
+        let segments = Segments { ranges: &docs, table, resume: false };
         let (c, hv, vd) = (shape.conv_channels(), value_heads, shape.value_dim());
         let label = format!("T {tokens}, H_k {key_heads}, H_v {hv}, d_k {key_head_dim}, d_v {value_head_dim}");
 
@@ -116,6 +116,23 @@ pub fn run_gdn_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
             outputs: vec![
                 ("out", buf.get(s, o, tokens * vd)?, GDN_DELTA_BF16),
                 ("carried state", carried, GDN_DELTA_BF16),
+            ],
+        });
+        // Decoding's form: the first 70 tokens as one segment resuming the state left above.
+        let n = tokens.min(70);
+        let one = [0..n];
+        let table = buf.put(u, &segment_table(&one, n, true).into_iter().map(f64::from).collect::<Vec<_>>())?;
+        let resumed = Segments { ranges: &one, table, resume: true };
+        let shape_n = GdnShape { tokens: n, ..shape };
+        let o = buf.zeros(s, n * vd)?;
+        for group in dflash_optimized::ops::gdn::groups(&one, shape_n) {
+            gdn.gated_delta(DeltaBuffers { out: o, ..bufs }, scratch, shape_n, resumed, group)?;
+        }
+        out.push(OpOutputs {
+            op: format!("gated_delta {label}, {n} tokens resuming that state"),
+            outputs: vec![
+                ("out", buf.get(s, o, n * vd)?, GDN_DELTA_BF16),
+                ("carried state", buf.get(a, scratch.carry, d.carry)?, GDN_DELTA_BF16),
             ],
         });
 

@@ -73,7 +73,7 @@ impl Case {
 
     /// The documents as the twins take them (no device table).
     fn segments(&self) -> Segments<'_> {
-        Segments { ranges: &self.docs, table: 0 }
+        Segments { ranges: &self.docs, table: 0, resume: false }
     }
 
     fn label(&self) -> String {
@@ -374,6 +374,58 @@ fn chunked_twin_equals_the_recurrent_reference_in_f64() {
     eprintln!("chunked twin vs recurrent reference worst (f64): {max:.2e}");
 }
 
+/// Decoding's split: a document run as its first `m` tokens, then the rest as one segment
+/// resuming the carried state (`Segments::resume`), gives the one-launch output and final state
+/// in f64, for every split point of the one-document cases.
+#[test]
+fn a_resumed_launch_continues_the_carried_state() {
+    let twin = GdnTwin::<f64>::default();
+    let mut max = 0.0f64;
+    for case in cases().into_iter().filter(|c| c.docs.len() == 1 && c.shape.tokens >= 2) {
+        let mut rng = ChaCha8Rng::seed_from_u64(case.seed);
+        let s = case.shape;
+        let (t, c, hv, vd) = (s.tokens, s.conv_channels(), s.value_heads, s.value_dim());
+        let qkv = normal(t * c, 1.0, &mut rng);
+        let (beta, g) = random_gates(s, &mut rng);
+        let d = s.scratch_values();
+        // The whole document in one launch: its output and the state it leaves in the carry.
+        let run = |from: usize, to: usize, resume: bool, carry: &mut Vec<f64>, out: &mut [f64]| {
+            let shape = GdnShape { tokens: to - from, ..s };
+            let one = [0..to - from];
+            let (mut w, mut u, mut states) = (vec![0.0; d.w], vec![0.0; d.u], vec![0.0; d.states]);
+            let b = DeltaBuffers {
+                qkv: addr(&qkv[from * c..]),
+                beta: addr(&beta[from * hv..]),
+                g: addr(&g[from * hv..]),
+                out: out_addr(&mut out[from * vd..]),
+            };
+            let scratch = DeltaScratch {
+                w: out_addr(&mut w),
+                u: out_addr(&mut u),
+                states: out_addr(&mut states),
+                carry: out_addr(carry),
+            };
+            for group in groups(&one, shape) {
+                let docs = Segments { ranges: &one, table: 0, resume };
+                twin.gated_delta(b, scratch, shape, docs, group).expect("gated_delta twin");
+            }
+        };
+        let (mut whole, mut whole_state) = (vec![0.0; t * vd], vec![0.0; d.carry]);
+        run(0, t, false, &mut whole_state, &mut whole);
+        for m in [1, t / 2, t - 1].into_iter().filter(|&m| m >= 1 && m < t) {
+            let (mut split, mut state) = (vec![0.0; t * vd], vec![f64::NAN; d.carry]);
+            run(0, m, false, &mut state, &mut split);
+            run(m, t, true, &mut state, &mut split);
+            let err = rel_error(&tensor(split, &[t, vd]), &tensor(whole.clone(), &[t, vd]))
+                .max(rel_error(&tensor(state, &[d.carry]), &tensor(whole_state.clone(), &[d.carry])));
+            let tol = GDN_TWIN_F64;
+            assert!(err <= tol.rel, "{} split at {m}: {err:.3e} above {:.0e} ({})", case.label(), tol.rel, tol.reason);
+            max = max.max(err);
+        }
+    }
+    eprintln!("resumed launches vs one launch worst (f64): {max:.2e}");
+}
+
 /// The four twins with the reference's projections in between give the reference's whole
 /// GatedDeltaNet token mixer (`gdn_layer`, chunked) on a packed row, in f64: the twins read the
 /// layer's layouts (q, k, v channels of the conv, head order, the conv taps of `[C, 1, K]`).
@@ -455,14 +507,17 @@ fn bad_shapes_and_documents_are_refused() {
     assert!(err.contains("empty size"), "{err}");
     let twin = GdnTwin::<f64>::default();
     let short = tiling(&[5]);
-    let err = twin.conv1d_silu(0, 0, 0, shape, Segments { ranges: &short, table: 0 }).expect_err("short").to_string();
+    let err = twin
+        .conv1d_silu(0, 0, 0, shape, Segments { ranges: &short, table: 0, resume: false })
+        .expect_err("short")
+        .to_string();
     assert!(err.contains("do not tile"), "{err}");
     // Chunk groups: empty, beyond the chunks, or longer than the state slots.
     let docs = tiling(&[3, 10]);
     let b = DeltaBuffers { qkv: 0, beta: 0, g: 0, out: 0 };
     let s = DeltaScratch { w: 0, u: 0, states: 0, carry: 0 };
     for group in [0..0, 1..3, 0..2] {
-        let err = twin.gated_delta(b, s, shape, Segments { ranges: &docs, table: 0 }, group.clone());
+        let err = twin.gated_delta(b, s, shape, Segments { ranges: &docs, table: 0, resume: false }, group.clone());
         let err = err.expect_err("bad group").to_string();
         assert!(err.contains("within the 2 chunks and at most 1 long"), "{group:?}: {err}");
     }

@@ -193,7 +193,7 @@ impl<B: Backend> HybridForward<B> {
         self.dev.upload(self.at(lay.token_ids), bytes_of(&tokens))?;
         self.dev.upload(self.at(lay.positions), bytes_of(&positions))?;
         if lay.gdn.is_some() {
-            self.dev.upload(self.at(lay.segments), bytes_of(&segment_table(&segments, total)))?;
+            self.dev.upload(self.at(lay.segments), bytes_of(&segment_table(&segments, total, false)))?;
         }
         // The RoPE tables of the positions, rows copied as stored-width columns.
         let cols = self.config.rope.rotary_dim * <B::Elem as Elem>::Acc::BYTES / B::Elem::BYTES;
@@ -251,7 +251,7 @@ impl<B: Backend> HybridForward<B> {
         let shape = GdnShape::new(&self.config.gdn, t);
         let (xn, hv, vd) = (self.at(self.layout.xn), shape.value_heads, shape.value_dim());
         let at = |r: Region| self.at(r);
-        let docs = Segments { ranges: segments, table: self.at(self.layout.segments) };
+        let docs = Segments { ranges: segments, table: self.at(self.layout.segments), resume: false };
         self.dev.linear(xn, t, h, at(w.in_proj_qkv), shape.conv_channels(), at(s.qkv_pre), 0.0)?;
         gdn.conv1d_silu(at(s.qkv_pre), at(w.conv1d), at(s.qkv), shape, docs)?;
         self.dev.linear(xn, t, h, at(w.in_proj_z), vd, at(s.z), 0.0)?;

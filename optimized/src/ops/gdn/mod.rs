@@ -109,12 +109,23 @@ impl GdnShape {
 }
 
 /// The segments of one GatedDeltaNet launch: `ranges` tile `0..T` in order, each restarting the
-/// conv window and the state; `table` is the address of their [`segment_table`] (u32
-/// `[4T]`, uploaded by the caller), which the kernels read and the twins do not.
+/// conv window and the state, except that with `resume` the delta rule's first segment continues
+/// the state in the carry (decoding: the tokens after a cached state); `table` is the address of
+/// their [`segment_table`] (u32 `[4T]`, uploaded by the caller, made with the same `resume`),
+/// which the kernels read and the twins do not.
 #[derive(Clone, Copy, Debug)]
 pub struct Segments<'a> {
     pub ranges: &'a [Range<usize>],
     pub table: u64,
+    pub resume: bool,
+}
+
+impl Segments<'_> {
+    /// Whether the delta rule's state restarts at chunk start `t` (a segment's start, but not the
+    /// first one's when resuming).
+    pub fn restarts_at(&self, t: usize) -> bool {
+        !(self.resume && t == 0) && self.ranges.binary_search_by_key(&t, |r| r.start).is_ok()
+    }
 }
 
 /// Values of the segment table of a launch of `tokens` tokens.
@@ -148,15 +159,16 @@ pub fn check_group(ranges: &[Range<usize>], group: &Range<usize>, shape: GdnShap
 }
 
 /// The device table of `ranges` tiling `0..tokens`: per token the start of its segment `[T]`,
-/// then each of [`chunks`] as `(begin, end, 1 if it starts its segment)`, zero-padded to
+/// then each of [`chunks`] as `(begin, end, 1 if its state restarts)` (at a segment's start but
+/// the first's under `resume`, as [`Segments::restarts_at`]), zero-padded to
 /// [`segment_table_len`] values.
-pub fn segment_table(ranges: &[Range<usize>], tokens: usize) -> Vec<u32> {
+pub fn segment_table(ranges: &[Range<usize>], tokens: usize, resume: bool) -> Vec<u32> {
     let mut table = vec![0u32; segment_table_len(tokens)];
     for r in ranges {
         table[r.clone()].iter_mut().for_each(|s| *s = r.start as u32);
     }
     for (i, c) in chunks(ranges).enumerate() {
-        let starts = table[c.start] as usize == c.start;
+        let starts = table[c.start] as usize == c.start && !(resume && c.start == 0);
         table[tokens + 3 * i..tokens + 3 * i + 3].copy_from_slice(&[c.start as u32, c.end as u32, starts as u32]);
     }
     table
@@ -222,8 +234,8 @@ pub trait GdnOps {
     /// The gated delta rule over the chunks `group` of [`chunks`] of `docs` (see [`groups`]; each
     /// document chunked from its own start), per value head `h` (key head `h / (H_v / H_k)`),
     /// q and k L2-normed (eps [`dflash_reference::hybrid::gdn::L2_NORM_EPS`]), q scaled by
-    /// `d_k^-0.5`. The state enters from the carry, zero where a chunk starts its document, and
-    /// leaves into it: the groups of a launch run in order.
+    /// `d_k^-0.5`. The state enters from the carry, zero where a chunk starts its document (not
+    /// the first under `docs.resume`), and leaves into it: the groups of a launch run in order.
     fn gated_delta(
         &self,
         b: DeltaBuffers,

@@ -267,11 +267,10 @@ impl<E: Elem> GdnOps for GdnTwin<E> {
     ) -> Result<()> {
         shape.check_docs(docs.ranges)?;
         check_group(docs.ranges, &group, shape)?;
-        let starts_document = |t: usize| docs.ranges.binary_search_by_key(&t, |r| r.start).is_ok();
         for h in 0..shape.value_heads {
             let head = Head::<E>::new(b, s, shape, h);
             for (slot, c) in chunks(docs.ranges).skip(group.start).take(group.len()).enumerate() {
-                head.enter(starts_document(c.start), slot);
+                head.enter(docs.restarts_at(c.start), slot);
                 head.chunk(c.start, c.len(), slot);
             }
         }
