@@ -6,28 +6,75 @@
 
 use candle_core::DType;
 use dflash_optimized::backend::Backend;
-use dflash_optimized::model::speculative::SpecDecoder;
+use dflash_optimized::memory::hybrid::hybrid_drafter;
+use dflash_optimized::model::hybrid_forward::HybridForward;
+use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
+use dflash_optimized::model::target_forward::TargetForward;
 use dflash_optimized::Result;
 use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, TargetArch, TargetConfig};
 use dflash_reference::drafter::{is_norm, random_normal, DraftInput, Drafter};
+use dflash_reference::hybrid::{HybridConfig, HybridModel};
 use dflash_reference::speculative::{plain_decode, speculative_decode_with, Sampling, SpecOutput};
-use dflash_reference::target::TargetModel;
+use dflash_reference::target::{Target, TargetModel};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::fixtures_dir;
 use crate::gpu_step::GpuCheck;
+use crate::hybrid_cases::hybrid_config;
 use crate::setups::random_target_config;
 
 /// Init std of the random tiny targets: peaked next-token distributions, unlike a near-uniform
 /// 0.02, so that random drafters get some drafts accepted.
 pub const TARGET_STD: f64 = 0.5;
 
-/// A target and a drafter for it.
-pub struct Pair {
+/// A target (dense, or a hybrid) and a drafter for it.
+pub struct Pair<T = TargetModel> {
     pub name: String,
-    pub target: TargetModel,
+    pub target: T,
     pub drafter: Drafter,
+}
+
+/// A reference target whose optimized decoder [`decode_check`] holds to it: the dense
+/// `TargetModel` ([`TargetForward`]) or the hybrid `HybridModel` ([`HybridForward`]).
+pub trait DecodedTarget: Target {
+    type Forward<B: Backend>: DecodeTarget<Backend = B>;
+    /// The optimized decoders of this target (its weights loaded) and of a `drafter` (weights
+    /// not loaded) for contexts of `context` positions, on backends from `make`.
+    fn decoder<B: Backend>(
+        &self,
+        make: impl Fn() -> Result<B>,
+        drafter: &DraftConfig,
+        context: usize,
+    ) -> Result<SpecDecoder<Self::Forward<B>>>;
+}
+
+impl DecodedTarget for TargetModel {
+    type Forward<B: Backend> = TargetForward<B>;
+    fn decoder<B: Backend>(
+        &self,
+        make: impl Fn() -> Result<B>,
+        drafter: &DraftConfig,
+        context: usize,
+    ) -> Result<SpecDecoder<TargetForward<B>>> {
+        let mut decoder = SpecDecoder::new(make, &self.config, Some(drafter), context)?;
+        decoder.target.load_weights(|name, _| self.weight(name))?;
+        Ok(decoder)
+    }
+}
+
+impl DecodedTarget for HybridModel {
+    type Forward<B: Backend> = HybridForward<B>;
+    fn decoder<B: Backend>(
+        &self,
+        make: impl Fn() -> Result<B>,
+        drafter: &DraftConfig,
+        context: usize,
+    ) -> Result<SpecDecoder<HybridForward<B>>> {
+        let mut decoder = SpecDecoder::hybrid(make, &self.config, Some(drafter), context)?;
+        decoder.target.load_weights(|name, _| self.weight(name))?;
+        Ok(decoder)
+    }
 }
 
 /// A drafter config for `target` with `block_size`, 1-2 layers of a random full/sliding mix and
@@ -163,6 +210,72 @@ pub fn builtin_pair(dtype: DType) -> Pair {
     Pair { name: "GPU built-in target, its trained drafter".to_string(), target, drafter }
 }
 
+/// Random tiny hybrid targets (spec section 10: GatedDeltaNet and gated attention layers, linears
+/// normal(0, [`TARGET_STD`]) for peaked distributions over a vocab of 12; one tied) in `dtype`
+/// with random drafters of `block_size` for them (linears normal(0, 0.5)).
+pub fn hybrid_pairs(seed: u64, block_size: usize, dtype: DType) -> Vec<Pair<HybridModel>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let linear = "linear_attention";
+    let specs: [(&str, &[&str], bool); 2] = [
+        ("hybrid gdn-attn-gdn-gdn", &[linear, "full_attention", linear, linear], false),
+        ("hybrid attn-gdn-gdn tied", &["full_attention", linear, linear], true),
+    ];
+    specs
+        .into_iter()
+        .map(|(name, kinds, tied)| {
+            let config = hybrid_config(128, kinds, (1, 2, 16, 24), (2, 1, 32), 12, tied).expect("hybrid config");
+            let weights = (TARGET_STD, 0.5, false);
+            hybrid_pair(&format!("{name}, block {block_size}"), config, block_size, weights, &mut rng, dtype)
+        })
+        .collect()
+}
+
+/// Hybrids the GPU kernels can run (GatedDeltaNet d_k 128 and 32, gated attention d 256 and 64,
+/// one tied) with weights normal(0, [`GPU_PAIR_STD`]) rounded to bf16 as a checkpoint stores them,
+/// held in `dtype`, and drafters of block 16 for them.
+pub fn gpu_hybrid_pairs(seed: u64, dtype: DType) -> Vec<Pair<HybridModel>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let linear = "linear_attention";
+    let kinds = [linear, linear, "full_attention", linear];
+    let specs = [
+        ("gpu hybrid d_k 128 H_v 4/2, attention d 256 gqa2", 256, (2, 4, 128, 128), (4, 2, 256), false),
+        ("gpu hybrid d_k 32 d_v 48 H_v 3/1, attention d 64, tied", 128, (1, 3, 32, 48), (2, 2, 64), true),
+    ];
+    specs
+        .into_iter()
+        .map(|(name, hidden, gdn, attn, tied)| {
+            let config = hybrid_config(hidden, &kinds, gdn, attn, 320, tied).expect("hybrid config");
+            let weights = (GPU_PAIR_STD, GPU_PAIR_STD, true);
+            hybrid_pair(name, config, 16, weights, &mut rng, dtype)
+        })
+        .collect()
+}
+
+/// A random hybrid of `config` and a random drafter of `block_size` for it (the published
+/// hybrid drafter's shape, spec sections 1 and 10: heads of 128, two layers, a sliding then a
+/// full one, two features), linears normal(0, `std`) for the target then the drafter, rounded to
+/// bf16 when `bf16`, held in `dtype`.
+fn hybrid_pair(
+    name: &str,
+    config: HybridConfig,
+    block_size: usize,
+    (target_std, drafter_std, bf16): (f64, f64, bool),
+    rng: &mut ChaCha8Rng,
+    dtype: DType,
+) -> Pair<HybridModel> {
+    let round = |t: candle_core::Tensor| -> dflash_reference::Result<candle_core::Tensor> {
+        Ok(if bf16 { t.to_dtype(DType::BF16)?.to_dtype(dtype)? } else { t.to_dtype(dtype)? })
+    };
+    let random = HybridModel::random(config.clone(), rng.random(), target_std, DType::F64).expect("random hybrid");
+    let target = HybridModel::from_fn(config.clone(), |n, _| round(random.weight(n)?)).expect("hybrid target");
+    let mask = (config.vocab_size - 1) as u32;
+    let mut draft = hybrid_drafter(&config, (2, block_size, 2), mask).expect("hybrid drafter");
+    draft.dims.layer_kinds[0] = AttnKind::Sliding { window: 5 };
+    let drafter = random_drafter(draft, drafter_std, rng, DType::F64);
+    let drafter = Drafter::from_fn(drafter.config.clone(), |n, _| round(drafter.param(n).clone())).expect("drafter");
+    Pair { name: name.to_string(), target, drafter }
+}
+
 /// How the optimized decoder is held to the reference.
 #[derive(Clone, Copy, Debug)]
 pub enum DecodeMatch {
@@ -188,16 +301,15 @@ pub const BF16_NEAR_TIE: f64 = 0.1;
 /// drafts the output agrees with; against the reference as `matching` says. Each error is a count
 /// of tokens or steps; all must be 0. Also returns the drafts accepted in all (so that a caller
 /// can require the multi-token path to have run).
-pub fn decode_check<B: Backend>(
-    pair: &Pair,
+pub fn decode_check<B: Backend, T: DecodedTarget>(
+    pair: &Pair<T>,
     backend: impl Fn() -> Result<B>,
     prompts: &[Vec<u32>],
     (max_new, sampling): (usize, &Sampling),
     matching: DecodeMatch,
 ) -> Result<(GpuCheck, usize)> {
     let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_new;
-    let mut decoder = SpecDecoder::new(&backend, &pair.target.config, Some(&pair.drafter.config), context)?;
-    decoder.target.load_weights(|name, _| pair.target.weight(name))?;
+    let mut decoder = pair.target.decoder(&backend, &pair.drafter.config, context)?;
     decoder
         .drafter
         .as_mut()
@@ -307,8 +419,8 @@ struct Judged {
 /// whole decode (one forward) and the reference drafter's at every verify step (from the
 /// committed prefix's features, a causal slice of the whole decode's); and where our speculative
 /// output first parts from our greedy one, whether that is a near-tie.
-fn teacher_forced(
-    pair: &Pair,
+fn teacher_forced<T: Target>(
+    pair: &Pair<T>,
     prompt: &[u32],
     (ours, drafts): (&SpecOutput, &[Vec<u32>]),
     (greedy, sampling): (&[u32], &Sampling),

@@ -120,7 +120,7 @@ pub fn run_gdn_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         });
         // Decoding's form: the first 70 tokens as one segment resuming the state left above.
         let n = tokens.min(70);
-        let one = [0..n];
+        let one = dflash_optimized::ops::gdn::one_segment(n);
         let table = buf.put(u, &segment_table(&one, n, true).into_iter().map(f64::from).collect::<Vec<_>>())?;
         let resumed = Segments { ranges: &one, table, resume: true };
         let shape_n = GdnShape { tokens: n, ..shape };

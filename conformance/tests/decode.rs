@@ -6,7 +6,8 @@
 //! check (`decode_cases::decode_check`) in `xtask gpu-conformance`.
 
 use dflash_conformance::decode_cases::{
-    builtin_pair, decode_check, fixture_pairs, gpu_pairs, random_pair, random_prompt, DecodeMatch, Pair, BF16_NEAR_TIE,
+    builtin_pair, decode_check, fixture_pairs, gpu_hybrid_pairs, gpu_pairs, hybrid_pairs, random_pair, random_prompt,
+    DecodeMatch, Pair, BF16_NEAR_TIE,
 };
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::model::speculative::SpecDecoder;
@@ -60,6 +61,93 @@ fn cached_decoding_equals_the_reference_on_the_fixtures() {
             decode_check(&pair, host, &prompts(&pair, 1, 30..=50, 4), (12, &Sampling::Greedy), DecodeMatch::Exact)
                 .expect("decode");
         assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+    }
+}
+
+/// Proves the same for hybrid targets (spec section 10): GatedDeltaNet layers decode from their
+/// kept state and conv window, a verify block keeps its accepted prefix (the state advanced by
+/// it alone), prefill launches longer than a block and the attention layers' K/V caches: the
+/// reference's tokens and accept lengths exactly, on the f64 twins, with drafts accepted.
+#[test]
+fn cached_hybrid_decoding_equals_the_reference_decoder() {
+    let (mut accepted, mut cases) = (0, 0);
+    for (seed, block) in [(1u64, 4usize), (2, 16)] {
+        for pair in hybrid_pairs(seed, block, candle_core::DType::F64) {
+            let vocab = pair.target.config.vocab_size;
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let prompts: Vec<Vec<u32>> = [1, 7, 30].iter().map(|&n| random_prompt(n, vocab, &mut rng)).collect();
+            let (check, n) =
+                decode_check(&pair, host, &prompts, (24, &Sampling::Greedy), DecodeMatch::Exact).expect("decode");
+            assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+            eprintln!("{}", check.name);
+            accepted += n;
+            cases += 1;
+        }
+    }
+    assert!(accepted > cases, "only {accepted} drafts accepted over {cases} cases: the kept prefixes barely ran");
+    // The GPU check's hybrids in f64 (GatedDeltaNet heads of 128 and 32, attention of 256 and 64).
+    for pair in gpu_hybrid_pairs(2, candle_core::DType::F64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let prompts = vec![random_prompt(rng.random_range(30..=80), pair.target.config.vocab_size, &mut rng)];
+        let (check, _) =
+            decode_check(&pair, host, &prompts, (12, &Sampling::Greedy), DecodeMatch::Exact).expect("decode");
+        assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
+    }
+}
+
+/// The same math in f64 in another order (the chunked delta rule against the reference's
+/// recurrence, fused twins against candle ops): as `gdn_twins`' f64 bound.
+const HYBRID_DECODE_F64: f64 = 1e-10;
+
+/// Proves the hybrid decoding forward's kept prefixes directly: after a prompt, a verify launch
+/// of 8 tokens of which the first `m` are kept (every `m` of 1..=8), then 5 more tokens decoded
+/// at `past = prompt + m`, gives the reference forward's logits and tapped layer outputs of
+/// `prompt + block[..m] + rest` on those 5 rows, in f64; a verify launch the state was not kept
+/// from, and a second `keep`, are refused.
+#[test]
+fn a_kept_prefix_of_a_verify_launch_equals_the_reference_forward() {
+    use candle_core::Tensor;
+    use dflash_conformance::tolerance::rel_error;
+    use dflash_optimized::backend::Backend;
+    use dflash_optimized::model::hybrid_forward::HybridForward;
+    use dflash_optimized::ops::bytes_of;
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for pair in hybrid_pairs(3, 8, candle_core::DType::F64) {
+        let (model, vocab) = (&pair.target, pair.target.config.vocab_size);
+        let ids = vec![model.config.num_layers() - 1, 0];
+        let mut forward = HybridForward::decoding(Host::<f64>::default(), &model.config, &ids, 64, 64, 8).unwrap();
+        forward.load_weights(|name, _| model.weight(name)).unwrap();
+        let (prompt, block, rest) =
+            (random_prompt(10, vocab, &mut rng), random_prompt(8, vocab, &mut rng), random_prompt(5, vocab, &mut rng));
+        let launch = |forward: &mut HybridForward<Host<f64>>, tokens: &[u32]| {
+            forward.backend().upload(forward.tokens_addr(), bytes_of(tokens)).unwrap();
+        };
+        for m in 1..=8 {
+            launch(&mut forward, &prompt);
+            forward.decode(prompt.len(), 0, 1).unwrap();
+            launch(&mut forward, &block);
+            let plans = forward.decode_plans(prompt.len(), block.len()).unwrap();
+            forward.verify(&plans, 8).unwrap();
+            forward.keep(m).unwrap();
+            assert!(forward.keep(m).is_err(), "a second keep of one verify launch was accepted");
+            launch(&mut forward, &rest);
+            forward.decode(rest.len(), prompt.len() + m, rest.len()).unwrap();
+            let logits: Vec<f64> = forward.logits_to_host(rest.len()).unwrap().concat();
+            let features = forward.features_to_host().unwrap();
+
+            let seq: Vec<u32> = prompt.iter().chain(&block[..m]).chain(&rest).copied().collect();
+            let want = model.forward(&seq, &ids).unwrap();
+            let tail = seq.len() - rest.len();
+            let want_logits = want.logits.narrow(0, tail, rest.len()).unwrap();
+            let hidden: Vec<Tensor> = want.hidden.iter().map(|h| h.narrow(0, tail, rest.len()).unwrap()).collect();
+            let want_features = Tensor::cat(&hidden, 1).unwrap();
+            let got = |v: Vec<f64>, like: &Tensor| Tensor::from_vec(v, like.dims(), like.device()).unwrap();
+            let err = rel_error(&got(logits, &want_logits), &want_logits)
+                .max(rel_error(&got(features, &want_features), &want_features));
+            assert!(err <= HYBRID_DECODE_F64, "{}: keeping {m} of 8: relative error {err:.2e}", pair.name);
+        }
+        let err = forward.keep(1).expect_err("keep after a kept launch").to_string();
+        assert!(err.contains("no verify launch"), "{err}");
     }
 }
 

@@ -15,7 +15,7 @@ use dflash_conformance::tolerance::{rel_error, Tolerance};
 use dflash_optimized::ops::elementwise::Heads;
 use dflash_optimized::ops::gdn::twin::GdnTwin;
 use dflash_optimized::ops::gdn::{
-    groups, DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, Segments, GDN_CHUNK,
+    groups, one_segment, DeltaBuffers, DeltaScratch, GateInputs, GdnOps, GdnShape, Segments, GDN_CHUNK,
 };
 use dflash_optimized::ops::Elem;
 use dflash_reference::hybrid::config::GdnDims;
@@ -391,7 +391,7 @@ fn a_resumed_launch_continues_the_carried_state() {
         // The whole document in one launch: its output and the state it leaves in the carry.
         let run = |from: usize, to: usize, resume: bool, carry: &mut Vec<f64>, out: &mut [f64]| {
             let shape = GdnShape { tokens: to - from, ..s };
-            let one = [0..to - from];
+            let one = one_segment(to - from);
             let (mut w, mut u, mut states) = (vec![0.0; d.w], vec![0.0; d.u], vec![0.0; d.states]);
             let b = DeltaBuffers {
                 qkv: addr(&qkv[from * c..]),

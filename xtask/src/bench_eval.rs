@@ -10,7 +10,7 @@ use candle_core::DType;
 use dflash_conformance::decode_cases::builtin_pair;
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
-use dflash_optimized::model::speculative::SpecDecoder;
+use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
 use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
@@ -260,7 +260,7 @@ struct Timing<'a> {
 }
 
 impl Timing<'_> {
-    fn plain(&self, decoder: &mut SpecDecoder<Cuda>, prompt: &[u32]) -> Result<(f64, Vec<u32>), String> {
+    fn plain<T: DecodeTarget>(&self, decoder: &mut SpecDecoder<T>, prompt: &[u32]) -> Result<(f64, Vec<u32>), String> {
         let mut tokens = Vec::new();
         let ms = self
             .gpu
@@ -272,7 +272,11 @@ impl Timing<'_> {
         Ok((ms, tokens))
     }
 
-    fn speculative(&self, decoder: &mut SpecDecoder<Cuda>, prompt: &[u32]) -> Result<(f64, SpecOutput), String> {
+    fn speculative<T: DecodeTarget>(
+        &self,
+        decoder: &mut SpecDecoder<T>,
+        prompt: &[u32],
+    ) -> Result<(f64, SpecOutput), String> {
         let mut out = None;
         let ms = self
             .gpu

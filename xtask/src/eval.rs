@@ -13,8 +13,8 @@ use dflash_data::prompts::read_prompts;
 use dflash_data::target::TargetTokenizer;
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::Backend;
-use dflash_optimized::model::speculative::SpecDecoder;
-use dflash_reference::config::{DraftConfig, TargetConfig};
+use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
+use dflash_reference::config::DraftConfig;
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
 use dflash_reference::speculative::{plain_decode, speculative_decode_with, Acceptance, Sampling, SpecOutput};
@@ -114,12 +114,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     // Everything checked before decoding: the drafter against the target, every prompt's length.
     let err = |e: dflash_reference::Error| e.to_string();
     let target_config = TargetKind::from_file(&target_dir.join("config.json")).map_err(err)?;
-    if let (true, TargetKind::Hybrid(_)) = (on_gpu, &target_config) {
-        return Err(format!(
-            "{}: decoding a Qwen3.5 hybrid target on the GPU is not built yet; `--device cpu` runs the reference decoders",
-            target_dir.display()
-        ));
-    }
     let draft_config = DraftConfig::from_file(&drafter_dir.join("config.json")).map_err(err)?;
     target_config
         .check_drafter(&draft_config)
@@ -150,8 +144,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
     let mut decoders = match (&target_config, on_gpu) {
-        (TargetKind::Dense(t), true) => Decoders::gpu(&target_dir, &drafter_dir, t, &draft_config, longest + max_new)?,
-        _ => Decoders::Reference {
+        (t, true) => Decoders::gpu(&target_dir, &drafter_dir, t, &draft_config, longest + max_new)?,
+        (_, false) => Decoders::Reference {
             target: target_config.load_model(&target_dir, DType::F32).map_err(err)?,
             drafter: Box::new(Drafter::load(&drafter_dir, DType::F32).map_err(err)?),
         },
@@ -239,8 +233,37 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
 /// The decoders of one evaluation: the cached ones on the GPU, or the reference on the CPU.
 enum Decoders {
-    Gpu(Box<SpecDecoder<Cuda>>),
+    Gpu(Box<dyn CachedDecoder>),
     Reference { target: Box<dyn Target>, drafter: Box<Drafter> },
+}
+
+/// The cached decoders of a dense or a hybrid target, as one evaluation uses them.
+trait CachedDecoder {
+    fn device(&self) -> String;
+    fn speculative(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+    ) -> dflash_optimized::Result<SpecOutput>;
+    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> dflash_optimized::Result<Vec<u32>>;
+}
+
+impl<T: DecodeTarget> CachedDecoder for SpecDecoder<T> {
+    fn device(&self) -> String {
+        self.target.backend().name().to_string()
+    }
+    fn speculative(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+    ) -> dflash_optimized::Result<SpecOutput> {
+        Ok(self.speculative_decode_traced(prompt, max_new, sampling)?.0)
+    }
+    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> dflash_optimized::Result<Vec<u32>> {
+        self.plain_decode(prompt, max_new, sampling)
+    }
 }
 
 impl Decoders {
@@ -248,38 +271,43 @@ impl Decoders {
     fn gpu(
         target_dir: &std::path::Path,
         drafter_dir: &std::path::Path,
-        target: &TargetConfig,
+        target: &TargetKind,
         draft: &DraftConfig,
         context: usize,
     ) -> Result<Self, String> {
         let gpu = crate::gpu_conformance::open_gpu()?;
-        let d = target.dims.head_dim;
+        let d = target.head_dim();
         let err = |e: dflash_optimized::Error| e.to_string();
-        let mut decoder = SpecDecoder::new(|| Cuda::new(&gpu, d), target, Some(draft), context).map_err(err)?;
+        let make = || Cuda::new(&gpu, d);
         let w = WeightSet::load_dir(target_dir).map_err(|e| e.to_string())?;
-        decoder.target.load_weights(|n, s| w.get(n, s, DType::BF16)).map_err(err)?;
-        let w = WeightSet::load_dir(drafter_dir).map_err(|e| e.to_string())?;
-        decoder
-            .drafter
-            .as_mut()
-            .expect("built with a drafter")
-            .load_weights(|n, s| w.get(n, s, DType::BF16))
-            .map_err(err)?;
-        Ok(Decoders::Gpu(Box::new(decoder)))
+        let get = |n: &str, s: &[usize]| w.get(&target.checkpoint_name(n), s, DType::BF16);
+        let decoder: Box<dyn CachedDecoder> = match target {
+            TargetKind::Dense(config) => {
+                let mut decoder = SpecDecoder::new(make, config, Some(draft), context).map_err(err)?;
+                decoder.target.load_weights(get).map_err(err)?;
+                load_drafter(&mut decoder, drafter_dir)?;
+                Box::new(decoder)
+            }
+            TargetKind::Hybrid(config) => {
+                let mut decoder = SpecDecoder::hybrid(make, config, Some(draft), context).map_err(err)?;
+                decoder.target.load_weights(get).map_err(err)?;
+                load_drafter(&mut decoder, drafter_dir)?;
+                Box::new(decoder)
+            }
+        };
+        Ok(Decoders::Gpu(decoder))
     }
 
     fn describe(&self) -> String {
         match self {
-            Decoders::Gpu(d) => format!("{} (bf16, K/V caches)", d.target.backend().name()),
+            Decoders::Gpu(d) => format!("{} (bf16, K/V caches)", d.device()),
             Decoders::Reference { .. } => "cpu (reference decoders, f32, every step recomputed)".to_string(),
         }
     }
 
     fn speculative(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<SpecOutput, String> {
         match self {
-            Decoders::Gpu(d) => {
-                Ok(d.speculative_decode_traced(prompt, max_new, sampling).map_err(|e| e.to_string())?.0)
-            }
+            Decoders::Gpu(d) => d.speculative(prompt, max_new, sampling).map_err(|e| e.to_string()),
             Decoders::Reference { target, drafter } => {
                 speculative_decode_with(target.as_ref(), drafter, prompt, max_new, sampling).map_err(|e| e.to_string())
             }
@@ -288,10 +316,17 @@ impl Decoders {
 
     fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>, String> {
         match self {
-            Decoders::Gpu(d) => d.plain_decode(prompt, max_new, sampling).map_err(|e| e.to_string()),
+            Decoders::Gpu(d) => d.plain(prompt, max_new, sampling).map_err(|e| e.to_string()),
             Decoders::Reference { target, .. } => {
                 plain_decode(target.as_ref(), prompt, max_new, sampling).map_err(|e| e.to_string())
             }
         }
     }
+}
+
+/// Loads the drafter of `decoder` from the folder `dir` in bf16.
+fn load_drafter<T: DecodeTarget>(decoder: &mut SpecDecoder<T>, dir: &std::path::Path) -> Result<(), String> {
+    let w = WeightSet::load_dir(dir).map_err(|e| e.to_string())?;
+    let drafter = decoder.drafter.as_mut().expect("built with a drafter");
+    drafter.load_weights(|n, s| w.get(n, s, DType::BF16)).map_err(|e| e.to_string())
 }

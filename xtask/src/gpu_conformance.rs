@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use dflash_conformance::attention_cases::{conformance_cases, BF16_TOLERANCE};
 use dflash_conformance::decode_cases::{
-    builtin_pair, decode_check, gpu_pairs, random_prompt, DecodeMatch, BF16_NEAR_TIE,
+    builtin_pair, decode_check, gpu_hybrid_pairs, gpu_pairs, random_prompt, DecodeMatch, BF16_NEAR_TIE,
 };
 use dflash_conformance::gpu_attention::conformance_case;
 use dflash_conformance::gpu_step::{self, kernel_checks, GpuCheck, PoolMeter};
@@ -36,7 +36,9 @@ at most its layout); the hybrid target's forward (GatedDeltaNet d_k 128 and 32, 
 d 256 and 64, packed documents) against the reference in f32 likewise (below 3e-2: bf16 storage
 alone gives 1.9e-2 there); greedy and speculative decoding with K/V caches (random GPU-sized targets and
 drafters, and the built-in target with its trained drafter): lossless, accept lengths the longest
-agreeing prefixes, every token and draft the f32 reference's argmax up to a bf16 near-tie; and the GPU training step of random drafters (sliding + full layer, packed
+agreeing prefixes, every token and draft the f32 reference's argmax up to a bf16 near-tie; the same for
+random hybrids (GatedDeltaNet states kept across launches, verify blocks keeping their accepted
+prefix); and the GPU training step of random drafters (sliding + full layer, packed
 documents, keep=false blocks) under every checkpointing policy against the reference in f64 (loss
 and every parameter gradient below 2e-2, policies equal, measured memory-pool peak at most the plan
 and within 15% of it). Writes the attestation: the SHA-256 of the kernel sources with the constants prelude, the GPU, the
@@ -240,6 +242,15 @@ fn decode_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
             )?
             .0,
         );
+    }
+    // The hybrids: prompts within one GatedDeltaNet chunk, across chunks, and across prefill launches.
+    for pair in &gpu_hybrid_pairs(DECODE_SEED, candle_core::DType::F32) {
+        let vocab = pair.target.config.vocab_size;
+        let lens = [rng.random_range(5..30), rng.random_range(60..200), rng.random_range(520..600)];
+        let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| random_prompt(n, vocab, &mut rng)).collect();
+        let d = pair.target.config.head_dim;
+        let matching = DecodeMatch::NearTie { rel: BF16_NEAR_TIE };
+        checks.push(decode_check(pair, || Cuda::new(gpu, d), &prompts, (48, &Sampling::Greedy), matching)?.0);
     }
     Ok(checks)
 }

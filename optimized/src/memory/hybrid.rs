@@ -109,6 +109,58 @@ pub struct HybridMlpScratch {
     pub h: Region,
 }
 
+/// A GatedDeltaNet layer's decoding state (spec sections 4 and 10): the kept `state
+/// [H_v, d_k, d_v]` (arithmetic type) and conv `window [K-1, C]` (the last conv inputs, stored),
+/// and what the last verify launch of up to `R` tokens saved to keep a prefix of it: its conv
+/// input `pre [K-1+R, C]` (the window, then its tokens), the conv's output `qkv [R, C]` and the
+/// gates `beta`, `g` `[R, H_v]`.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnCacheRegions {
+    pub state: Region,
+    pub window: Region,
+    pub pre: Region,
+    pub qkv: Region,
+    pub beta: Region,
+    pub g: Region,
+}
+
+/// A layer's decoding cache: the GatedDeltaNet's state, or the keys (after norm and RoPE) and
+/// values `[C, nkv*d]` of a gated attention layer.
+#[derive(Clone, Copy, Debug)]
+pub enum LayerCacheRegions {
+    Gdn(GdnCacheRegions),
+    Attention { k: Region, v: Region },
+}
+
+/// The segment tables (u32, `ops::gdn::segment_table`) of a decoding launch of `t` tokens: the
+/// conv's over `K-1+t` rows (the window, then the tokens: one segment) and the delta rule's over
+/// the `t` tokens (one segment resuming the kept state).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeTables {
+    pub conv: Region,
+    pub delta: Region,
+}
+
+/// What decoding adds to the layout: every layer runs with its cache, then the final norm, the
+/// LM head and the next tokens.
+#[derive(Clone, Debug)]
+pub struct HybridDecodeRegions {
+    /// Positions the attention caches hold (`C`).
+    pub context: usize,
+    /// Rows whose logits one launch takes, and the longest verify launch (`R`).
+    pub logit_rows: usize,
+    pub final_norm: Region,
+    /// Per layer run.
+    pub caches: Vec<LayerCacheRegions>,
+    /// The logits `[R, V]` (stored) and their argmax, the next tokens (u32 `[R]`).
+    pub logits: Region,
+    pub next: Region,
+    /// The tables of launches of `t = 1..=R` tokens (index `t - 1`), made once, and those of a
+    /// longer launch, uploaded with it.
+    pub tables: Vec<DecodeTables>,
+    pub launch_tables: DecodeTables,
+}
+
 /// The hybrid target forward's typed layout over one allocation, for launches of up to `tokens`.
 #[derive(Clone, Debug)]
 pub struct HybridLayout {
@@ -141,6 +193,8 @@ pub struct HybridLayout {
     pub mlp: HybridMlpScratch,
     /// The features `[T, F*H]`.
     pub features: Region,
+    /// The decoding parts, in a decoding layout.
+    pub decode: Option<HybridDecodeRegions>,
     /// The allocation's bytes (the key ranges are beside it).
     pub bytes: u64,
     pub items: Vec<Item>,
@@ -161,11 +215,43 @@ impl HybridLayout {
     /// The layout of `config` tapping `layer_ids` for launches of up to `tokens` tokens, storing
     /// `widths = (stored, arithmetic)` bytes per value.
     pub fn new(config: &HybridConfig, layer_ids: &[usize], tokens: usize, widths: (u64, u64)) -> Result<Self> {
-        let last = *layer_ids.iter().max().ok_or_else(|| Error::invalid("target_layer_ids", "is empty"))?;
-        if last >= config.num_layers() {
+        Self::build(config, layer_ids, tokens, widths, None)
+    }
+
+    /// The decoding layout (spec sections 4 and 10) of `config`: launches of up to `tokens`
+    /// tokens at positions below `context`, every layer with its cache, the features of the
+    /// tapped `layer_ids`, and the logits of up to `logit_rows` rows per launch (also the longest
+    /// launch whose prefix can be kept).
+    pub fn decoding(
+        config: &HybridConfig,
+        layer_ids: &[usize],
+        tokens: usize,
+        context: usize,
+        logit_rows: usize,
+        widths: (u64, u64),
+    ) -> Result<Self> {
+        if logit_rows == 0 || logit_rows > tokens || context < tokens {
+            return Err(Error::invalid(
+                "decoding layout",
+                format!("{logit_rows} logit rows, {tokens} tokens per launch and a context of {context}: need 1 <= rows <= tokens <= context"),
+            ));
+        }
+        Self::build(config, layer_ids, tokens, widths, Some((context, logit_rows)))
+    }
+
+    fn build(
+        config: &HybridConfig,
+        layer_ids: &[usize],
+        tokens: usize,
+        widths: (u64, u64),
+        decode: Option<(usize, usize)>,
+    ) -> Result<Self> {
+        let tapped = *layer_ids.iter().max().ok_or_else(|| Error::invalid("target_layer_ids", "is empty"))?;
+        let last = if decode.is_some() { config.num_layers().max(1) - 1 } else { tapped };
+        if tapped >= config.num_layers() {
             return Err(Error::invalid(
                 "target_layer_ids",
-                format!("layer {last} is out of range for a target of {} layers", config.num_layers()),
+                format!("layer {tapped} is out of range for a target of {} layers", config.num_layers()),
             ));
         }
         if tokens == 0 {
@@ -175,10 +261,14 @@ impl HybridLayout {
         let (t, h, i) = (tokens, config.hidden_size, config.intermediate_size);
         let mut ar = Arena::default();
         use Lifetime::{Input, Layer, Model, Saved};
-        // Weights: what the forward reads (the final norm is never run); gate and up stacked.
+        // Weights: what the forward reads (the final norm only when decoding); gate and up stacked.
         let ran = |name: &str| match name.strip_prefix("model.layers.") {
             Some(rest) => rest.split('.').next().and_then(|l| l.parse::<usize>().ok()).is_some_and(|l| l <= last),
-            None => name == "model.embed_tokens.weight" || name == "lm_head.weight",
+            None => {
+                name == "model.embed_tokens.weight"
+                    || name == "lm_head.weight"
+                    || (name == "model.norm.weight" && decode.is_some())
+            }
         };
         let mut weights = Vec::new();
         let mut gate = None;
@@ -234,9 +324,10 @@ impl HybridLayout {
         let kinds: Vec<HybridLayerKind> = config.layer_kinds[..=last].to_vec();
         let r = config.rope.rotary_dim;
         // Not weights (`weight_bytes`), though made once.
-        const TABLES: &str = "target RoPE tables of positions 0..T";
-        let cos_table = ar.take(TABLES, Saved, "cos table", &[t, r], a)?;
-        let sin_table = ar.take(TABLES, Saved, "sin table", &[t, r], a)?;
+        const TABLES: &str = "target RoPE tables of positions 0..T (decoding: 0..C)";
+        let held = decode.map_or(t, |(context, _)| context);
+        let cos_table = ar.take(TABLES, Saved, "cos table", &[held, r], a)?;
+        let sin_table = ar.take(TABLES, Saved, "sin table", &[held, r], a)?;
         const INPUTS: &str = "target inputs (tokens, RoPE tables, feature rows)";
         let token_ids = ar.take(INPUTS, Saved, "tokens", &[t], 4)?;
         let positions = ar.take(INPUTS, Saved, "positions", &[t], 4)?;
@@ -259,6 +350,8 @@ impl HybridLayout {
         let inv = ar.take(RESIDUAL, Saved, "inv", &[t], a)?;
         let features = ar.take("target features", Saved, "features", &[t, f * h], e)?;
         let g = GdnShape::new(&config.gdn, t);
+        // Decoding's conv runs over the window's K-1 rows, then the launch's.
+        let conv_rows = t + if decode.is_some() { g.conv_kernel - 1 } else { 0 };
         let ((gdn, attn), mlp) = ar.overlay(
             |ar| {
                 ar.overlay(
@@ -270,8 +363,8 @@ impl HybridLayout {
                         let mut s = |what: &str, dims: &[usize], w: u64| ar.take(GDN, Layer, what, dims, w);
                         let d = g.scratch_values();
                         Ok(Some(GdnScratch {
-                            qkv_pre: s("qkv before the conv", &[t, g.conv_channels()], e)?,
-                            qkv: s("qkv after the conv", &[t, g.conv_channels()], e)?,
+                            qkv_pre: s("qkv before the conv", &[conv_rows, g.conv_channels()], e)?,
+                            qkv: s("qkv after the conv", &[conv_rows, g.conv_channels()], e)?,
                             z: s("z", &[t, g.value_dim()], e)?,
                             o: s("the gated output", &[t, g.value_dim()], e)?,
                             b: s("b", &[t, g.value_heads], e)?,
@@ -309,6 +402,58 @@ impl HybridLayout {
                 Ok(HybridMlpScratch { gate_up: s("gate_up", &[t, 2 * i])?, h: s("h", &[t, i])? })
             },
         )?;
+        let decode = match decode {
+            None => None,
+            Some((context, logit_rows)) => {
+                let final_norm = named["model.norm.weight"];
+                let (c, hv, k) = (g.conv_channels(), g.value_heads, g.conv_kernel);
+                let caches = kinds
+                    .iter()
+                    .map(|kind| {
+                        Ok(match kind {
+                            HybridLayerKind::Linear => {
+                                const STATE: &str = "target GatedDeltaNet decoding state";
+                                const SAVED: &str = "target GatedDeltaNet verify launch (kept prefix)";
+                                let (dk, dv) = (g.key_head_dim, g.value_head_dim);
+                                LayerCacheRegions::Gdn(GdnCacheRegions {
+                                    state: ar.take(STATE, Saved, "state", &[hv, dk, dv], a)?,
+                                    window: ar.take(STATE, Saved, "conv window", &[k - 1, c], e)?,
+                                    pre: ar.take(SAVED, Saved, "conv input", &[k - 1 + logit_rows, c], e)?,
+                                    qkv: ar.take(SAVED, Saved, "conv output", &[logit_rows, c], e)?,
+                                    beta: ar.take(SAVED, Saved, "beta", &[logit_rows, hv], a)?,
+                                    g: ar.take(SAVED, Saved, "g", &[logit_rows, hv], a)?,
+                                })
+                            }
+                            HybridLayerKind::Full => LayerCacheRegions::Attention {
+                                k: ar.take("target K/V cache", Saved, "k cache", &[context, nkv * d], e)?,
+                                v: ar.take("target K/V cache", Saved, "v cache", &[context, nkv * d], e)?,
+                            },
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let logits = ar.take("target logits", Layer, "logits", &[logit_rows, config.vocab_size], e)?;
+                let next = ar.take("target next tokens", Saved, "next", &[logit_rows], 4)?;
+                const SEGMENTS: &str = "target GatedDeltaNet segment tables";
+                let mut tables_of = |n: usize| -> Result<DecodeTables> {
+                    Ok(DecodeTables {
+                        conv: ar.take(SEGMENTS, Saved, "conv", &[segment_table_len(k - 1 + n)], 4)?,
+                        delta: ar.take(SEGMENTS, Saved, "delta", &[segment_table_len(n)], 4)?,
+                    })
+                };
+                let tables = (1..=logit_rows).map(&mut tables_of).collect::<Result<Vec<_>>>()?;
+                let launch_tables = tables_of(t)?;
+                Some(HybridDecodeRegions {
+                    context,
+                    logit_rows,
+                    final_norm,
+                    caches,
+                    logits,
+                    next,
+                    tables,
+                    launch_tables,
+                })
+            }
+        };
         Ok(HybridLayout {
             tokens,
             layers_run: last + 1,
@@ -330,6 +475,7 @@ impl HybridLayout {
             attn,
             mlp,
             features,
+            decode,
             bytes: ar.bytes(),
             items: ar.items,
         })

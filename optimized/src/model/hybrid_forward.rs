@@ -7,7 +7,13 @@
 //!
 //! Packed rows: each document restarts the conv window and the delta rule's state, and its
 //! attention is causal over its own tokens (positions from the row), so a document sees no
-//! other; padding tokens get zero features. Zero-centred norms (`x / rms(x) * (1 + w)`) run as
+//! other; padding tokens get zero features.
+//! Decoding (spec sections 4 and 10, [`HybridForward::decoding`]): every layer runs over new
+//! tokens after a cache: a GatedDeltaNet layer's kept state and conv window (its launch resumes
+//! them), a gated attention layer's K/V (the causal plan after the cached positions); then the
+//! final norm, the LM head and the argmax of the last rows. A kept launch advances the state; a
+//! verify launch ([`HybridForward::verify`]) reads it, saving what [`HybridForward::keep`]
+//! needs to advance it by any prefix of the launch (the attention caches roll back by `past`). Zero-centred norms (`x / rms(x) * (1 + w)`) run as
 //! plain RMSNorms over `1 + w`, made at load time; `q_proj` is loaded as its query rows, then
 //! its gate rows.
 //!
@@ -24,18 +30,26 @@ use dflash_reference::hybrid::HybridConfig;
 use dflash_reference::ops::rope_tables;
 
 use crate::backend::{download, Allocation, Backend};
-use crate::memory::hybrid::{GatedAttnWeightRegions, GdnWeightRegions, HybridLayout, MixerRegions};
+use crate::memory::hybrid::{
+    DecodeTables, GatedAttnWeightRegions, GdnCacheRegions, GdnWeightRegions, HybridDecodeRegions, HybridLayout,
+    LayerCacheRegions, MixerRegions,
+};
 use crate::memory::Region;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::{ElementwiseOps, Heads};
-use crate::ops::gdn::{groups, segment_table, DeltaBuffers, DeltaScratch, GateInputs, GdnShape, Segments};
+use crate::ops::gdn::{groups, one_segment, segment_table, DeltaBuffers, DeltaScratch, GateInputs, GdnShape, Segments};
 use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
 use crate::{Error, Result};
 
 /// HF weight names (suffixes) of the zero-centred norms: loaded as `1 + w`.
-const ZERO_CENTRED: [&str; 4] =
-    ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"];
+const ZERO_CENTRED: [&str; 5] = [
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "model.norm.weight",
+];
 
 /// The hybrid target's forward at a launch capacity of `layout.tokens` tokens, on a backend.
 pub struct HybridForward<B: Backend> {
@@ -49,6 +63,8 @@ pub struct HybridForward<B: Backend> {
     /// Tokens of the last launch, and the token ranges of its padding.
     tokens: usize,
     padding: Vec<Range<usize>>,
+    /// Tokens of the last verify launch while none of it is kept.
+    verified: Option<usize>,
 }
 
 /// A launch's documents: `docs` (attention, per document) and `segments` (the GatedDeltaNet's
@@ -60,22 +76,83 @@ struct Launch<'a, R> {
     plans: &'a HashMap<usize, R>,
 }
 
+/// A decoding launch: its tokens after `past` cached positions, the attention's causal plan
+/// after them, the GatedDeltaNet's segment tables, and whether it verifies (the state read, not
+/// advanced).
+struct Cached<'a, R> {
+    past: usize,
+    plan: Option<&'a R>,
+    tables: DecodeTables,
+    verify: bool,
+}
+
+/// What a launch attends over and resumes from.
+enum Mode<'a, R> {
+    Rows(Launch<'a, R>),
+    Decode(Cached<'a, R>),
+}
+
+/// The causal plan of `t` tokens after `past` cached positions (none without attention layers).
+pub struct HybridDecodePlans<B: Backend> {
+    past: usize,
+    t: usize,
+    attention: Option<B::Ranges>,
+}
+
 impl<B: Backend> HybridForward<B> {
     /// Lays out the forward of `config` tapping `layer_ids` for launches of up to `max_tokens`
     /// tokens, checks that the backend has the hybrid ops and that it fits its free memory, then
     /// allocates it: a target that cannot fit is refused before anything is allocated, naming
     /// its largest items.
     pub fn new(dev: B, config: &HybridConfig, layer_ids: &[usize], max_tokens: usize) -> Result<Self> {
-        let widths = (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64);
-        let layout = HybridLayout::new(config, layer_ids, max_tokens, widths)?;
-        dev.gdn_ops().check_shape(GdnShape::new(&config.gdn, max_tokens))?;
+        let layout = HybridLayout::new(config, layer_ids, max_tokens, Self::widths())?;
         let device = format!("{} (hybrid target, {max_tokens} tokens per launch)", dev.name());
-        layout.plan()?.check_fits(dev.available_bytes()?, &device)?;
+        Self::allocate(dev, config, layer_ids, layout, &device)
+    }
+
+    /// The decoding forward (spec sections 4 and 10): launches of up to `max_tokens` tokens at
+    /// positions below `context`, every layer with its cache, the final norm, the LM head and
+    /// the next tokens of up to `logit_rows` rows per launch (verify launches of up to as many
+    /// tokens); refused before allocating when it cannot fit.
+    pub fn decoding(
+        dev: B,
+        config: &HybridConfig,
+        layer_ids: &[usize],
+        max_tokens: usize,
+        context: usize,
+        logit_rows: usize,
+    ) -> Result<Self> {
+        let layout = HybridLayout::decoding(config, layer_ids, max_tokens, context, logit_rows, Self::widths())?;
+        let device = format!("{} (hybrid target decoding, a context of {context})", dev.name());
+        let forward = Self::allocate(dev, config, layer_ids, layout, &device)?;
+        // The segment tables of the launches of 1..=R tokens, made once.
+        let d = forward.decode_regions()?;
+        for (i, tables) in d.tables.iter().enumerate() {
+            forward.upload_tables(*tables, i + 1)?;
+        }
+        Ok(forward)
+    }
+
+    fn widths() -> (u64, u64) {
+        (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64)
+    }
+
+    fn allocate(
+        dev: B,
+        config: &HybridConfig,
+        layer_ids: &[usize],
+        layout: HybridLayout,
+        device: &str,
+    ) -> Result<Self> {
+        let max_tokens = layout.tokens;
+        dev.gdn_ops().check_shape(GdnShape::new(&config.gdn, max_tokens))?;
+        layout.plan()?.check_fits(dev.available_bytes()?, device)?;
         let bytes = usize::try_from(layout.bytes)
             .map_err(|_| Error::Memory(format!("{device}: {} bytes exceed the address space", layout.bytes)))?;
         let memory = dev.alloc("hybrid target", bytes)?;
         let base = memory.ptr();
-        let all: Vec<usize> = (0..max_tokens).collect();
+        let held = layout.decode.as_ref().map_or(max_tokens, |d| d.context);
+        let all: Vec<usize> = (0..held).collect();
         let (cos, sin) = rope_tables(&all, config.rope.rotary_dim, config.rope.theta, DType::F64)?;
         dev.upload(layout.cos_table.at(base), bytes_of(&arithmetic::<B::Elem>(cos)?))?;
         dev.upload(layout.sin_table.at(base), bytes_of(&arithmetic::<B::Elem>(sin)?))?;
@@ -93,11 +170,23 @@ impl<B: Backend> HybridForward<B> {
             base,
             tokens: 0,
             padding: Vec::new(),
+            verified: None,
         })
     }
 
     fn at(&self, r: Region) -> u64 {
         r.at(self.base)
+    }
+
+    fn decode_regions(&self) -> Result<&HybridDecodeRegions> {
+        self.layout.decode.as_ref().ok_or_else(|| Error::invalid("decode", "this target was not laid out for decoding"))
+    }
+
+    /// Uploads into `tables` the segment tables of a decoding launch of `t` tokens.
+    fn upload_tables(&self, tables: DecodeTables, t: usize) -> Result<()> {
+        let k = self.config.gdn.conv_kernel;
+        self.dev.upload(self.at(tables.conv), bytes_of(&segment_table(&one_segment(k - 1 + t), k - 1 + t, false)))?;
+        self.dev.upload(self.at(tables.delta), bytes_of(&segment_table(&one_segment(t), t, true)))
     }
 
     /// Loads every weight the forward reads from `get(hf_name, shape)` (text-layout names, e.g. a
@@ -210,11 +299,171 @@ impl<B: Backend> HybridForward<B> {
                 }
             }
         }
-        self.forward(total, Launch { docs: &docs, segments: &segments, plans: &plans })
+        let rope = (self.at(lay.cos), self.at(lay.sin));
+        self.forward(total, rope, Mode::Rows(Launch { docs: &docs, segments: &segments, plans: &plans }))
     }
 
-    /// The layers over the uploaded launch of `t` tokens.
-    fn forward(&self, t: usize, launch: Launch<'_, B::Ranges>) -> Result<()> {
+    /// The address of a decoding launch's token ids (u32 `[t]`, written by the caller).
+    pub fn tokens_addr(&self) -> u64 {
+        self.at(self.layout.token_ids)
+    }
+
+    /// Where the next tokens (u32 `[R]`) of the last decoding launch live.
+    pub fn next_addr(&self) -> Result<u64> {
+        Ok(self.at(self.decode_regions()?.next))
+    }
+
+    /// The causal plan of `t` tokens after `past` cached positions (uploaded: a host copy waits
+    /// for the queued work, so a step prepares its plans before queuing any).
+    pub fn decode_plans(&self, past: usize, t: usize) -> Result<HybridDecodePlans<B>> {
+        let attention = match self.layout.attn {
+            None => None,
+            Some(_) => {
+                let group_rows = KeyRanges::causal_group_rows(self.config.num_heads / self.config.num_kv_heads);
+                Some(self.dev.upload_ranges(&KeyRanges::causal_after(past, t, AttnKind::Full, group_rows)?)?)
+            }
+        };
+        Ok(HybridDecodePlans { past, t, attention })
+    }
+
+    /// Decodes and keeps `t` tokens whose ids are at [`HybridForward::tokens_addr`], at positions
+    /// `past..past+t` after `past` cached ones (`past` 0 starts a new sequence): the attention
+    /// caches are written from `past` on, the GatedDeltaNet states and windows advanced by the
+    /// `t` tokens; their features `[t, F*H]` are written and the argmax of the logits of the last
+    /// `logit_rows` rows goes to the next tokens.
+    pub fn decode(&mut self, t: usize, past: usize, logit_rows: usize) -> Result<()> {
+        let plans = self.decode_plans(past, t)?;
+        let d = self.decode_regions()?;
+        let tables = match t <= d.logit_rows {
+            true => d.tables[t.max(1) - 1],
+            false => {
+                let tables = d.launch_tables;
+                self.check_launch(&plans, logit_rows)?;
+                self.upload_tables(tables, t)?;
+                tables
+            }
+        };
+        if past == 0 {
+            self.reset()?;
+        }
+        self.launch(&plans, logit_rows, tables, false)
+    }
+
+    /// Decodes `plans.t` tokens (at most the logit rows) as [`HybridForward::decode`] does but
+    /// keeps none: the GatedDeltaNet states stay as they were, and [`HybridForward::keep`] then
+    /// advances them by a prefix of the launch.
+    pub fn verify(&mut self, plans: &HybridDecodePlans<B>, logit_rows: usize) -> Result<()> {
+        let d = self.decode_regions()?;
+        if plans.t > d.logit_rows || plans.past == 0 {
+            return Err(Error::invalid(
+                "verify",
+                format!(
+                    "{} tokens after {} cached positions; a verify launch takes 1..={} tokens after a kept prefix",
+                    plans.t, plans.past, d.logit_rows
+                ),
+            ));
+        }
+        let tables = d.tables[plans.t.max(1) - 1];
+        self.launch(plans, logit_rows, tables, true)?;
+        self.verified = Some(plans.t);
+        Ok(())
+    }
+
+    /// Keeps the first `kept` tokens of the last verify launch: each GatedDeltaNet state and conv
+    /// window advanced by them (the delta rule rerun over their saved inputs); the attention
+    /// caches need nothing (the next launch at `past + kept` overwrites the rest).
+    pub fn keep(&mut self, kept: usize) -> Result<()> {
+        let t = self.verified.take().ok_or_else(|| Error::invalid("keep", "no verify launch to keep a prefix of"))?;
+        if kept == 0 || kept > t {
+            return Err(Error::invalid("keep", format!("{kept} tokens of a verify launch of {t}")));
+        }
+        let d = self.decode_regions()?;
+        let s = self.layout.gdn;
+        let (gdn, at) = (self.dev.gdn_ops(), |r: Region| self.at(r));
+        let shape = GdnShape::new(&self.config.gdn, kept);
+        let row = (shape.conv_channels() * B::Elem::BYTES) as u64;
+        let window = (shape.conv_kernel - 1) * row as usize;
+        let one = one_segment(kept);
+        let docs = Segments { ranges: &one, table: at(d.tables[kept - 1].delta), resume: true };
+        for cache in &d.caches {
+            let (LayerCacheRegions::Gdn(c), Some(s)) = (cache, s) else { continue };
+            self.dev.copy(at(c.window), at(c.pre) + kept as u64 * row, window)?;
+            let buffers = DeltaBuffers { qkv: at(c.qkv), beta: at(c.beta), g: at(c.g), out: at(s.o) };
+            let scratch = DeltaScratch { w: at(s.w), u: at(s.u), states: at(s.states), carry: at(c.state) };
+            for group in groups(&one, shape) {
+                gdn.gated_delta(buffers, scratch, shape, docs, group)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zeroes every GatedDeltaNet state and conv window (a new sequence).
+    fn reset(&self) -> Result<()> {
+        for cache in &self.decode_regions()?.caches {
+            if let LayerCacheRegions::Gdn(c) = cache {
+                self.dev.zero(self.at(c.state), c.state.bytes as usize)?;
+                self.dev.zero(self.at(c.window), c.window.bytes as usize)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a launch the layout cannot take.
+    fn check_launch(&self, plans: &HybridDecodePlans<B>, logit_rows: usize) -> Result<()> {
+        let (t, past, d) = (plans.t, plans.past, self.decode_regions()?);
+        if t == 0 || t > self.layout.tokens || logit_rows == 0 || logit_rows > t.min(d.logit_rows) {
+            return Err(Error::invalid(
+                "decode",
+                format!(
+                    "{t} tokens with {logit_rows} logit rows; the target was laid out for 1..={} tokens and up to {} rows",
+                    self.layout.tokens, d.logit_rows
+                ),
+            ));
+        }
+        if past + t > d.context {
+            return Err(Error::invalid(
+                "decode",
+                format!("positions {past}..{} exceed the context of {} the caches hold", past + t, d.context),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A decoding launch under `plans` with the segment tables `tables`, then the next tokens.
+    fn launch(
+        &mut self,
+        plans: &HybridDecodePlans<B>,
+        logit_rows: usize,
+        tables: DecodeTables,
+        verify: bool,
+    ) -> Result<()> {
+        self.check_launch(plans, logit_rows)?;
+        let (t, past) = (plans.t, plans.past);
+        self.tokens = t;
+        self.padding.clear();
+        self.verified = None;
+        // Consecutive positions: their RoPE tables are rows past.. of the position tables.
+        let row = (self.config.rope.rotary_dim * <B::Elem as Elem>::Acc::BYTES * past) as u64;
+        let rope = (self.at(self.layout.cos_table) + row, self.at(self.layout.sin_table) + row);
+        let cached = Cached { past, plan: plans.attention.as_ref(), tables, verify };
+        self.forward(t, rope, Mode::Decode(cached))?;
+        let d = self.decode_regions()?;
+        let head = self.frozen_tables().1.expect("a decoding layout holds its LM head");
+        let lay = &self.layout;
+        let scratch = (self.at(lay.xn), self.at(lay.inv), self.at(d.logits), self.at(d.next));
+        let dims = (t, self.config.hidden_size, self.config.vocab_size, self.config.rms_norm_eps);
+        super::next_tokens(&self.dev, self.at(lay.x), (self.at(d.final_norm), head), scratch, dims, logit_rows)
+    }
+
+    /// The logits of the last decoding launch's `rows` logit rows on the host, as f64 `[rows][V]`.
+    pub fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
+        let (d, v) = (self.decode_regions()?, self.config.vocab_size);
+        super::logits_to_host(&self.dev, self.at(d.logits), (rows, d.logit_rows), v)
+    }
+
+    /// The layers over the uploaded launch of `t` tokens with its RoPE tables `(cos, sin)`
+    /// `[t, r]`.
+    fn forward(&self, t: usize, rope: (u64, u64), mode: Mode<'_, B::Ranges>) -> Result<()> {
         let (lay, ops) = (&self.layout, self.dev.ops());
         let (h, i, eps) = (self.config.hidden_size, self.config.intermediate_size, self.config.rms_norm_eps);
         let e = B::Elem::BYTES as u64;
@@ -222,9 +471,17 @@ impl<B: Backend> HybridForward<B> {
         ops.copy_rows(false, self.at(lay.embed), self.at(lay.token_ids), x, t, h)?;
         for (l, w) in lay.layers.iter().enumerate() {
             ops.rms_norm_forward(x, self.at(w.input_norm), xn, inv, t, h, eps)?;
-            match &w.mixer {
-                MixerRegions::Gdn(g) => self.gdn_mixer(g, t, launch.segments)?,
-                MixerRegions::Attention(a) => self.attention_mixer(a, t, &launch)?,
+            let cache = lay.decode.as_ref().map(|d| d.caches[l]);
+            match (&w.mixer, &mode, cache) {
+                (MixerRegions::Gdn(g), Mode::Rows(launch), _) => self.gdn_mixer(g, t, launch.segments)?,
+                (MixerRegions::Gdn(g), Mode::Decode(c), Some(LayerCacheRegions::Gdn(state))) => {
+                    self.gdn_decode(g, &state, t, c)?
+                }
+                (MixerRegions::Attention(a), Mode::Rows(_), _) => self.attention_mixer(a, t, rope, &mode, None)?,
+                (MixerRegions::Attention(a), Mode::Decode(_), Some(LayerCacheRegions::Attention { k, v })) => {
+                    self.attention_mixer(a, t, rope, &mode, Some((self.at(k), self.at(v))))?
+                }
+                _ => return Err(Error::invalid("decode", format!("layer {l}: its cache is not of its kind"))),
             }
             // x += down(silu(gate) * up) of post_norm(x).
             ops.rms_norm_forward(x, self.at(w.post_norm), xn, inv, t, h, eps)?;
@@ -268,34 +525,121 @@ impl<B: Backend> HybridForward<B> {
         self.dev.linear(at(s.o), t, vd, at(w.out_proj), h, self.at(self.layout.x), 1.0)
     }
 
-    /// `x += o_proj(attention(rope(norm(q)), rope(norm(k)), v) * sigmoid(gate))`, causal per
-    /// document (padding rows zero).
-    fn attention_mixer(&self, w: &GatedAttnWeightRegions, t: usize, launch: &Launch<'_, B::Ranges>) -> Result<()> {
+    /// [`HybridForward::gdn_mixer`] of a decoding launch of `t` tokens, one sequence after the
+    /// layer's kept state: the conv over the kept window then the launch's inputs, the delta
+    /// rule resuming the kept state. A kept launch advances the state and the window; a verify
+    /// launch runs on a copy of the state and saves its conv input and the delta rule's inputs
+    /// for [`HybridForward::keep`].
+    fn gdn_decode(
+        &self,
+        w: &GdnWeightRegions,
+        c: &GdnCacheRegions,
+        t: usize,
+        launch: &Cached<'_, B::Ranges>,
+    ) -> Result<()> {
+        let s = self.layout.gdn.expect("a layout with GatedDeltaNet layers holds their scratch");
+        let (gdn, h, eps) = (self.dev.gdn_ops(), self.config.hidden_size, self.config.rms_norm_eps);
+        let shape = GdnShape::new(&self.config.gdn, t);
+        let (ch, k, hv, vd) = (shape.conv_channels(), shape.conv_kernel, shape.value_heads, shape.value_dim());
+        let row = (ch * B::Elem::BYTES) as u64;
+        let (xn, at) = (self.at(self.layout.xn), |r: Region| self.at(r));
+        // The conv input `[K-1+t, C]`: the kept window, then the launch's projections.
+        let pre = if launch.verify { at(c.pre) } else { at(s.qkv_pre) };
+        self.dev.copy(pre, at(c.window), (k - 1) * row as usize)?;
+        self.dev.linear(xn, t, h, at(w.in_proj_qkv), ch, pre + (k - 1) as u64 * row, 0.0)?;
+        let window_and_launch = one_segment(k - 1 + t);
+        let conv = Segments { ranges: &window_and_launch, table: at(launch.tables.conv), resume: false };
+        gdn.conv1d_silu(pre, at(w.conv1d), at(s.qkv), GdnShape { tokens: k - 1 + t, ..shape }, conv)?;
+        let conv_out = at(s.qkv) + (k - 1) as u64 * row;
+        let (qkv, beta, g) = match launch.verify {
+            true => {
+                self.dev.copy(at(c.qkv), conv_out, t * row as usize)?;
+                (at(c.qkv), at(c.beta), at(c.g))
+            }
+            false => (conv_out, at(s.beta), at(s.g)),
+        };
+        self.dev.linear(xn, t, h, at(w.in_proj_z), vd, at(s.z), 0.0)?;
+        self.dev.linear(xn, t, h, at(w.in_proj_b), hv, at(s.b), 0.0)?;
+        self.dev.linear(xn, t, h, at(w.in_proj_a), hv, at(s.a), 0.0)?;
+        let gates = GateInputs { b: at(s.b), a: at(s.a), a_log: at(w.a_log), dt_bias: at(w.dt_bias) };
+        gdn.gdn_gates(gates, beta, g, shape)?;
+        let carry = match launch.verify {
+            true => {
+                self.dev.copy(at(s.carry), at(c.state), c.state.bytes as usize)?;
+                at(s.carry)
+            }
+            false => at(c.state),
+        };
+        let one = one_segment(t);
+        let docs = Segments { ranges: &one, table: at(launch.tables.delta), resume: true };
+        let buffers = DeltaBuffers { qkv, beta, g, out: at(s.o) };
+        let scratch = DeltaScratch { w: at(s.w), u: at(s.u), states: at(s.states), carry };
+        for group in groups(&one, shape) {
+            gdn.gated_delta(buffers, scratch, shape, docs, group)?;
+        }
+        if !launch.verify {
+            self.dev.copy(at(c.window), pre + t as u64 * row, (k - 1) * row as usize)?;
+        }
+        gdn.gated_rms_norm(at(s.o), at(s.z), at(w.norm), at(s.o), shape, eps)?;
+        self.dev.linear(at(s.o), t, vd, at(w.out_proj), h, self.at(self.layout.x), 1.0)
+    }
+
+    /// `x += o_proj(attention(rope(norm(q)), rope(norm(k)), v) * sigmoid(gate))` with the RoPE
+    /// tables `rope` `[t, r]`: causal per document (padding rows zero) over packed rows; when
+    /// decoding, k and v written into the layer's caches `kv` after the cached positions and the
+    /// attention over them.
+    fn attention_mixer(
+        &self,
+        w: &GatedAttnWeightRegions,
+        t: usize,
+        (cos, sin): (u64, u64),
+        mode: &Mode<'_, B::Ranges>,
+        kv: Option<(u64, u64)>,
+    ) -> Result<()> {
         let s = self.layout.attn.expect("a layout with attention layers holds their scratch");
         let (gdn, ops) = (self.dev.gdn_ops(), self.dev.ops());
         let c = &self.config;
         let (h, d, nh, nkv, eps) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.rms_norm_eps);
         let (qd, kd, e) = (nh * d, nkv * d, B::Elem::BYTES as u64);
         let (xn, at) = (self.at(self.layout.xn), |r: Region| self.at(r));
-        let (cos, sin) = (at(self.layout.cos), at(self.layout.sin));
+        // Where this launch's k and v go: the scratch, or the caches after the past positions.
+        let past = match mode {
+            Mode::Decode(cached) => cached.past,
+            Mode::Rows(_) => 0,
+        };
+        let skip = (past * kd) as u64 * e;
+        let (k, v) = kv.map_or((at(s.k), at(s.v)), |(k, v)| (k + skip, v + skip));
         self.dev.linear(xn, t, h, at(w.q_proj), qd, at(s.q), 0.0)?;
         self.dev.linear(xn, t, h, at(w.q_proj) + (qd * h) as u64 * e, qd, at(s.gate), 0.0)?;
         self.dev.linear(xn, t, h, at(w.k_proj), kd, at(s.k), 0.0)?;
-        self.dev.linear(xn, t, h, at(w.v_proj), kd, at(s.v), 0.0)?;
-        // Head norms into `out` (free until the attention), then partial RoPE back.
-        for (x, norm, inv, heads) in [(s.q, w.q_norm, s.inv_q, nh), (s.k, w.k_norm, s.inv_k, nkv)] {
+        self.dev.linear(xn, t, h, at(w.v_proj), kd, v, 0.0)?;
+        // Head norms into `out` (free until the attention), then partial RoPE back (k into `k`).
+        for (x, y, norm, inv, heads) in [(s.q, at(s.q), w.q_norm, s.inv_q, nh), (s.k, k, w.k_norm, s.inv_k, nkv)] {
             ops.rms_norm_forward(at(x), at(norm), at(s.out), at(inv), t * heads, d, eps)?;
             let dims = Heads { tokens: t, heads, head_dim: d };
-            gdn.partial_rope(at(s.out), cos, sin, at(x), dims, c.rope.rotary_dim)?;
+            gdn.partial_rope(at(s.out), cos, sin, y, dims, c.rope.rotary_dim)?;
         }
         let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: d };
-        for run in launch.docs {
-            let (q_off, k_off) = ((run.start * qd) as u64 * e, (run.start * kd) as u64 * e);
-            let qkv = (at(s.q) + q_off, at(s.k) + k_off, at(s.v) + k_off);
-            self.dev.attention_forward(&launch.plans[&run.len()], shape, qkv, (at(s.out) + q_off, at(s.lse)))?;
-        }
-        for pad in &self.padding {
-            self.dev.zero(at(s.out) + (pad.start * qd) as u64 * e, pad.len() * qd * e as usize)?;
+        match mode {
+            Mode::Rows(launch) => {
+                for run in launch.docs {
+                    let (q_off, k_off) = ((run.start * qd) as u64 * e, (run.start * kd) as u64 * e);
+                    let qkv = (at(s.q) + q_off, k + k_off, v + k_off);
+                    self.dev.attention_forward(
+                        &launch.plans[&run.len()],
+                        shape,
+                        qkv,
+                        (at(s.out) + q_off, at(s.lse)),
+                    )?;
+                }
+                for pad in &self.padding {
+                    self.dev.zero(at(s.out) + (pad.start * qd) as u64 * e, pad.len() * qd * e as usize)?;
+                }
+            }
+            Mode::Decode(cached) => {
+                let plan = cached.plan.expect("a decoding launch with attention layers has their plan");
+                self.dev.attention_forward(plan, shape, (at(s.q), k - skip, v - skip), (at(s.out), at(s.lse)))?;
+            }
         }
         gdn.output_gate(at(s.out), at(s.gate), at(s.out), t * qd)?;
         self.dev.linear(at(s.out), t, qd, at(w.o_proj), h, self.at(self.layout.x), 1.0)

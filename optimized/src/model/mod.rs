@@ -11,8 +11,36 @@ pub mod target_forward;
 
 use dflash_reference::data::Row;
 
-use crate::backend::Backend;
-use crate::Result;
+use crate::backend::{download, Backend};
+use crate::ops::elementwise::ElementwiseOps;
+use crate::ops::Elem;
+use crate::{Error, Result};
+
+/// A decoding launch's next tokens: `next [R] = argmax(head (final_norm(x)))` over the last
+/// `rows` of the `t` rows of the residual stream `x [t, H]`, with `(xn [R, H], inv [R],
+/// logits [R, V], next)` their scratch and outputs; `dims = (t, H, V, eps)`.
+fn next_tokens<B: Backend>(
+    dev: &B,
+    x: u64,
+    (final_norm, head): (u64, u64),
+    (xn, inv, logits, next): (u64, u64, u64, u64),
+    (t, h, v, eps): (usize, usize, usize, f64),
+    rows: usize,
+) -> Result<()> {
+    let first = ((t - rows) * h * B::Elem::BYTES) as u64;
+    dev.ops().rms_norm_forward(x + first, final_norm, xn, inv, rows, h, eps)?;
+    dev.linear(xn, rows, h, head, v, logits, 0.0)?;
+    dev.ops().argmax_rows(logits, rows, v, next)
+}
+
+/// The logits `[rows][V]` at `logits` (a launch keeps `held` rows) on the host, as f64.
+fn logits_to_host<B: Backend>(dev: &B, logits: u64, (rows, held): (usize, usize), v: usize) -> Result<Vec<Vec<f64>>> {
+    if rows > held {
+        return Err(Error::invalid("logits", format!("{rows} rows; a launch keeps {held}")));
+    }
+    let values = download::<B::Elem, B>(dev, logits, rows * v)?;
+    Ok(values.chunks(v.max(1)).map(|row| row.iter().map(|x| x.to_f64()).collect()).collect())
+}
 
 /// A frozen target's forward writing the drafter's features of packed rows on its backend: the
 /// dense [`target_forward::TargetForward`] or the hybrid [`hybrid_forward::HybridForward`]. The

@@ -5,34 +5,166 @@
 //! One verify step: the drafter writes its proposals straight into the target's token buffer
 //! after the bonus, the target verifies the block against its cache and takes the argmax of every
 //! row on the device, and the host reads those `2B` ids back for the accept/reject decision (the
-//! one round trip per step). The target's cache is rolled back by decoding the next block at the
-//! accepted length; the accepted positions' features extend the drafter's context cache.
+//! one round trip per step). The target keeps the accepted prefix of the block ([`DecodeTarget`]:
+//! the dense target's K/V caches roll back by decoding the next block at the accepted length, the
+//! hybrid's GatedDeltaNet states advance by the accepted tokens); the accepted positions'
+//! features extend the drafter's context cache.
 
 use dflash_reference::config::{DraftConfig, TargetConfig};
+use dflash_reference::hybrid::HybridConfig;
 use dflash_reference::speculative::{Sampling, SpecOutput};
 
 use crate::backend::{download, Allocation, Backend};
 use crate::model::drafter_decode::DrafterDecode;
-use crate::model::target_forward::TargetForward;
+use crate::model::hybrid_forward::{HybridDecodePlans, HybridForward};
+use crate::model::target_forward::{DecodePlans, TargetForward};
 use crate::ops::bytes_of;
 use crate::{Error, Result};
 
 /// Tokens per prefill launch unless the block is longer: long prompts run in chunks of this.
 pub const PREFILL_CHUNK: usize = 512;
 
-/// A target, optionally a drafter, and their caches for contexts of up to `context` positions.
-pub struct SpecDecoder<B: Backend> {
-    pub target: TargetForward<B>,
-    pub drafter: Option<DrafterDecode<B>>,
-    context: usize,
-    /// The plain decode's tokens (u32) and their capacity, kept on the device until the end.
-    history: Option<(B::Alloc, usize)>,
+/// A target laid out for decoding (spec section 4): the dense [`TargetForward`] or the hybrid
+/// [`HybridForward`]. Launches of new tokens after cached positions write their features and the
+/// argmax of their last rows' logits; a kept launch extends the cache, a verify launch keeps only
+/// the prefix [`DecodeTarget::keep`] then names.
+pub trait DecodeTarget {
+    type Backend: Backend;
+    /// The causal plans of one launch.
+    type Plans;
+    fn backend(&self) -> &Self::Backend;
+    fn vocab_size(&self) -> usize;
+    /// Tokens of one launch at most.
+    fn launch_tokens(&self) -> usize;
+    /// Where a launch's token ids (u32 `[t]`) go.
+    fn tokens_addr(&self) -> u64;
+    /// Where the next tokens (u32 `[R]`) of the last launch live.
+    fn next_addr(&self) -> Result<u64>;
+    /// The last launch's features `[t, F*H]`.
+    fn features_addr(&self) -> u64;
+    /// The embedding table and the LM head `[V, H]` (stored) the drafter shares.
+    fn head_tables(&self) -> (u64, u64);
+    /// The plans of `t` tokens after `past` cached positions (made before a step queues work).
+    fn decode_plans(&self, past: usize, t: usize) -> Result<Self::Plans>;
+    /// Decodes and keeps `t` tokens at positions `past..past+t` (`past` 0: a new sequence), the
+    /// argmax of the last `logit_rows` rows to the next tokens.
+    fn decode(&mut self, t: usize, past: usize, logit_rows: usize) -> Result<()>;
+    /// Decodes the launch of `plans`, of which [`DecodeTarget::keep`] keeps a prefix.
+    fn verify(&mut self, plans: &Self::Plans, logit_rows: usize) -> Result<()>;
+    /// Keeps the first `kept` tokens of the last verify launch.
+    fn keep(&mut self, kept: usize) -> Result<()>;
+    /// The last launch's `rows` logit rows on the host, as f64 `[rows][V]`.
+    fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>>;
 }
 
-impl<B: Backend> SpecDecoder<B> {
-    /// The decoders of `target` (and of `drafter`, checked against it) for prompts plus new tokens
-    /// of up to `context` positions, each on a backend from `make` (the same device); refused
-    /// before allocating what cannot fit.
+impl<B: Backend> DecodeTarget for TargetForward<B> {
+    type Backend = B;
+    type Plans = DecodePlans<B>;
+    fn backend(&self) -> &B {
+        TargetForward::backend(self)
+    }
+    fn vocab_size(&self) -> usize {
+        self.config.dims.vocab_size
+    }
+    fn launch_tokens(&self) -> usize {
+        self.layout.dims.t
+    }
+    fn tokens_addr(&self) -> u64 {
+        TargetForward::tokens_addr(self)
+    }
+    fn next_addr(&self) -> Result<u64> {
+        TargetForward::next_addr(self)
+    }
+    fn features_addr(&self) -> u64 {
+        TargetForward::features_addr(self)
+    }
+    fn head_tables(&self) -> (u64, u64) {
+        let (embed, head) = self.frozen_tables();
+        (embed, head.expect("a decoding layout holds its LM head"))
+    }
+    fn decode_plans(&self, past: usize, t: usize) -> Result<DecodePlans<B>> {
+        TargetForward::decode_plans(self, past, t)
+    }
+    fn decode(&mut self, t: usize, past: usize, logit_rows: usize) -> Result<()> {
+        TargetForward::decode(self, t, past, logit_rows)
+    }
+    fn verify(&mut self, plans: &DecodePlans<B>, logit_rows: usize) -> Result<()> {
+        self.decode_with(plans, logit_rows)
+    }
+    /// Nothing to do: the next launch at `past + kept` overwrites the rest of the K/V caches.
+    fn keep(&mut self, _kept: usize) -> Result<()> {
+        Ok(())
+    }
+    fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
+        TargetForward::logits_to_host(self, rows)
+    }
+}
+
+impl<B: Backend> DecodeTarget for HybridForward<B> {
+    type Backend = B;
+    type Plans = HybridDecodePlans<B>;
+    fn backend(&self) -> &B {
+        HybridForward::backend(self)
+    }
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+    fn launch_tokens(&self) -> usize {
+        self.layout.tokens
+    }
+    fn tokens_addr(&self) -> u64 {
+        HybridForward::tokens_addr(self)
+    }
+    fn next_addr(&self) -> Result<u64> {
+        HybridForward::next_addr(self)
+    }
+    fn features_addr(&self) -> u64 {
+        HybridForward::features_addr(self)
+    }
+    fn head_tables(&self) -> (u64, u64) {
+        let (embed, head) = self.frozen_tables();
+        (embed, head.expect("a decoding layout holds its LM head"))
+    }
+    fn decode_plans(&self, past: usize, t: usize) -> Result<HybridDecodePlans<B>> {
+        HybridForward::decode_plans(self, past, t)
+    }
+    fn decode(&mut self, t: usize, past: usize, logit_rows: usize) -> Result<()> {
+        HybridForward::decode(self, t, past, logit_rows)
+    }
+    fn verify(&mut self, plans: &HybridDecodePlans<B>, logit_rows: usize) -> Result<()> {
+        HybridForward::verify(self, plans, logit_rows)
+    }
+    fn keep(&mut self, kept: usize) -> Result<()> {
+        HybridForward::keep(self, kept)
+    }
+    fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
+        HybridForward::logits_to_host(self, rows)
+    }
+}
+
+/// A target, optionally a drafter, and their caches for contexts of up to `context` positions.
+pub struct SpecDecoder<T: DecodeTarget> {
+    pub target: T,
+    pub drafter: Option<DrafterDecode<T::Backend>>,
+    context: usize,
+    /// The plain decode's tokens (u32) and their capacity, kept on the device until the end.
+    history: Option<(<T::Backend as Backend>::Alloc, usize)>,
+}
+
+/// The decoders' sizes for `drafter` and contexts of `context`: `(tokens per launch, positions
+/// held, the block, the tapped layers)`.
+fn decoder_sizes(drafter: Option<&DraftConfig>, context: usize) -> Result<(usize, usize, usize, Vec<usize>)> {
+    let block = drafter.map_or(1, |d| d.block_size);
+    let launch = PREFILL_CHUNK.max(block).min(context.max(block));
+    // The drafter's verify blocks may run past the last kept token: room for one more block.
+    let held = context.checked_add(block).ok_or_else(|| Error::invalid("context", "overflows"))?;
+    Ok((launch, held, block, drafter.map_or(vec![0], |d| d.target_layer_ids.clone())))
+}
+
+impl<B: Backend> SpecDecoder<TargetForward<B>> {
+    /// The decoders of the dense `target` (and of `drafter`, checked against it) for prompts plus
+    /// new tokens of up to `context` positions, each on a backend from `make` (the same device);
+    /// refused before allocating what cannot fit.
     pub fn new(
         make: impl Fn() -> Result<B>,
         target: &TargetConfig,
@@ -42,16 +174,39 @@ impl<B: Backend> SpecDecoder<B> {
         if let Some(d) = drafter {
             d.check_target(target)?;
         }
-        let block = drafter.map_or(1, |d| d.block_size);
-        let launch = PREFILL_CHUNK.max(block).min(context.max(block));
-        // The drafter's verify blocks may run past the last kept token: room for one more block.
-        let held = context.checked_add(block).ok_or_else(|| Error::invalid("context", "overflows"))?;
-        let layer_ids = drafter.map_or(vec![0], |d| d.target_layer_ids.clone());
+        let (launch, held, block, layer_ids) = decoder_sizes(drafter, context)?;
         let target = TargetForward::decoding(make()?, target, &layer_ids, launch, held, block)?;
-        let tables = target.frozen_tables();
-        let tables = (tables.0, tables.1.expect("a decoding layout holds its LM head"));
+        Self::with_target(make, target, drafter, context)
+    }
+}
+
+impl<B: Backend> SpecDecoder<HybridForward<B>> {
+    /// [`SpecDecoder::new`] for a hybrid target (spec section 10).
+    pub fn hybrid(
+        make: impl Fn() -> Result<B>,
+        target: &HybridConfig,
+        drafter: Option<&DraftConfig>,
+        context: usize,
+    ) -> Result<Self> {
+        if let Some(d) = drafter {
+            target.check_drafter(d)?;
+        }
+        let (launch, held, block, layer_ids) = decoder_sizes(drafter, context)?;
+        let target = HybridForward::decoding(make()?, target, &layer_ids, launch, held, block)?;
+        Self::with_target(make, target, drafter, context)
+    }
+}
+
+impl<T: DecodeTarget> SpecDecoder<T> {
+    fn with_target(
+        make: impl Fn() -> Result<T::Backend>,
+        target: T,
+        drafter: Option<&DraftConfig>,
+        context: usize,
+    ) -> Result<Self> {
+        let (launch, held, _, _) = decoder_sizes(drafter, context)?;
         let drafter = match drafter {
-            Some(d) => Some(DrafterDecode::new(make()?, d, held, launch, tables)?),
+            Some(d) => Some(DrafterDecode::new(make()?, d, held, launch, target.head_tables())?),
             None => None,
         };
         Ok(SpecDecoder { target, drafter, context, history: None })
@@ -61,7 +216,7 @@ impl<B: Backend> SpecDecoder<B> {
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "is empty"));
         }
-        let vocab = self.target.config.dims.vocab_size;
+        let vocab = self.target.vocab_size();
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::invalid("prompt", format!("token id {bad} is not below the vocab size {vocab}")));
         }
@@ -84,7 +239,7 @@ impl<B: Backend> SpecDecoder<B> {
     fn choose(&self, sampling: &Sampling, rows: usize, first: usize) -> Result<Vec<u32>> {
         let next = self.target.next_addr()?;
         if let Sampling::Greedy = sampling {
-            return download::<u32, B>(self.target.backend(), next, rows);
+            return download::<u32, T::Backend>(self.target.backend(), next, rows);
         }
         let chosen: Vec<u32> = self
             .target
@@ -100,7 +255,7 @@ impl<B: Backend> SpecDecoder<B> {
     /// Runs the prompt through the target in chunks (and into the drafter's context); the
     /// target's next token after it (at the device's next tokens, row 0).
     fn prefill(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<u32> {
-        let chunk = self.target.layout.dims.t;
+        let chunk = self.target.launch_tokens();
         for (i, part) in prompt.chunks(chunk).enumerate() {
             let past = i * chunk;
             self.target.backend().upload(self.target.tokens_addr(), bytes_of(part))?;
@@ -132,7 +287,7 @@ impl<B: Backend> SpecDecoder<B> {
             self.target.decode(1, prompt.len() + i - 1, 1)?;
             self.target.backend().copy(history + i as u64 * 4, self.target.next_addr()?, 4)?;
         }
-        download::<u32, B>(self.target.backend(), history, max_new)
+        download::<u32, T::Backend>(self.target.backend(), history, max_new)
     }
 
     /// Plain decoding under `sampling` (greedy: [`SpecDecoder::greedy_decode`]; sampled: each
@@ -194,11 +349,12 @@ impl<B: Backend> SpecDecoder<B> {
             }
             drafter.draft(&draft_plans, bonus_at, verify + 4)?;
             self.target.backend().copy(verify, bonus_at, 4)?;
-            self.target.decode_with(&verify_plans, b)?;
+            self.target.verify(&verify_plans, b)?;
             let dev = self.target.backend();
-            let drafts = download::<u32, B>(dev, verify + 4, b - 1)?;
+            let drafts = download::<u32, T::Backend>(dev, verify + 4, b - 1)?;
             let chosen = self.choose(sampling, b, n + 1)?; // chosen[i]: the target's token at n + i + 1
             let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
+            self.target.keep(accepted + 1)?;
             pending = Some((n, accepted + 1));
             out.tokens.push(bonus);
             out.tokens.extend(&drafts[..accepted]);

@@ -316,19 +316,14 @@ impl<B: Backend> TargetForward<B> {
         self.tokens = t;
         self.padding.clear();
         // Consecutive positions: their RoPE tables are rows past.. of the position tables.
-        let (lay, ops) = (&self.layout, self.dev.ops());
+        let lay = &self.layout;
         let row = (z.d * <B::Elem as Elem>::Acc::BYTES * past) as u64;
         let rope = (self.at(lay.cos_table) + row, self.at(lay.sin_table) + row);
         self.forward(t, rope, Attend::Cached { past, plans: &plans.plans })?;
-        // next = argmax(lm_head(norm(x))) of the last rows.
-        let e = B::Elem::BYTES as u64;
-        let (x, xn, inv) = (self.at(lay.x), self.at(lay.xn), self.at(lay.inv));
-        let first = (t - logit_rows) as u64 * z.h as u64 * e;
-        let eps = self.config.dims.rms_norm_eps;
-        ops.rms_norm_forward(x + first, self.at(d.final_norm), xn, inv, logit_rows, z.h, eps)?;
         let head = self.frozen_tables().1.expect("a decoding layout holds its LM head");
-        self.dev.linear(xn, logit_rows, z.h, head, z.v, self.at(d.logits), 0.0)?;
-        ops.argmax_rows(self.at(d.logits), logit_rows, z.v, self.at(d.next))
+        let scratch = (self.at(lay.xn), self.at(lay.inv), self.at(d.logits), self.at(d.next));
+        let dims = (t, z.h, z.v, self.config.dims.rms_norm_eps);
+        super::next_tokens(&self.dev, self.at(lay.x), (self.at(d.final_norm), head), scratch, dims, logit_rows)
     }
 
     /// The layers over the uploaded launch of `t` tokens with its RoPE tables `(cos, sin)`
@@ -419,12 +414,8 @@ impl<B: Backend> TargetForward<B> {
 
     /// The logits of the last decoding launch's `rows` logit rows on the host, as f64 `[rows][V]`.
     pub fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
-        let (d, v) = (self.decode_regions()?, self.layout.dims.v);
-        if rows > d.logit_rows {
-            return Err(Error::invalid("logits", format!("{rows} rows; a launch keeps {}", d.logit_rows)));
-        }
-        let values = download::<B::Elem, B>(&self.dev, self.at(d.logits), rows * v)?;
-        Ok(values.chunks(v.max(1)).map(|row| row.iter().map(|x| x.to_f64()).collect()).collect())
+        let d = self.decode_regions()?;
+        super::logits_to_host(&self.dev, self.at(d.logits), (rows, d.logit_rows), self.layout.dims.v)
     }
 
     /// The features of the last launch on the host as bf16 bits, `[tokens, F*H]` (bf16 storage,

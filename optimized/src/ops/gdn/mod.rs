@@ -128,6 +128,11 @@ impl Segments<'_> {
     }
 }
 
+/// One segment over all `tokens` tokens: a decoding launch's (one sequence).
+pub fn one_segment(tokens: usize) -> [Range<usize>; 1] {
+    [Range { start: 0, end: tokens }]
+}
+
 /// Values of the segment table of a launch of `tokens` tokens.
 pub fn segment_table_len(tokens: usize) -> usize {
     4 * tokens
