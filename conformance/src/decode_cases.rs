@@ -39,14 +39,16 @@ pub struct Pair<T = TargetModel> {
 /// `TargetModel` ([`TargetForward`]) or the hybrid `HybridModel` ([`HybridForward`]).
 pub trait DecodedTarget: Target {
     type Forward<B: Backend>: DecodeTarget<Backend = B>;
-    /// The optimized decoders of this target (its weights loaded) and of a `drafter` (weights
-    /// not loaded) for contexts of `context` positions, on backends from `make`.
+    /// The optimized decoders of this target and of a `drafter` for contexts of `context`
+    /// positions, on backends from `make` (no weights loaded).
     fn decoder<B: Backend>(
         &self,
         make: impl Fn() -> Result<B>,
         drafter: &DraftConfig,
         context: usize,
     ) -> Result<SpecDecoder<Self::Forward<B>>>;
+    /// Loads this target's weights into its optimized decoder's forward.
+    fn load_into<B: Backend>(&self, forward: &mut Self::Forward<B>) -> Result<()>;
 }
 
 impl DecodedTarget for TargetModel {
@@ -57,9 +59,10 @@ impl DecodedTarget for TargetModel {
         drafter: &DraftConfig,
         context: usize,
     ) -> Result<SpecDecoder<TargetForward<B>>> {
-        let mut decoder = SpecDecoder::new(make, &self.config, Some(drafter), context)?;
-        decoder.target.load_weights(|name, _| self.weight(name))?;
-        Ok(decoder)
+        SpecDecoder::new(make, &self.config, Some(drafter), context)
+    }
+    fn load_into<B: Backend>(&self, forward: &mut TargetForward<B>) -> Result<()> {
+        forward.load_weights(|name, _| self.weight(name))
     }
 }
 
@@ -71,10 +74,25 @@ impl DecodedTarget for HybridModel {
         drafter: &DraftConfig,
         context: usize,
     ) -> Result<SpecDecoder<HybridForward<B>>> {
-        let mut decoder = SpecDecoder::hybrid(make, &self.config, Some(drafter), context)?;
-        decoder.target.load_weights(|name, _| self.weight(name))?;
-        Ok(decoder)
+        SpecDecoder::hybrid(make, &self.config, Some(drafter), context)
     }
+    fn load_into<B: Backend>(&self, forward: &mut HybridForward<B>) -> Result<()> {
+        forward.load_weights(|name, _| self.weight(name))
+    }
+}
+
+/// The optimized decoders of `pair` for contexts of `context` positions on backends from `make`,
+/// both models' weights loaded.
+pub fn pair_decoder<B: Backend, T: DecodedTarget>(
+    pair: &Pair<T>,
+    make: impl Fn() -> Result<B>,
+    context: usize,
+) -> Result<SpecDecoder<T::Forward<B>>> {
+    let mut decoder = pair.target.decoder(make, &pair.drafter.config, context)?;
+    pair.target.load_into(&mut decoder.target)?;
+    let drafter = decoder.drafter.as_mut().expect("built with a drafter");
+    drafter.load_weights(|name, _| Ok(pair.drafter.param(name).clone()))?;
+    Ok(decoder)
 }
 
 /// A drafter config for `target` with `block_size`, 1-2 layers of a random full/sliding mix and
@@ -309,12 +327,7 @@ pub fn decode_check<B: Backend, T: DecodedTarget>(
     matching: DecodeMatch,
 ) -> Result<(GpuCheck, usize)> {
     let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_new;
-    let mut decoder = pair.target.decoder(&backend, &pair.drafter.config, context)?;
-    decoder
-        .drafter
-        .as_mut()
-        .expect("built with a drafter")
-        .load_weights(|name, _| Ok(pair.drafter.param(name).clone()))?;
+    let mut decoder = pair_decoder(pair, &backend, context)?;
     let differ = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
     let mut counts = [0usize; 4];
     let (mut accepted, mut ties, mut emitted) = (0, 0, 0);

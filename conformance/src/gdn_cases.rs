@@ -124,14 +124,14 @@ pub fn run_gdn_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         let table = buf.put(u, &segment_table(&one, n, true).into_iter().map(f64::from).collect::<Vec<_>>())?;
         let resumed = Segments { ranges: &one, table, resume: true };
         let shape_n = GdnShape { tokens: n, ..shape };
-        let o = buf.zeros(s, n * vd)?;
+        let resumed_out = buf.zeros(s, n * vd)?;
         for group in dflash_optimized::ops::gdn::groups(&one, shape_n) {
-            gdn.gated_delta(DeltaBuffers { out: o, ..bufs }, scratch, shape_n, resumed, group)?;
+            gdn.gated_delta(DeltaBuffers { out: resumed_out, ..bufs }, scratch, shape_n, resumed, group)?;
         }
         out.push(OpOutputs {
             op: format!("gated_delta {label}, {n} tokens resuming that state"),
             outputs: vec![
-                ("out", buf.get(s, o, n * vd)?, GDN_DELTA_BF16),
+                ("out", buf.get(s, resumed_out, n * vd)?, GDN_DELTA_BF16),
                 ("carried state", buf.get(a, scratch.carry, d.carry)?, GDN_DELTA_BF16),
             ],
         });

@@ -40,7 +40,8 @@ other), the acceptance of each block position, decode tokens/s with and without 
 and the speed-up. Writes the same as JSON.
 
 On the GPU (--device gpu) the target and the drafter decode in bf16 with K/V caches: the
-target's cache rolled back to the accepted length after each verify, the drafter's holding the
+target's cache rolled back to the accepted length after each verify (a Qwen3.5 hybrid's
+GatedDeltaNet states advanced by the accepted tokens only), the drafter's holding the
 committed positions' context K/V, its block recomputed each step; one host round trip per verify
 step. On the CPU (--device cpu) the reference decoders run in f32, each step recomputed from the
 start: for small targets.

@@ -157,6 +157,17 @@ impl Arena {
     }
 }
 
+/// Refuses a decoding layout's sizes unless `1 <= logit_rows <= tokens <= context`.
+pub fn check_decoding_sizes(tokens: usize, context: usize, logit_rows: usize) -> Result<()> {
+    if logit_rows == 0 || logit_rows > tokens || context < tokens {
+        return Err(Error::invalid(
+            "decoding layout",
+            format!("{logit_rows} logit rows, {tokens} tokens per launch and a context of {context}: need 1 <= rows <= tokens <= context"),
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses `what`'s `needed` bytes when only `available` are free, before anything is allocated:
 /// the error names the total, the device, the largest `items`, and what to try (`hint`).
 pub fn check_fits(what: &str, needed: u64, items: &[Item], available: u64, device: &str, hint: &str) -> Result<()> {

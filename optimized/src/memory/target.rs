@@ -214,12 +214,7 @@ impl TargetLayout {
         logit_rows: usize,
         widths: (u64, u64),
     ) -> Result<Self> {
-        if logit_rows == 0 || logit_rows > tokens || context < tokens {
-            return Err(Error::invalid(
-                "decoding layout",
-                format!("{logit_rows} logit rows, {tokens} tokens per launch and a context of {context}: need 1 <= rows <= tokens <= context"),
-            ));
-        }
+        super::check_decoding_sizes(tokens, context, logit_rows)?;
         Self::build(config, layer_ids, tokens, widths, true, true, Some((context, logit_rows)))
     }
 

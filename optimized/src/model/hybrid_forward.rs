@@ -105,7 +105,7 @@ impl<B: Backend> HybridForward<B> {
     /// allocates it: a target that cannot fit is refused before anything is allocated, naming
     /// its largest items.
     pub fn new(dev: B, config: &HybridConfig, layer_ids: &[usize], max_tokens: usize) -> Result<Self> {
-        let layout = HybridLayout::new(config, layer_ids, max_tokens, Self::widths())?;
+        let layout = HybridLayout::new(config, layer_ids, max_tokens, super::widths::<B>())?;
         let device = format!("{} (hybrid target, {max_tokens} tokens per launch)", dev.name());
         Self::allocate(dev, config, layer_ids, layout, &device)
     }
@@ -122,7 +122,7 @@ impl<B: Backend> HybridForward<B> {
         context: usize,
         logit_rows: usize,
     ) -> Result<Self> {
-        let layout = HybridLayout::decoding(config, layer_ids, max_tokens, context, logit_rows, Self::widths())?;
+        let layout = HybridLayout::decoding(config, layer_ids, max_tokens, context, logit_rows, super::widths::<B>())?;
         let device = format!("{} (hybrid target decoding, a context of {context})", dev.name());
         let forward = Self::allocate(dev, config, layer_ids, layout, &device)?;
         // The segment tables of the launches of 1..=R tokens, made once.
@@ -131,10 +131,6 @@ impl<B: Backend> HybridForward<B> {
             forward.upload_tables(*tables, i + 1)?;
         }
         Ok(forward)
-    }
-
-    fn widths() -> (u64, u64) {
-        (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64)
     }
 
     fn allocate(

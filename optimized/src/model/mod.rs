@@ -13,8 +13,13 @@ use dflash_reference::data::Row;
 
 use crate::backend::{download, Backend};
 use crate::ops::elementwise::ElementwiseOps;
-use crate::ops::Elem;
+use crate::ops::{Elem, Real};
 use crate::{Error, Result};
+
+/// Bytes per value of backend `B`: `(stored, arithmetic)`, as the layouts take them.
+fn widths<B: Backend>() -> (u64, u64) {
+    (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64)
+}
 
 /// A decoding launch's next tokens: `next [R] = argmax(head (final_norm(x)))` over the last
 /// `rows` of the `t` rows of the residual stream `x [t, H]`, with `(xn [R, H], inv [R],

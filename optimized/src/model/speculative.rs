@@ -55,6 +55,8 @@ pub trait DecodeTarget {
     fn keep(&mut self, kept: usize) -> Result<()>;
     /// The last launch's `rows` logit rows on the host, as f64 `[rows][V]`.
     fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>>;
+    /// The bytes of the target's one allocation (its decoding layout).
+    fn allocated_bytes(&self) -> u64;
 }
 
 impl<B: Backend> DecodeTarget for TargetForward<B> {
@@ -98,6 +100,9 @@ impl<B: Backend> DecodeTarget for TargetForward<B> {
     fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
         TargetForward::logits_to_host(self, rows)
     }
+    fn allocated_bytes(&self) -> u64 {
+        self.layout.bytes
+    }
 }
 
 impl<B: Backend> DecodeTarget for HybridForward<B> {
@@ -139,6 +144,9 @@ impl<B: Backend> DecodeTarget for HybridForward<B> {
     }
     fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
         HybridForward::logits_to_host(self, rows)
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.layout.bytes
     }
 }
 

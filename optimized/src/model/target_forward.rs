@@ -72,7 +72,7 @@ impl<B: Backend> TargetForward<B> {
         max_tokens: usize,
         with_lm_head: bool,
     ) -> Result<Self> {
-        let layout = TargetLayout::new(config, layer_ids, max_tokens, Self::widths(), with_lm_head, true)?;
+        let layout = TargetLayout::new(config, layer_ids, max_tokens, super::widths::<B>(), with_lm_head, true)?;
         let device = format!("{} (target, {max_tokens} tokens per launch)", dev.name());
         Self::allocate(dev, config, layer_ids, layout, &device)
     }
@@ -88,13 +88,9 @@ impl<B: Backend> TargetForward<B> {
         context: usize,
         logit_rows: usize,
     ) -> Result<Self> {
-        let layout = TargetLayout::decoding(config, layer_ids, max_tokens, context, logit_rows, Self::widths())?;
+        let layout = TargetLayout::decoding(config, layer_ids, max_tokens, context, logit_rows, super::widths::<B>())?;
         let device = format!("{} (target decoding, a context of {context})", dev.name());
         Self::allocate(dev, config, layer_ids, layout, &device)
-    }
-
-    fn widths() -> (u64, u64) {
-        (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64)
     }
 
     fn allocate(
