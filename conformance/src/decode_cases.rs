@@ -40,10 +40,10 @@ pub struct Pair<T = TargetModel> {
 pub trait DecodedTarget: Target {
     type Forward<B: Backend>: DecodeTarget<Backend = B>;
     /// The optimized decoders of this target and of a `drafter` for contexts of `context`
-    /// positions, on backends from `make` (no weights loaded).
+    /// positions, on backends from `make(head_dim)` (no weights loaded).
     fn decoder<B: Backend>(
         &self,
-        make: impl Fn() -> Result<B>,
+        make: impl Fn(usize) -> Result<B>,
         drafter: &DraftConfig,
         context: usize,
     ) -> Result<SpecDecoder<Self::Forward<B>>>;
@@ -55,7 +55,7 @@ impl DecodedTarget for TargetModel {
     type Forward<B: Backend> = TargetForward<B>;
     fn decoder<B: Backend>(
         &self,
-        make: impl Fn() -> Result<B>,
+        make: impl Fn(usize) -> Result<B>,
         drafter: &DraftConfig,
         context: usize,
     ) -> Result<SpecDecoder<TargetForward<B>>> {
@@ -70,7 +70,7 @@ impl DecodedTarget for HybridModel {
     type Forward<B: Backend> = HybridForward<B>;
     fn decoder<B: Backend>(
         &self,
-        make: impl Fn() -> Result<B>,
+        make: impl Fn(usize) -> Result<B>,
         drafter: &DraftConfig,
         context: usize,
     ) -> Result<SpecDecoder<HybridForward<B>>> {
@@ -81,11 +81,11 @@ impl DecodedTarget for HybridModel {
     }
 }
 
-/// The optimized decoders of `pair` for contexts of `context` positions on backends from `make`,
-/// both models' weights loaded.
+/// The optimized decoders of `pair` for contexts of `context` positions on backends from
+/// `make(head_dim)`, both models' weights loaded.
 pub fn pair_decoder<B: Backend, T: DecodedTarget>(
     pair: &Pair<T>,
-    make: impl Fn() -> Result<B>,
+    make: impl Fn(usize) -> Result<B>,
     context: usize,
 ) -> Result<SpecDecoder<T::Forward<B>>> {
     let mut decoder = pair.target.decoder(make, &pair.drafter.config, context)?;
@@ -321,7 +321,7 @@ pub const BF16_NEAR_TIE: f64 = 0.1;
 /// can require the multi-token path to have run).
 pub fn decode_check<B: Backend, T: DecodedTarget>(
     pair: &Pair<T>,
-    backend: impl Fn() -> Result<B>,
+    backend: impl Fn(usize) -> Result<B>,
     prompts: &[Vec<u32>],
     (max_new, sampling): (usize, &Sampling),
     matching: DecodeMatch,

@@ -15,7 +15,7 @@ use dflash_reference::speculative::Sampling;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-fn host() -> dflash_optimized::Result<Host<f64>> {
+fn host(_head_dim: usize) -> dflash_optimized::Result<Host<f64>> {
     Ok(Host::default())
 }
 
@@ -206,7 +206,7 @@ fn teacher_forced_judging_accepts_the_twins() {
     let (check, _) = decode_check(&pair, host, &prompts, (24, &Sampling::Greedy), DecodeMatch::NearTie { rel: 0.0 })
         .expect("decode");
     assert!(check.errors.iter().all(|e| e.1 == 0.0), "{}: {:?}", check.name, check.errors);
-    let bf16_host = || Ok(Host::<half::bf16>::default());
+    let bf16_host = |_| Ok(Host::<half::bf16>::default());
     let near = DecodeMatch::NearTie { rel: BF16_NEAR_TIE };
     let (check, _) =
         decode_check(&builtin_pair(candle_core::DType::F32), bf16_host, &prompts, (24, &Sampling::Greedy), near)

@@ -53,7 +53,7 @@ fn check_decoding_memory<T: DecodedTarget>(
     (prompt_len, max_new): (usize, usize),
 ) {
     let context = prompt_len + max_new;
-    let host = || Ok(Host::<f64>::default());
+    let host = |_| Ok(Host::<f64>::default());
     let (decoder, built) = measure(|| pair.target.decoder(host, &pair.drafter.config, context).expect("decoder"));
     let mut decoder = decoder;
     let draft_layout = &decoder.drafter.as_ref().expect("drafter").layout;

@@ -110,10 +110,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let err = |e: dflash_optimized::Error| e.to_string();
     let draft =
         with_random_drafter.then(|| DraftConfig::for_target(&config, 5, 16, config.dims.vocab_size as u32 - 1, 5));
-    let d = config.dims.head_dim;
     let started = std::time::Instant::now();
     let mut decoder =
-        SpecDecoder::new(|| Cuda::new(&gpu, d), &config, draft.as_ref(), prompt_len + new_tokens).map_err(err)?;
+        SpecDecoder::new(|d| Cuda::new(&gpu, d), &config, draft.as_ref(), prompt_len + new_tokens).map_err(err)?;
     let weights = WeightSet::load_dir(&dir).map_err(|e| e.to_string())?;
     decoder.target.load_weights(|n, s| weights.get(n, s, DType::BF16)).map_err(err)?;
     drop(weights);
@@ -141,9 +140,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     // The trained pair: the GPU built-in target and its drafter, plain and speculative.
     let pair = builtin_pair(DType::F32);
     let builtin_prompt: Vec<u32> = (0..16).map(|_| rng.random_range(0..pair.drafter.config.mask_token_id)).collect();
-    let bd = pair.target.config.dims.head_dim;
     let mut decoder =
-        SpecDecoder::new(|| Cuda::new(&gpu, bd), &pair.target.config, Some(&pair.drafter.config), 16 + new_tokens)
+        SpecDecoder::new(|d| Cuda::new(&gpu, d), &pair.target.config, Some(&pair.drafter.config), 16 + new_tokens)
             .map_err(err)?;
     decoder.target.load_weights(|n, _| pair.target.weight(n)).map_err(err)?;
     decoder

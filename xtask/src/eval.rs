@@ -277,9 +277,8 @@ impl Decoders {
         context: usize,
     ) -> Result<Self, String> {
         let gpu = crate::gpu_conformance::open_gpu()?;
-        let d = target.head_dim();
         let err = |e: dflash_optimized::Error| e.to_string();
-        let make = || Cuda::new(&gpu, d);
+        let make = |d| Cuda::new(&gpu, d);
         let w = WeightSet::load_dir(target_dir).map_err(|e| e.to_string())?;
         let get = |n: &str, s: &[usize]| w.get(&target.checkpoint_name(n), s, DType::BF16);
         let decoder: Box<dyn CachedDecoder> = match target {

@@ -243,11 +243,10 @@ fn decode_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
         let vocab = pair.target.config.dims.vocab_size;
         let lens = [rng.random_range(5..30), rng.random_range(60..200), rng.random_range(520..600)];
         let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| random_prompt(n, vocab, &mut rng)).collect();
-        let d = pair.target.config.dims.head_dim;
         checks.push(
             decode_check(
                 pair,
-                || Cuda::new(gpu, d),
+                |d| Cuda::new(gpu, d),
                 &prompts,
                 (48, &Sampling::Greedy),
                 DecodeMatch::NearTie { rel: BF16_NEAR_TIE },
@@ -269,9 +268,8 @@ fn hybrid_decode_checks(gpu: &Gpu) -> dflash_optimized::Result<Vec<GpuCheck>> {
         let vocab = pair.target.config.vocab_size;
         let lens = [rng.random_range(5..30), rng.random_range(60..200), rng.random_range(520..600)];
         let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| random_prompt(n, vocab, &mut rng)).collect();
-        let d = pair.target.config.head_dim;
         let matching = DecodeMatch::NearTie { rel: BF16_NEAR_TIE };
-        checks.push(decode_check(pair, || Cuda::new(gpu, d), &prompts, (48, &Sampling::Greedy), matching)?.0);
+        checks.push(decode_check(pair, |d| Cuda::new(gpu, d), &prompts, (48, &Sampling::Greedy), matching)?.0);
     }
     Ok(checks)
 }

@@ -171,10 +171,11 @@ fn decoder_sizes(drafter: Option<&DraftConfig>, context: usize) -> Result<(usize
 
 impl<B: Backend> SpecDecoder<TargetForward<B>> {
     /// The decoders of the dense `target` (and of `drafter`, checked against it) for prompts plus
-    /// new tokens of up to `context` positions, each on a backend from `make` (the same device);
+    /// new tokens of up to `context` positions, each on a backend from `make(d)` (the same device,
+    /// its attention built for heads of `d`: the target's, then the drafter's);
     /// refused before allocating what cannot fit.
     pub fn new(
-        make: impl Fn() -> Result<B>,
+        make: impl Fn(usize) -> Result<B>,
         target: &TargetConfig,
         drafter: Option<&DraftConfig>,
         context: usize,
@@ -183,7 +184,8 @@ impl<B: Backend> SpecDecoder<TargetForward<B>> {
             d.check_target(target)?;
         }
         let (launch, held, block, layer_ids) = decoder_sizes(drafter, context)?;
-        let target = TargetForward::decoding(make()?, target, &layer_ids, launch, held, block)?;
+        let dev = make(target.dims.head_dim)?;
+        let target = TargetForward::decoding(dev, target, &layer_ids, launch, held, block)?;
         Self::with_target(make, target, drafter, context)
     }
 }
@@ -191,7 +193,7 @@ impl<B: Backend> SpecDecoder<TargetForward<B>> {
 impl<B: Backend> SpecDecoder<HybridForward<B>> {
     /// [`SpecDecoder::new`] for a hybrid target (spec section 10).
     pub fn hybrid(
-        make: impl Fn() -> Result<B>,
+        make: impl Fn(usize) -> Result<B>,
         target: &HybridConfig,
         drafter: Option<&DraftConfig>,
         context: usize,
@@ -200,21 +202,21 @@ impl<B: Backend> SpecDecoder<HybridForward<B>> {
             target.check_drafter(d)?;
         }
         let (launch, held, block, layer_ids) = decoder_sizes(drafter, context)?;
-        let target = HybridForward::decoding(make()?, target, &layer_ids, launch, held, block)?;
+        let target = HybridForward::decoding(make(target.head_dim)?, target, &layer_ids, launch, held, block)?;
         Self::with_target(make, target, drafter, context)
     }
 }
 
 impl<T: DecodeTarget> SpecDecoder<T> {
     fn with_target(
-        make: impl Fn() -> Result<T::Backend>,
+        make: impl Fn(usize) -> Result<T::Backend>,
         target: T,
         drafter: Option<&DraftConfig>,
         context: usize,
     ) -> Result<Self> {
         let (launch, held, _, _) = decoder_sizes(drafter, context)?;
         let drafter = match drafter {
-            Some(d) => Some(DrafterDecode::new(make()?, d, held, launch, target.head_tables())?),
+            Some(d) => Some(DrafterDecode::new(make(d.dims.head_dim)?, d, held, launch, target.head_tables())?),
             None => None,
         };
         Ok(SpecDecoder { target, drafter, context, history: None })
