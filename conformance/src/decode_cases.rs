@@ -15,7 +15,7 @@ use dflash_reference::config::{AttnKind, DraftConfig, ModelDims, RopeScaling, Ta
 use dflash_reference::drafter::{is_norm, random_normal, DraftInput, Drafter};
 use dflash_reference::hybrid::{HybridConfig, HybridModel};
 use dflash_reference::speculative::{plain_decode, speculative_decode_with, Sampling, SpecOutput};
-use dflash_reference::target::{Target, TargetModel};
+use dflash_reference::target::{Target, TargetKind, TargetModel};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -49,6 +49,8 @@ pub trait DecodedTarget: Target {
     ) -> Result<SpecDecoder<Self::Forward<B>>>;
     /// Loads this target's weights into its optimized decoder's forward.
     fn load_into<B: Backend>(&self, forward: &mut Self::Forward<B>) -> Result<()>;
+    /// Its config, as a target folder's.
+    fn kind(&self) -> TargetKind;
 }
 
 impl DecodedTarget for TargetModel {
@@ -64,6 +66,9 @@ impl DecodedTarget for TargetModel {
     fn load_into<B: Backend>(&self, forward: &mut TargetForward<B>) -> Result<()> {
         forward.load_weights(|name, _| self.weight(name))
     }
+    fn kind(&self) -> TargetKind {
+        TargetKind::Dense(self.config.clone())
+    }
 }
 
 impl DecodedTarget for HybridModel {
@@ -78,6 +83,9 @@ impl DecodedTarget for HybridModel {
     }
     fn load_into<B: Backend>(&self, forward: &mut HybridForward<B>) -> Result<()> {
         forward.load_weights(|name, _| self.weight(name))
+    }
+    fn kind(&self) -> TargetKind {
+        TargetKind::Hybrid(self.config.clone())
     }
 }
 

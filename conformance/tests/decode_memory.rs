@@ -9,7 +9,7 @@ use dflash_conformance::decode_cases::{builtin_pair, hybrid_pairs, random_prompt
 use dflash_conformance::heap::{measure, CountingAllocator};
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::memory::attention::host_attention_bytes;
-use dflash_optimized::model::speculative::DecodeTarget;
+use dflash_optimized::model::speculative::{decoders_bytes, DecodeTarget};
 use dflash_optimized::ops::attention::ranges::KeyRanges;
 use dflash_optimized::ops::attention::AttnShape;
 use dflash_reference::config::AttnKind;
@@ -43,8 +43,8 @@ fn hybrid_decoding_allocates_its_layouts_and_the_attention_scratch_only() {
 }
 
 /// Builds the decoders of `pair` for a prompt of `prompt_len` tokens and `max_new` new ones on the
-/// f64 twins and decodes one random prompt: building allocates the two layouts, the RoPE tables'
-/// temporaries (`rope`: the target's rotary dims) and bookkeeping; decoding, the host attention's
+/// f64 twins and decodes one random prompt: building allocates the two layouts (at most the
+/// planner's `decoders_bytes`), the RoPE tables' temporaries (`rope`: the target's rotary dims) and bookkeeping; decoding, the host attention's
 /// scratch of its largest call (`shape`: the target's attention) and bookkeeping.
 fn check_decoding_memory<T: DecodedTarget>(
     pair: &Pair<T>,
@@ -64,8 +64,11 @@ fn check_decoding_memory<T: DecodedTarget>(
     let held = |positions: usize, d: usize| 3 * (positions * d * 8) as u64;
     let tables =
         held(context + d.block_size, rope) + held(draft_layout.dims.c + draft_layout.dims.b, draft_layout.dims.d);
-    println!("built: {built} bytes, layouts {layouts}, RoPE temporaries {tables}");
-    let bound = layouts + tables + BOOKKEEPING_BYTES;
+    // The planner's bytes of the decoders (what `train --plan` shows for the real tau).
+    let planned = decoders_bytes(&pair.target.kind(), d, context, (8, 8)).expect("planned");
+    println!("built: {built} bytes, layouts {layouts}, planned {planned}, RoPE temporaries {tables}");
+    let bound = planned + tables + BOOKKEEPING_BYTES;
+    assert!(planned >= layouts, "planned {planned} below the layouts' {layouts}");
     assert!(built as u64 >= layouts && built as u64 <= bound, "built {built}, layouts {layouts}, bound {bound}");
 
     pair.target.load_into(&mut decoder.target).expect("target weights");

@@ -253,7 +253,7 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("log_every", Kind::Int, "a metrics line every N steps"),
     ("eval_every", Kind::Int, "held-out loss, accuracy and tau_hat every N steps (0: before and after only)"),
     ("eval_rows", Kind::Int, "held-out rows"),
-    ("tau_prompts", Kind::Int, "held-out prompts of the real tau (speculative decoding, the reference decoders on the CPU: small targets) at each evaluation; 0: none (real runs' default)"),
+    ("tau_prompts", Kind::Int, "held-out prompts of the real tau (greedy speculative decoding with the step's cached decoders: on the GPU in bf16, beside the step with their own copy of the target; the reference decoders with the reference step) at each evaluation; 0: none (real runs' default)"),
     ("tau_tokens", Kind::Int, "tokens generated per tau prompt"),
     ("max_nonfinite_in_a_row", Kind::Int, "stop after this many skipped non-finite steps in a row"),
     ("rows", Kind::Int, "built-in data: training rows sampled from the tiny target"),

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use dflash_data::mask::RenderOptions;
 use dflash_data::prompts::read_prompts;
 use dflash_data::target::TargetTokenizer;
@@ -238,9 +238,15 @@ enum Decoders {
     Reference { target: Box<dyn Target>, drafter: Box<Drafter> },
 }
 
-/// The cached decoders of a dense or a hybrid target, as one evaluation uses them.
-trait CachedDecoder {
+/// The cached decoders of a dense or a hybrid target (`SpecDecoder` on any backend), as an
+/// evaluation or a training run's real tau uses them.
+pub trait CachedDecoder {
     fn device(&self) -> String;
+    /// Loads the drafter's weights from `get(name, shape)`.
+    fn load_drafter(
+        &mut self,
+        get: &dyn Fn(&str, &[usize]) -> dflash_reference::Result<Tensor>,
+    ) -> dflash_optimized::Result<()>;
     fn speculative(
         &mut self,
         prompt: &[u32],
@@ -253,6 +259,12 @@ trait CachedDecoder {
 impl<T: DecodeTarget> CachedDecoder for SpecDecoder<T> {
     fn device(&self) -> String {
         self.target.backend().name().to_string()
+    }
+    fn load_drafter(
+        &mut self,
+        get: &dyn Fn(&str, &[usize]) -> dflash_reference::Result<Tensor>,
+    ) -> dflash_optimized::Result<()> {
+        self.drafter.as_mut().expect("built with a drafter").load_weights(get)
     }
     fn speculative(
         &mut self,
@@ -267,6 +279,33 @@ impl<T: DecodeTarget> CachedDecoder for SpecDecoder<T> {
     }
 }
 
+/// The cached decoders of the target in `dir` (its weights loaded in `dtype`) and of a drafter of
+/// `draft` (weights not loaded) for contexts of `context` positions, on backends from
+/// `make(head_dim)`; refused before allocating what cannot fit.
+pub fn cached_decoders<B: Backend + 'static>(
+    make: impl Fn(usize) -> dflash_optimized::Result<B>,
+    (dir, target): (&std::path::Path, &TargetKind),
+    draft: &DraftConfig,
+    context: usize,
+    dtype: DType,
+) -> Result<Box<dyn CachedDecoder>, String> {
+    let err = |e: dflash_optimized::Error| e.to_string();
+    let w = WeightSet::load_dir(dir).map_err(|e| e.to_string())?;
+    let get = |n: &str, s: &[usize]| w.get(&target.checkpoint_name(n), s, dtype);
+    Ok(match target {
+        TargetKind::Dense(config) => {
+            let mut decoder = SpecDecoder::new(make, config, Some(draft), context).map_err(err)?;
+            decoder.target.load_weights(get).map_err(err)?;
+            Box::new(decoder)
+        }
+        TargetKind::Hybrid(config) => {
+            let mut decoder = SpecDecoder::hybrid(make, config, Some(draft), context).map_err(err)?;
+            decoder.target.load_weights(get).map_err(err)?;
+            Box::new(decoder)
+        }
+    })
+}
+
 impl Decoders {
     /// The cached decoders on the GPU for contexts of `context` positions, loaded in bf16.
     fn gpu(
@@ -277,24 +316,9 @@ impl Decoders {
         context: usize,
     ) -> Result<Self, String> {
         let gpu = crate::gpu_conformance::open_gpu()?;
-        let err = |e: dflash_optimized::Error| e.to_string();
-        let make = |d| Cuda::new(&gpu, d);
-        let w = WeightSet::load_dir(target_dir).map_err(|e| e.to_string())?;
-        let get = |n: &str, s: &[usize]| w.get(&target.checkpoint_name(n), s, DType::BF16);
-        let decoder: Box<dyn CachedDecoder> = match target {
-            TargetKind::Dense(config) => {
-                let mut decoder = SpecDecoder::new(make, config, Some(draft), context).map_err(err)?;
-                decoder.target.load_weights(get).map_err(err)?;
-                load_drafter(&mut decoder, drafter_dir)?;
-                Box::new(decoder)
-            }
-            TargetKind::Hybrid(config) => {
-                let mut decoder = SpecDecoder::hybrid(make, config, Some(draft), context).map_err(err)?;
-                decoder.target.load_weights(get).map_err(err)?;
-                load_drafter(&mut decoder, drafter_dir)?;
-                Box::new(decoder)
-            }
-        };
+        let mut decoder = cached_decoders(|d| Cuda::new(&gpu, d), (target_dir, target), draft, context, DType::BF16)?;
+        let w = WeightSet::load_dir(drafter_dir).map_err(|e| e.to_string())?;
+        decoder.load_drafter(&|n, s| w.get(n, s, DType::BF16)).map_err(|e| e.to_string())?;
         Ok(Decoders::Gpu(decoder))
     }
 
@@ -322,11 +346,4 @@ impl Decoders {
             }
         }
     }
-}
-
-/// Loads the drafter of `decoder` from the folder `dir` in bf16.
-fn load_drafter<T: DecodeTarget>(decoder: &mut SpecDecoder<T>, dir: &std::path::Path) -> Result<(), String> {
-    let w = WeightSet::load_dir(dir).map_err(|e| e.to_string())?;
-    let drafter = decoder.drafter.as_mut().expect("built with a drafter");
-    drafter.load_weights(|n, s| w.get(n, s, DType::BF16)).map_err(|e| e.to_string())
 }

@@ -21,6 +21,7 @@ use dflash_reference::config::DraftConfig;
 use dflash_reference::drafter::{Drafter, FrozenHead};
 use dflash_reference::eval::{evaluate, EvalReport};
 use dflash_reference::io::WeightSet;
+use dflash_reference::speculative::Sampling;
 use dflash_reference::target::TargetKind;
 use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
@@ -35,6 +36,8 @@ use dflash_trainer::plan::Plan;
 use dflash_trainer::real::{self, RealSetup};
 use dflash_trainer::rows::{RowFeatures, RowSource};
 use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, RunSummary, TauProbe, Trainer};
+
+use crate::eval::{cached_decoders, CachedDecoder};
 
 const HELP_HEAD: &str = "usage: cargo xtask train [--target DIR --data FILE... [--features CACHE]] [--config FILE] [--plan] [--resume OUT] [--key value ...]
 
@@ -430,9 +433,10 @@ fn real_run(
         setup.dataset.held_out.len()
     );
     let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
-    // The reference target on the CPU: the reference engine's features, and the real tau.
+    // The reference target on the CPU: the reference engine's features, and its real tau.
     let reference_features = config.step == StepKind::Reference && setup.cache.is_none();
-    let reference_target = match reference_features || config.tau_prompts > 0 {
+    let reference_tau = config.step == StepKind::Reference && config.tau_prompts > 0;
+    let reference_target = match reference_features || reference_tau {
         true => Some(t.load_model(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?),
         false => None,
     };
@@ -473,6 +477,19 @@ fn real_run(
         };
         if !fits {
             println!("the run does not fit one H200: lower --max-len or --anchors");
+        }
+        if config.tau_prompts > 0 && config.step != StepKind::Reference {
+            // The real tau's cached decoders sit beside the step, with their own copy of the target.
+            let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
+            let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + config.tau_tokens;
+            let widths = if config.step == StepKind::Gpu { (2, 4) } else { (4, 4) };
+            let bytes = dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths)
+                .map_err(|e| e.to_string())?;
+            println!(
+                "real tau decoders ({} prompts, a context of {context}; their own copy of the target): {:.2} GB more",
+                prompts.len(),
+                bytes as f64 / 1e9
+            );
         }
         if config.shard_optimizer {
             print_sharded_optimizer(d, shape, config.drafter_workers)?;
@@ -629,12 +646,41 @@ fn real_run(
     };
     let eval_before = eval(engine.as_mut())?;
     let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
-    let measure_tau = |drafter: &Drafter| {
-        let target = reference_target.as_ref().expect("loaded when tau_prompts > 0");
-        mean_tau(target.as_ref(), drafter, &prompts, config.tau_tokens)
+    let with_tau = config.tau_prompts > 0 && !prompts.is_empty() && launch.rank == 0;
+    // The real tau: the reference decoders with the reference step, else the step's own cached
+    // decoders (on its first GPU in bf16, or the CPU twins in f32), built before the first step.
+    let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + config.tau_tokens;
+    let cached = match (with_tau, config.step) {
+        (false, _) | (true, StepKind::Reference) => None,
+        (true, StepKind::Host) => {
+            let host = |_| Ok(Host::<f32>::default());
+            Some(cached_decoders(host, (&setup.target_dir, t), d, context, DType::F32)?)
+        }
+        (true, StepKind::Gpu) => {
+            let gpu = crate::gpu_conformance::open_gpu_at(launch.topology(&config).1[0])?;
+            let make = |head_dim| Cuda::new(&gpu, head_dim);
+            Some(cached_decoders(make, (&setup.target_dir, t), d, context, DType::BF16)?)
+        }
     };
-    let tau: Option<TauProbe> =
-        (config.tau_prompts > 0 && !prompts.is_empty() && launch.rank == 0).then_some(&measure_tau);
+    let tau_decoders = match (&cached, config.step) {
+        (Some(c), StepKind::Gpu) => format!("the cached decoders on {} in bf16", c.device()),
+        (Some(c), _) => format!("the cached decoders on {} in f32", c.device()),
+        (None, _) => "the reference decoders".to_string(),
+    };
+    let cached = cached.map(std::cell::RefCell::new);
+    let parted = std::cell::Cell::new(0usize);
+    let measure_tau = |drafter: &Drafter| match &cached {
+        Some(decoder) => {
+            let (tau, parts) = cached_tau(&mut **decoder.borrow_mut(), drafter, &prompts, config.tau_tokens)?;
+            parted.set(parted.get() + parts);
+            Ok(tau)
+        }
+        None => {
+            let target = reference_target.as_ref().expect("loaded for the reference step's tau");
+            mean_tau(target.as_ref(), drafter, &prompts, config.tau_tokens)
+        }
+    };
+    let tau: Option<TauProbe> = with_tau.then_some(&measure_tau);
     let tau_before = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
     let inputs = RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, tau, quiet: false };
     let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
@@ -646,8 +692,12 @@ fn real_run(
     let held_summary = eval_before.as_ref().zip(eval_after.as_ref()).map(|(b, a)| (held.len(), b, a));
     let (final_dir, svg) = report_end(&config, d, engine.as_mut(), &summary, held_summary)?;
     if let (Some(before), Some(after)) = (tau_before, tau_after) {
+        let identical = match parted.get() {
+            0 => "output identical to plain greedy decoding".to_string(),
+            n => format!("{n} decodes parted from plain greedy decoding at a near-tie (bf16)"),
+        };
         println!(
-            "tau (greedy speculative decoding, {} held-out prompts x {} tokens, block {}, the reference decoders): {before:.2} before -> {after:.2} after; output identical to plain greedy decoding",
+            "tau (greedy speculative decoding, {} held-out prompts x {} tokens, block {}, {tau_decoders}): {before:.2} before -> {after:.2} after; {identical}",
             prompts.len(),
             config.tau_tokens,
             d.block_size
@@ -861,4 +911,23 @@ impl Cli {
         let table: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
         Ok(table.contains_key("target"))
     }
+}
+
+/// The mean tau of `drafter` over `prompts` (`new_tokens` each) with the cached decoders (its
+/// weights loaded first), and how many speculative decodes parted from plain greedy decoding
+/// (none in exact arithmetic; in bf16 a verify step and a plain step may round a near-tie apart).
+fn cached_tau(
+    decoder: &mut dyn CachedDecoder,
+    drafter: &Drafter,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+) -> dflash_trainer::Result<(f64, usize)> {
+    decoder.load_drafter(&|name, _| Ok(drafter.param(name).clone()))?;
+    let (mut sum, mut parted) = (0.0, 0);
+    for prompt in prompts {
+        let spec = decoder.speculative(prompt, new_tokens, &Sampling::Greedy)?;
+        parted += usize::from(spec.tokens != decoder.plain(prompt, new_tokens, &Sampling::Greedy)?);
+        sum += spec.tau();
+    }
+    Ok((sum / prompts.len().max(1) as f64, parted))
 }

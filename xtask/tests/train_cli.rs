@@ -503,13 +503,14 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
         assert!(result.status.success(), "{extra:?}:\n{stdout}\n{}", text(&result.stderr));
         stdout
     };
-    let stdout = run(&tmp.path().join("planned"), &["--plan"]);
+    let stdout = run(&tmp.path().join("planned"), &["--plan", "--step", "host", "--tau-prompts", "1"]);
     for expected in [
         "== hybrid target",
         "2 GatedDeltaNet + 1 gated attention",
         "target + drafter step",
         "fits",
         "1 checkpoint tensors the text model does not use are left out (mtp.fc.weight)",
+        "real tau decoders (1 prompts",
     ] {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
@@ -517,11 +518,13 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
     for step in ["host", "reference"] {
         let out = tmp.path().join(step);
         let stdout = run(&out, &["--step", step, "--steps", "4", "--tau-prompts", "1", "--tau-tokens", "4"]);
-        for expected in
-            ["Qwen3.5 hybrid (3 layers", "held-out tau_hat", "tau (greedy speculative decoding", "saved the drafter"]
-        {
+        // The real tau: the twins' cached decoders with the host step, the reference's otherwise.
+        let decoders = if step == "host" { "the cached decoders on" } else { "the reference decoders" };
+        for expected in ["Qwen3.5 hybrid (3 layers", "held-out tau_hat", "tau (greedy speculative decoding", decoders] {
             assert!(stdout.contains(expected), "{step}: no `{expected}` in\n{stdout}");
         }
+        assert!(stdout.contains("output identical to plain greedy decoding"), "{step}:\n{stdout}");
+        assert!(stdout.contains("saved the drafter"), "{step}:\n{stdout}");
         let drafter = dflash_reference::drafter::Drafter::load(&out.join("drafter"), candle_core::DType::F32).unwrap();
         let dims = &drafter.config.dims;
         assert_eq!(drafter.config.target_layer_ids, vec![2, 0]);

@@ -52,8 +52,7 @@ impl<B: Backend> DrafterDecode<B> {
         append_rows: usize,
         (embed, head): (u64, u64),
     ) -> Result<Self> {
-        let widths = (B::Elem::BYTES as u64, <B::Elem as Elem>::Acc::BYTES as u64);
-        let layout = DrafterDecodeLayout::new(config, context, append_rows, widths)?;
+        let layout = DrafterDecodeLayout::new(config, context, append_rows, super::widths::<B>())?;
         let device = format!("{} (drafter decoding, a context of {context})", dev.name());
         layout.check_fits(dev.available_bytes()?, &device)?;
         let bytes = usize::try_from(layout.bytes)

@@ -13,8 +13,12 @@
 use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::hybrid::HybridConfig;
 use dflash_reference::speculative::{Sampling, SpecOutput};
+use dflash_reference::target::TargetKind;
 
 use crate::backend::{download, Allocation, Backend};
+use crate::memory::drafter_decode::DrafterDecodeLayout;
+use crate::memory::hybrid::HybridLayout;
+use crate::memory::target::TargetLayout;
 use crate::model::drafter_decode::DrafterDecode;
 use crate::model::hybrid_forward::{HybridDecodePlans, HybridForward};
 use crate::model::target_forward::{DecodePlans, TargetForward};
@@ -167,6 +171,20 @@ fn decoder_sizes(drafter: Option<&DraftConfig>, context: usize) -> Result<(usize
     // The drafter's verify blocks may run past the last kept token: room for one more block.
     let held = context.checked_add(block).ok_or_else(|| Error::invalid("context", "overflows"))?;
     Ok((launch, held, block, drafter.map_or(vec![0], |d| d.target_layer_ids.clone())))
+}
+
+/// The device bytes of the decoders of `target` and `drafter` (checked against it) for contexts
+/// of `context` positions, `widths = (stored, arithmetic)` bytes per value: both decoding layouts
+/// and what lies beside them, planned without allocating (the layouts the constructors make).
+pub fn decoders_bytes(target: &TargetKind, drafter: &DraftConfig, context: usize, widths: (u64, u64)) -> Result<u64> {
+    target.check_drafter(drafter)?;
+    let (launch, held, block, layer_ids) = decoder_sizes(Some(drafter), context)?;
+    let target = match target {
+        TargetKind::Dense(c) => TargetLayout::decoding(c, &layer_ids, launch, held, block, widths)?.total_bytes()?,
+        TargetKind::Hybrid(c) => HybridLayout::decoding(c, &layer_ids, launch, held, block, widths)?.total_bytes()?,
+    };
+    let drafter = DrafterDecodeLayout::new(drafter, held, launch, widths)?.bytes;
+    target.checked_add(drafter).ok_or_else(|| Error::Memory("the decoders' bytes overflow".into()))
 }
 
 impl<B: Backend> SpecDecoder<TargetForward<B>> {
