@@ -89,7 +89,7 @@ fn checkpoint_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
 
 /// Every tensor of the checkpoint in `dir` with its shape, from the safetensors headers alone (no
 /// tensor is read): what a target's weights are checked against before any work.
-pub fn checkpoint_shapes(dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
+fn checkpoint_shapes(dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
     let (_, files) = checkpoint_files(dir)?;
     let mut shapes = HashMap::new();
     for file in files {
@@ -115,6 +115,35 @@ pub fn checkpoint_shapes(dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
         }
     }
     Ok(shapes)
+}
+
+/// Checks the checkpoint in `dir` from its safetensors headers alone: every `expected` weight
+/// `(checkpoint name, shape)` is there with its shape. Returns the checkpoint's other tensors,
+/// sorted, unless `refuse(name)` says why one of them is refused (checked first, so a checkpoint
+/// of another layout names its first foreign tensor).
+pub fn check_checkpoint(
+    dir: &Path,
+    expected: &[(String, Vec<usize>)],
+    refuse: impl Fn(&str) -> Option<String>,
+) -> Result<Vec<String>> {
+    let shapes = checkpoint_shapes(dir)?;
+    let error =
+        |tensor: &str, message: String| Error::Tensor { file: dir.to_path_buf(), tensor: tensor.into(), message };
+    let mut unused: Vec<String> = shapes.keys().filter(|n| !expected.iter().any(|(e, _)| e == *n)).cloned().collect();
+    unused.sort();
+    if let Some((name, why)) = unused.iter().find_map(|n| refuse(n).map(|why| (n, why))) {
+        return Err(error(name, why));
+    }
+    for (name, shape) in expected {
+        match shapes.get(name) {
+            None => return Err(error(name, "missing from the checkpoint (the config needs it)".into())),
+            Some(found) if found != shape => {
+                return Err(error(name, format!("shape {found:?} in the checkpoint, the config needs {shape:?}")))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(unused)
 }
 
 impl WeightSet {

@@ -13,8 +13,8 @@ use crate::config::{DraftConfig, TargetArch, TargetConfig};
 use crate::data::{document_runs, Row};
 use crate::drafter::{is_norm, random_normal, FrozenHead};
 use crate::error::{Error, Result};
-use crate::hybrid::{hybrid_param_shapes, HybridConfig, HybridLayerKind, HybridLayout, HybridModel};
-use crate::io::{checkpoint_shapes, save_weights_f32, WeightSet};
+use crate::hybrid::{HybridConfig, HybridLayerKind, HybridModel};
+use crate::io::{check_checkpoint, save_weights_f32, WeightSet};
 use crate::mask::causal_dense;
 use crate::ops::{head_rms_norm, linear, rms_norm, rope, rope_tables_scaled, swiglu};
 
@@ -130,34 +130,10 @@ impl TargetKind {
     /// model does not use, sorted (a dense checkpoint's extras; a hybrid's `mtp.*`,
     /// `model.visual.*` and a tied model's head); any other extra tensor of a hybrid is refused.
     pub fn check_checkpoint(&self, dir: &Path) -> Result<Vec<String>> {
-        let shapes = checkpoint_shapes(dir)?;
-        let params = match self {
-            TargetKind::Dense(c) => target_param_shapes(c),
-            TargetKind::Hybrid(c) => hybrid_param_shapes(c),
-        };
-        let expected: Vec<(String, Vec<usize>)> =
-            params.into_iter().map(|(name, shape)| (self.checkpoint_name(&name), shape)).collect();
-        let mut unused: Vec<String> =
-            shapes.keys().filter(|n| !expected.iter().any(|(e, _)| e == *n)).cloned().collect();
-        unused.sort();
-        let refuse =
-            |tensor: &str, message: String| Error::Tensor { file: dir.to_path_buf(), tensor: tensor.into(), message };
-        if let TargetKind::Hybrid(c) = self {
-            let tied_head = |n: &str| c.tie_word_embeddings && n == "lm_head.weight";
-            if let Some(name) = unused.iter().find(|n| !HybridLayout::is_ignored(n) && !tied_head(n)) {
-                return Err(refuse(name, format!("not a weight of this {:?}-layout Qwen3.5 text model", c.layout)));
-            }
+        match self {
+            TargetKind::Dense(c) => check_checkpoint(dir, &target_param_shapes(c), |_| None),
+            TargetKind::Hybrid(c) => c.check_checkpoint(dir),
         }
-        for (name, shape) in &expected {
-            match shapes.get(name) {
-                None => return Err(refuse(name, "missing from the checkpoint (the config needs it)".into())),
-                Some(found) if found != shape => {
-                    return Err(refuse(name, format!("shape {found:?} in the checkpoint, the config needs {shape:?}")))
-                }
-                Some(_) => {}
-            }
-        }
-        Ok(unused)
     }
 
     /// The reference model of the folder `dir` (whose config this is).

@@ -308,6 +308,21 @@ impl HybridConfig {
         )
     }
 
+    /// Checks the checkpoint in `dir` against this config from its safetensors headers alone
+    /// (`io::check_checkpoint`, names in this config's layout): returns the tensors the text model
+    /// does not use (`mtp.*`, `model.visual.*`, a tied model's `lm_head.weight`), sorted; any
+    /// other tensor it does not have is refused, naming it.
+    pub fn check_checkpoint(&self, dir: &Path) -> Result<Vec<String>> {
+        let expected: Vec<(String, Vec<usize>)> = super::hybrid_param_shapes(self)
+            .into_iter()
+            .map(|(name, shape)| (self.layout.checkpoint_name(&name), shape))
+            .collect();
+        let left_out = |n: &str| HybridLayout::is_ignored(n) || (self.tie_word_embeddings && n == "lm_head.weight");
+        crate::io::check_checkpoint(dir, &expected, |n| {
+            (!left_out(n)).then(|| format!("not a weight of this {:?}-layout Qwen3.5 text model", self.layout))
+        })
+    }
+
     /// Writes the text-layout `config.json` atomically.
     pub fn save(&self, file: &Path) -> Result<()> {
         let text =

@@ -25,7 +25,7 @@ use crate::drafter::{random_normal, FrozenHead};
 use crate::error::{Error, Result};
 use crate::io::{save_weights_f32, WeightSet};
 use crate::ops::{linear, rope_tables, swiglu};
-use crate::target::{Target, TargetKind, TargetOutput};
+use crate::target::{Target, TargetOutput};
 pub use config::{HybridConfig, HybridLayerKind, HybridLayout};
 pub use gdn::GdnForm;
 use gdn::{gdn_layer, segment_starts, GdnWeights};
@@ -140,7 +140,7 @@ impl HybridModel {
     /// other tensor the model does not have is an error naming it.
     pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
         let config = HybridConfig::from_file(&dir.join("config.json"))?;
-        let ignored = TargetKind::Hybrid(config.clone()).check_checkpoint(dir)?;
+        let ignored = config.check_checkpoint(dir)?;
         let set = WeightSet::load_dir(dir)?;
         let layout = config.layout;
         let mut model = Self::from_fn(config, |name, shape| set.get(&layout.checkpoint_name(name), shape, dtype))?;
