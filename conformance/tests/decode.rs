@@ -217,7 +217,8 @@ fn teacher_forced_judging_accepts_the_twins() {
 /// Proves seeded sampling (spec section 4: argmax proposals, accepted while the target's sample
 /// at that position equals the proposal) on the twins in f64: the cached decoder's speculative
 /// and plain outputs equal the reference's, and each other's, at temperatures 0.5 and 1.0 over
-/// random pairs and the trained pair; and different seeds give different outputs.
+/// random pairs, the trained pair and random hybrids (at 0.7); and different seeds give
+/// different outputs.
 #[test]
 fn sampled_decoding_equals_the_reference_and_plain_sampling() {
     let mut pairs: Vec<Pair> = (0..6u64).map(|seed| random_pair(seed + 100, 2 + seed as usize % 4)).collect();
@@ -232,6 +233,15 @@ fn sampled_decoding_equals_the_reference_and_plain_sampling() {
             assert!(check.errors.iter().all(|e| e.1 == 0.0), "{} at T={temperature}: {:?}", check.name, check.errors);
             accepted += n;
         }
+    }
+    // The hybrids: the same with their states kept across verify blocks.
+    for (i, pair) in hybrid_pairs(7, 4, candle_core::DType::F64).iter().enumerate() {
+        let sampling = Sampling::new(0.7, 3 + i as u64).expect("sampling");
+        let mut rng = ChaCha8Rng::seed_from_u64(i as u64);
+        let prompts = vec![random_prompt(9, pair.target.config.vocab_size, &mut rng)];
+        let (check, n) = decode_check(pair, host, &prompts, (20, &sampling), DecodeMatch::Exact).expect("decode");
+        assert!(check.errors.iter().all(|e| e.1 == 0.0), "{} sampled: {:?}", check.name, check.errors);
+        accepted += n;
     }
     assert!(accepted > 0, "no draft accepted under sampling: only the A = 0 path ran");
     let pair = &pairs[6];
