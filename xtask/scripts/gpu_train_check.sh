@@ -5,6 +5,8 @@
 # GatedDeltaNet layers with heads of 128 and a gated attention layer with heads of 64, spec section
 # 10); `xtask train --target ... --data ... --step gpu` trains on the fixture conversations with
 # the target's features computed online on the GPU. Then:
+#   - the whole run measures the real tau at each evaluation (`--tau-prompts`, the GPU's cached
+#     decoders beside the step);
 #   - the same run killed with SIGKILL after its first checkpoint and resumed gives bitwise the
 #     uninterrupted run's losses (the GPU kernels are deterministic: no atomics, fixed orders);
 #   - a 3-step run's losses equal those of the same run on the CPU twins in f32 (`--step host`)
@@ -64,7 +66,8 @@ args() { # args OUT STEP EXTRA...: the options of one training run into OUT
 }
 run() { "$bundle/xtask" $(args "$@"); }
 
-run "$work/whole" gpu --steps 60 > "$out/whole.log"
+# The whole run also measures the real tau at each evaluation with the GPU's cached decoders.
+run "$work/whole" gpu --steps 60 --tau-prompts 2 --tau-tokens 24 > "$out/whole.log"
 # The killed run: checkpoints slowed down (a pause between their files) so that the kill can
 # land anywhere after the first one, a checkpoint's writing included.
 DFLASH_TEST_PAUSE_IN_CHECKPOINT=40 "$bundle/xtask" $(args "$work/killed" gpu --steps 60) > "$out/killed.log" 2>&1 &
@@ -112,7 +115,8 @@ print(f"killed and resumed: {60 - len(diff)}/60 losses bitwise equal to the unin
 worst = max(abs(host[s] - gpu3[s]) / abs(host[s]) for s in host)
 print(f"GPU vs CPU twins f32, first {len(host)} losses: worst relative difference {worst:.2e} (bound 2e-2)")
 evals = [json.loads(l) for l in open(f"{work}/whole/metrics.jsonl") if '"eval"' in l]
-print("held-out:", " -> ".join(f"loss {e['loss']:.3f} tau_hat {e['tau_hat']:.3f}" for e in evals))
+print("held-out:", " -> ".join(f"loss {e['loss']:.3f} tau_hat {e['tau_hat']:.3f} real tau {e.get('tau', float('nan')):.3f}"
+                               for e in evals))
 first, last = whole[0], whole[59]
 print(f"training loss {first:.3f} -> {last:.3f}")
 worst_offline = 0.0
