@@ -115,7 +115,7 @@ print(f"killed and resumed: {60 - len(diff)}/60 losses bitwise equal to the unin
 worst = max(abs(host[s] - gpu3[s]) / abs(host[s]) for s in host)
 print(f"GPU vs CPU twins f32, first {len(host)} losses: worst relative difference {worst:.2e} (bound 2e-2)")
 evals = [json.loads(l) for l in open(f"{work}/whole/metrics.jsonl") if '"eval"' in l]
-print("held-out:", " -> ".join(f"loss {e['loss']:.3f} tau_hat {e['tau_hat']:.3f} real tau {e.get('tau', float('nan')):.3f}"
+print("held-out:", " -> ".join(f"loss {e['loss']:.3f} tau_hat {e['tau_hat']:.3f} real tau {(e.get('tau') or float('nan')):.3f}"
                                for e in evals))
 first, last = whole[0], whole[59]
 print(f"training loss {first:.3f} -> {last:.3f}")
