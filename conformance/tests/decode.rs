@@ -66,7 +66,8 @@ fn cached_decoding_equals_the_reference_on_the_fixtures() {
 
 /// Proves the same for hybrid targets (spec section 10): GatedDeltaNet layers decode from their
 /// kept state and conv window, a verify block keeps its accepted prefix (the state advanced by
-/// it alone), prefill launches longer than a block and the attention layers' K/V caches: the
+/// it alone), prefill launches longer than a block, prompts longer than one prefill launch and
+/// the attention layers' K/V caches: the
 /// reference's tokens and accept lengths exactly, on the f64 twins, with drafts accepted.
 #[test]
 fn cached_hybrid_decoding_equals_the_reference_decoder() {
@@ -85,6 +86,13 @@ fn cached_hybrid_decoding_equals_the_reference_decoder() {
         }
     }
     assert!(accepted > cases, "only {accepted} drafts accepted over {cases} cases: the kept prefixes barely ran");
+    // A prompt longer than one prefill launch (512 tokens): the second launch resumes the first's
+    // states and windows.
+    let pair = hybrid_pairs(3, 8, candle_core::DType::F64).remove(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let prompts = vec![random_prompt(530, pair.target.config.vocab_size, &mut rng)];
+    let (check, _) = decode_check(&pair, host, &prompts, (12, &Sampling::Greedy), DecodeMatch::Exact).expect("decode");
+    assert!(check.errors.iter().all(|e| e.1 == 0.0), "{} (530-token prompt): {:?}", check.name, check.errors);
     // The GPU check's hybrids in f64 (GatedDeltaNet heads of 128 and 32, attention of 256 and 64).
     for pair in gpu_hybrid_pairs(2, candle_core::DType::F64) {
         let mut rng = ChaCha8Rng::seed_from_u64(4);
