@@ -536,6 +536,11 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
         assert!(losses.len() == 4 && losses.iter().all(|l| l.is_finite()), "{step}: {losses:?}");
         first.push(losses[0]);
     }
+    // A target worker feeding the host step (the hybrid's forward in its own thread, features
+    // through its slots): the online host run's losses bitwise.
+    let fed = tmp.path().join("fed");
+    run(&fed, &["--step", "host", "--steps", "4", "--target-workers", "1"]);
+    assert_eq!(loss_values(&fed), loss_values(&tmp.path().join("host")), "1 target worker + 1 drafter worker");
     let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
     assert!(rel(first[0], first[1]) <= STEP_F32.rel, "online twins {} vs reference {}", first[0], first[1]);
     // `xtask eval` with the hybrid: the reference decoders are lossless (the GPU's run in
