@@ -659,7 +659,10 @@ fn real_run(
         (true, StepKind::Gpu) => {
             let gpu = crate::gpu_conformance::open_gpu_at(launch.topology(&config).1[0])?;
             let make = |head_dim| Cuda::new(&gpu, head_dim);
-            Some(cached_decoders(make, (&setup.target_dir, t), d, context, DType::BF16)?)
+            let decoders = cached_decoders(make, (&setup.target_dir, t), d, context, DType::BF16).map_err(|e| {
+                format!("option `tau_prompts`: the real tau's decoders (a second, bf16 copy of the target beside the step) cannot be made: {e}; `--tau-prompts 0` trains without them")
+            })?;
+            Some(decoders)
         }
     };
     let tau_decoders = match (&cached, config.step) {
