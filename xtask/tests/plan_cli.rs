@@ -52,7 +52,7 @@ fn absurd_configs_are_clear_errors() {
 }
 
 /// `plan --target` plans a target folder next to its drafter; a missing folder, and `bench
-/// target`'s, `bench train`'s, `bench eval`'s and `bench hybrid`'s bad values, are clear errors
+/// target`'s, `bench train`'s, `bench eval`'s, `bench hybrid`'s and `gpu-conformance`'s bad values, are clear errors
 /// before any work (no GPU needed to see them).
 #[test]
 fn plan_target_and_bench_target_options() {
@@ -89,7 +89,7 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
-    let cases: [(&[&str], &str); 28] = [
+    let cases: [(&[&str], &str); 29] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
@@ -118,6 +118,7 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "hybrid", "--accuracy", "maybe"], "option `--accuracy`"),
         (&["bench", "hybrid", "--profile", "maybe"], "option `--profile`"),
         (&["bench", "hybrid", "--hf-lm-head", "maybe"], "option `--hf-lm-head`: `maybe`; yes or no expected"),
+        (&["gpu-conformance", "--only", "decoding,bogus"], "option `--only`: `bogus` is not a group"),
     ];
     for (args, needle) in cases {
         let out = std::process::Command::new(xtask).args(args).output().unwrap();
