@@ -934,3 +934,38 @@ fn cached_tau(
     }
     Ok((sum / prompts.len().max(1) as f64, parted))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_conformance::decode_cases::{builtin_pair, hybrid_pairs, random_prompt};
+    use rand::SeedableRng;
+
+    /// The real tau a run measures with the step's cached decoders (here on the f64 twins) is
+    /// exactly the reference decoders' (`mean_tau`) on the same target folder, drafter and
+    /// prompts, with no decode parting from plain greedy decoding: for the trained built-in pair
+    /// (drafts accepted several at a time) and a hybrid target.
+    #[test]
+    fn the_cached_tau_is_the_reference_tau() {
+        let check = |save: &dyn Fn(&Path), drafter: &Drafter| -> f64 {
+            let dir = tempfile::tempdir().unwrap();
+            save(dir.path());
+            let kind = TargetKind::from_file(&dir.path().join("config.json")).unwrap();
+            let target = kind.load_model(dir.path(), DType::F64).unwrap();
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+            let mask = drafter.config.mask_token_id as usize;
+            let prompts: Vec<Vec<u32>> = (0..3).map(|_| random_prompt(16, mask + 1, &mut rng)).collect();
+            let host = |_| Ok(Host::<f64>::default());
+            let mut decoders = cached_decoders(host, (dir.path(), &kind), &drafter.config, 40, DType::F64).unwrap();
+            let (tau, parted) = cached_tau(&mut *decoders, drafter, &prompts, 24).unwrap();
+            let want = mean_tau(target.as_ref(), drafter, &prompts, 24).unwrap();
+            assert_eq!((tau, parted), (want, 0));
+            tau
+        };
+        let dense = builtin_pair(DType::F64);
+        let tau = check(&|dir| dense.target.save(dir).unwrap(), &dense.drafter);
+        assert!(tau > 1.5, "the trained pair's tau {tau}: the multi-token path barely ran");
+        let hybrid = hybrid_pairs(1, 4, DType::F64).remove(0);
+        check(&|dir| hybrid.target.save(dir).unwrap(), &hybrid.drafter);
+    }
+}
