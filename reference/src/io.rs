@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
@@ -51,12 +52,16 @@ fn finish_atomic_write(file: &Path, tmp: &Path, result: std::io::Result<()>) -> 
     }
 }
 
-/// Tensors of one model, loaded from one or several safetensors files, each remembered with
-/// the file it came from.
+/// Tensors of one model in one or several safetensors files, memory-mapped: a tensor is read
+/// (and converted) only when asked for, so a checkpoint larger than the host's memory loads one
+/// tensor at a time; each is remembered with the file it is in. The files must not change while
+/// the set is open.
 pub struct WeightSet {
     /// The file named in errors about a tensor that is missing.
     origin: PathBuf,
-    tensors: HashMap<String, (Tensor, PathBuf)>,
+    files: Vec<(PathBuf, MmapedSafetensors)>,
+    /// Each tensor's file (an index into `files`).
+    index: HashMap<String, usize>,
 }
 
 /// The safetensors files of the checkpoint in `dir` and the file that names them: the shards of
@@ -153,43 +158,36 @@ impl WeightSet {
         Self::load_files(&origin, &files)
     }
 
-    /// Loads the given safetensors files; `origin` names the set in errors about missing tensors.
+    /// Opens the given safetensors files (their headers read, their tensors mapped); `origin`
+    /// names the set in errors about missing tensors.
     pub fn load_files(origin: &Path, files: &[PathBuf]) -> Result<Self> {
-        let mut tensors = HashMap::new();
+        let (mut mapped, mut index) = (Vec::new(), HashMap::new());
         for file in files {
             if !file.exists() {
                 return Err(Error::io(file, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
             }
-            let loaded = candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::Tensor {
+            // SAFETY: the map is only read, and the set's contract is that the checkpoint's files
+            // do not change while it is open (as every reader of a mapped checkpoint assumes).
+            let m = unsafe { MmapedSafetensors::new(file) }.map_err(|e| Error::Tensor {
                 file: file.clone(),
                 tensor: "<file>".into(),
                 message: format!("not a readable safetensors file: {e}"),
             })?;
-            tensors.extend(loaded.into_iter().map(|(k, t)| (k, (t, file.clone()))));
+            index.extend(m.tensors().into_iter().map(|(name, _)| (name, mapped.len())));
+            mapped.push((file.clone(), m));
         }
-        Ok(WeightSet { origin: origin.to_path_buf(), tensors })
-    }
-
-    /// Whether a tensor called `name` is present.
-    pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-
-    /// The names of every tensor in the set, sorted.
-    pub fn names(&self) -> Vec<&str> {
-        let mut names: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
-        names.sort_unstable();
-        names
+        Ok(WeightSet { origin: origin.to_path_buf(), files: mapped, index })
     }
 
     /// The tensor `name`, checked to have `shape` and a float dtype, converted to `dtype`.
     pub fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let (t, file) = self.tensors.get(name).ok_or_else(|| Error::Tensor {
+        let (file, mapped) = self.index.get(name).map(|&i| &self.files[i]).ok_or_else(|| Error::Tensor {
             file: self.origin.clone(),
             tensor: name.into(),
             message: "missing".into(),
         })?;
         let err = |message: String| Error::Tensor { file: file.clone(), tensor: name.into(), message };
+        let t = mapped.load(name, &Device::Cpu).map_err(|e| err(format!("not readable: {e}")))?;
         if !matches!(t.dtype(), DType::BF16 | DType::F16 | DType::F32 | DType::F64) {
             return Err(err(format!("unsupported dtype {:?} (expected bf16, f16, f32 or f64)", t.dtype())));
         }
