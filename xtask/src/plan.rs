@@ -111,7 +111,14 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
             use dflash_optimized::memory::hybrid::{hybrid_drafter, HYBRID_DRAFTER_RECIPE};
             let draft = hybrid_drafter(&config, HYBRID_DRAFTER_RECIPE, (config.vocab_size - 1) as u32)
                 .map_err(|e| e.to_string())?;
-            print_hybrid_plan(&file.display().to_string(), &config, &draft, shape, device_bytes, &Checkpointing::ALL)?;
+            print_hybrid_plan(
+                &file.display().to_string(),
+                &config,
+                &draft,
+                shape,
+                (device_bytes, 0),
+                &Checkpointing::ALL,
+            )?;
             return Ok(());
         }
         TargetKind::Dense(target) => target,
@@ -119,18 +126,27 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
     let t = &target.dims;
     let features = 5.min(t.num_layers());
     let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, features);
-    print_target_plan(&file.display().to_string(), &target, &config, shape, device_bytes, &Checkpointing::ALL)?;
+    print_target_plan(&file.display().to_string(), &target, &config, shape, (device_bytes, 0), &Checkpointing::ALL)?;
     Ok(())
 }
 
+/// The label of a plan's total: `what`, and the real tau's decoders when `beside` holds them.
+fn totals_label(what: &str, beside: u64) -> String {
+    match beside {
+        0 => what.to_string(),
+        _ => format!("{what} + real tau decoders"),
+    }
+}
+
 /// Prints the target's forward (`name`) for `config`'s layers and the drafter's step under each
-/// of `policies` on one device of `device_bytes`; returns whether the last one fits.
+/// of `policies` on one device of `device_bytes`, with `beside` more bytes on it (the real tau's
+/// decoders; 0: none); returns whether the last one fits.
 pub fn print_target_plan(
     name: &str,
     target: &dflash_reference::config::TargetConfig,
     config: &DraftConfig,
     shape: StepShape,
-    device_bytes: u64,
+    (device_bytes, beside): (u64, u64),
     policies: &[Checkpointing],
 ) -> Result<bool, String> {
     use dflash_optimized::memory::target::TargetLayout;
@@ -159,23 +175,29 @@ pub fn print_target_plan(
             shape.num_anchors
         );
         print!("{}", plan.render(device_bytes));
-        let total = target_bytes.saturating_add(plan.peak);
+        let total = target_bytes.saturating_add(plan.peak).saturating_add(beside);
         fits = total <= device_bytes;
         let verdict = if fits { "fits" } else { "DOES NOT FIT" };
-        println!("  {:<58} {:>12}  {verdict} in {}", "target + drafter step", gb(total), gb(device_bytes));
+        println!(
+            "  {:<58} {:>12}  {verdict} in {}",
+            totals_label("target + drafter step", beside),
+            gb(total),
+            gb(device_bytes)
+        );
     }
     Ok(fits)
 }
 
 /// A Qwen3.5/3.6 hybrid target (spec section 10) `name` and the step of its drafter `draft` on
-/// one GPU of `device_bytes`, each itemised, the sum per policy of `policies`, and the topology it
-/// calls for; true when both fit under some policy.
+/// one GPU of `device_bytes` with `beside` more bytes on it (the real tau's decoders; 0: none),
+/// each itemised, the sum per policy of `policies`, and the topology it calls for; true when all
+/// fit under some policy.
 pub fn print_hybrid_plan(
     name: &str,
     config: &dflash_reference::hybrid::HybridConfig,
     draft: &DraftConfig,
     shape: StepShape,
-    device_bytes: u64,
+    (device_bytes, beside): (u64, u64),
     policies: &[Checkpointing],
 ) -> Result<bool, String> {
     use dflash_optimized::memory::hybrid::HybridTargetPlan;
@@ -206,12 +228,13 @@ pub fn print_hybrid_plan(
     let mut fits_any = false;
     for &policy in policies {
         let step = plan_step(draft, shape, policy, true).map_err(err)?;
-        let total = plan.bytes.saturating_add(step.peak);
+        let total = plan.bytes.saturating_add(step.peak).saturating_add(beside);
         let fits = total <= device_bytes;
         fits_any |= fits;
+        let what = format!("target + drafter step ({} policy: step {})", policy.name(), gb(step.peak));
         println!(
             "  {:<58} {:>12}  {} in {}",
-            format!("target + drafter step ({} policy: step {})", policy.name(), gb(step.peak)),
+            totals_label(&what, beside),
             gb(total),
             if fits { "fits" } else { "DOES NOT FIT" },
             gb(device_bytes)

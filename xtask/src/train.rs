@@ -467,29 +467,30 @@ fn real_run(
         println!("# resolved config\n{}", config.to_toml());
         let name = setup.target_dir.display().to_string();
         let h200 = (crate::plan::H200_GIB * (1u64 << 30) as f64) as u64;
-        let fits = match t {
-            TargetKind::Dense(t) => {
-                crate::plan::print_target_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?
-            }
-            TargetKind::Hybrid(t) => {
-                crate::plan::print_hybrid_plan(&name, t, d, shape, h200, &[Checkpointing::PerLayer])?
-            }
-        };
-        if !fits {
-            println!("the run does not fit one H200: lower --max-len or --anchors");
-        }
+        // The real tau's cached decoders sit beside the step, with their own copy of the target.
+        let mut decoders = 0;
         if config.tau_prompts > 0 && config.step != StepKind::Reference {
-            // The real tau's cached decoders sit beside the step, with their own copy of the target.
             let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
             let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + config.tau_tokens;
             let widths = if config.step == StepKind::Gpu { (2, 4) } else { (4, 4) };
-            let bytes = dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths)
+            decoders = dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths)
                 .map_err(|e| e.to_string())?;
             println!(
-                "real tau decoders ({} prompts, a context of {context}; their own copy of the target): {:.2} GB more",
+                "real tau decoders ({} prompts, a context of {context}; their own copy of the target): {:.2} GB, in the totals below",
                 prompts.len(),
-                bytes as f64 / 1e9
+                decoders as f64 / 1e9
             );
+        }
+        let fits = match t {
+            TargetKind::Dense(t) => {
+                crate::plan::print_target_plan(&name, t, d, shape, (h200, decoders), &[Checkpointing::PerLayer])?
+            }
+            TargetKind::Hybrid(t) => {
+                crate::plan::print_hybrid_plan(&name, t, d, shape, (h200, decoders), &[Checkpointing::PerLayer])?
+            }
+        };
+        if !fits {
+            println!("the run does not fit one H200: lower --max-len or --anchors (or --tau-prompts 0)");
         }
         if config.shard_optimizer {
             print_sharded_optimizer(d, shape, config.drafter_workers)?;

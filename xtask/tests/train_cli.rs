@@ -511,6 +511,8 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
         "fits",
         "1 checkpoint tensors the text model does not use are left out (mtp.fc.weight)",
         "real tau decoders (1 prompts",
+        "drafter step (per-layer policy: step",
+        "+ real tau decoders",
     ] {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
