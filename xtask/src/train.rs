@@ -539,11 +539,12 @@ fn real_run(
                                 with_lm_head: bool|
                   -> dflash_trainer::Result<Box<dyn TargetFeatures<Backend = Cuda>>> {
                 let started = Instant::now();
+                let last = ids.iter().max().copied().unwrap_or(0);
+                println!("target forward: loading layers 0..={last} from {} ...", dir.display());
                 let cuda = Cuda::new(gpu, target.head_dim())?;
                 let f = real::load_forward(cuda, &target, &dir, &ids, max_len, (with_lm_head, DType::BF16))?;
                 println!(
-                    "target forward: layers 0..={} on {} in bf16, loaded in {:.1}s",
-                    ids.iter().max().copied().unwrap_or(0),
+                    "target forward: layers 0..={last} on {} in bf16, loaded in {:.1}s",
                     dflash_optimized::backend::Backend::name(f.backend()),
                     started.elapsed().as_secs_f64()
                 );
@@ -651,6 +652,10 @@ fn real_run(
     // The real tau: the reference decoders with the reference step, else the step's own cached
     // decoders (on its first GPU in bf16, or the CPU twins in f32), built before the first step.
     let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + config.tau_tokens;
+    let tau_started = Instant::now();
+    if with_tau && config.step != StepKind::Reference {
+        println!("real tau: loading the target again for its cached decoders ({} held-out prompts) ...", prompts.len());
+    }
     let cached = match (with_tau, config.step) {
         (false, _) | (true, StepKind::Reference) => None,
         (true, StepKind::Host) => {
@@ -671,6 +676,9 @@ fn real_run(
         (Some(c), _) => format!("the cached decoders on {} in f32", c.device()),
         (None, _) => "the reference decoders".to_string(),
     };
+    if cached.is_some() {
+        println!("real tau: {tau_decoders} ready in {:.1}s", tau_started.elapsed().as_secs_f64());
+    }
     let cached = cached.map(std::cell::RefCell::new);
     let parted = std::cell::Cell::new(0usize);
     let measure_tau = |drafter: &Drafter| match &cached {
