@@ -1,7 +1,7 @@
 //! Files: atomic writes, and safetensors weight sets whose errors name the file and tensor.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::MmapedSafetensors;
@@ -92,36 +92,6 @@ fn checkpoint_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     Ok((index, shards))
 }
 
-/// Every tensor of the checkpoint in `dir` with its shape, from the safetensors headers alone (no
-/// tensor is read): what a target's weights are checked against before any work.
-fn checkpoint_shapes(dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
-    let (_, files) = checkpoint_files(dir)?;
-    let mut shapes = HashMap::new();
-    for file in files {
-        let bad = |message: String| Error::Tensor { file: file.clone(), tensor: "<header>".into(), message };
-        let mut f = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
-        let mut len = [0u8; 8];
-        f.read_exact(&mut len).map_err(|e| Error::io(&file, e))?;
-        let len = u64::from_le_bytes(len);
-        let size = f.metadata().map_err(|e| Error::io(&file, e))?.len();
-        if len > size.saturating_sub(8) {
-            return Err(bad(format!("a header of {len} bytes in a file of {size}: not a safetensors file")));
-        }
-        let mut header = vec![0u8; len as usize];
-        f.read_exact(&mut header).map_err(|e| Error::io(&file, e))?;
-        let value: serde_json::Value =
-            serde_json::from_slice(&header).map_err(|e| bad(format!("the header is not JSON: {e}")))?;
-        let entries = value.as_object().ok_or_else(|| bad("the header is not a JSON object".into()))?;
-        for (name, entry) in entries.iter().filter(|(n, _)| n.as_str() != "__metadata__") {
-            let dims =
-                entry["shape"].as_array().and_then(|d| d.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
-            let dims: Vec<usize> = dims.ok_or_else(|| bad(format!("tensor `{name}` has no shape")))?;
-            shapes.insert(name.clone(), dims);
-        }
-    }
-    Ok(shapes)
-}
-
 /// Checks the checkpoint in `dir` from its safetensors headers alone: every `expected` weight
 /// `(checkpoint name, shape)` is there with its shape. Returns the checkpoint's other tensors,
 /// sorted, unless `refuse(name)` says why one of them is refused (checked first, so a checkpoint
@@ -131,7 +101,7 @@ pub fn check_checkpoint(
     expected: &[(String, Vec<usize>)],
     refuse: impl Fn(&str) -> Option<String>,
 ) -> Result<Vec<String>> {
-    let shapes = checkpoint_shapes(dir)?;
+    let shapes = WeightSet::load_dir(dir)?.shapes();
     let error =
         |tensor: &str, message: String| Error::Tensor { file: dir.to_path_buf(), tensor: tensor.into(), message };
     let mut unused: Vec<String> = shapes.keys().filter(|n| !expected.iter().any(|(e, _)| e == *n)).cloned().collect();
@@ -177,6 +147,12 @@ impl WeightSet {
             mapped.push((file.clone(), m));
         }
         Ok(WeightSet { origin: origin.to_path_buf(), files: mapped, index })
+    }
+
+    /// Every tensor's shape, from the headers (no tensor is read).
+    pub fn shapes(&self) -> HashMap<String, Vec<usize>> {
+        let views = self.files.iter().flat_map(|(_, m)| m.tensors());
+        views.map(|(name, view)| (name, view.shape().to_vec())).collect()
     }
 
     /// The tensor `name`, checked to have `shape` and a float dtype, converted to `dtype`.

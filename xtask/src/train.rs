@@ -471,7 +471,7 @@ fn real_run(
         let mut decoders = 0;
         if config.tau_prompts > 0 && config.step != StepKind::Reference {
             let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
-            let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + config.tau_tokens;
+            let context = tau_context(&prompts, config.tau_tokens);
             let widths = if config.step == StepKind::Gpu { (2, 4) } else { (4, 4) };
             decoders = dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths)
                 .map_err(|e| e.to_string())?;
@@ -651,7 +651,7 @@ fn real_run(
     let with_tau = config.tau_prompts > 0 && !prompts.is_empty() && launch.rank == 0;
     // The real tau: the reference decoders with the reference step, else the step's own cached
     // decoders (on its first GPU in bf16, or the CPU twins in f32), built before the first step.
-    let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + config.tau_tokens;
+    let context = tau_context(&prompts, config.tau_tokens);
     let tau_started = Instant::now();
     if with_tau && config.step != StepKind::Reference {
         println!("real tau: loading the target again for its cached decoders ({} held-out prompts) ...", prompts.len());
@@ -923,6 +923,11 @@ impl Cli {
         let table: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
         Ok(table.contains_key("target"))
     }
+}
+
+/// The positions the real tau's decoders hold: the longest prompt and `new_tokens` after it.
+fn tau_context(prompts: &[Vec<u32>], new_tokens: usize) -> usize {
+    prompts.iter().map(Vec::len).max().unwrap_or(0) + new_tokens
 }
 
 /// The mean tau of `drafter` over `prompts` (`new_tokens` each) with the cached decoders (its

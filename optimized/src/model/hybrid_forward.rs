@@ -500,25 +500,42 @@ impl<B: Backend> HybridForward<B> {
     /// conv window restarting at each of `segments`.
     fn gdn_mixer(&self, w: &GdnWeightRegions, t: usize, segments: &[Range<usize>]) -> Result<()> {
         let s = self.layout.gdn.expect("a layout with GatedDeltaNet layers holds their scratch");
-        let (gdn, h, eps) = (self.dev.gdn_ops(), self.config.hidden_size, self.config.rms_norm_eps);
+        let (gdn, h, xn) = (self.dev.gdn_ops(), self.config.hidden_size, self.at(self.layout.xn));
         let shape = GdnShape::new(&self.config.gdn, t);
-        let (xn, hv, vd) = (self.at(self.layout.xn), shape.value_heads, shape.value_dim());
         let at = |r: Region| self.at(r);
         let docs = Segments { ranges: segments, table: self.at(self.layout.segments), resume: false };
         self.dev.linear(xn, t, h, at(w.in_proj_qkv), shape.conv_channels(), at(s.qkv_pre), 0.0)?;
         gdn.conv1d_silu(at(s.qkv_pre), at(w.conv1d), at(s.qkv), shape, docs)?;
+        let delta = DeltaBuffers { qkv: at(s.qkv), beta: at(s.beta), g: at(s.g), out: at(s.o) };
+        self.gdn_after_conv(w, shape, delta, at(s.carry), docs)
+    }
+
+    /// The GatedDeltaNet token mixer after its conv (whose output is `delta.qkv`): z, b and a
+    /// projected from `xn`, the gates into `delta.beta`, `delta.g`, the delta rule over `docs`
+    /// with its state in `carry`, then `x += out_proj(gated_norm(o, z))`.
+    fn gdn_after_conv(
+        &self,
+        w: &GdnWeightRegions,
+        shape: GdnShape,
+        delta: DeltaBuffers,
+        carry: u64,
+        docs: Segments<'_>,
+    ) -> Result<()> {
+        let s = self.layout.gdn.expect("a layout with GatedDeltaNet layers holds their scratch");
+        let (gdn, h, eps) = (self.dev.gdn_ops(), self.config.hidden_size, self.config.rms_norm_eps);
+        let (xn, t, hv, vd) = (self.at(self.layout.xn), shape.tokens, shape.value_heads, shape.value_dim());
+        let at = |r: Region| self.at(r);
         self.dev.linear(xn, t, h, at(w.in_proj_z), vd, at(s.z), 0.0)?;
         self.dev.linear(xn, t, h, at(w.in_proj_b), hv, at(s.b), 0.0)?;
         self.dev.linear(xn, t, h, at(w.in_proj_a), hv, at(s.a), 0.0)?;
         let gates = GateInputs { b: at(s.b), a: at(s.a), a_log: at(w.a_log), dt_bias: at(w.dt_bias) };
-        gdn.gdn_gates(gates, at(s.beta), at(s.g), shape)?;
-        let buffers = DeltaBuffers { qkv: at(s.qkv), beta: at(s.beta), g: at(s.g), out: at(s.o) };
-        let scratch = DeltaScratch { w: at(s.w), u: at(s.u), states: at(s.states), carry: at(s.carry) };
-        for group in groups(segments, shape) {
-            gdn.gated_delta(buffers, scratch, shape, docs, group)?;
+        gdn.gdn_gates(gates, delta.beta, delta.g, shape)?;
+        let scratch = DeltaScratch { w: at(s.w), u: at(s.u), states: at(s.states), carry };
+        for group in groups(docs.ranges, shape) {
+            gdn.gated_delta(delta, scratch, shape, docs, group)?;
         }
         gdn.gated_rms_norm(at(s.o), at(s.z), at(w.norm), at(s.o), shape, eps)?;
-        self.dev.linear(at(s.o), t, vd, at(w.out_proj), h, self.at(self.layout.x), 1.0)
+        self.dev.linear(at(s.o), t, vd, at(w.out_proj), h, at(self.layout.x), 1.0)
     }
 
     /// [`HybridForward::gdn_mixer`] of a decoding launch of `t` tokens, one sequence after the
@@ -534,9 +551,9 @@ impl<B: Backend> HybridForward<B> {
         launch: &Cached<'_, B::Ranges>,
     ) -> Result<()> {
         let s = self.layout.gdn.expect("a layout with GatedDeltaNet layers holds their scratch");
-        let (gdn, h, eps) = (self.dev.gdn_ops(), self.config.hidden_size, self.config.rms_norm_eps);
+        let (gdn, h) = (self.dev.gdn_ops(), self.config.hidden_size);
         let shape = GdnShape::new(&self.config.gdn, t);
-        let (ch, k, hv, vd) = (shape.conv_channels(), shape.conv_kernel, shape.value_heads, shape.value_dim());
+        let (ch, k) = (shape.conv_channels(), shape.conv_kernel);
         let row = (ch * B::Elem::BYTES) as u64;
         let (xn, at) = (self.at(self.layout.xn), |r: Region| self.at(r));
         // The conv input `[K-1+t, C]`: the kept window, then the launch's projections.
@@ -554,30 +571,20 @@ impl<B: Backend> HybridForward<B> {
             }
             false => (conv_out, at(s.beta), at(s.g)),
         };
-        self.dev.linear(xn, t, h, at(w.in_proj_z), vd, at(s.z), 0.0)?;
-        self.dev.linear(xn, t, h, at(w.in_proj_b), hv, at(s.b), 0.0)?;
-        self.dev.linear(xn, t, h, at(w.in_proj_a), hv, at(s.a), 0.0)?;
-        let gates = GateInputs { b: at(s.b), a: at(s.a), a_log: at(w.a_log), dt_bias: at(w.dt_bias) };
-        gdn.gdn_gates(gates, beta, g, shape)?;
+        // A verify launch reads a copy of the state; a kept one advances the state and window.
         let carry = match launch.verify {
             true => {
                 self.dev.copy(at(s.carry), at(c.state), c.state.bytes as usize)?;
                 at(s.carry)
             }
-            false => at(c.state),
+            false => {
+                self.dev.copy(at(c.window), pre + t as u64 * row, (k - 1) * row as usize)?;
+                at(c.state)
+            }
         };
         let one = one_segment(t);
         let docs = Segments { ranges: &one, table: at(launch.tables.delta), resume: true };
-        let buffers = DeltaBuffers { qkv, beta, g, out: at(s.o) };
-        let scratch = DeltaScratch { w: at(s.w), u: at(s.u), states: at(s.states), carry };
-        for group in groups(&one, shape) {
-            gdn.gated_delta(buffers, scratch, shape, docs, group)?;
-        }
-        if !launch.verify {
-            self.dev.copy(at(c.window), pre + t as u64 * row, (k - 1) * row as usize)?;
-        }
-        gdn.gated_rms_norm(at(s.o), at(s.z), at(w.norm), at(s.o), shape, eps)?;
-        self.dev.linear(at(s.o), t, vd, at(w.out_proj), h, self.at(self.layout.x), 1.0)
+        self.gdn_after_conv(w, shape, DeltaBuffers { qkv, beta, g, out: at(s.o) }, carry, docs)
     }
 
     /// `x += o_proj(attention(rope(norm(q)), rope(norm(k)), v) * sigmoid(gate))` with the RoPE
