@@ -39,6 +39,12 @@ fn kernel_sources_match_a_passing_gpu_attestation() {
         "{}: the GPU conformance run did not pass; fix the kernels, then {HOW}",
         file.display()
     );
+    assert_ne!(
+        attestation["partial"],
+        Value::Bool(true),
+        "{}: a partial run (`gpu-conformance --only`) attests only some groups: {HOW}",
+        file.display()
+    );
     let cases = attestation["cases"].as_array().map_or(&[][..], Vec::as_slice);
     assert!(!cases.is_empty(), "{}: the attestation lists no cases: {HOW}", file.display());
     for case in cases {
