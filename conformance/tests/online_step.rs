@@ -60,7 +60,7 @@ fn the_online_step_matches_the_reference() {
                 .expect("prepared");
         let shape = StepShape { context_len: s, num_anchors: prepared.anchors.positions.len(), lm_chunk_rows: 5 };
         let mut step =
-            DrafterStep::with_head(Host::<f64>::default(), &config, shape, Checkpointing::PerLayer, false, lm_head)
+            DrafterStep::with_head(Host::<f64>::default(), &config, shape, Checkpointing::PerLayer, None, lm_head)
                 .expect("step");
         assert!(step.layout.lm_head.is_none(), "the step holds no second LM head");
         step.load_weights(&drafter).expect("drafter weights");

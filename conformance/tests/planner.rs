@@ -5,7 +5,9 @@
 
 use dflash_optimized::memory::failure::failure_modes;
 use dflash_optimized::memory::named::named_configs;
-use dflash_optimized::memory::step::{plan_step, Checkpointing, StepLayout, StepShape};
+use dflash_optimized::memory::step::{
+    plan_step, Checkpointing, MemoryPlan, OptimizerShape, StepDims, StepLayout, StepShape,
+};
 use dflash_optimized::memory::{Lifetime, Region, ALIGN, BF16, F32};
 use rstest::rstest;
 
@@ -22,7 +24,7 @@ fn named_plans_snapshot() {
         out.push_str(&format!("== {}\n", p.name));
         for policy in Checkpointing::ALL {
             out.push_str(&format!("-- {}\n", policy.name()));
-            out.push_str(&plan_step(&p.config, p.shape, policy, false).expect("plan").render(device_bytes()));
+            out.push_str(&plan_step(&p.config, p.shape, policy, false, true).expect("plan").render(device_bytes()));
         }
         let fm = failure_modes(&p.config, p.shape, 256).expect("failure modes");
         out.push_str(&format!(
@@ -41,7 +43,7 @@ fn plan_items_add_up_and_policies_order() {
     for p in named_configs() {
         let plans: Vec<_> = Checkpointing::ALL
             .iter()
-            .map(|&policy| plan_step(&p.config, p.shape, policy, false).expect("plan"))
+            .map(|&policy| plan_step(&p.config, p.shape, policy, false, true).expect("plan"))
             .collect();
         for plan in &plans {
             let outside: u64 = plan.persistent.iter().chain(&plan.saved).chain(&plan.transient).map(|i| i.bytes).sum();
@@ -99,7 +101,7 @@ fn regions_are_aligned_disjoint_and_inside_the_allocation() {
                 l.grads,
                 l.lm_head.expect("own head"),
                 opt.master,
-                opt.grad_acc,
+                opt.grad_acc.expect("accumulator"),
                 opt.adam_m,
                 opt.adam_v,
             ];
@@ -195,7 +197,7 @@ fn absurd_configs_are_clear_errors(
     }
     let shape = StepShape { context_len: seq, num_anchors: anchors, lm_chunk_rows: 1024 };
     for policy in Checkpointing::ALL {
-        let err = plan_step(&config, shape, policy, false).expect_err(what).to_string();
+        let err = plan_step(&config, shape, policy, false, true).expect_err(what).to_string();
         assert!(err.contains(needle), "{what}: `{needle}` missing from: {err}");
         // The failure modes are computed in checked arithmetic too: an error or a value, never a panic.
         let _ = failure_modes(&config, shape, 256);
@@ -219,7 +221,7 @@ fn qwen3_8b_target_and_its_drafter_fit_one_h200() {
     assert!(names.iter().any(|n| n.contains("LM head")), "the target holds the shared LM head: {names:?}");
     let shape = StepShape { context_len: 3072, num_anchors: 512, lm_chunk_rows: 1024 };
     for policy in Checkpointing::ALL {
-        let plan = plan_step(&drafter, shape, policy, true).expect("plan");
+        let plan = plan_step(&drafter, shape, policy, true, true).expect("plan");
         assert!(plan.persistent.iter().all(|i| i.name != "frozen LM head"), "a second LM head is planned");
         let total = layout.total_bytes().expect("bytes") + plan.peak;
         assert!(total <= device_bytes(), "{policy:?}: {:.2} GB does not fit", total as f64 / 1e9);
@@ -259,6 +261,7 @@ fn the_27b_hybrid_and_its_drafter_fit_one_h200_at_4096() {
         StepShape { context_len: 4096, num_anchors: 512, lm_chunk_rows: 1024 },
         Checkpointing::PerLayer,
         true,
+        true,
     )
     .expect("step");
     let total = plan.bytes + step.peak;
@@ -291,7 +294,8 @@ fn a_sharded_optimizer_state_divides_its_memory_by_the_workers() {
             let shard = optimizer_shard(params as usize, k, workers);
             assert_eq!(shard.0, next, "{workers} workers: shard {k} starts where {} ended", k.saturating_sub(1));
             next = shard.1;
-            let l = StepLayout::sharded(&p.config, p.shape, Checkpointing::PerLayer, Some(shard), (BF16, F32), true)
+            let sharded = Some(OptimizerShape { shard, accumulate: true });
+            let l = StepLayout::with_head(&p.config, p.shape, Checkpointing::PerLayer, sharded, (BF16, F32), true)
                 .expect("layout");
             let held = (shard.1 - shard.0) as u64;
             // Regions start on ALIGN: the three shrunk regions and the alignment padding after
@@ -304,5 +308,30 @@ fn a_sharded_optimizer_state_divides_its_memory_by_the_workers() {
             assert!(rest(&l).abs_diff(rest(&whole)) <= padding, "{workers} workers, shard {k}: the rest is unchanged");
         }
         assert_eq!(next as u64, params, "{workers} workers: the shards tile the parameters");
+    }
+}
+
+/// One row per update on one worker needs no gradient accumulator: the plan drops exactly its
+/// fp32 item (4 bytes per parameter, up to one ALIGN of padding), and nothing else.
+#[test]
+fn one_row_per_update_plans_no_accumulator() {
+    for p in named_configs() {
+        for policy in Checkpointing::ALL {
+            let with = plan_step(&p.config, p.shape, policy, false, true).expect("plan");
+            let without = plan_step(&p.config, p.shape, policy, false, false).expect("plan");
+            let params = StepDims::new(&p.config, p.shape).expect("dims").params as u64;
+            let named = |plan: &MemoryPlan| {
+                plan.persistent.iter().filter(|i| i.name.starts_with("accumulated")).map(|i| i.bytes).sum::<u64>()
+            };
+            assert_eq!(named(&without), 0, "{}: no accumulator item", p.name);
+            assert!(named(&with) >= 4 * params && named(&with) < 4 * params + ALIGN, "{}", p.name);
+            assert_eq!(
+                with.peak - without.peak,
+                named(&with),
+                "{} {}: only the accumulator goes",
+                p.name,
+                policy.name()
+            );
+        }
     }
 }

@@ -457,6 +457,12 @@ impl RunConfig {
         self.rows_per_step.saturating_mul(self.grad_accum)
     }
 
+    /// Whether the step sums gradients in an fp32 accumulator on its device: several rows per
+    /// update, or several drafter workers (here or in other processes).
+    pub fn accumulates_gradients(&self) -> bool {
+        self.rows_per_update() > 1 || self.drafter_workers > 1 || self.world_size.unwrap_or(1) > 1
+    }
+
     /// Optimizer steps of the run over `train_rows` rows: `steps`, or `epochs` worth of rows.
     pub fn total_steps(&self, train_rows: usize) -> usize {
         match (self.steps, self.epochs) {

@@ -9,7 +9,7 @@
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::flops::step_model_flops;
-use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, StepShape};
+use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, OptimizerShape, StepShape};
 use dflash_optimized::model::drafter_step::DrafterStep;
 use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
@@ -405,6 +405,9 @@ pub struct DeviceEngine<B: Backend> {
     reduce: Option<Box<dyn GradReduce>>,
     /// With the optimizer state sharded: (this worker, the workers).
     shard: Option<(usize, usize)>,
+    /// Whether the step keeps an fp32 gradient accumulator (several rows per update, or
+    /// gradients summed with other workers'); without, AdamW reads the step's own gradients.
+    accumulator: bool,
 }
 
 /// What a [`Frozen::Host`] engine keeps on the device, stored: the embedding table `[V, H]` the
@@ -439,7 +442,35 @@ impl<B: Backend> DeviceEngine<B> {
             feed: None,
             reduce: None,
             shard: None,
+            accumulator: false,
         }
+    }
+
+    /// The same engine taking `rows` rows per update (micro-batches times rows per micro-batch):
+    /// more than one needs the fp32 gradient accumulator, which one row per update goes without
+    /// (4 bytes per parameter less on the device, and no pass over it per row).
+    pub fn with_rows_per_update(mut self, rows: usize) -> Self {
+        self.accumulator |= rows > 1;
+        self
+    }
+
+    /// The same engine keeping the fp32 gradient accumulator whatever its rows per update (a
+    /// data-parallel worker whose gradients are summed outside it: [`DeviceEngine::accumulated`]).
+    pub fn with_accumulator(mut self) -> Self {
+        self.accumulator = true;
+        self
+    }
+
+    /// Whether the step adds gradients up (several rows per update, or several workers).
+    fn accumulates(&self) -> bool {
+        self.accumulator || self.reduce.is_some() || self.shard.is_some()
+    }
+
+    /// The step's gradient accumulator; fails naming the builder when it has none.
+    fn accumulator(step: &DrafterStep<B>) -> Result<dflash_optimized::memory::Region> {
+        step.update_grads()?.ok_or_else(|| {
+            Error::option("engine", "no gradient accumulator (one row per update): make it `with_accumulator`")
+        })
     }
 
     /// The same engine holding the masters and AdamW moments of its shard of the parameters
@@ -481,9 +512,8 @@ impl<B: Backend> DeviceEngine<B> {
         }
         self.ensure_step(s, n)?;
         let (step, _) = self.step.as_ref().expect("made above");
-        let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
         let reduce = self.reduce.as_ref().expect("checked");
-        reduce.all_reduce_sum_f32(step.addr(opt.grad_acc), step.num_params())?;
+        reduce.all_reduce_sum_f32(step.addr(Self::accumulator(step)?), step.num_params())?;
         Ok(true)
     }
 
@@ -523,10 +553,11 @@ impl<B: Backend> DeviceEngine<B> {
             (Some(all), Some((k, _))) => all[k],
             _ => (0, dflash_optimized::model::drafter_step::param_slots(&self.config).iter().map(|s| s.len).sum()),
         };
+        let optimizer = Some(OptimizerShape { shard, accumulate: self.accumulates() });
         let mut step = match &self.frozen {
             Frozen::Host(head) => {
                 let mut step =
-                    DrafterStep::sharded((self.make)()?, &self.config, shape, self.policy, Some(shard), None)?;
+                    DrafterStep::with_head((self.make)()?, &self.config, shape, self.policy, optimizer, None)?;
                 step.load_lm_head(head)?;
                 step
             }
@@ -534,7 +565,7 @@ impl<B: Backend> DeviceEngine<B> {
                 let head = forward.frozen_tables().1.ok_or_else(|| {
                     Error::option("target", "the target's forward holds no LM head to share (made without it)")
                 })?;
-                DrafterStep::sharded((self.make)()?, &self.config, shape, self.policy, Some(shard), Some(head))?
+                DrafterStep::with_head((self.make)()?, &self.config, shape, self.policy, optimizer, Some(head))?
             }
         };
         let drafter = self.init.take().ok_or_else(|| Error::option("engine", "no drafter weights to load"))?;
@@ -625,6 +656,13 @@ impl<B: Backend> DeviceEngine<B> {
         want_stats: bool,
     ) -> Result<Share> {
         self.host_copy = None;
+        let weighted = rows.iter().filter(|(_, p)| p.targets.total_weight() > 0.0).count();
+        if weighted > 1 && !self.accumulates() {
+            return Err(Error::option(
+                "rows_per_step",
+                format!("{weighted} rows in one update; this engine was made for one (`with_rows_per_update`)"),
+            ));
+        }
         let b = self.config.block_size;
         let stats = want_stats.then(|| BlockStats::new(b));
         let mut share = Share { loss: 0.0, flops: 0.0, stats, failed: None, waited: 0.0 };
@@ -712,8 +750,7 @@ impl<B: Backend> DeviceEngine<B> {
     /// exists.
     pub fn accumulated(&self) -> Result<Vec<f64>> {
         let Some((step, _)) = &self.step else { return Ok(Vec::new()) };
-        let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
-        let v: Vec<Acc<B>> = download(step.backend(), step.addr(opt.grad_acc), step.num_params())?;
+        let v: Vec<Acc<B>> = download(step.backend(), step.addr(Self::accumulator(step)?), step.num_params())?;
         Ok(v.into_iter().map(Real::to_f64).collect())
     }
 
@@ -722,15 +759,15 @@ impl<B: Backend> DeviceEngine<B> {
     pub fn set_accumulated(&mut self, (s, n): (usize, usize), values: &[f64]) -> Result<()> {
         self.ensure_step(s, n)?;
         let (step, _) = self.step.as_ref().expect("made above");
-        let opt = step.layout.optimizer.ok_or_else(|| Error::option("engine", "the step has no optimizer regions"))?;
+        let acc = Self::accumulator(step)?;
         if values.len() != step.num_params() {
             return Err(Error::option(
                 "gradients",
                 format!("{} values for {} parameters", values.len(), step.num_params()),
             ));
         }
-        let acc: Vec<Acc<B>> = values.iter().map(|&x| <Acc<B> as Real>::from_f64(x)).collect();
-        step.backend().upload(step.addr(opt.grad_acc), bytes_of(&acc))?;
+        let values: Vec<Acc<B>> = values.iter().map(|&x| <Acc<B> as Real>::from_f64(x)).collect();
+        step.backend().upload(step.addr(acc), bytes_of(&values))?;
         Ok(())
     }
 

@@ -16,6 +16,9 @@ fn small_config() -> RunConfig {
     RunConfig { rows: 6, eval_rows: 1, tau_prompts: 1, continuation_len: 24, anchors: 6, ..RunConfig::builtin() }
 }
 
+/// Rows of one update in [`batch`].
+const ROWS_PER_UPDATE: usize = 3;
+
 fn batch<'a>(setup: &'a builtin::BuiltinSetup, step: usize, c: &RunConfig) -> StepBatch<'a> {
     let n = setup.data.len();
     StepBatch {
@@ -41,6 +44,7 @@ fn device<E: Elem + 'static>(setup: &builtin::BuiltinSetup, c: &RunConfig) -> De
         builtin::adamw_config(c),
         Checkpointing::PerLayer,
     )
+    .with_rows_per_update(ROWS_PER_UPDATE)
 }
 
 #[test]
@@ -141,4 +145,55 @@ fn the_device_engine_counts_the_reference_drafters_predictions() {
         (&want.hits, &want.counts, want.run_sum, want.blocks)
     );
     assert!(want.hits[1..].iter().sum::<u64>() > 0, "the trained drafter predicts some tokens: {:?}", want.hits);
+}
+
+/// One row per update: the engine made for it (no gradient accumulator: AdamW reads the step's
+/// own gradients) gives bitwise the losses and the state of the engine that accumulates them
+/// (one stored value added to zero in the arithmetic type is exact), storing f32 and storing
+/// bf16 (the GPU's storage); given two rows in one update, it refuses them naming the option.
+#[test]
+fn one_row_per_update_without_an_accumulator_is_bitwise_the_accumulated_update() {
+    without_accumulator_is_bitwise::<f32>();
+    without_accumulator_is_bitwise::<half::bf16>();
+}
+
+fn without_accumulator_is_bitwise<E: Elem + 'static>() {
+    let c = small_config();
+    let setup = builtin::setup(&c).expect("setup");
+    let one_row = |step: usize| StepBatch {
+        micro_batches: vec![vec![&setup.data[step % setup.data.len()]]],
+        ..batch(&setup, step, &c)
+    };
+    let engine = || {
+        let drafter = builtin::init_drafter(&c, &setup.draft_config).expect("drafter");
+        let frozen = Frozen::Host(setup.target.frozen_head());
+        DeviceEngine::new(
+            || Ok(Host::<E>::default()),
+            drafter,
+            frozen,
+            builtin::adamw_config(&c),
+            Checkpointing::PerLayer,
+        )
+    };
+    let (mut direct, mut accumulated) = (engine(), engine().with_accumulator());
+    let (mut r1, mut r2) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
+    let what = std::any::type_name::<E>();
+    for step in 0..5 {
+        let (a, b) =
+            (direct.step(&one_row(step), &mut r1).unwrap(), accumulated.step(&one_row(step), &mut r2).unwrap());
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what} step {step}: loss");
+        assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits(), "{what} step {step}: gradient norm");
+    }
+    let (a, b) = (direct.state().unwrap(), accumulated.state().unwrap());
+    for (field, (x, y)) in [("params", (&a.params, &b.params)), ("m", (&a.m, &b.m)), ("v", (&a.v, &b.v))] {
+        for ((name, p), q) in a.names.iter().zip(x).zip(y) {
+            let (p, q) = (
+                p.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                q.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert!(p.iter().zip(&q).all(|(u, v)| u.to_bits() == v.to_bits()), "{what}: {field} {name}");
+        }
+    }
+    let err = direct.step(&batch(&setup, 5, &c), &mut r1).expect_err("three rows, no accumulator").to_string();
+    assert!(err.contains("rows_per_step") && err.contains("3 rows"), "{err}");
 }

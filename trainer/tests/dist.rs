@@ -37,6 +37,7 @@ fn config() -> RunConfig {
     RunConfig { rows: 8, eval_rows: 1, tau_prompts: 1, continuation_len: 24, anchors: 6, ..RunConfig::builtin() }
 }
 
+/// A data-parallel worker's engine: its gradients are summed with the others' (an accumulator).
 fn engine(setup: &BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<f32>> {
     let drafter = builtin::init_drafter(c, &setup.draft_config).expect("drafter");
     DeviceEngine::new(
@@ -46,6 +47,7 @@ fn engine(setup: &BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<f32>> {
         builtin::adamw_config(c),
         Checkpointing::PerLayer,
     )
+    .with_accumulator()
 }
 
 /// `count` workers, each with the built-in setup's engine (made in its thread).

@@ -80,7 +80,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         // Every size is checked: an absurd config is an error naming its field, before any output.
         let plans = Checkpointing::ALL
             .iter()
-            .map(|&policy| Ok((policy, plan_step(&config, shape, policy, false)?)))
+            .map(|&policy| Ok((policy, plan_step(&config, shape, policy, false, ONE_ROW_ACCUMULATES)?)))
             .collect::<dflash_optimized::Result<Vec<_>>>()
             .map_err(|e| format!("{name}: {e}"))?;
         let fm = failure_modes(&config, shape, chunk_rows).map_err(|e| format!("{name}: {e}"))?;
@@ -103,6 +103,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether `xtask plan` counts the gradient accumulator: not for the recipe's one row per update
+/// on one worker (`train --plan` counts it for the run's own rows and workers).
+const ONE_ROW_ACCUMULATES: bool = false;
+
 /// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
 fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Result<(), String> {
     let file = dir.join("config.json");
@@ -118,6 +122,7 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
                 shape,
                 (device_bytes, 0),
                 &Checkpointing::ALL,
+                ONE_ROW_ACCUMULATES,
             )?;
             return Ok(());
         }
@@ -126,7 +131,8 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
     let t = &target.dims;
     let features = 5.min(t.num_layers());
     let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, features);
-    print_target_plan(&file.display().to_string(), &target, &config, shape, (device_bytes, 0), &Checkpointing::ALL)?;
+    let (name, policies) = (file.display().to_string(), &Checkpointing::ALL);
+    print_target_plan(&name, &target, &config, shape, (device_bytes, 0), policies, ONE_ROW_ACCUMULATES)?;
     Ok(())
 }
 
@@ -139,8 +145,9 @@ fn totals_label(what: &str, beside: u64) -> String {
 }
 
 /// Prints the target's forward (`name`) for `config`'s layers and the drafter's step under each
-/// of `policies` on one device of `device_bytes`, with `beside` more bytes on it (the real tau's
-/// decoders; 0: none); returns whether the last one fits.
+/// of `policies` (with the gradient accumulator when `accumulate`) on one device of
+/// `device_bytes`, with `beside` more bytes on it (the real tau's decoders; 0: none); returns
+/// whether the last one fits.
 pub fn print_target_plan(
     name: &str,
     target: &dflash_reference::config::TargetConfig,
@@ -148,6 +155,7 @@ pub fn print_target_plan(
     shape: StepShape,
     (device_bytes, beside): (u64, u64),
     policies: &[Checkpointing],
+    accumulate: bool,
 ) -> Result<bool, String> {
     use dflash_optimized::memory::target::TargetLayout;
     use dflash_optimized::memory::{BF16, F32};
@@ -167,7 +175,7 @@ pub fn print_target_plan(
     print!("{}", layout.render());
     let mut fits = false;
     for &policy in policies {
-        let plan = plan_step(config, shape, policy, true).map_err(|e| e.to_string())?;
+        let plan = plan_step(config, shape, policy, true, accumulate).map_err(|e| e.to_string())?;
         println!(
             "-- drafter step ({} policy, S={} N={}, LM head shared with the target):",
             policy.name(),
@@ -190,8 +198,8 @@ pub fn print_target_plan(
 
 /// A Qwen3.5/3.6 hybrid target (spec section 10) `name` and the step of its drafter `draft` on
 /// one GPU of `device_bytes` with `beside` more bytes on it (the real tau's decoders; 0: none),
-/// each itemised, the sum per policy of `policies`, and the topology it calls for; true when all
-/// fit under some policy.
+/// each itemised, the sum per policy of `policies` (with the gradient accumulator when
+/// `accumulate`), and the topology it calls for; true when all fit under some policy.
 pub fn print_hybrid_plan(
     name: &str,
     config: &dflash_reference::hybrid::HybridConfig,
@@ -199,6 +207,7 @@ pub fn print_hybrid_plan(
     shape: StepShape,
     (device_bytes, beside): (u64, u64),
     policies: &[Checkpointing],
+    accumulate: bool,
 ) -> Result<bool, String> {
     use dflash_optimized::memory::hybrid::HybridTargetPlan;
     use dflash_optimized::memory::{BF16, F32};
@@ -227,7 +236,7 @@ pub fn print_hybrid_plan(
     );
     let mut fits_any = false;
     for &policy in policies {
-        let step = plan_step(draft, shape, policy, true).map_err(err)?;
+        let step = plan_step(draft, shape, policy, true, accumulate).map_err(err)?;
         let total = plan.bytes.saturating_add(step.peak).saturating_add(beside);
         let fits = total <= device_bytes;
         fits_any |= fits;

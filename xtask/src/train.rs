@@ -337,7 +337,11 @@ fn builtin_run(
             let d = setup.draft_config.dims.head_dim;
             let make = move || Cuda::new(&gpu, d);
             let adamw = builtin::adamw_config(&config);
-            Box::new(DeviceEngine::new(make, drafter, Frozen::Host(head.clone()), adamw, Checkpointing::PerLayer))
+            let rows = config.rows_per_update();
+            let frozen = Frozen::Host(head.clone());
+            Box::new(
+                DeviceEngine::new(make, drafter, frozen, adamw, Checkpointing::PerLayer).with_rows_per_update(rows),
+            )
         }
         StepKind::Gpu => {
             let (c, draft, frozen_head) = (config.clone(), setup.draft_config.clone(), head.clone());
@@ -350,7 +354,8 @@ fn builtin_run(
                     frozen,
                     builtin::adamw_config(&c),
                     Checkpointing::PerLayer,
-                ))
+                )
+                .with_rows_per_update(c.rows_per_update()))
             });
             Box::new(gpu_workers(
                 &launch.topology(&config).1,
@@ -366,7 +371,9 @@ fn builtin_run(
                 let drafter = builtin::init_drafter(&c, &draft)?;
                 let frozen = Frozen::Host(frozen_head.clone());
                 let adamw = builtin::adamw_config(&c);
-                Ok(DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, Checkpointing::PerLayer))
+                let e =
+                    DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, Checkpointing::PerLayer);
+                Ok(e.with_rows_per_update(c.rows_per_update()))
             });
             Box::new(host_workers(
                 config.drafter_workers,
@@ -481,12 +488,13 @@ fn real_run(
                 decoders as f64 / 1e9
             );
         }
+        let (policies, accumulate) = (&[Checkpointing::PerLayer], config.accumulates_gradients());
         let fits = match t {
             TargetKind::Dense(t) => {
-                crate::plan::print_target_plan(&name, t, d, shape, (h200, decoders), &[Checkpointing::PerLayer])?
+                crate::plan::print_target_plan(&name, t, d, shape, (h200, decoders), policies, accumulate)?
             }
             TargetKind::Hybrid(t) => {
-                crate::plan::print_hybrid_plan(&name, t, d, shape, (h200, decoders), &[Checkpointing::PerLayer])?
+                crate::plan::print_hybrid_plan(&name, t, d, shape, (h200, decoders), policies, accumulate)?
             }
         };
         if !fits {
@@ -519,7 +527,7 @@ fn real_run(
         drafter_started.elapsed().as_secs_f64()
     );
     let adamw = builtin::adamw_config(&config);
-    let policy = Checkpointing::PerLayer;
+    let (policy, rows) = (Checkpointing::PerLayer, config.rows_per_update());
     let host_head = |dtype: DType| -> Result<FrozenHead, String> {
         let w = WeightSet::load_dir(&setup.target_dir).map_err(|e| e.to_string())?;
         t.frozen_head(&w, dtype).map_err(|e| e.to_string())
@@ -557,7 +565,8 @@ fn real_run(
                     false => Frozen::Host(host_head(DType::F32)?),
                 };
                 println!("step on {}", gpu.name());
-                Box::new(DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy))
+                let e = DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy);
+                Box::new(e.with_rows_per_update(rows))
             } else {
                 // Target workers on their GPUs (a stream of their own beside the drafter's).
                 let forward_for_fill = forward.clone();
@@ -581,7 +590,7 @@ fn real_run(
                     let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
                     let e =
                         DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw.clone(), policy);
-                    Ok(fed(e, &ends, k))
+                    Ok(fed(e.with_rows_per_update(rows), &ends, k))
                 });
                 let workers = gpu_workers(&drafter_gpus, d, engine, processes.as_ref(), config.shard_optimizer)?;
                 Box::new(match feed {
@@ -615,7 +624,7 @@ fn real_run(
                 };
                 let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
                 let e = DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy);
-                Ok(fed(e, &ends, k))
+                Ok(fed(e.with_rows_per_update(rows), &ends, k))
             });
             match (config.drafter_workers, feed, &processes) {
                 (1, None, None) => Box::new(engine(0).map_err(err)?),
@@ -786,11 +795,12 @@ fn host_workers(
 fn print_sharded_optimizer(d: &DraftConfig, shape: StepShape, workers: usize) -> Result<(), String> {
     use dflash_optimized::memory::{Lifetime, BF16, F32};
     let optimizer = |shard: (usize, usize)| -> Result<u64, String> {
-        let l = dflash_optimized::memory::step::StepLayout::sharded(
+        use dflash_optimized::memory::step::{OptimizerShape, StepLayout};
+        let l = StepLayout::with_head(
             d,
             shape,
             Checkpointing::PerLayer,
-            Some(shard),
+            Some(OptimizerShape { shard, accumulate: true }),
             (BF16, F32),
             true,
         )

@@ -138,14 +138,34 @@ impl StepDims {
 /// The optimizer's regions (fp32 on the GPU): master weights, accumulated gradients, moments.
 /// Masters and moments hold parameters `shard.0..shard.1` of the flat parameter vector (all of
 /// them, or this worker's shard when the optimizer state is sharded over drafter workers); the
-/// accumulated gradients hold every parameter (they are all-reduced whole).
+/// accumulated gradients hold every parameter (they are all-reduced whole), and exist only when
+/// there is something to add up ([`OptimizerShape::accumulate`]): else AdamW reads the step's own
+/// gradients.
 #[derive(Clone, Copy, Debug)]
 pub struct OptimizerRegions {
     pub master: Region,
-    pub grad_acc: Region,
+    pub grad_acc: Option<Region>,
     pub adam_m: Region,
     pub adam_v: Region,
     pub shard: (usize, usize),
+}
+
+/// What the optimizer's regions hold: the masters and moments of parameters `shard.0..shard.1`,
+/// and an fp32 accumulator of every gradient when `accumulate` (several rows per update, or
+/// several workers to sum over). One row per update on one worker needs none: the step's
+/// gradients are the update's (bitwise the same: adding one bf16 value to zero in fp32 is exact),
+/// which saves the accumulator (4 bytes per parameter) and its passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OptimizerShape {
+    pub shard: (usize, usize),
+    pub accumulate: bool,
+}
+
+impl OptimizerShape {
+    /// The whole state of `params` parameters.
+    pub fn whole(params: usize, accumulate: bool) -> Self {
+        OptimizerShape { shard: (0, params), accumulate }
+    }
 }
 
 /// Worker `k`'s shard of `params` parameters over `workers`: contiguous, the first ones one
@@ -296,8 +316,8 @@ const PADDING: &str = "alignment padding";
 
 impl StepLayout {
     /// The layout of `config`'s step at `shape` under `policy`, storing values of `elem_bytes`
-    /// and computing in values of `acc_bytes`, with the optimizer's regions when `optimizer`,
-    /// holding its own frozen LM head.
+    /// and computing in values of `acc_bytes`, with the optimizer's whole state and its gradient
+    /// accumulator when `optimizer`, holding its own frozen LM head.
     pub fn new(
         config: &DraftConfig,
         shape: StepShape,
@@ -305,30 +325,19 @@ impl StepLayout {
         optimizer: bool,
         widths: (u64, u64),
     ) -> Result<Self> {
+        let optimizer =
+            optimizer.then(|| OptimizerShape::whole(StepDims::new(config, shape).map_or(0, |z| z.params), true));
         Self::with_head(config, shape, policy, optimizer, widths, true)
     }
 
-    /// [`StepLayout::new`], holding the frozen LM head only when `own_head` (else the step reads
-    /// the one the target's forward holds: no second copy on the device).
+    /// [`StepLayout::new`] with the optimizer's regions `optimizer` (none when `None`), holding
+    /// the frozen LM head only when `own_head` (else the step reads the one the target's forward
+    /// holds: no second copy on the device).
     pub fn with_head(
         config: &DraftConfig,
         shape: StepShape,
         policy: Checkpointing,
-        optimizer: bool,
-        widths: (u64, u64),
-        own_head: bool,
-    ) -> Result<Self> {
-        let shard = optimizer.then(|| (0, StepDims::new(config, shape).map_or(0, |z| z.params)));
-        Self::sharded(config, shape, policy, shard, widths, own_head)
-    }
-
-    /// [`StepLayout::with_head`] with the optimizer's masters and moments for parameters
-    /// `shard.0..shard.1` only (no optimizer regions when `None`).
-    pub fn sharded(
-        config: &DraftConfig,
-        shape: StepShape,
-        policy: Checkpointing,
-        shard: Option<(usize, usize)>,
+        optimizer: Option<OptimizerShape>,
         (elem_bytes, acc_bytes): (u64, u64),
         own_head: bool,
     ) -> Result<Self> {
@@ -342,13 +351,16 @@ impl StepLayout {
             true => Some(ar.take("frozen LM head", Model, "lm_head", &[z.v, z.h], e)?),
             false => None,
         };
-        let optimizer = match shard {
-            Some((lo, hi)) if lo > hi || hi > z.params => {
+        let optimizer = match optimizer {
+            Some(OptimizerShape { shard: (lo, hi), .. }) if lo > hi || hi > z.params => {
                 return Err(crate::Error::invalid("optimizer shard", format!("{lo}..{hi} of {} parameters", z.params)))
             }
-            Some((lo, hi)) => Some(OptimizerRegions {
+            Some(OptimizerShape { shard: (lo, hi), accumulate }) => Some(OptimizerRegions {
                 master: ar.take("master weights (fp32)", Optimizer, "master", &[hi - lo], a)?,
-                grad_acc: ar.take("accumulated gradients (fp32)", Optimizer, "grad_acc", &[z.params], a)?,
+                grad_acc: match accumulate {
+                    true => Some(ar.take("accumulated gradients (fp32)", Optimizer, "grad_acc", &[z.params], a)?),
+                    false => None,
+                },
                 adam_m: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_m", &[hi - lo], a)?,
                 adam_v: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_v", &[hi - lo], a)?,
                 shard: (lo, hi),
@@ -544,15 +556,18 @@ pub struct MemoryPlan {
 }
 
 /// The plan of one training step on the GPU (bf16 storage, fp32 arithmetic, with the optimizer's
-/// state) of `config` at `shape` under `policy`, holding its own LM head unless `shared_head`
-/// (the target's forward on the same GPU holds it).
+/// whole state and, when `accumulate`, its gradient accumulator: several rows per update or
+/// several workers) of `config` at `shape` under `policy`, holding its own LM head unless
+/// `shared_head` (the target's forward on the same GPU holds it).
 pub fn plan_step(
     config: &DraftConfig,
     shape: StepShape,
     policy: Checkpointing,
     shared_head: bool,
+    accumulate: bool,
 ) -> Result<MemoryPlan> {
-    Ok(StepLayout::with_head(config, shape, policy, true, (super::BF16, F32), !shared_head)?.plan())
+    let optimizer = OptimizerShape::whole(StepDims::new(config, shape)?.params, accumulate);
+    Ok(StepLayout::with_head(config, shape, policy, Some(optimizer), (super::BF16, F32), !shared_head)?.plan())
 }
 
 impl MemoryPlan {

@@ -20,7 +20,7 @@ use dflash_reference::mask::BlockLayout;
 use dflash_reference::ops::rope_tables;
 
 use crate::backend::{download, Allocation, Backend};
-use crate::memory::step::{AttnActs, Checkpointing, LayerActs, StepLayout, StepShape};
+use crate::memory::step::{AttnActs, Checkpointing, LayerActs, OptimizerShape, StepLayout, StepShape};
 use crate::memory::Region;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
@@ -72,11 +72,12 @@ enum Side {
     K,
 }
 
-/// Which gradients to reduce: the last step's (stored) or the optimizer's accumulated ones.
+/// Which gradients to reduce: the last step's (stored) or the update's (the optimizer's
+/// accumulated ones; the step's own when it has no accumulator).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Grads {
     Step,
-    Accumulated,
+    Update,
 }
 
 /// What one step computed: the loss of its row (`sum w CE / sum w`, accumulated in f64) and the
@@ -140,41 +141,30 @@ pub struct DrafterStep<B: Backend> {
 }
 
 impl<B: Backend> DrafterStep<B> {
-    /// Lays out the step of `config` at `shape` under `policy` (with the optimizer's regions when
-    /// `optimizer`) for `dev`, checks that it fits in its free memory, then allocates it: a step
-    /// that cannot fit is refused before anything is allocated, naming its largest items.
+    /// Lays out the step of `config` at `shape` under `policy` (with the optimizer's whole state
+    /// and its gradient accumulator when `optimizer`) for `dev`, checks that it fits in its free
+    /// memory, then allocates it: a step that cannot fit is refused before anything is allocated,
+    /// naming its largest items.
     pub fn new(dev: B, config: &DraftConfig, shape: StepShape, policy: Checkpointing, optimizer: bool) -> Result<Self> {
+        let optimizer = optimizer.then(|| OptimizerShape::whole(param_slots(config).iter().map(|s| s.len).sum(), true));
         Self::with_head(dev, config, shape, policy, optimizer, None)
     }
 
-    /// [`DrafterStep::new`] reading the frozen LM head `[V, H]` (stored) at `shared_head` when
-    /// given (the target forward's, on the same device: no second copy), else holding its own
-    /// (filled by [`DrafterStep::load_lm_head`]).
+    /// [`DrafterStep::new`] with the optimizer's regions `optimizer` (`StepLayout::with_head`),
+    /// reading the frozen LM head `[V, H]` (stored) at `shared_head` when given (the target
+    /// forward's, on the same device: no second copy), else holding its own (filled by
+    /// [`DrafterStep::load_lm_head`]).
     pub fn with_head(
         dev: B,
         config: &DraftConfig,
         shape: StepShape,
         policy: Checkpointing,
-        optimizer: bool,
-        shared_head: Option<u64>,
-    ) -> Result<Self> {
-        let shard = optimizer.then(|| (0, param_slots(config).iter().map(|s| s.len).sum()));
-        Self::sharded(dev, config, shape, policy, shard, shared_head)
-    }
-
-    /// [`DrafterStep::with_head`] holding the optimizer's masters and moments for parameters
-    /// `shard.0..shard.1` of the flat vector only (`StepLayout::sharded`).
-    pub fn sharded(
-        dev: B,
-        config: &DraftConfig,
-        shape: StepShape,
-        policy: Checkpointing,
-        shard: Option<(usize, usize)>,
+        optimizer: Option<OptimizerShape>,
         shared_head: Option<u64>,
     ) -> Result<Self> {
         let elem = B::Elem::BYTES as u64;
         let widths = (elem, <B::Elem as Elem>::Acc::BYTES as u64);
-        let layout = StepLayout::sharded(config, shape, policy, shard, widths, shared_head.is_none())?;
+        let layout = StepLayout::with_head(config, shape, policy, optimizer, widths, shared_head.is_none())?;
         let device =
             format!("{} ({} policy, S={} N={})", dev.name(), policy.name(), shape.context_len, shape.num_anchors);
         layout.check_fits(dev.available_bytes()?, &device)?;
@@ -748,17 +738,26 @@ impl<B: Backend> DrafterStep<B> {
         Ok(self.slots.iter().map(|s| (s.name.clone(), all[s.offset..s.offset + s.len].to_vec())).collect())
     }
 
-    /// The sum of squares of every parameter's gradient, of the last step or accumulated, as
+    /// The optimizer's gradient accumulator, or `None` when AdamW reads the step's own gradients;
+    /// fails when the step was made without its optimizer regions.
+    pub fn update_grads(&self) -> Result<Option<Region>> {
+        let opt = self
+            .layout
+            .optimizer
+            .ok_or_else(|| Error::invalid("optimizer", "the step was made without its optimizer regions"))?;
+        Ok(opt.grad_acc)
+    }
+
+    /// The sum of squares of every parameter's gradient, of the last step or the update's, as
     /// partials summed in f64 on the host; fails naming the first gradient that holds NaN or Inf.
     pub fn grad_sum_squares(&self, which: Grads) -> Result<Vec<f64>> {
-        let (region, stored, width) = match which {
-            Grads::Step => (self.layout.grads, true, B::Elem::BYTES),
-            Grads::Accumulated => {
-                let opt = self.layout.optimizer.ok_or_else(|| {
-                    Error::invalid("accumulated gradients", "the step was made without its optimizer regions")
-                })?;
-                (opt.grad_acc, false, <B::Elem as Elem>::Acc::BYTES)
-            }
+        let accumulated = match which {
+            Grads::Step => None,
+            Grads::Update => self.update_grads()?,
+        };
+        let (region, stored, width) = match accumulated {
+            None => (self.layout.grads, true, B::Elem::BYTES),
+            Some(acc) => (acc, false, <B::Elem as Elem>::Acc::BYTES),
         };
         let acc = <B::Elem as Elem>::Acc::BYTES;
         let partial = self.addr(self.layout.scratch.norm_partial);

@@ -1,6 +1,7 @@
 //! AdamW on the step's backend (spec section 3): a step's stored gradients are accumulated in
-//! the arithmetic type (gradient accumulation), then clipped by their global norm and applied to
-//! the master weights, which are written back as the stored compute weights. The reference is
+//! the arithmetic type (gradient accumulation; with one row per update on one worker the step's
+//! own gradients are read as they are), then clipped by their global norm and applied to the
+//! master weights, which are written back as the stored compute weights. The reference is
 //! `dflash_reference::optim` (`AdamW::step`, `clip_grad_norm`); the kernels' twins are checked
 //! by `xtask gpu-conformance`.
 
@@ -30,15 +31,25 @@ impl DeviceAdamW {
         Ok(DeviceAdamW { config, regions, t: 0 })
     }
 
-    /// Adds the last step's gradients to the accumulator.
+    /// Whether the gradients of several steps are added up (else the update reads the last
+    /// step's own: one row per update).
+    pub fn accumulates(&self) -> bool {
+        self.regions.grad_acc.is_some()
+    }
+
+    /// Adds the last step's gradients to the accumulator; without one, nothing (the update reads
+    /// the step's gradients, which the next step overwrites).
     pub fn accumulate<B: Backend>(&self, step: &DrafterStep<B>) -> Result<()> {
-        let (acc, grads) = (step.addr(self.regions.grad_acc), step.addr(step.layout.grads));
-        step.backend().ops().accumulate(acc, grads, step.num_params())
+        let Some(acc) = self.regions.grad_acc else { return Ok(()) };
+        step.backend().ops().accumulate(step.addr(acc), step.addr(step.layout.grads), step.num_params())
     }
 
     /// Drops the accumulated gradients (a skipped step).
     pub fn discard<B: Backend>(&self, step: &DrafterStep<B>) -> Result<()> {
-        step.zero(self.regions.grad_acc)
+        match self.regions.grad_acc {
+            Some(acc) => step.zero(acc),
+            None => Ok(()),
+        }
     }
 
     /// AdamW's step count (updates applied).
@@ -55,7 +66,7 @@ impl DeviceAdamW {
     /// `max_norm` (`max_norm / (norm + 1e-6)`, as the reference); zeroes the accumulator and
     /// returns the norm before clipping. Fails naming a gradient that holds NaN or Inf.
     pub fn update<B: Backend>(&mut self, step: &DrafterStep<B>, lr: f64, max_norm: f64) -> Result<f64> {
-        let norm = step.grad_sum_squares(Grads::Accumulated)?.iter().sum::<f64>().sqrt();
+        let norm = step.grad_sum_squares(Grads::Update)?.iter().sum::<f64>().sqrt();
         let grad_scale = if norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
         self.t += 1;
         let c = &self.config;
@@ -73,16 +84,23 @@ impl DeviceAdamW {
         // other shards' stored weights come from their workers (`DeviceEngine`'s gather).
         let r = self.regions;
         let (lo, hi) = r.shard;
-        let acc = <<B::Elem as crate::ops::Elem>::Acc as crate::ops::Real>::BYTES;
+        let stored = <B::Elem as crate::ops::Elem>::BYTES;
+        let (g, g_stored) = match r.grad_acc {
+            Some(acc) => {
+                (step.addr(acc) + (lo * <<B::Elem as crate::ops::Elem>::Acc as crate::ops::Real>::BYTES) as u64, false)
+            }
+            None => (step.addr(step.layout.grads) + (lo * stored) as u64, true),
+        };
         let buffers = AdamWBuffers {
             p: step.addr(r.master),
-            g: step.addr(r.grad_acc) + (lo * acc) as u64,
+            g,
+            g_stored,
             m: step.addr(r.adam_m),
             v: step.addr(r.adam_v),
-            p_stored: step.addr(step.layout.weights) + (lo * <B::Elem as crate::ops::Elem>::BYTES) as u64,
+            p_stored: step.addr(step.layout.weights) + (lo * stored) as u64,
         };
         step.backend().ops().adamw_update(buffers, hi - lo, args)?;
-        step.zero(r.grad_acc)?;
+        self.discard(step)?;
         Ok(norm)
     }
 }
