@@ -5,7 +5,7 @@
 //! holds the f64 twins to the reference.
 
 use dflash_optimized::backend::{download, Allocation, Backend};
-use dflash_optimized::ops::constants::{GRAD_PARTS, LINEAR_ROWS_MAX, NORM_PARTS};
+use dflash_optimized::ops::constants::{GRAD_PARTS, NORM_PARTS};
 use dflash_optimized::ops::elementwise::{
     AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad,
 };
@@ -315,28 +315,24 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         ],
     });
 
-    // Few rows through `Backend::linear` with beta 0 and 1 (the residual): one (the GPU's
-    // `linear_row`, batch-1 decoding), some and the most of `linear_rows` (a speculative step's),
-    // K past several 256-value strides of a warp and not a multiple of one, N not a multiple of
-    // a CTA's outputs.
+    // One row through `Backend::linear` (the GPU's `linear_row`, batch-1 decoding) with beta 0
+    // and 1 (the residual), K past several 256-value strides of a warp and not a multiple of one.
     let (kr, nr) = (8 * rng.random_range(300..=700), rng.random_range(1..=3000));
-    let wr = buf.put(s, &draw_bf16(nr * kr, 0.0, 1.0, &mut rng))?;
-    for rows in [1, rng.random_range(2..LINEAR_ROWS_MAX), LINEAR_ROWS_MAX] {
-        let (xr, yr) = (
-            buf.put(s, &draw_bf16(rows * kr, 0.0, 1.0, &mut rng))?,
-            buf.put(s, &draw_bf16(rows * nr, 0.0, 1.0, &mut rng))?,
-        );
-        let fresh = buf.zeros(s, rows * nr)?;
-        dev.linear(xr, rows, kr, wr, nr, fresh, 0.0)?;
-        dev.linear(xr, rows, kr, wr, nr, yr, 1.0)?;
-        out.push(OpOutputs {
-            op: format!("linear of few rows [{rows}, {kr}] x [{nr}, {kr}]^T"),
-            outputs: vec![
-                ("linear", buf.get(s, fresh, rows * nr)?, GPU_KERNEL_BF16),
-                ("linear + beta", buf.get(s, yr, rows * nr)?, GPU_KERNEL_BF16),
-            ],
-        });
-    }
+    let (xr, wr, yr) = (
+        buf.put(s, &draw_bf16(kr, 0.0, 1.0, &mut rng))?,
+        buf.put(s, &draw_bf16(nr * kr, 0.0, 1.0, &mut rng))?,
+        buf.put(s, &draw_bf16(nr, 0.0, 1.0, &mut rng))?,
+    );
+    let fresh = buf.zeros(s, nr)?;
+    dev.linear(xr, 1, kr, wr, nr, fresh, 0.0)?;
+    dev.linear(xr, 1, kr, wr, nr, yr, 1.0)?;
+    out.push(OpOutputs {
+        op: format!("linear of one row [1, {kr}] x [{nr}, {kr}]^T"),
+        outputs: vec![
+            ("linear", buf.get(s, fresh, nr)?, GPU_KERNEL_BF16),
+            ("linear + beta", buf.get(s, yr, nr)?, GPU_KERNEL_BF16),
+        ],
+    });
 
     // The rows' argmax, exact: a vocab of a multiple of 8 and one of another, on bf16 values
     // (exact in every storage) with deliberate ties (the maximum copied to a later and to an

@@ -11,7 +11,6 @@ use crate::device::gpu::Gpu;
 use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
-use crate::ops::constants::LINEAR_ROWS_MAX;
 use crate::ops::elementwise::cuda::ElementwiseKernels;
 use crate::ops::gdn::cuda::GdnKernels;
 use crate::ops::gdn::GdnOps;
@@ -110,15 +109,11 @@ impl Backend for Cuda {
     }
 
     /// One row (batch-1 decoding) through `linear_row`, which reads `w` at full bandwidth where
-    /// cuBLAS's choices for `m = 1` reach half of it; up to `LINEAR_ROWS_MAX` rows (a speculative
-    /// step's) through `linear_rows`, which also reads `w` once and costs the host a kernel
-    /// launch where a cuBLAS call costs about 2.5 (measured on the H200: 4.3 against 10.5 us,
-    /// what bounds decoding small models); more rows through cuBLAS.
+    /// cuBLAS's choices for `m = 1` reach half of it; more rows through cuBLAS.
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
-        match (rows, ElementwiseKernels::takes_linear_row(x, w, k)) {
-            (1, true) => self.kernels.linear_row(x, w, y, n, k, beta),
-            (2..=LINEAR_ROWS_MAX, true) => self.kernels.linear_rows(x, w, y, (rows, n, k), beta),
-            _ => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
+        match rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
+            true => self.kernels.linear_row(x, w, y, n, k, beta),
+            false => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
         }
     }
 

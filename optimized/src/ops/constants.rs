@@ -16,11 +16,6 @@ pub const VEC: usize = 8;
 pub const MAX_CHUNKS_PER_THREAD: usize = 4;
 /// Elements one lane of a head kernel keeps: head dims of at most this many x 32.
 pub const MAX_HEAD_LANE_ELEMS: usize = 8;
-/// Most rows of `linear_rows` (a speculative step's linear layers: the block of 16 and the
-/// context append of at most 16 + 1 go in one or two launches); more rows go to cuBLAS.
-pub const LINEAR_ROWS_MAX: usize = 16;
-/// Outputs one warp of `linear_rows` computes (x read once per this many weight rows).
-pub const LINEAR_ROWS_OUTS: usize = 4;
 /// Threads per CTA of the row kernels (`rms_norm_*`, `ce_grad_rows`, copies).
 pub const ROW_THREADS: u32 = 256;
 /// CTAs of the kernels that reduce a parameter gradient into per-CTA partials: the number of
@@ -63,8 +58,6 @@ pub fn prelude() -> String {
         ("VEC", VEC),
         ("MAX_CHUNKS_PER_THREAD", MAX_CHUNKS_PER_THREAD),
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),
-        ("LINEAR_ROWS_MAX", LINEAR_ROWS_MAX),
-        ("LINEAR_ROWS_OUTS", LINEAR_ROWS_OUTS),
         ("GDN_CHUNK", GDN_CHUNK),
         ("GDN_THREADS", GDN_THREADS),
         ("GDN_STATE_THREADS", GDN_STATE_THREADS),

@@ -8,15 +8,13 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS_MAX, LINEAR_ROWS_OUTS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS,
-    ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 
-/// Threads of a `linear_row` or `linear_rows` CTA: 8 warps (one output each, or
-/// `LINEAR_ROWS_OUTS`).
+/// Threads of a `linear_row` CTA: 8 warps, one output each.
 const LINEAR_ROW_THREADS: u32 = 256;
 
 /// Columns one thread of `rms_norm_backward` holds: rows of at most this many x `ROW_THREADS`.
@@ -56,7 +54,6 @@ pub struct ElementwiseKernels {
     ce_grad_rows: CudaFunction,
     argmax_rows: CudaFunction,
     linear_row: CudaFunction,
-    linear_rows: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -88,7 +85,6 @@ impl ElementwiseKernels {
             ce_grad_rows: f("ce_grad_rows")?,
             argmax_rows: f("argmax_rows")?,
             linear_row: f("linear_row")?,
-            linear_rows: f("linear_rows")?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -166,31 +162,6 @@ impl ElementwiseKernels {
             shared_mem_bytes: 0,
         };
         self.launch("linear_row", b, cfg)
-    }
-
-    /// `y [m, n] = x [m, k] @ w [n, k]^T + beta * y` for `2 <= m <= LINEAR_ROWS_MAX` (bf16, fp32
-    /// accumulation): a speculative step's linear layers, bound by reading `w` once; takes what
-    /// [`ElementwiseKernels::takes_linear_row`] takes.
-    pub fn linear_rows(&self, x: u64, w: u64, y: u64, (m, n, k): (usize, usize, usize), beta: f32) -> Result<()> {
-        if !Self::takes_linear_row(x, w, k) || m > LINEAR_ROWS_MAX {
-            return Err(Error::invalid(
-                "linear_rows",
-                format!("{m} rows (at most {LINEAR_ROWS_MAX}); k = {k} must be a multiple of 8 with x and w 16-byte aligned"),
-            ));
-        }
-        if n == 0 || m == 0 {
-            return Ok(());
-        }
-        let (rows, outs, cols) = (i32_of("m", m)?, i32_of("n", n)?, i32_of("k", k)?);
-        let mut b = self.stream.launch_builder(&self.linear_rows);
-        b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&outs).arg(&cols).arg(&beta);
-        let per_cta = (LINEAR_ROW_THREADS / 32) as usize * LINEAR_ROWS_OUTS;
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(per_cta) as u32, 1, 1),
-            block_dim: (LINEAR_ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch("linear_rows", b, cfg)
     }
 
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).

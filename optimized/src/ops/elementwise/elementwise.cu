@@ -521,65 +521,6 @@ extern "C" __global__ void linear_row(const bf16* __restrict__ x, const bf16* __
     if (lane == 0) y[row] = to_bf(beta == 0.f ? acc : acc + beta * to_f(y[row]));
 }
 
-// Twin: ops/matmul/twin.rs matmul (`Backend::linear` on the host) of 2..=LINEAR_ROWS_MAX rows: a
-// speculative step's linear layers (the drafter's block, the target's verify, the context
-// append), bound by reading the weight once. One warp per LINEAR_ROWS_OUTS outputs: each lane
-// streams 16-byte loads of those weight rows past L1 and multiplies them with every row of x
-// (cached: x is read once per warp), fp32 accumulation in lane order then a fixed warp reduction
-// per output, as linear_row; `beta` 1 adds the output's previous value (the residual).
-// x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); m <= LINEAR_ROWS_MAX, k % 8 == 0,
-// x and w 16-byte aligned.
-extern "C" __global__ void linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y,
-                                       int m, int n, int k, float beta) {
-    const int lane = threadIdx.x % WARP;
-    const int first = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * LINEAR_ROWS_OUTS;
-    if (first >= n) return;
-    float acc[LINEAR_ROWS_OUTS][LINEAR_ROWS_MAX];
-#pragma unroll
-    for (int o = 0; o < LINEAR_ROWS_OUTS; ++o)
-#pragma unroll
-        for (int r = 0; r < LINEAR_ROWS_MAX; ++r) acc[o][r] = 0.f;
-    for (int i = lane * VEC; i < k; i += WARP * VEC) {
-        float wv[LINEAR_ROWS_OUTS][VEC];
-#pragma unroll
-        for (int o = 0; o < LINEAR_ROWS_OUTS; ++o) {
-            Bf16x8 v;
-            v.raw = first + o < n ? __ldcs(reinterpret_cast<const uint4*>(w + (size_t)(first + o) * k + i))
-                                  : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __bfloat1622float2(v.h2[j]);
-                wv[o][2 * j] = f.x;
-                wv[o][2 * j + 1] = f.y;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < LINEAR_ROWS_MAX; ++r) {
-            if (r < m) {
-                float xv[VEC];
-                load8(x + (size_t)r * k + i, xv);
-#pragma unroll
-                for (int o = 0; o < LINEAR_ROWS_OUTS; ++o)
-#pragma unroll
-                    for (int j = 0; j < VEC; j += 2) acc[o][r] += wv[o][j] * xv[j] + wv[o][j + 1] * xv[j + 1];
-            }
-        }
-    }
-#pragma unroll
-    for (int o = 0; o < LINEAR_ROWS_OUTS; ++o) {
-#pragma unroll
-        for (int r = 0; r < LINEAR_ROWS_MAX; ++r) {
-            if (r < m) {
-                const float a = warp_sum(acc[o][r]);
-                if (lane == 0 && first + o < n) {
-                    bf16* out = y + (size_t)r * n + first + o;
-                    *out = to_bf(beta == 0.f ? a : a + beta * to_f(*out));
-                }
-            }
-        }
-    }
-}
-
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
 // row whose value 0 is NaN gives 0, as candle keeps a NaN it starts from). One CTA per row, 8
 // logits per load when vocab % 8 == 0 (rows 16-byte aligned), else one at a time; a (value,
