@@ -295,3 +295,69 @@ fn recorded_predictions_in_f32_are_the_reference_argmax_and_change_nothing() {
     let _serial = one_at_a_time();
     check_predictions::<f32>(candle_core::DType::F32, dflash_conformance::tolerance::STEP_F32);
 }
+
+/// One row per update without an accumulator: `DeviceAdamW` converts the step's own gradients a
+/// chunk at a time (here chunks of 1000 values, which do not divide the parameters, so every
+/// chunk boundary and the short last chunk are crossed) and applies them: two updates give
+/// bitwise the master weights, moments, stored weights and norms of the accumulated path,
+/// storing bf16 (the GPU's storage) and f32.
+#[test]
+fn device_adamw_chunked_updates_are_bitwise_the_accumulated_ones() {
+    let _serial = one_at_a_time();
+    chunked_is_accumulated::<half::bf16>();
+    chunked_is_accumulated::<f32>();
+}
+
+fn chunked_is_accumulated<E: Elem>() {
+    use candle_core::DType;
+    use dflash_conformance::setups::gpu_draft_case;
+    use dflash_optimized::backend::{download, Backend};
+    use dflash_optimized::memory::step::{Checkpointing, OptimizerShape, StepShape};
+    use dflash_optimized::model::drafter_step::DrafterStep;
+    use dflash_optimized::train::adamw::DeviceAdamW;
+    use dflash_reference::drafter::DraftInput;
+    use dflash_reference::loss::BlockTargets;
+    use dflash_reference::optim::AdamWConfig;
+
+    let case = gpu_draft_case(5, DType::F32).expect("case");
+    let config = &case.drafter.config;
+    let b = config.block_size;
+    let input = DraftInput::training(&case.row, &case.anchors, b).expect("input");
+    let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
+    let shape = StepShape { context_len: case.row.len(), num_anchors: case.anchors.positions.len(), lm_chunk_rows: 16 };
+    let run = |accumulate: bool| {
+        let params = dflash_optimized::model::drafter_step::param_slots(config).iter().map(|s| s.len).sum();
+        assert!(params > 3000, "the chunks must cross boundaries: {params} parameters");
+        let optimizer = OptimizerShape { update_chunk: 1000, ..OptimizerShape::whole(params, accumulate) };
+        let mut step =
+            DrafterStep::with_head(Host::<E>::default(), config, shape, Checkpointing::PerLayer, Some(optimizer), None)
+                .expect("step");
+        step.load_weights(&case.drafter).expect("weights");
+        step.load_lm_head(&case.head).expect("lm head");
+        step.set_input(&input, &case.head, &targets).expect("input");
+        let mut adam = DeviceAdamW::new(&step, AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() })
+            .expect("optimizer");
+        assert_eq!(adam.accumulates(), accumulate);
+        let mut norms = Vec::new();
+        for max_norm in [1e-3, 1e3] {
+            step.step(1.0 / targets.total_weight()).expect("step");
+            adam.accumulate(&step).expect("accumulate");
+            norms.push(adam.update(&step, 2e-3, max_norm).expect("update").to_bits());
+        }
+        let opt = step.layout.optimizer.expect("optimizer regions");
+        let acc = |r: dflash_optimized::memory::Region| -> Vec<u64> {
+            let v: Vec<<E as Elem>::Acc> = download(step.backend(), step.addr(r), params).expect("download");
+            v.into_iter().map(|x| dflash_optimized::ops::Real::to_f64(x).to_bits()).collect()
+        };
+        let stored: Vec<E> = download(step.backend(), step.addr(step.layout.weights), params).expect("weights");
+        let stored: Vec<u64> = stored.into_iter().map(|x| x.to_f64().to_bits()).collect();
+        step.backend().synchronize().expect("sync");
+        (norms, acc(opt.master), acc(opt.adam_m), acc(opt.adam_v), stored)
+    };
+    let (chunked, accumulated) = (run(false), run(true));
+    let what = std::any::type_name::<E>();
+    assert_eq!(chunked.0, accumulated.0, "{what}: norms");
+    assert!(chunked.1 == accumulated.1, "{what}: master weights");
+    assert!(chunked.2 == accumulated.2 && chunked.3 == accumulated.3, "{what}: moments");
+    assert!(chunked.4 == accumulated.4, "{what}: stored weights");
+}

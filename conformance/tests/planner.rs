@@ -6,7 +6,7 @@
 use dflash_optimized::memory::failure::failure_modes;
 use dflash_optimized::memory::named::named_configs;
 use dflash_optimized::memory::step::{
-    plan_step, Checkpointing, MemoryPlan, OptimizerShape, StepDims, StepLayout, StepShape,
+    plan_step, Checkpointing, MemoryPlan, OptimizerShape, StepDims, StepLayout, StepShape, UPDATE_CHUNK,
 };
 use dflash_optimized::memory::{Lifetime, Region, ALIGN, BF16, F32};
 use rstest::rstest;
@@ -101,7 +101,7 @@ fn regions_are_aligned_disjoint_and_inside_the_allocation() {
                 l.grads,
                 l.lm_head.expect("own head"),
                 opt.master,
-                opt.grad_acc.expect("accumulator"),
+                opt.grads.accumulator().expect("accumulator"),
                 opt.adam_m,
                 opt.adam_v,
             ];
@@ -294,7 +294,7 @@ fn a_sharded_optimizer_state_divides_its_memory_by_the_workers() {
             let shard = optimizer_shard(params as usize, k, workers);
             assert_eq!(shard.0, next, "{workers} workers: shard {k} starts where {} ended", k.saturating_sub(1));
             next = shard.1;
-            let sharded = Some(OptimizerShape { shard, accumulate: true });
+            let sharded = Some(OptimizerShape { shard, ..OptimizerShape::whole(0, true) });
             let l = StepLayout::with_head(&p.config, p.shape, Checkpointing::PerLayer, sharded, (BF16, F32), true)
                 .expect("layout");
             let held = (shard.1 - shard.0) as u64;
@@ -311,24 +311,28 @@ fn a_sharded_optimizer_state_divides_its_memory_by_the_workers() {
     }
 }
 
-/// One row per update on one worker needs no gradient accumulator: the plan drops exactly its
-/// fp32 item (4 bytes per parameter, up to one ALIGN of padding), and nothing else.
+/// One row per update on one worker needs no gradient accumulator: the plan trades its fp32
+/// item (4 bytes per parameter) for the update's fp32 chunk of `UPDATE_CHUNK` values (each up to
+/// one ALIGN of padding), and nothing else changes.
 #[test]
-fn one_row_per_update_plans_no_accumulator() {
+fn one_row_per_update_plans_a_chunk_instead_of_the_accumulator() {
     for p in named_configs() {
         for policy in Checkpointing::ALL {
             let with = plan_step(&p.config, p.shape, policy, false, true).expect("plan");
             let without = plan_step(&p.config, p.shape, policy, false, false).expect("plan");
             let params = StepDims::new(&p.config, p.shape).expect("dims").params as u64;
-            let named = |plan: &MemoryPlan| {
-                plan.persistent.iter().filter(|i| i.name.starts_with("accumulated")).map(|i| i.bytes).sum::<u64>()
+            let named = |plan: &MemoryPlan, name: &str| {
+                plan.persistent.iter().filter(|i| i.name.starts_with(name)).map(|i| i.bytes).sum::<u64>()
             };
-            assert_eq!(named(&without), 0, "{}: no accumulator item", p.name);
-            assert!(named(&with) >= 4 * params && named(&with) < 4 * params + ALIGN, "{}", p.name);
+            let (acc, chunk) = ("accumulated gradients", "gradient chunk of the update");
+            assert_eq!((named(&without, acc), named(&with, chunk)), (0, 0), "{}: one or the other", p.name);
+            assert!(named(&with, acc) >= 4 * params && named(&with, acc) < 4 * params + ALIGN, "{}", p.name);
+            let want = 4 * UPDATE_CHUNK.min(params as usize) as u64;
+            assert!(named(&without, chunk) >= want && named(&without, chunk) < want + ALIGN, "{}", p.name);
             assert_eq!(
                 with.peak - without.peak,
-                named(&with),
-                "{} {}: only the accumulator goes",
+                named(&with, acc) - named(&without, chunk),
+                "{} {}: only the accumulator and the chunk differ",
                 p.name,
                 policy.name()
             );

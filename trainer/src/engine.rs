@@ -9,7 +9,7 @@
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::flops::step_model_flops;
-use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, OptimizerShape, StepShape};
+use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, OptimizerShape, StepShape, UPDATE_CHUNK};
 use dflash_optimized::model::drafter_step::DrafterStep;
 use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
@@ -468,7 +468,7 @@ impl<B: Backend> DeviceEngine<B> {
 
     /// The step's gradient accumulator; fails naming the builder when it has none.
     fn accumulator(step: &DrafterStep<B>) -> Result<dflash_optimized::memory::Region> {
-        step.update_grads()?.ok_or_else(|| {
+        step.accumulator()?.ok_or_else(|| {
             Error::option("engine", "no gradient accumulator (one row per update): make it `with_accumulator`")
         })
     }
@@ -553,7 +553,7 @@ impl<B: Backend> DeviceEngine<B> {
             (Some(all), Some((k, _))) => all[k],
             _ => (0, dflash_optimized::model::drafter_step::param_slots(&self.config).iter().map(|s| s.len).sum()),
         };
-        let optimizer = Some(OptimizerShape { shard, accumulate: self.accumulates() });
+        let optimizer = Some(OptimizerShape { shard, accumulate: self.accumulates(), update_chunk: UPDATE_CHUNK });
         let mut step = match &self.frozen {
             Frozen::Host(head) => {
                 let mut step =

@@ -800,7 +800,7 @@ fn print_sharded_optimizer(d: &DraftConfig, shape: StepShape, workers: usize) ->
             d,
             shape,
             Checkpointing::PerLayer,
-            Some(OptimizerShape { shard, accumulate: true }),
+            Some(OptimizerShape { shard, ..OptimizerShape::whole(0, true) }),
             (BF16, F32),
             true,
         )

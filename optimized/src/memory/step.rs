@@ -135,36 +135,58 @@ impl StepDims {
     }
 }
 
-/// The optimizer's regions (fp32 on the GPU): master weights, accumulated gradients, moments.
+/// The optimizer's regions (fp32 on the GPU): master weights, the gradients it reads, moments.
 /// Masters and moments hold parameters `shard.0..shard.1` of the flat parameter vector (all of
-/// them, or this worker's shard when the optimizer state is sharded over drafter workers); the
-/// accumulated gradients hold every parameter (they are all-reduced whole), and exist only when
-/// there is something to add up ([`OptimizerShape::accumulate`]): else AdamW reads the step's own
-/// gradients.
+/// them, or this worker's shard when the optimizer state is sharded over drafter workers).
 #[derive(Clone, Copy, Debug)]
 pub struct OptimizerRegions {
     pub master: Region,
-    pub grad_acc: Option<Region>,
+    pub grads: UpdateGrads,
     pub adam_m: Region,
     pub adam_v: Region,
     pub shard: (usize, usize),
 }
 
+/// Where AdamW reads the update's gradients in the arithmetic type.
+#[derive(Clone, Copy, Debug)]
+pub enum UpdateGrads {
+    /// Every parameter's gradient accumulated over rows (and all-reduced whole over workers).
+    Accumulated(Region),
+    /// The step's own gradients (one row per update on one worker: nothing to add up), converted
+    /// [`UPDATE_CHUNK`] values at a time into this region as the update goes: bitwise the
+    /// accumulated update (one stored value added to zero is exact), without the accumulator
+    /// (4 bytes per parameter) and with the chunk in L2.
+    Chunked(Region),
+}
+
+impl UpdateGrads {
+    /// The accumulator, when the gradients are accumulated.
+    pub fn accumulator(&self) -> Option<Region> {
+        match self {
+            UpdateGrads::Accumulated(r) => Some(*r),
+            UpdateGrads::Chunked(_) => None,
+        }
+    }
+}
+
+/// Values of an [`UpdateGrads::Chunked`] chunk (16 MB in fp32: it stays in the H200's 50 MB L2).
+pub const UPDATE_CHUNK: usize = 1 << 22;
+
 /// What the optimizer's regions hold: the masters and moments of parameters `shard.0..shard.1`,
 /// and an fp32 accumulator of every gradient when `accumulate` (several rows per update, or
-/// several workers to sum over). One row per update on one worker needs none: the step's
-/// gradients are the update's (bitwise the same: adding one bf16 value to zero in fp32 is exact),
-/// which saves the accumulator (4 bytes per parameter) and its passes.
+/// several workers to sum over); else AdamW reads the step's own gradients through a chunk of
+/// `update_chunk` values ([`UpdateGrads::Chunked`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OptimizerShape {
     pub shard: (usize, usize),
     pub accumulate: bool,
+    pub update_chunk: usize,
 }
 
 impl OptimizerShape {
-    /// The whole state of `params` parameters.
+    /// The whole state of `params` parameters (chunks of [`UPDATE_CHUNK`] without accumulator).
     pub fn whole(params: usize, accumulate: bool) -> Self {
-        OptimizerShape { shard: (0, params), accumulate }
+        OptimizerShape { shard: (0, params), accumulate, update_chunk: UPDATE_CHUNK }
     }
 }
 
@@ -355,11 +377,26 @@ impl StepLayout {
             Some(OptimizerShape { shard: (lo, hi), .. }) if lo > hi || hi > z.params => {
                 return Err(crate::Error::invalid("optimizer shard", format!("{lo}..{hi} of {} parameters", z.params)))
             }
-            Some(OptimizerShape { shard: (lo, hi), accumulate }) => Some(OptimizerRegions {
+            Some(OptimizerShape { update_chunk: 0, .. }) => {
+                return Err(crate::Error::invalid("update_chunk", "at least one value per chunk"))
+            }
+            Some(OptimizerShape { shard: (lo, hi), accumulate, update_chunk }) => Some(OptimizerRegions {
                 master: ar.take("master weights (fp32)", Optimizer, "master", &[hi - lo], a)?,
-                grad_acc: match accumulate {
-                    true => Some(ar.take("accumulated gradients (fp32)", Optimizer, "grad_acc", &[z.params], a)?),
-                    false => None,
+                grads: match accumulate {
+                    true => UpdateGrads::Accumulated(ar.take(
+                        "accumulated gradients (fp32)",
+                        Optimizer,
+                        "grad_acc",
+                        &[z.params],
+                        a,
+                    )?),
+                    false => UpdateGrads::Chunked(ar.take(
+                        "gradient chunk of the update (fp32)",
+                        Optimizer,
+                        "grad_chunk",
+                        &[update_chunk.min(z.params).max(1)],
+                        a,
+                    )?),
                 },
                 adam_m: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_m", &[hi - lo], a)?,
                 adam_v: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_v", &[hi - lo], a)?,

@@ -740,12 +740,12 @@ impl<B: Backend> DrafterStep<B> {
 
     /// The optimizer's gradient accumulator, or `None` when AdamW reads the step's own gradients;
     /// fails when the step was made without its optimizer regions.
-    pub fn update_grads(&self) -> Result<Option<Region>> {
+    pub fn accumulator(&self) -> Result<Option<Region>> {
         let opt = self
             .layout
             .optimizer
             .ok_or_else(|| Error::invalid("optimizer", "the step was made without its optimizer regions"))?;
-        Ok(opt.grad_acc)
+        Ok(opt.grads.accumulator())
     }
 
     /// The sum of squares of every parameter's gradient, of the last step or the update's, as
@@ -753,7 +753,7 @@ impl<B: Backend> DrafterStep<B> {
     pub fn grad_sum_squares(&self, which: Grads) -> Result<Vec<f64>> {
         let accumulated = match which {
             Grads::Step => None,
-            Grads::Update => self.update_grads()?,
+            Grads::Update => self.accumulator()?,
         };
         let (region, stored, width) = match accumulated {
             None => (self.layout.grads, true, B::Elem::BYTES),

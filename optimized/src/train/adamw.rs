@@ -1,6 +1,6 @@
 //! AdamW on the step's backend (spec section 3): a step's stored gradients are accumulated in
 //! the arithmetic type (gradient accumulation; with one row per update on one worker the step's
-//! own gradients are read as they are), then clipped by their global norm and applied to the
+//! own gradients are converted a chunk at a time as the update goes), then clipped by their global norm and applied to the
 //! master weights, which are written back as the stored compute weights. The reference is
 //! `dflash_reference::optim` (`AdamW::step`, `clip_grad_norm`); the kernels' twins are checked
 //! by `xtask gpu-conformance`.
@@ -8,9 +8,10 @@
 use dflash_reference::optim::AdamWConfig;
 
 use crate::backend::Backend;
-use crate::memory::step::OptimizerRegions;
+use crate::memory::step::{OptimizerRegions, UpdateGrads};
 use crate::model::drafter_step::{DrafterStep, Grads};
 use crate::ops::elementwise::{AdamWArgs, AdamWBuffers, ElementwiseOps};
+use crate::ops::{Elem, Real};
 use crate::{Error, Result};
 
 /// AdamW state on the backend: the step count (the moments live in the step's optimizer regions,
@@ -34,19 +35,19 @@ impl DeviceAdamW {
     /// Whether the gradients of several steps are added up (else the update reads the last
     /// step's own: one row per update).
     pub fn accumulates(&self) -> bool {
-        self.regions.grad_acc.is_some()
+        self.regions.grads.accumulator().is_some()
     }
 
     /// Adds the last step's gradients to the accumulator; without one, nothing (the update reads
     /// the step's gradients, which the next step overwrites).
     pub fn accumulate<B: Backend>(&self, step: &DrafterStep<B>) -> Result<()> {
-        let Some(acc) = self.regions.grad_acc else { return Ok(()) };
+        let Some(acc) = self.regions.grads.accumulator() else { return Ok(()) };
         step.backend().ops().accumulate(step.addr(acc), step.addr(step.layout.grads), step.num_params())
     }
 
     /// Drops the accumulated gradients (a skipped step).
     pub fn discard<B: Backend>(&self, step: &DrafterStep<B>) -> Result<()> {
-        match self.regions.grad_acc {
+        match self.regions.grads.accumulator() {
             Some(acc) => step.zero(acc),
             None => Ok(()),
         }
@@ -62,9 +63,10 @@ impl DeviceAdamW {
         self.t = t;
     }
 
-    /// One update with learning rate `lr` from the accumulated gradients, clipped to global norm
-    /// `max_norm` (`max_norm / (norm + 1e-6)`, as the reference); zeroes the accumulator and
-    /// returns the norm before clipping. Fails naming a gradient that holds NaN or Inf.
+    /// One update with learning rate `lr` from the accumulated gradients (or the step's own, a
+    /// chunk at a time), clipped to global norm `max_norm` (`max_norm / (norm + 1e-6)`, as the
+    /// reference); zeroes the accumulator and returns the norm before clipping. Fails naming a
+    /// gradient that holds NaN or Inf.
     pub fn update<B: Backend>(&mut self, step: &DrafterStep<B>, lr: f64, max_norm: f64) -> Result<f64> {
         let norm = step.grad_sum_squares(Grads::Update)?.iter().sum::<f64>().sqrt();
         let grad_scale = if norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
@@ -84,23 +86,34 @@ impl DeviceAdamW {
         // other shards' stored weights come from their workers (`DeviceEngine`'s gather).
         let r = self.regions;
         let (lo, hi) = r.shard;
-        let stored = <B::Elem as crate::ops::Elem>::BYTES;
-        let (g, g_stored) = match r.grad_acc {
-            Some(acc) => {
-                (step.addr(acc) + (lo * <<B::Elem as crate::ops::Elem>::Acc as crate::ops::Real>::BYTES) as u64, false)
+        let (stored, acc) = (<B::Elem as Elem>::BYTES, <<B::Elem as Elem>::Acc as Real>::BYTES);
+        let ops = step.backend().ops();
+        // Parameters `from..to` of the flat vector, their gradient read at `g`.
+        let update = |from: usize, to: usize, g: u64| {
+            let buffers = AdamWBuffers {
+                p: step.addr(r.master) + ((from - lo) * acc) as u64,
+                g,
+                m: step.addr(r.adam_m) + ((from - lo) * acc) as u64,
+                v: step.addr(r.adam_v) + ((from - lo) * acc) as u64,
+                p_stored: step.addr(step.layout.weights) + (from * stored) as u64,
+            };
+            ops.adamw_update(buffers, to - from, args)
+        };
+        match r.grads {
+            UpdateGrads::Accumulated(g) => {
+                update(lo, hi, step.addr(g) + (lo * acc) as u64)?;
+                step.zero(g)?;
             }
-            None => (step.addr(step.layout.grads) + (lo * stored) as u64, true),
-        };
-        let buffers = AdamWBuffers {
-            p: step.addr(r.master),
-            g,
-            g_stored,
-            m: step.addr(r.adam_m),
-            v: step.addr(r.adam_v),
-            p_stored: step.addr(step.layout.weights) + (lo * stored) as u64,
-        };
-        step.backend().ops().adamw_update(buffers, hi - lo, args)?;
-        self.discard(step)?;
+            UpdateGrads::Chunked(chunk) => {
+                let len = chunk.bytes as usize / acc;
+                for from in (lo..hi).step_by(len) {
+                    let to = (from + len).min(hi);
+                    step.backend().zero(step.addr(chunk), (to - from) * acc)?;
+                    ops.accumulate(step.addr(chunk), step.addr(step.layout.grads) + (from * stored) as u64, to - from)?;
+                    update(from, to, step.addr(chunk))?;
+                }
+            }
+        }
         Ok(norm)
     }
 }

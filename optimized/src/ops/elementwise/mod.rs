@@ -41,15 +41,12 @@ pub struct HeadNormRopeGrad {
     pub inv: u64,
 }
 
-/// Buffers of one AdamW update: master weights `p`, the gradient `g`, moments `m`, `v`
-/// (arithmetic type), and the stored compute copy `p_stored` it writes. `g` is the accumulated
-/// gradient (arithmetic type) or, when `g_stored`, the step's own (stored type: one row per
-/// update on one worker, nothing to add up).
+/// Buffers of one AdamW update: master weights `p`, accumulated gradient `g`, moments `m`, `v`
+/// (arithmetic type), and the stored compute copy `p_stored` it writes.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWBuffers {
     pub p: u64,
     pub g: u64,
-    pub g_stored: bool,
     pub m: u64,
     pub v: u64,
     pub p_stored: u64,
