@@ -9,6 +9,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use dflash_optimized::memory::step::Checkpointing;
 use dflash_reference::loss::default_gamma;
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +35,31 @@ impl StepKind {
             StepKind::Reference => "reference",
             StepKind::Host => "host",
             StepKind::Gpu => "gpu",
+        }
+    }
+}
+
+/// The drafter step's activation checkpointing on the device (the `host` and `gpu` steps): one
+/// policy, or `auto`, the fastest whose step fits the device's free memory. The policies give
+/// the same gradients (tests), so the choice moves speed and memory only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CheckpointingChoice {
+    Auto,
+    None,
+    Selective,
+    PerLayer,
+}
+
+impl CheckpointingChoice {
+    /// The policies to lay the step out with, fastest first (`DeviceEngine` takes the first
+    /// that fits).
+    pub fn policies(self) -> Vec<Checkpointing> {
+        match self {
+            CheckpointingChoice::Auto => Checkpointing::ALL.to_vec(),
+            CheckpointingChoice::None => vec![Checkpointing::None],
+            CheckpointingChoice::Selective => vec![Checkpointing::Selective],
+            CheckpointingChoice::PerLayer => vec![Checkpointing::PerLayer],
         }
     }
 }
@@ -77,6 +103,7 @@ pub struct RunConfig {
     pub gamma: Option<f64>,
     pub seed: u64,
     pub step: StepKind,
+    pub checkpointing: CheckpointingChoice,
     /// The built-in target (`tiny` or `gpu`).
     pub builtin_target: BuiltinTarget,
     pub out: PathBuf,
@@ -176,6 +203,7 @@ impl Default for RunConfig {
             gamma: None,
             seed: 0,
             step: StepKind::Gpu,
+            checkpointing: CheckpointingChoice::Auto,
             builtin_target: BuiltinTarget::Tiny,
             out: PathBuf::from("runs/drafter"),
             checkpoint_every: 1000,
@@ -246,6 +274,7 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("gamma", Kind::Float, "loss decay over block offsets (default: 7 for blocks of 16, 5 for 10, 4 for 8)"),
     ("seed", Kind::Int, "seed of the target, the drafter's init, the data and the anchors"),
     ("step", Kind::Text, "the step: `reference` (candle autograd), `host` (the GPU step on the CPU twins) or `gpu`"),
+    ("checkpointing", Kind::Text, "the `host` and `gpu` steps' activation checkpointing: `auto` (the fastest policy whose step fits the device's free memory), `none`, `selective` or `per-layer`"),
     ("builtin_target", Kind::Text, "built-in target: `tiny` (CPU), `gpu` (heads of 64, which the GPU kernels need) or `hybrid` (a Qwen3.5-style GatedDeltaNet hybrid of the `gpu` one's size)"),
     ("out", Kind::Text, "run folder: checkpoints, metrics.jsonl, training.svg, drafter/"),
     ("checkpoint_every", Kind::Int, "a checkpoint every N steps (0: only at the end)"),
@@ -320,6 +349,7 @@ pub const LAUNCH_OPTIONS: &[&str] = &["rank", "world_size", "master_addr", "mast
 /// steps not yet taken, which is the point of extending a run).
 pub const RESUMABLE_CHANGES: &[&str] = &[
     "steps",
+    "checkpointing",
     "epochs",
     "out",
     "checkpoint_every",
@@ -400,6 +430,12 @@ impl RunConfig {
             })?;
             if key == "step" && !["reference", "host", "gpu"].contains(&value.as_str()) {
                 return Err(Error::option("--step", format!("unknown step `{value}` (reference, host or gpu)")));
+            }
+            if key == "checkpointing" && !["auto", "none", "selective", "per-layer"].contains(&value.as_str()) {
+                return Err(Error::option(
+                    "--checkpointing",
+                    format!("unknown policy `{value}` (auto, none, selective or per-layer)"),
+                ));
             }
             if key == "builtin_target" && !["tiny", "gpu", "hybrid"].contains(&value.as_str()) {
                 return Err(Error::option(

@@ -9,7 +9,9 @@
 use candle_core::{DType, Tensor};
 use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::flops::step_model_flops;
-use dflash_optimized::memory::step::{optimizer_shard, Checkpointing, OptimizerShape, StepShape, UPDATE_CHUNK};
+use dflash_optimized::memory::step::{
+    fastest_fitting, optimizer_shard, Checkpointing, OptimizerShape, StepLayout, StepShape, UPDATE_CHUNK,
+};
 use dflash_optimized::model::drafter_step::DrafterStep;
 use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
@@ -144,6 +146,11 @@ pub fn optimizer_shards(config: &DraftConfig, workers: usize) -> Vec<(usize, usi
 pub trait StepEngine {
     /// A short name for messages (`reference`, `host`, ...).
     fn name(&self) -> String;
+    /// The checkpointing policy the step was laid out with, where the engine chooses one (the
+    /// device engine, once it has stepped).
+    fn checkpointing(&self) -> Option<Checkpointing> {
+        None
+    }
     /// Runs one step (see the module doc); draws anchors from `rng`.
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome>;
     /// The weights and optimizer state, for a checkpoint.
@@ -389,7 +396,9 @@ pub struct DeviceEngine<B: Backend> {
     config: DraftConfig,
     frozen: Frozen<B>,
     optimizer: AdamWConfig,
-    policy: Checkpointing,
+    /// The checkpointing policies to lay the step out with, fastest first: the first that fits
+    /// the device's free memory ([`fastest_fitting`]).
+    policies: Vec<Checkpointing>,
     /// The drafter's init, until the step exists (then its weights live on the backend).
     init: Option<Drafter>,
     step: Option<(DrafterStep<B>, DeviceAdamW)>,
@@ -420,20 +429,21 @@ struct HostTables<B: Backend> {
 
 impl<B: Backend> DeviceEngine<B> {
     /// An engine training `drafter` (its init) against the frozen tables `frozen`, on backends
-    /// `make` returns, under the checkpointing `policy`.
+    /// `make` returns, under the first checkpointing policy of `policies` (fastest first) whose
+    /// step fits the device's free memory when it is laid out.
     pub fn new(
         make: impl Fn() -> dflash_optimized::Result<B> + 'static,
         drafter: Drafter,
         frozen: Frozen<B>,
         optimizer: AdamWConfig,
-        policy: Checkpointing,
+        policies: &[Checkpointing],
     ) -> Self {
         DeviceEngine {
             make: Box::new(make),
             config: drafter.config.clone(),
             frozen,
             optimizer,
-            policy,
+            policies: policies.to_vec(),
             init: Some(drafter),
             step: None,
             host_copy: None,
@@ -554,10 +564,15 @@ impl<B: Backend> DeviceEngine<B> {
             _ => (0, dflash_optimized::model::drafter_step::param_slots(&self.config).iter().map(|s| s.len).sum()),
         };
         let optimizer = Some(OptimizerShape { shard, accumulate: self.accumulates(), update_chunk: UPDATE_CHUNK });
+        let dev = (self.make)()?;
+        let own_head = matches!(self.frozen, Frozen::Host(_));
+        let widths = (B::Elem::BYTES as u64, <Acc<B> as Real>::BYTES as u64);
+        let policy = fastest_fitting(&self.policies, dev.available_bytes()?, self.beside_step_bytes(s), |p| {
+            Ok(StepLayout::with_head(&self.config, shape, p, optimizer, widths, own_head)?.total_bytes())
+        })?;
         let mut step = match &self.frozen {
             Frozen::Host(head) => {
-                let mut step =
-                    DrafterStep::with_head((self.make)()?, &self.config, shape, self.policy, optimizer, None)?;
+                let mut step = DrafterStep::with_head(dev, &self.config, shape, policy, optimizer, None)?;
                 step.load_lm_head(head)?;
                 step
             }
@@ -565,7 +580,7 @@ impl<B: Backend> DeviceEngine<B> {
                 let head = forward.frozen_tables().1.ok_or_else(|| {
                     Error::option("target", "the target's forward holds no LM head to share (made without it)")
                 })?;
-                DrafterStep::with_head((self.make)()?, &self.config, shape, self.policy, optimizer, Some(head))?
+                DrafterStep::with_head(dev, &self.config, shape, policy, optimizer, Some(head))?
             }
         };
         let drafter = self.init.take().ok_or_else(|| Error::option("engine", "no drafter weights to load"))?;
@@ -634,16 +649,26 @@ impl<B: Backend> DeviceEngine<B> {
     /// engine's embedding table and features).
     fn planned_bytes(&self) -> Option<u64> {
         let step = &self.step.as_ref()?.0;
-        let elem = B::Elem::BYTES as u64;
-        let z = step.layout.dims;
-        let extra = match &self.frozen {
-            Frozen::Host(head) => {
-                let features = if self.feed.is_some() { 0 } else { (z.s * z.fw) as u64 };
-                (head.embed.elem_count() as u64 + features) * elem
-            }
+        let beside = match &self.frozen {
+            Frozen::Host(_) => self.beside_step_bytes(step.layout.dims.s),
             Frozen::Target(forward) => forward.allocated_bytes(),
         };
-        Some(step.planned_peak().saturating_add(extra))
+        Some(step.planned_peak().saturating_add(beside))
+    }
+
+    /// What a [`Frozen::Host`] engine allocates on the device after its step, for rows of `s`
+    /// tokens: the embedding table and a row's features (none when fed); 0 online (the
+    /// target's forward is allocated already).
+    fn beside_step_bytes(&self, s: usize) -> u64 {
+        let Frozen::Host(head) = &self.frozen else { return 0 };
+        let features =
+            if self.feed.is_some() { 0 } else { s * self.config.num_features() * self.config.dims.hidden_size };
+        (head.embed.elem_count() as u64).saturating_add(features as u64).saturating_mul(B::Elem::BYTES as u64)
+    }
+
+    /// The checkpointing policy of the step (`None` until it is laid out, on the first row).
+    pub fn policy(&self) -> Option<Checkpointing> {
+        self.step.as_ref().map(|(step, _)| step.layout.policy)
     }
 
     /// Accumulates the gradients of `rows` (prepared in the run's order), each row's scaled by
@@ -909,6 +934,10 @@ impl<B: Backend> StepEngine for DeviceEngine<B> {
             Frozen::Host(_) => "device".into(),
             Frozen::Target(_) => "device, online target".into(),
         }
+    }
+
+    fn checkpointing(&self) -> Option<Checkpointing> {
+        self.policy()
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {

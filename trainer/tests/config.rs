@@ -125,6 +125,8 @@ fn unknown_keys_are_named() {
                     "host"
                 } else if *name == "builtin_target" {
                     "gpu"
+                } else if *name == "checkpointing" {
+                    "per-layer"
                 } else {
                     "somewhere"
                 }

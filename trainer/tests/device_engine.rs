@@ -42,7 +42,7 @@ fn device<E: Elem + 'static>(setup: &builtin::BuiltinSetup, c: &RunConfig) -> De
         drafter,
         Frozen::Host(setup.target.frozen_head()),
         builtin::adamw_config(c),
-        Checkpointing::PerLayer,
+        &[Checkpointing::PerLayer],
     )
     .with_rows_per_update(ROWS_PER_UPDATE)
 }
@@ -172,7 +172,7 @@ fn without_accumulator_is_bitwise<E: Elem + 'static>() {
             drafter,
             frozen,
             builtin::adamw_config(&c),
-            Checkpointing::PerLayer,
+            &[Checkpointing::PerLayer],
         )
     };
     let (mut direct, mut accumulated) = (engine(), engine().with_accumulator());
@@ -196,4 +196,60 @@ fn without_accumulator_is_bitwise<E: Elem + 'static>() {
     }
     let err = direct.step(&batch(&setup, 5, &c), &mut r1).expect_err("three rows, no accumulator").to_string();
     assert!(err.contains("rows_per_step") && err.contains("3 rows"), "{err}");
+}
+
+/// `checkpointing = auto`: the engine lays its step out with the fastest policy that fits the
+/// device's free memory with `POLICY_HEADROOM` to spare (none on an unbounded device, per-layer
+/// on one just large enough for it), says which it took, and trains bitwise as the fixed
+/// policy does (the policies' gradients are the same); a device too small for every policy is
+/// refused naming the step's largest items.
+#[test]
+fn auto_checkpointing_takes_the_fastest_policy_that_fits() {
+    use dflash_optimized::memory::step::{OptimizerShape, StepLayout, StepShape, POLICY_HEADROOM};
+    use dflash_trainer::config::CheckpointingChoice;
+    let c = small_config();
+    let setup = builtin::setup(&c).expect("setup");
+    let row = |step: usize| StepBatch {
+        micro_batches: vec![vec![&setup.data[step % setup.data.len()]]],
+        ..batch(&setup, step, &c)
+    };
+    let engine = |available: u64, policies: &[Checkpointing]| {
+        let drafter = builtin::init_drafter(&c, &setup.draft_config).expect("drafter");
+        let frozen = Frozen::Host(setup.target.frozen_head());
+        DeviceEngine::new(
+            move || Ok(Host::<f32>::with_available(available)),
+            drafter,
+            frozen,
+            builtin::adamw_config(&c),
+            policies,
+        )
+    };
+    // The step's bytes under each policy for the rows' shape, and what the engine puts beside it
+    // (the embedding table and a row's features).
+    let (s, n) = (setup.data[0].len(), c.anchors);
+    let shape = StepShape { context_len: s, num_anchors: n, lm_chunk_rows: 1024 };
+    let params = dflash_optimized::model::drafter_step::param_slots(&setup.draft_config).iter().map(|s| s.len).sum();
+    let bytes = |p: Checkpointing| {
+        let optimizer = Some(OptimizerShape::whole(params, false));
+        StepLayout::with_head(&setup.draft_config, shape, p, optimizer, (4, 4), true).expect("layout").total_bytes()
+    };
+    let d = &setup.draft_config;
+    let beside = 4 * (d.dims.vocab_size * d.dims.hidden_size + s * d.num_features() * d.dims.hidden_size) as u64;
+    assert!(bytes(Checkpointing::PerLayer) < bytes(Checkpointing::None), "per-layer keeps less");
+    let auto = CheckpointingChoice::Auto.policies();
+    let just_per_layer = bytes(Checkpointing::PerLayer) + beside + POLICY_HEADROOM;
+    for (available, want) in [(u64::MAX, Checkpointing::None), (just_per_layer, Checkpointing::PerLayer)] {
+        let mut chosen = engine(available, &auto);
+        assert_eq!(chosen.checkpointing(), None, "not laid out before its first row");
+        let mut fixed = engine(u64::MAX, &[want]);
+        let (mut r1, mut r2) = (ChaCha8Rng::seed_from_u64(4), ChaCha8Rng::seed_from_u64(4));
+        for step in 0..3 {
+            let (a, b) = (chosen.step(&row(step), &mut r1).unwrap(), fixed.step(&row(step), &mut r2).unwrap());
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{available} bytes, step {step}");
+        }
+        assert_eq!(chosen.checkpointing(), Some(want), "{available} bytes");
+    }
+    let mut tiny = engine(bytes(Checkpointing::PerLayer) / 2, &auto);
+    let err = tiny.step(&row(0), &mut ChaCha8Rng::seed_from_u64(4)).expect_err("no policy fits").to_string();
+    assert!(err.contains("per-layer policy") && err.contains("AdamW moments"), "{err}");
 }

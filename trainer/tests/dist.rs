@@ -45,7 +45,7 @@ fn engine(setup: &BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<f32>> {
         drafter,
         Frozen::Host(setup.target.frozen_head()),
         builtin::adamw_config(c),
-        Checkpointing::PerLayer,
+        &[Checkpointing::PerLayer],
     )
     .with_accumulator()
 }

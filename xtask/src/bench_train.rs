@@ -318,6 +318,17 @@ fn measure_ours(
     };
     let adamw = AdamWConfig { lr: 6e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
     let head_dim = draft.dims.head_dim;
+    // Per-layer checkpointing, as the PyTorch pipeline's step.
+    let engine_of = |frozen: Frozen<Cuda>| -> Result<DeviceEngine<Cuda>, String> {
+        let g = gpu.clone();
+        Ok(DeviceEngine::new(
+            move || Cuda::new(&g, head_dim),
+            copy()?,
+            frozen,
+            adamw.clone(),
+            &[Checkpointing::PerLayer],
+        ))
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut frozen = Frozen::Target(Box::new(forward));
     let (mut online, mut offline_rows) = (Vec::new(), Vec::new());
@@ -328,9 +339,7 @@ fn measure_ours(
             .map(|r| TrainRow::from_row(r.clone(), Tensor::zeros((s, 0), DType::F32, &Device::Cpu)?))
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string())?;
-        let g = gpu.clone();
-        let mut engine =
-            DeviceEngine::new(move || Cuda::new(&g, head_dim), copy()?, frozen, adamw.clone(), Checkpointing::PerLayer);
+        let mut engine = engine_of(frozen)?;
         let m = time_engine(gpu, &mut engine, &train, n, (warmup, iters, seed), before)?;
         println!("ours online S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
         online.push(m);
@@ -354,10 +363,7 @@ fn measure_ours(
     let before = gpu.pool_used().map_err(err)?;
     let mut offline = Vec::new();
     for (&(s, n), rows) in shapes.iter().zip(&offline_rows) {
-        let g = gpu.clone();
-        let frozen = Frozen::Host(head.clone());
-        let mut engine =
-            DeviceEngine::new(move || Cuda::new(&g, head_dim), copy()?, frozen, adamw.clone(), Checkpointing::PerLayer);
+        let mut engine = engine_of(Frozen::Host(head.clone()))?;
         let m = time_engine(gpu, &mut engine, rows, n, (warmup, iters, seed), before)?;
         println!("ours offline S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
         offline.push(m);

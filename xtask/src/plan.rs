@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use dflash_optimized::memory::failure::failure_modes;
 use dflash_optimized::memory::gb;
 use dflash_optimized::memory::named::{named_configs, DEFAULT_LM_CHUNK_ROWS};
-use dflash_optimized::memory::step::{plan_step, Checkpointing, StepShape};
+use dflash_optimized::memory::step::{plan_step, Checkpointing, StepShape, POLICY_HEADROOM};
 use dflash_reference::config::DraftConfig;
 use dflash_reference::target::TargetKind;
 
@@ -147,7 +147,7 @@ fn totals_label(what: &str, beside: u64) -> String {
 /// Prints the target's forward (`name`) for `config`'s layers and the drafter's step under each
 /// of `policies` (with the gradient accumulator when `accumulate`) on one device of
 /// `device_bytes`, with `beside` more bytes on it (the real tau's decoders; 0: none); returns
-/// whether the last one fits.
+/// the first policy that fits with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks).
 pub fn print_target_plan(
     name: &str,
     target: &dflash_reference::config::TargetConfig,
@@ -156,7 +156,7 @@ pub fn print_target_plan(
     (device_bytes, beside): (u64, u64),
     policies: &[Checkpointing],
     accumulate: bool,
-) -> Result<bool, String> {
+) -> Result<Option<Checkpointing>, String> {
     use dflash_optimized::memory::target::TargetLayout;
     use dflash_optimized::memory::{BF16, F32};
     let t = &target.dims;
@@ -173,7 +173,7 @@ pub fn print_target_plan(
         shape.context_len
     );
     print!("{}", layout.render());
-    let mut fits = false;
+    let mut chosen = None;
     for &policy in policies {
         let plan = plan_step(config, shape, policy, true, accumulate).map_err(|e| e.to_string())?;
         println!(
@@ -184,7 +184,10 @@ pub fn print_target_plan(
         );
         print!("{}", plan.render(device_bytes));
         let total = target_bytes.saturating_add(plan.peak).saturating_add(beside);
-        fits = total <= device_bytes;
+        let fits = total <= device_bytes;
+        if chosen.is_none() && total.saturating_add(POLICY_HEADROOM) <= device_bytes {
+            chosen = Some(policy);
+        }
         let verdict = if fits { "fits" } else { "DOES NOT FIT" };
         println!(
             "  {:<58} {:>12}  {verdict} in {}",
@@ -193,13 +196,14 @@ pub fn print_target_plan(
             gb(device_bytes)
         );
     }
-    Ok(fits)
+    Ok(chosen)
 }
 
 /// A Qwen3.5/3.6 hybrid target (spec section 10) `name` and the step of its drafter `draft` on
 /// one GPU of `device_bytes` with `beside` more bytes on it (the real tau's decoders; 0: none),
 /// each itemised, the sum per policy of `policies` (with the gradient accumulator when
-/// `accumulate`), and the topology it calls for; true when all fit under some policy.
+/// `accumulate`), and the topology it calls for; returns the first policy under which all fit
+/// with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks).
 pub fn print_hybrid_plan(
     name: &str,
     config: &dflash_reference::hybrid::HybridConfig,
@@ -208,7 +212,7 @@ pub fn print_hybrid_plan(
     (device_bytes, beside): (u64, u64),
     policies: &[Checkpointing],
     accumulate: bool,
-) -> Result<bool, String> {
+) -> Result<Option<Checkpointing>, String> {
     use dflash_optimized::memory::hybrid::HybridTargetPlan;
     use dflash_optimized::memory::{BF16, F32};
     let err = |e: dflash_optimized::Error| e.to_string();
@@ -234,12 +238,14 @@ pub fn print_hybrid_plan(
         draft.dims.rope_theta,
         draft.block_size
     );
-    let mut fits_any = false;
+    let mut chosen = None;
     for &policy in policies {
         let step = plan_step(draft, shape, policy, true, accumulate).map_err(err)?;
         let total = plan.bytes.saturating_add(step.peak).saturating_add(beside);
         let fits = total <= device_bytes;
-        fits_any |= fits;
+        if chosen.is_none() && total.saturating_add(POLICY_HEADROOM) <= device_bytes {
+            chosen = Some(policy);
+        }
         let what = format!("target + drafter step ({} policy: step {})", policy.name(), gb(step.peak));
         println!(
             "  {:<58} {:>12}  {} in {}",
@@ -250,7 +256,7 @@ pub fn print_hybrid_plan(
         );
     }
     let weights = plan.weight_bytes().map_err(err)?;
-    if fits_any {
+    if chosen.is_some() {
         println!("topology: one GPU holds both (the single-GPU trainer); more GPUs add data-parallel pairs");
     } else {
         let target_gpus = plan.bytes.div_ceil(device_bytes).max(1);
@@ -260,5 +266,5 @@ pub fn print_hybrid_plan(
             gb(plan.bytes)
         );
     }
-    Ok(fits_any)
+    Ok(chosen)
 }

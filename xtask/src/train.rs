@@ -213,6 +213,9 @@ fn report_end(
             mean(&losses[losses.len() - window..])
         );
     }
+    if let Some(policy) = engine.checkpointing() {
+        println!("checkpointing: {} (the step's activations)", policy.name());
+    }
     let balance = summary.waits.and_then(|w| {
         dflash_trainer::dist::feed::balance(w, summary.step_seconds, config.target_workers, config.drafter_workers)
     });
@@ -340,7 +343,8 @@ fn builtin_run(
             let rows = config.rows_per_update();
             let frozen = Frozen::Host(head.clone());
             Box::new(
-                DeviceEngine::new(make, drafter, frozen, adamw, Checkpointing::PerLayer).with_rows_per_update(rows),
+                DeviceEngine::new(make, drafter, frozen, adamw, &config.checkpointing.policies())
+                    .with_rows_per_update(rows),
             )
         }
         StepKind::Gpu => {
@@ -353,7 +357,7 @@ fn builtin_run(
                     drafter,
                     frozen,
                     builtin::adamw_config(&c),
-                    Checkpointing::PerLayer,
+                    &c.checkpointing.policies(),
                 )
                 .with_rows_per_update(c.rows_per_update()))
             });
@@ -371,8 +375,13 @@ fn builtin_run(
                 let drafter = builtin::init_drafter(&c, &draft)?;
                 let frozen = Frozen::Host(frozen_head.clone());
                 let adamw = builtin::adamw_config(&c);
-                let e =
-                    DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw, Checkpointing::PerLayer);
+                let e = DeviceEngine::new(
+                    || Ok(Host::<f32>::default()),
+                    drafter,
+                    frozen,
+                    adamw,
+                    &c.checkpointing.policies(),
+                );
                 Ok(e.with_rows_per_update(c.rows_per_update()))
             });
             Box::new(host_workers(
@@ -488,8 +497,9 @@ fn real_run(
                 decoders as f64 / 1e9
             );
         }
-        let (policies, accumulate) = (&[Checkpointing::PerLayer], config.accumulates_gradients());
-        let fits = match t {
+        let (policies, accumulate) = (config.checkpointing.policies(), config.accumulates_gradients());
+        let policies = policies.as_slice();
+        let chosen = match t {
             TargetKind::Dense(t) => {
                 crate::plan::print_target_plan(&name, t, d, shape, (h200, decoders), policies, accumulate)?
             }
@@ -497,8 +507,18 @@ fn real_run(
                 crate::plan::print_hybrid_plan(&name, t, d, shape, (h200, decoders), policies, accumulate)?
             }
         };
-        if !fits {
-            println!("the run does not fit one H200: lower --max-len or --anchors (or --tau-prompts 0)");
+        match chosen {
+            Some(p) if policies.len() > 1 => println!(
+                "checkpointing: {} (the fastest policy whose step fits one H200 with {} to spare)",
+                p.name(),
+                metrics::size_text(dflash_optimized::memory::step::POLICY_HEADROOM)
+            ),
+            Some(p) => println!("checkpointing: {}", p.name()),
+            None => println!(
+                "the run does not fit one H200 with {} to spare: lower --max-len or --anchors (or --tau-prompts 0){}",
+                metrics::size_text(dflash_optimized::memory::step::POLICY_HEADROOM),
+                if policies.len() == 1 { ", or let --checkpointing auto choose" } else { "" }
+            ),
         }
         if config.shard_optimizer {
             print_sharded_optimizer(d, shape, config.drafter_workers)?;
@@ -527,7 +547,7 @@ fn real_run(
         drafter_started.elapsed().as_secs_f64()
     );
     let adamw = builtin::adamw_config(&config);
-    let (policy, rows) = (Checkpointing::PerLayer, config.rows_per_update());
+    let (policies, rows) = (config.checkpointing.policies(), config.rows_per_update());
     let host_head = |dtype: DType| -> Result<FrozenHead, String> {
         let w = WeightSet::load_dir(&setup.target_dir).map_err(|e| e.to_string())?;
         t.frozen_head(&w, dtype).map_err(|e| e.to_string())
@@ -565,7 +585,7 @@ fn real_run(
                     false => Frozen::Host(host_head(DType::F32)?),
                 };
                 println!("step on {}", gpu.name());
-                let e = DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, policy);
+                let e = DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, &policies);
                 Box::new(e.with_rows_per_update(rows))
             } else {
                 // Target workers on their GPUs (a stream of their own beside the drafter's).
@@ -589,7 +609,7 @@ fn real_run(
                     };
                     let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
                     let e =
-                        DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw.clone(), policy);
+                        DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw.clone(), &policies);
                     Ok(fed(e.with_rows_per_update(rows), &ends, k))
                 });
                 let workers = gpu_workers(&drafter_gpus, d, engine, processes.as_ref(), config.shard_optimizer)?;
@@ -623,7 +643,7 @@ fn real_run(
                     Some(head) => Frozen::Host(head.clone()),
                 };
                 let drafter = Drafter::init(draft.clone(), seed + 1, DType::F32)?;
-                let e = DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), policy);
+                let e = DeviceEngine::new(|| Ok(Host::<f32>::default()), drafter, frozen, adamw.clone(), &policies);
                 Ok(fed(e.with_rows_per_update(rows), &ends, k))
             });
             match (config.drafter_workers, feed, &processes) {

@@ -134,6 +134,7 @@ fn bad_options_are_named_before_any_work() {
         (vec!["--step", "fast"], "unknown step `fast`".into()),
         (vec!["--step", "gpu"], "`gpu` needs `builtin_target = gpu`".into()),
         (vec!["--builtin-target", "huge"], "unknown target `huge`".into()),
+        (vec!["--checkpointing", "some"], "unknown policy `some` (auto, none, selective or per-layer)".into()),
         (vec!["--lr", "NaN"], "option `lr`: NaN: must be a finite number".into()),
         (vec!["--lr", "inf"], "option `lr`: inf: must be a finite number".into()),
         (vec!["--lr", "0"], "option `lr`: 0: must be above 0".into()),
@@ -407,6 +408,10 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let stdout = text(&result.stdout);
     assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
     for expected in ["# resolved config", "target + drafter step", "fits", "steps:", "epochs: 2.00", "estimated time"] {
+        assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
+    }
+    // `checkpointing = auto`: every policy planned, the fastest that fits taken.
+    for expected in ["none policy", "per-layer policy", "checkpointing: none (the fastest policy whose step fits"] {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
     assert!(!planned.join("metrics.jsonl").exists(), "--plan trained");

@@ -45,12 +45,22 @@ impl Drop for HostAlloc {
 pub struct Host<E> {
     ops: ElementwiseTwin<E>,
     gdn: GdnTwin<E>,
+    /// What [`Backend::available_bytes`] reports (unbounded unless set).
+    available: u64,
     _elem: PhantomData<E>,
+}
+
+impl<E> Host<E> {
+    /// A CPU backend reporting `bytes` free, as a GPU of that size would (the memory-driven
+    /// choices, e.g. the step's checkpointing policy, tested on the CPU).
+    pub fn with_available(bytes: u64) -> Self {
+        Host { available: bytes, ..Self::default() }
+    }
 }
 
 impl<E> Default for Host<E> {
     fn default() -> Self {
-        Host { ops: ElementwiseTwin::default(), gdn: GdnTwin::default(), _elem: PhantomData }
+        Host { ops: ElementwiseTwin::default(), gdn: GdnTwin::default(), available: u64::MAX, _elem: PhantomData }
     }
 }
 
@@ -75,7 +85,7 @@ impl<E: Elem> Backend for Host<E> {
     }
 
     fn available_bytes(&self) -> Result<u64> {
-        Ok(u64::MAX)
+        Ok(self.available)
     }
 
     fn alloc(&self, name: &str, bytes: usize) -> Result<HostAlloc> {
