@@ -494,9 +494,13 @@ impl RunConfig {
     }
 
     /// Whether the step sums gradients in an fp32 accumulator on its device: several rows per
-    /// update, or several drafter workers (here or in other processes).
+    /// update, or a run of workers (several drafter workers, target workers feeding them, or
+    /// several processes), whose gradients go through a reduction group.
     pub fn accumulates_gradients(&self) -> bool {
-        self.rows_per_update() > 1 || self.drafter_workers > 1 || self.world_size.unwrap_or(1) > 1
+        self.rows_per_update() > 1
+            || self.drafter_workers > 1
+            || self.target_workers > 0
+            || self.world_size.unwrap_or(1) > 1
     }
 
     /// Optimizer steps of the run over `train_rows` rows: `steps`, or `epochs` worth of rows.

@@ -388,9 +388,10 @@ pub enum Frozen<B: Backend> {
 /// The engine of the optimized step on a backend (`Cuda` on the GPU; `Host` on the CPU twins):
 /// the drafter's compute weights, fp32 masters and AdamW moments live on the backend
 /// (`DrafterStep` with its optimizer regions, `DeviceAdamW`); each row's gradient, scaled by
-/// the step's total weight, is accumulated there, then clipped and applied. Rows must share one
-/// length (packed rows, or the built-in rows): the step is laid out for it on first use. With
-/// [`Frozen::Target`] the target runs on the device row by row (online features).
+/// the step's total weight, is accumulated there (one row per update: read as it is), then
+/// clipped and applied. Rows must share one length (packed rows, or the built-in rows): the
+/// step is laid out for it on first use. With [`Frozen::Target`] the target runs on the device
+/// row by row (online features).
 pub struct DeviceEngine<B: Backend> {
     make: Box<dyn Fn() -> dflash_optimized::Result<B>>,
     config: DraftConfig,
@@ -567,9 +568,28 @@ impl<B: Backend> DeviceEngine<B> {
         let dev = (self.make)()?;
         let own_head = matches!(self.frozen, Frozen::Host(_));
         let widths = (B::Elem::BYTES as u64, <Acc<B> as Real>::BYTES as u64);
-        let policy = fastest_fitting(&self.policies, dev.available_bytes()?, self.beside_step_bytes(s), |p| {
-            Ok(StepLayout::with_head(&self.config, shape, p, optimizer, widths, own_head)?.total_bytes())
-        })?;
+        let (available, beside) = (dev.available_bytes()?, self.beside_step_bytes(s));
+        let step_bytes =
+            |p| Ok(StepLayout::with_head(&self.config, shape, p, optimizer, widths, own_head)?.total_bytes());
+        let policy = fastest_fitting(&self.policies, available, beside, step_bytes)?;
+        // A step that does not fit is refused by its layout, naming its largest items; one that
+        // fits without what goes beside it is refused here, before either is allocated.
+        let need = step_bytes(policy)?;
+        if need <= available && need.saturating_add(beside) > available {
+            use crate::metrics::size_text;
+            return Err(Error::option(
+                "checkpointing",
+                format!(
+                    "the step ({} checkpointing: {}) and the embedding table and a row's features beside it ({}) need {}; {} has {} free",
+                    policy.name(),
+                    size_text(need),
+                    size_text(beside),
+                    size_text(need.saturating_add(beside)),
+                    dev.name(),
+                    size_text(available)
+                ),
+            ));
+        }
         let mut step = match &self.frozen {
             Frozen::Host(head) => {
                 let mut step = DrafterStep::with_head(dev, &self.config, shape, policy, optimizer, None)?;
@@ -698,6 +718,7 @@ impl<B: Backend> DeviceEngine<B> {
     }
 
     fn accumulate_into(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, share: &mut Share) -> Result<()> {
+        let mut stepped = false;
         let mut rows = rows.iter();
         while let Some((row, p)) = rows.next() {
             // Fed rows come in the order queued: every row, weighted or not.
@@ -707,6 +728,7 @@ impl<B: Backend> DeviceEngine<B> {
             }
             share.flops += self.set_row(row, p, fed.as_ref())? + step_flops(&self.config, p)?;
             let (step, adam) = self.step.as_mut().expect("made by set_row");
+            stepped = true;
             step.set_record_predictions(share.stats.is_some());
             match step.step(1.0 / total) {
                 Ok(l) => share.loss += l.loss * l.total_weight / total,
@@ -729,6 +751,11 @@ impl<B: Backend> DeviceEngine<B> {
                 step.backend().synchronize()?;
             }
         }
+        // An update of no weighted row applies zero gradients, as an emptied accumulator holds:
+        // without one, the step's gradients (of an earlier row, or an evaluation) are cleared.
+        if let (false, false, Some((step, _))) = (stepped, self.accumulates(), &self.step) {
+            step.zero(step.layout.grads)?;
+        }
         Ok(())
     }
 
@@ -741,7 +768,8 @@ impl<B: Backend> DeviceEngine<B> {
     }
 
     /// Clips and applies the accumulated gradients: `Ok(norm)`, or `Err(tensor)` when a
-    /// gradient is not finite (nothing applied). Either way the accumulator is left empty.
+    /// gradient is not finite (nothing applied). Either way the accumulator (if any) is left
+    /// empty.
     pub fn apply(&mut self, lr: f64, clip_norm: f64) -> Result<std::result::Result<f64, String>> {
         let shards = self.shards();
         let Some((step, adam)) = &mut self.step else { return Ok(Ok(0.0)) };

@@ -184,6 +184,13 @@ fn without_accumulator_is_bitwise<E: Elem + 'static>() {
         assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what} step {step}: loss");
         assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits(), "{what} step {step}: gradient norm");
     }
+    // An update of no weighted row applies zero gradients on both paths (the accumulator is
+    // empty; the step's own gradients, of the last row, are cleared).
+    let mut unweighted = setup.data[0].clone();
+    unweighted.loss_mask.iter_mut().for_each(|m| *m = false);
+    let none = StepBatch { micro_batches: vec![vec![&unweighted]], ..batch(&setup, 5, &c) };
+    let (a, b) = (direct.step(&none, &mut r1).unwrap(), accumulated.step(&none, &mut r2).unwrap());
+    assert_eq!((a.weight, b.weight), (0.0, 0.0), "{what}: no weighted row");
     let (a, b) = (direct.state().unwrap(), accumulated.state().unwrap());
     for (field, (x, y)) in [("params", (&a.params, &b.params)), ("m", (&a.m, &b.m)), ("v", (&a.v, &b.v))] {
         for ((name, p), q) in a.names.iter().zip(x).zip(y) {
@@ -194,7 +201,7 @@ fn without_accumulator_is_bitwise<E: Elem + 'static>() {
             assert!(p.iter().zip(&q).all(|(u, v)| u.to_bits() == v.to_bits()), "{what}: {field} {name}");
         }
     }
-    let err = direct.step(&batch(&setup, 5, &c), &mut r1).expect_err("three rows, no accumulator").to_string();
+    let err = direct.step(&batch(&setup, 6, &c), &mut r1).expect_err("three rows, no accumulator").to_string();
     assert!(err.contains("rows_per_step") && err.contains("3 rows"), "{err}");
 }
 
@@ -252,4 +259,8 @@ fn auto_checkpointing_takes_the_fastest_policy_that_fits() {
     let mut tiny = engine(bytes(Checkpointing::PerLayer) / 2, &auto);
     let err = tiny.step(&row(0), &mut ChaCha8Rng::seed_from_u64(4)).expect_err("no policy fits").to_string();
     assert!(err.contains("per-layer policy") && err.contains("AdamW moments"), "{err}");
+    // The step fits, what goes beside it does not: refused before either is allocated.
+    let mut short = engine(bytes(Checkpointing::PerLayer) + beside / 2, &auto);
+    let err = short.step(&row(0), &mut ChaCha8Rng::seed_from_u64(4)).expect_err("beside does not fit").to_string();
+    assert!(err.contains("per-layer checkpointing") && err.contains("features beside it"), "{err}");
 }

@@ -517,7 +517,7 @@ fn real_run(
             None => println!(
                 "the run does not fit one H200 with {} to spare: lower --max-len or --anchors (or --tau-prompts 0){}",
                 metrics::size_text(dflash_optimized::memory::step::POLICY_HEADROOM),
-                if policies.len() == 1 { ", or let --checkpointing auto choose" } else { "" }
+                if policies != [Checkpointing::PerLayer] { ", or --checkpointing per-layer" } else { "" }
             ),
         }
         if config.shard_optimizer {
@@ -675,7 +675,6 @@ fn real_run(
             false => engine.evaluate(held, config.anchors, gamma, config.seed).map(Some).map_err(err),
         }
     };
-    let eval_before = eval(engine.as_mut())?;
     let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
     let with_tau = config.tau_prompts > 0 && !prompts.is_empty() && launch.rank == 0;
     // The real tau: the reference decoders with the reference step, else the step's own cached
@@ -708,6 +707,9 @@ fn real_run(
     if cached.is_some() {
         println!("real tau: {tau_decoders} ready in {:.1}s", tau_started.elapsed().as_secs_f64());
     }
+    // The first evaluation lays the step out: after the decoders, so that the step's
+    // checkpointing policy is chosen in the memory they leave.
+    let eval_before = eval(engine.as_mut())?;
     let cached = cached.map(std::cell::RefCell::new);
     let parted = std::cell::Cell::new(0usize);
     let measure_tau = |drafter: &Drafter| match &cached {

@@ -51,8 +51,8 @@ pub fn gb(bytes: u64) -> String {
 pub enum Lifetime {
     /// For the whole run: weights, one step's gradients, the frozen LM head.
     Model,
-    /// For the whole run, only when training: fp32 master weights, accumulated gradients and
-    /// AdamW moments.
+    /// For the whole run, only when training: fp32 master weights, AdamW moments, and the
+    /// accumulated gradients (or the update's gradient chunk).
     Optimizer,
     /// From the forward to the backward: inputs, context, saved activations.
     Saved,

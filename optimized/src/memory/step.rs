@@ -54,7 +54,8 @@ pub const POLICY_HEADROOM: u64 = 1 << 30;
 
 /// The first of `policies` (fastest first, as [`Checkpointing::ALL`]) whose step's peak (from
 /// `peak`), with `beside` more bytes, fits `available` less [`POLICY_HEADROOM`]; the last one
-/// when none does (whose step then refuses itself, naming what does not fit).
+/// when none does (the caller then checks that one without the headroom, and refuses it before
+/// allocating when it does not fit).
 pub fn fastest_fitting(
     policies: &[Checkpointing],
     available: u64,

@@ -1,9 +1,9 @@
 //! AdamW on the step's backend (spec section 3): a step's stored gradients are accumulated in
-//! the arithmetic type (gradient accumulation; with one row per update on one worker the step's
-//! own gradients are converted a chunk at a time as the update goes), then clipped by their global norm and applied to the
-//! master weights, which are written back as the stored compute weights. The reference is
-//! `dflash_reference::optim` (`AdamW::step`, `clip_grad_norm`); the kernels' twins are checked
-//! by `xtask gpu-conformance`.
+//! the arithmetic type (gradient accumulation; with one row per update on one worker the
+//! step's own gradients are converted a chunk at a time as the update goes), then clipped by
+//! their global norm and applied to the master weights, which are written back as the stored
+//! compute weights. The reference is `dflash_reference::optim` (`AdamW::step`,
+//! `clip_grad_norm`); the kernels' twins are checked by `xtask gpu-conformance`.
 
 use dflash_reference::optim::AdamWConfig;
 
