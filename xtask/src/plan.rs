@@ -107,6 +107,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 /// on one worker (`train --plan` counts it for the run's own rows and workers).
 const ONE_ROW_ACCUMULATES: bool = false;
 
+/// `xtask plan --target`'s plan: every policy at `shape` on one device of `device_bytes`.
+fn every_policy(shape: StepShape, device_bytes: u64) -> PlanFor<'static> {
+    PlanFor { shape, device_bytes, beside: 0, policies: &Checkpointing::ALL, accumulate: ONE_ROW_ACCUMULATES }
+}
+
 /// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
 fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Result<(), String> {
     let file = dir.join("config.json");
@@ -115,15 +120,7 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
             use dflash_optimized::memory::hybrid::{hybrid_drafter, HYBRID_DRAFTER_RECIPE};
             let draft = hybrid_drafter(&config, HYBRID_DRAFTER_RECIPE, (config.vocab_size - 1) as u32)
                 .map_err(|e| e.to_string())?;
-            print_hybrid_plan(
-                &file.display().to_string(),
-                &config,
-                &draft,
-                shape,
-                (device_bytes, 0),
-                &Checkpointing::ALL,
-                ONE_ROW_ACCUMULATES,
-            )?;
+            print_hybrid_plan(&file.display().to_string(), &config, &draft, &every_policy(shape, device_bytes))?;
             return Ok(());
         }
         TargetKind::Dense(target) => target,
@@ -131,8 +128,7 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
     let t = &target.dims;
     let features = 5.min(t.num_layers());
     let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, features);
-    let (name, policies) = (file.display().to_string(), &Checkpointing::ALL);
-    print_target_plan(&name, &target, &config, shape, (device_bytes, 0), policies, ONE_ROW_ACCUMULATES)?;
+    print_target_plan(&file.display().to_string(), &target, &config, &every_policy(shape, device_bytes))?;
     Ok(())
 }
 
@@ -144,19 +140,75 @@ fn totals_label(what: &str, beside: u64) -> String {
     }
 }
 
-/// Prints the target's forward (`name`) for `config`'s layers and the drafter's step under each
-/// of `policies` (with the gradient accumulator when `accumulate`) on one device of
-/// `device_bytes`, with `beside` more bytes on it (the real tau's decoders; 0: none); returns
+/// What a plan is made for: the step's `shape` on one device of `device_bytes` with `beside`
+/// more bytes on it (the real tau's decoders; 0: none), the checkpointing `policies` to try
+/// (fastest first), and whether the step keeps the gradient accumulator (`accumulate`).
+pub struct PlanFor<'a> {
+    pub shape: StepShape,
+    pub device_bytes: u64,
+    pub beside: u64,
+    pub policies: &'a [Checkpointing],
+    pub accumulate: bool,
+}
+
+/// An offline run's step (from a feature cache: no target on the device) under each policy of
+/// `run`, with its own LM head, and the embedding table and a row's features beside it; returns
 /// the first policy that fits with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks).
+pub fn print_offline_plan(config: &DraftConfig, run: &PlanFor) -> Result<Option<Checkpointing>, String> {
+    let (c, shape) = (&config.dims, run.shape);
+    let tables = (c.vocab_size * c.hidden_size + shape.context_len * config.num_features() * c.hidden_size) as u64
+        * dflash_optimized::memory::BF16;
+    println!(
+        "== offline (features from the cache; no target on the device): embedding table and a row's features {}",
+        gb(tables)
+    );
+    print_steps(config, run, tables, false, "drafter step + embedding table + features")
+}
+
+/// The drafter's step under each policy of `run` (reading the target's LM head when
+/// `shared_head`, else its own) next to `fixed` bytes on the device: each plan itemised and the
+/// sum, labelled `what`; returns the first policy that fits with `POLICY_HEADROOM` to spare (what
+/// `DeviceEngine` picks).
+fn print_steps(
+    config: &DraftConfig,
+    run: &PlanFor,
+    fixed: u64,
+    shared_head: bool,
+    what: &str,
+) -> Result<Option<Checkpointing>, String> {
+    let (shape, device_bytes, beside) = (run.shape, run.device_bytes, run.beside);
+    let (policies, accumulate) = (run.policies, run.accumulate);
+    let mut chosen = None;
+    for &policy in policies {
+        let plan = plan_step(config, shape, policy, shared_head, accumulate).map_err(|e| e.to_string())?;
+        println!(
+            "-- drafter step ({} policy, S={} N={}, {}):",
+            policy.name(),
+            shape.context_len,
+            shape.num_anchors,
+            if shared_head { "LM head shared with the target" } else { "its own LM head" }
+        );
+        print!("{}", plan.render(device_bytes));
+        let total = fixed.saturating_add(plan.peak).saturating_add(beside);
+        if chosen.is_none() && total.saturating_add(POLICY_HEADROOM) <= device_bytes {
+            chosen = Some(policy);
+        }
+        let verdict = if total <= device_bytes { "fits" } else { "DOES NOT FIT" };
+        println!("  {:<58} {:>12}  {verdict} in {}", totals_label(what, beside), gb(total), gb(device_bytes));
+    }
+    Ok(chosen)
+}
+
+/// Prints the target's forward (`name`) for `config`'s layers and the drafter's step under each
+/// policy of `run`; returns the first policy that fits with `POLICY_HEADROOM` to spare (what
+/// `DeviceEngine` picks).
 pub fn print_target_plan(
     name: &str,
     target: &dflash_reference::config::TargetConfig,
     config: &DraftConfig,
-    shape: StepShape,
-    (device_bytes, beside): (u64, u64),
-    policies: &[Checkpointing],
-    accumulate: bool,
+    run: &PlanFor,
 ) -> Result<Option<Checkpointing>, String> {
+    let shape = run.shape;
     use dflash_optimized::memory::target::TargetLayout;
     use dflash_optimized::memory::{BF16, F32};
     let t = &target.dims;
@@ -173,46 +225,21 @@ pub fn print_target_plan(
         shape.context_len
     );
     print!("{}", layout.render());
-    let mut chosen = None;
-    for &policy in policies {
-        let plan = plan_step(config, shape, policy, true, accumulate).map_err(|e| e.to_string())?;
-        println!(
-            "-- drafter step ({} policy, S={} N={}, LM head shared with the target):",
-            policy.name(),
-            shape.context_len,
-            shape.num_anchors
-        );
-        print!("{}", plan.render(device_bytes));
-        let total = target_bytes.saturating_add(plan.peak).saturating_add(beside);
-        let fits = total <= device_bytes;
-        if chosen.is_none() && total.saturating_add(POLICY_HEADROOM) <= device_bytes {
-            chosen = Some(policy);
-        }
-        let verdict = if fits { "fits" } else { "DOES NOT FIT" };
-        println!(
-            "  {:<58} {:>12}  {verdict} in {}",
-            totals_label("target + drafter step", beside),
-            gb(total),
-            gb(device_bytes)
-        );
-    }
-    Ok(chosen)
+    print_steps(config, run, target_bytes, true, "target + drafter step")
 }
 
-/// A Qwen3.5/3.6 hybrid target (spec section 10) `name` and the step of its drafter `draft` on
-/// one GPU of `device_bytes` with `beside` more bytes on it (the real tau's decoders; 0: none),
-/// each itemised, the sum per policy of `policies` (with the gradient accumulator when
-/// `accumulate`), and the topology it calls for; returns the first policy under which all fit
-/// with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks).
+/// A Qwen3.5/3.6 hybrid target (spec section 10) `name` and the step of its drafter `draft`
+/// under each policy of `run`, each itemised, the sum per policy, and the topology it calls for;
+/// returns the first policy under which all fit with `POLICY_HEADROOM` to spare (what
+/// `DeviceEngine` picks).
 pub fn print_hybrid_plan(
     name: &str,
     config: &dflash_reference::hybrid::HybridConfig,
     draft: &DraftConfig,
-    shape: StepShape,
-    (device_bytes, beside): (u64, u64),
-    policies: &[Checkpointing],
-    accumulate: bool,
+    run: &PlanFor,
 ) -> Result<Option<Checkpointing>, String> {
+    let (shape, device_bytes, beside) = (run.shape, run.device_bytes, run.beside);
+    let (policies, accumulate) = (run.policies, run.accumulate);
     use dflash_optimized::memory::hybrid::HybridTargetPlan;
     use dflash_optimized::memory::{BF16, F32};
     let err = |e: dflash_optimized::Error| e.to_string();

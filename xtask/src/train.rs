@@ -497,15 +497,18 @@ fn real_run(
                 decoders as f64 / 1e9
             );
         }
-        let (policies, accumulate) = (config.checkpointing.policies(), config.accumulates_gradients());
-        let policies = policies.as_slice();
+        let policies = config.checkpointing.policies();
+        let run = crate::plan::PlanFor {
+            shape,
+            device_bytes: h200,
+            beside: decoders,
+            policies: &policies,
+            accumulate: config.accumulates_gradients(),
+        };
         let chosen = match t {
-            TargetKind::Dense(t) => {
-                crate::plan::print_target_plan(&name, t, d, shape, (h200, decoders), policies, accumulate)?
-            }
-            TargetKind::Hybrid(t) => {
-                crate::plan::print_hybrid_plan(&name, t, d, shape, (h200, decoders), policies, accumulate)?
-            }
+            _ if config.features.is_some() => crate::plan::print_offline_plan(d, &run)?,
+            TargetKind::Dense(t) => crate::plan::print_target_plan(&name, t, d, &run)?,
+            TargetKind::Hybrid(t) => crate::plan::print_hybrid_plan(&name, t, d, &run)?,
         };
         match chosen {
             Some(p) if policies.len() > 1 => println!(

@@ -468,6 +468,18 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let features = tmp.path().join("features");
     write_features(&target, &cache, &features);
     let out = tmp.path().join("offline");
+    // --plan from the cache: the step with its own LM head, no target on the device.
+    let offline_plan = ["--plan", "--step", "host", "--features", features.to_str().unwrap()];
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(real_args(&target, &cache, &out, &offline_plan))
+        .output()
+        .unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    for expected in ["no target on the device", "its own LM head", "checkpointing: none (the fastest policy"] {
+        assert!(stdout.contains(expected), "offline --plan: no `{expected}` in\n{stdout}");
+    }
+    assert!(!stdout.contains("target + drafter step"), "offline --plan plans no target:\n{stdout}");
     let mut extra = vec!["--step", "host", "--features", features.to_str().unwrap()];
     extra.extend(steps);
     let result =
