@@ -291,7 +291,7 @@ fn a_failing_worker_stops_the_run_with_its_error() {
 }
 
 /// The in-process group (NCCL's twin) sums where the gradients live: 2 and 3 workers train like
-/// 1, and like the host-summed workers.
+/// 1, and like the host-summed workers; the workers report the policy their steps took.
 #[test]
 fn workers_reducing_in_their_group_train_like_one() {
     let c = config();
@@ -299,8 +299,11 @@ fn workers_reducing_in_their_group_train_like_one() {
     let want = losses(&mut engine(&setup, &c), &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(6));
     for count in [1, 2, 3] {
         let mut dp = grouped(count, &setup, &c, Vec::new());
+        assert_eq!(dp.checkpointing(), None, "no step laid out before the first rows");
         let got = losses(&mut dp, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(6));
         close(&got, &want, &format!("{count} workers in a group"));
+        // The policy worker 0's step took, for the run's summary.
+        assert_eq!(dp.checkpointing(), Some(Checkpointing::PerLayer), "{count} workers");
     }
 }
 

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use dflash_optimized::memory::step::Checkpointing;
 use dflash_reference::data::{Row, TrainRow};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::eval::EvalReport;
@@ -69,6 +70,10 @@ pub trait Replica {
     fn reduce_on_device(&mut self, shape: (usize, usize)) -> Result<bool>;
     /// Aborts this engine's reduction group (another worker failed).
     fn abort(&self) -> Option<Abort>;
+    /// The checkpointing policy its step was laid out with, where it chose one.
+    fn checkpointing(&self) -> Option<Checkpointing> {
+        None
+    }
 }
 
 impl<B: dflash_optimized::backend::Backend> Replica for crate::engine::DeviceEngine<B> {
@@ -99,6 +104,9 @@ impl<B: dflash_optimized::backend::Backend> Replica for crate::engine::DeviceEng
     fn reduce_on_device(&mut self, shape: (usize, usize)) -> Result<bool> {
         crate::engine::DeviceEngine::reduce_on_device(self, shape)
     }
+    fn checkpointing(&self) -> Option<Checkpointing> {
+        StepEngine::checkpointing(self)
+    }
     fn abort(&self) -> Option<Abort> {
         crate::engine::DeviceEngine::abort(self)
     }
@@ -124,6 +132,7 @@ enum Command {
     },
     Discard,
     State,
+    Checkpointing,
     Restore(Box<EngineState>),
     Evaluate {
         rows: Vec<TrainRow>,
@@ -139,6 +148,7 @@ enum Reply {
     Accumulated(Box<Share>, Option<Vec<f64>>),
     Applied(std::result::Result<f64, String>),
     State(Box<EngineState>),
+    Checkpointing(Option<Checkpointing>),
     Evaluated(EvalReport),
     Done,
 }
@@ -353,6 +363,7 @@ fn serve(
             }
             Command::Discard => engine.discard().map(|()| Reply::Done),
             Command::State => engine.state().map(|s| Reply::State(Box::new(s))),
+            Command::Checkpointing => Ok(Reply::Checkpointing(engine.checkpointing())),
             Command::Restore(state) => engine.restore(&state).map(|()| Reply::Done),
             Command::Evaluate { rows, max_anchors, gamma, seed } => {
                 engine.evaluate(&rows, max_anchors, gamma, seed).map(Reply::Evaluated)
@@ -407,6 +418,14 @@ impl StepEngine for DataParallel {
 
     fn restore(&mut self, state: &EngineState) -> Result<()> {
         self.restore_all(state)
+    }
+
+    /// Worker 0's (each worker chooses on its own device; they hold the same step).
+    fn checkpointing(&self) -> Option<Checkpointing> {
+        match self.one(Command::Checkpointing) {
+            Ok(Reply::Checkpointing(policy)) => policy,
+            _ => None,
+        }
     }
 
     fn drafter(&mut self) -> Result<&Drafter> {
