@@ -20,6 +20,29 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// `case`'s step on the CPU twins storing `E` (per-layer checkpointing, LM-head chunks of 16
+/// rows) with the optimizer regions `optimizer`, loaded with the case's weights, LM head and row;
+/// and the row's block targets.
+fn loaded_step<E: Elem>(
+    case: &dflash_conformance::setups::DraftCase,
+    optimizer: Option<dflash_optimized::memory::step::OptimizerShape>,
+) -> (dflash_optimized::model::drafter_step::DrafterStep<Host<E>>, dflash_reference::loss::BlockTargets) {
+    use dflash_optimized::memory::step::{Checkpointing, StepShape};
+    use dflash_optimized::model::drafter_step::DrafterStep;
+    let (config, b) = (&case.drafter.config, case.drafter.config.block_size);
+    let input = dflash_reference::drafter::DraftInput::training(&case.row, &case.anchors, b).expect("input");
+    let targets =
+        dflash_reference::loss::BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
+    let shape = StepShape { context_len: case.row.len(), num_anchors: case.anchors.positions.len(), lm_chunk_rows: 16 };
+    let mut step =
+        DrafterStep::with_head(Host::<E>::default(), config, shape, Checkpointing::PerLayer, optimizer, None)
+            .expect("step");
+    step.load_weights(&case.drafter).expect("weights");
+    step.load_lm_head(&case.head).expect("lm head");
+    step.set_input(&input, &case.head, &targets).expect("input");
+    (step, targets)
+}
+
 /// Heap the step holds besides its layout's allocation: the layout's per-layer regions and items,
 /// the parameter slots and addresses (a few kB), and the key ranges' host copies; 64 KiB bounds
 /// them.
@@ -72,24 +95,14 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     use dflash_conformance::setups::gpu_draft_case;
     use dflash_conformance::tolerance::ADAMW_F32;
     use dflash_optimized::backend::download;
-    use dflash_optimized::memory::step::{Checkpointing, StepShape};
-    use dflash_optimized::model::drafter_step::DrafterStep;
+    use dflash_optimized::memory::step::OptimizerShape;
+    use dflash_optimized::model::drafter_step::param_slots;
     use dflash_optimized::train::adamw::DeviceAdamW;
-    use dflash_reference::drafter::DraftInput;
-    use dflash_reference::loss::BlockTargets;
     use dflash_reference::optim::{clip_grad_norm, AdamW, AdamWConfig};
 
     let case = gpu_draft_case(4, DType::F32).expect("case");
-    let config = &case.drafter.config;
-    let b = config.block_size;
-    let input = DraftInput::training(&case.row, &case.anchors, b).expect("input");
-    let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
-    let shape = StepShape { context_len: case.row.len(), num_anchors: case.anchors.positions.len(), lm_chunk_rows: 16 };
-    let mut step =
-        DrafterStep::new(Host::<half::bf16>::default(), config, shape, Checkpointing::PerLayer, true).expect("step");
-    step.load_weights(&case.drafter).expect("weights");
-    step.load_lm_head(&case.head).expect("lm head");
-    step.set_input(&input, &case.head, &targets).expect("input");
+    let params = param_slots(&case.drafter.config).iter().map(|s| s.len).sum();
+    let (mut step, targets) = loaded_step::<half::bf16>(&case, Some(OptimizerShape::whole(params, true)));
     let adam_config = AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() };
     let mut adam = DeviceAdamW::new(&step, adam_config.clone()).expect("optimizer");
     // Two micro-steps accumulate (the second at half scale), as gradient accumulation does.
@@ -312,29 +325,17 @@ fn chunked_is_accumulated<E: Elem>() {
     use candle_core::DType;
     use dflash_conformance::setups::gpu_draft_case;
     use dflash_optimized::backend::{download, Backend};
-    use dflash_optimized::memory::step::{Checkpointing, OptimizerShape, StepShape};
-    use dflash_optimized::model::drafter_step::DrafterStep;
+    use dflash_optimized::memory::step::OptimizerShape;
+    use dflash_optimized::model::drafter_step::param_slots;
     use dflash_optimized::train::adamw::DeviceAdamW;
-    use dflash_reference::drafter::DraftInput;
-    use dflash_reference::loss::BlockTargets;
     use dflash_reference::optim::AdamWConfig;
 
     let case = gpu_draft_case(5, DType::F32).expect("case");
-    let config = &case.drafter.config;
-    let b = config.block_size;
-    let input = DraftInput::training(&case.row, &case.anchors, b).expect("input");
-    let targets = BlockTargets::new(&case.row.tokens, &case.row.loss_mask, &case.anchors, b, case.gamma);
-    let shape = StepShape { context_len: case.row.len(), num_anchors: case.anchors.positions.len(), lm_chunk_rows: 16 };
     let run = |accumulate: bool| {
-        let params = dflash_optimized::model::drafter_step::param_slots(config).iter().map(|s| s.len).sum();
+        let params = param_slots(&case.drafter.config).iter().map(|s| s.len).sum();
         assert!(params > 3000, "the chunks must cross boundaries: {params} parameters");
         let optimizer = OptimizerShape { update_chunk: 1000, ..OptimizerShape::whole(params, accumulate) };
-        let mut step =
-            DrafterStep::with_head(Host::<E>::default(), config, shape, Checkpointing::PerLayer, Some(optimizer), None)
-                .expect("step");
-        step.load_weights(&case.drafter).expect("weights");
-        step.load_lm_head(&case.head).expect("lm head");
-        step.set_input(&input, &case.head, &targets).expect("input");
+        let (mut step, targets) = loaded_step::<E>(&case, Some(optimizer));
         let mut adam = DeviceAdamW::new(&step, AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() })
             .expect("optimizer");
         assert_eq!(adam.accumulates(), accumulate);

@@ -99,6 +99,26 @@ pub struct EngineState {
 }
 
 impl EngineState {
+    /// The first difference from `other`, bitwise (the step count, then each tensor of the
+    /// weights and the two moments, named), or `None` when the two are the same state.
+    pub fn first_difference(&self, other: &EngineState) -> Result<Option<String>> {
+        if self.t != other.t {
+            return Ok(Some(format!("step count {} vs {}", self.t, other.t)));
+        }
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+        };
+        let fields = [("params", &self.params, &other.params), ("m", &self.m, &other.m), ("v", &self.v, &other.v)];
+        for (field, x, y) in fields {
+            for ((name, p), q) in self.names.iter().zip(x).zip(y) {
+                if bits(p)? != bits(q)? {
+                    return Ok(Some(format!("{field} {name}")));
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// The whole state from the states of workers whose optimizer state was sharded: parameter
     /// `i` of the flat vector (in parameter order) from the worker whose shard holds it.
     pub fn join(states: &[EngineState], shards: &[(usize, usize)]) -> Result<EngineState> {

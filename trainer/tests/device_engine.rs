@@ -35,16 +35,33 @@ fn batch<'a>(setup: &'a builtin::BuiltinSetup, step: usize, c: &RunConfig) -> St
     }
 }
 
-fn device<E: Elem + 'static>(setup: &builtin::BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<E>> {
+/// [`batch`] with its first row alone: one row per update.
+fn one_row<'a>(setup: &'a builtin::BuiltinSetup, step: usize, c: &RunConfig) -> StepBatch<'a> {
+    StepBatch { micro_batches: vec![vec![&setup.data[step % setup.data.len()]]], ..batch(setup, step, c) }
+}
+
+/// An engine of the built-in setup on CPU backends reporting `available` bytes free, under the
+/// first of `policies` that fits, one row per update.
+fn engine_on<E: Elem + 'static>(
+    setup: &builtin::BuiltinSetup,
+    c: &RunConfig,
+    available: u64,
+    policies: &[Checkpointing],
+) -> DeviceEngine<Host<E>> {
     let drafter = builtin::init_drafter(c, &setup.draft_config).expect("drafter");
+    let frozen = Frozen::Host(setup.target.frozen_head());
     DeviceEngine::new(
-        || Ok(Host::<E>::default()),
+        move || Ok(Host::<E>::with_available(available)),
         drafter,
-        Frozen::Host(setup.target.frozen_head()),
+        frozen,
         builtin::adamw_config(c),
-        &[Checkpointing::PerLayer],
+        policies,
     )
-    .with_rows_per_update(ROWS_PER_UPDATE)
+}
+
+/// The engine of [`batch`]'s updates (per-layer checkpointing).
+fn device<E: Elem + 'static>(setup: &builtin::BuiltinSetup, c: &RunConfig) -> DeviceEngine<Host<E>> {
+    engine_on(setup, c, u64::MAX, &[Checkpointing::PerLayer]).with_rows_per_update(ROWS_PER_UPDATE)
 }
 
 #[test]
@@ -160,27 +177,15 @@ fn one_row_per_update_without_an_accumulator_is_bitwise_the_accumulated_update()
 fn without_accumulator_is_bitwise<E: Elem + 'static>() {
     let c = small_config();
     let setup = builtin::setup(&c).expect("setup");
-    let one_row = |step: usize| StepBatch {
-        micro_batches: vec![vec![&setup.data[step % setup.data.len()]]],
-        ..batch(&setup, step, &c)
-    };
-    let engine = || {
-        let drafter = builtin::init_drafter(&c, &setup.draft_config).expect("drafter");
-        let frozen = Frozen::Host(setup.target.frozen_head());
-        DeviceEngine::new(
-            || Ok(Host::<E>::default()),
-            drafter,
-            frozen,
-            builtin::adamw_config(&c),
-            &[Checkpointing::PerLayer],
-        )
-    };
+    let engine = || engine_on::<E>(&setup, &c, u64::MAX, &[Checkpointing::PerLayer]);
     let (mut direct, mut accumulated) = (engine(), engine().with_accumulator());
     let (mut r1, mut r2) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
     let what = std::any::type_name::<E>();
     for step in 0..5 {
-        let (a, b) =
-            (direct.step(&one_row(step), &mut r1).unwrap(), accumulated.step(&one_row(step), &mut r2).unwrap());
+        let (a, b) = (
+            direct.step(&one_row(&setup, step, &c), &mut r1).unwrap(),
+            accumulated.step(&one_row(&setup, step, &c), &mut r2).unwrap(),
+        );
         assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what} step {step}: loss");
         assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits(), "{what} step {step}: gradient norm");
     }
@@ -192,15 +197,7 @@ fn without_accumulator_is_bitwise<E: Elem + 'static>() {
     let (a, b) = (direct.step(&none, &mut r1).unwrap(), accumulated.step(&none, &mut r2).unwrap());
     assert_eq!((a.weight, b.weight), (0.0, 0.0), "{what}: no weighted row");
     let (a, b) = (direct.state().unwrap(), accumulated.state().unwrap());
-    for (field, (x, y)) in [("params", (&a.params, &b.params)), ("m", (&a.m, &b.m)), ("v", (&a.v, &b.v))] {
-        for ((name, p), q) in a.names.iter().zip(x).zip(y) {
-            let (p, q) = (
-                p.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                q.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            );
-            assert!(p.iter().zip(&q).all(|(u, v)| u.to_bits() == v.to_bits()), "{what}: {field} {name}");
-        }
-    }
+    assert_eq!(a.first_difference(&b).unwrap(), None, "{what}: weights and moments");
     let err = direct.step(&batch(&setup, 6, &c), &mut r1).expect_err("three rows, no accumulator").to_string();
     assert!(err.contains("rows_per_step") && err.contains("3 rows"), "{err}");
 }
@@ -216,21 +213,8 @@ fn auto_checkpointing_takes_the_fastest_policy_that_fits() {
     use dflash_trainer::config::CheckpointingChoice;
     let c = small_config();
     let setup = builtin::setup(&c).expect("setup");
-    let row = |step: usize| StepBatch {
-        micro_batches: vec![vec![&setup.data[step % setup.data.len()]]],
-        ..batch(&setup, step, &c)
-    };
-    let engine = |available: u64, policies: &[Checkpointing]| {
-        let drafter = builtin::init_drafter(&c, &setup.draft_config).expect("drafter");
-        let frozen = Frozen::Host(setup.target.frozen_head());
-        DeviceEngine::new(
-            move || Ok(Host::<f32>::with_available(available)),
-            drafter,
-            frozen,
-            builtin::adamw_config(&c),
-            policies,
-        )
-    };
+    let row = |step: usize| one_row(&setup, step, &c);
+    let engine = |available: u64, policies: &[Checkpointing]| engine_on::<f32>(&setup, &c, available, policies);
     // The step's bytes under each policy for the rows' shape, and what the engine puts beside it
     // (the embedding table and a row's features).
     let (s, n) = (setup.data[0].len(), c.anchors);
