@@ -193,6 +193,9 @@ impl Backend for Tight {
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> dflash_optimized::Result<()> {
         self.host.copy(dst, src, bytes)
     }
+    fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> dflash_optimized::Result<()> {
+        self.host.copy_from_peer(dst, src, bytes)
+    }
     fn synchronize(&self) -> dflash_optimized::Result<()> {
         self.host.synchronize()
     }

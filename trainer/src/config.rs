@@ -528,7 +528,8 @@ impl RunConfig {
     }
 
     /// `gpus` against the workers: one GPU per worker, drafter workers on distinct GPUs (one
-    /// NCCL rank each), target workers on their drafters' GPU (features stay on their device).
+    /// NCCL rank each); target workers anywhere (beside a drafter worker its features are read
+    /// in place, elsewhere copied peer to peer).
     fn validate_gpus(&self) -> Result<()> {
         let workers = self.target_workers + self.drafter_workers;
         if !self.gpus.is_empty() && self.step != StepKind::Gpu {
@@ -551,20 +552,11 @@ impl RunConfig {
                 ),
             ));
         }
-        let (targets, drafters) = self.topology();
+        let (_, drafters) = self.topology();
         if let Some(g) = drafters.iter().enumerate().find_map(|(i, g)| drafters[..i].contains(g).then_some(g)) {
             return Err(Error::option(
                 "gpus",
                 format!("two drafter workers on GPU {g}: each drafter worker needs a GPU of its own (one NCCL rank each); list them with `gpus`"),
-            ));
-        }
-        if let Some(g) = targets.iter().chain(&drafters).find(|&g| targets.first().is_some_and(|t| t != g)) {
-            return Err(Error::option(
-                "gpus",
-                format!(
-                    "GPU {g} beside GPU {}: the features stay on their target worker's GPU, so target and drafter workers share one GPU (moving features between GPUs is not built yet)",
-                    targets[0]
-                ),
             ));
         }
         Ok(())

@@ -429,7 +429,7 @@ pub struct DeviceEngine<B: Backend> {
     pending: Option<EngineState>,
     /// With [`Frozen::Host`]: the device copies the rows read (made with the step).
     host_tables: Option<HostTables<B>>,
-    /// With [`Frozen::Host`]: target workers' slots on this device hold each row's features.
+    /// With [`Frozen::Host`]: target workers' slots hold each row's features.
     feed: Option<FeedEnd>,
     /// The all-reduce of the accumulated gradients over the drafter workers, on the device.
     reduce: Option<Box<dyn GradReduce>>,
@@ -441,8 +441,8 @@ pub struct DeviceEngine<B: Backend> {
 }
 
 /// What a [`Frozen::Host`] engine keeps on the device, stored: the embedding table `[V, H]` the
-/// block embeddings are gathered from, and a row's features `[S, F*H]` uploaded per row (made
-/// on the first row that carries them: none when fed).
+/// block embeddings are gathered from, and a row's features `[S, F*H]` uploaded or copied from
+/// another device per row (made on the first such row: none when fed in place).
 struct HostTables<B: Backend> {
     embed: B::Alloc,
     features: Option<B::Alloc>,
@@ -518,8 +518,9 @@ impl<B: Backend> DeviceEngine<B> {
         self.shard.map(|(_, n)| optimizer_shards(&self.config, n))
     }
 
-    /// The same engine fed by target workers on its device: rows carry `[S, 0]` features and
-    /// each row's features are read in place from the slot `feed` gives (needs [`Frozen::Host`]).
+    /// The same engine fed by target workers: rows carry `[S, 0]` features and each row's
+    /// features are read in place from the slot `feed` gives (a target worker on this device), or
+    /// copied from it (on another device) (needs [`Frozen::Host`]).
     pub fn with_feed(mut self, feed: FeedEnd) -> Self {
         self.feed = Some(feed);
         self
@@ -633,9 +634,17 @@ impl<B: Backend> DeviceEngine<B> {
         Ok(())
     }
 
-    /// Puts `row`'s input into the step (running the target first when online, reading `fed`'s
-    /// slot when fed); returns the model FLOPs of the target's forward (0 offline).
-    fn set_row(&mut self, row: &TrainRow, p: &PreparedRow, fed: Option<&FedFeatures>) -> Result<f64> {
+    /// Puts `row`'s input into the step (running the target first when online; when fed,
+    /// reading `fed`'s slot in place, or copying it from another device into the engine's own
+    /// features buffer); returns the model FLOPs of the target's forward (0 offline) and the
+    /// slot the step reads in place (to hold until the step has read it; a copied slot is given
+    /// back at once).
+    fn set_row(
+        &mut self,
+        row: &TrainRow,
+        p: &PreparedRow,
+        fed: Option<FedFeatures>,
+    ) -> Result<(f64, Option<FedFeatures>)> {
         self.ensure_step(p.input.layout.context_len, p.input.layout.anchors.len())?;
         let (step, _) = self.step.as_mut().expect("made above");
         match &mut self.frozen {
@@ -649,9 +658,19 @@ impl<B: Backend> DeviceEngine<B> {
                     self.host_tables = Some(HostTables { embed: table, features: None });
                 }
                 let tables = self.host_tables.as_mut().expect("made above");
-                if let Some(fed) = fed {
-                    step.set_input_device(fed.addr, tables.embed.ptr(), &p.input, &p.targets)?;
-                    return Ok(fed.flops);
+                let bytes = z.s * z.fw * B::Elem::BYTES;
+                match fed {
+                    Some(fed) if fed.copy => {
+                        let features = own_features(step, &mut tables.features, bytes)?;
+                        step.backend().copy_from_peer(features, fed.addr, bytes)?;
+                        step.set_input_device(features, tables.embed.ptr(), &p.input, &p.targets)?;
+                        return Ok((fed.flops, None));
+                    }
+                    Some(fed) => {
+                        step.set_input_device(fed.addr, tables.embed.ptr(), &p.input, &p.targets)?;
+                        return Ok((fed.flops, Some(fed)));
+                    }
+                    None => {}
                 }
                 if row.features.dims() != [z.s, z.fw] {
                     return Err(Error::option(
@@ -659,13 +678,10 @@ impl<B: Backend> DeviceEngine<B> {
                         format!("shape {:?}, the step expects [{}, {}]", row.features.dims(), z.s, z.fw),
                     ));
                 }
-                if tables.features.is_none() {
-                    tables.features = Some(step.backend().alloc("features", z.s * z.fw * B::Elem::BYTES)?);
-                }
-                let features = tables.features.as_ref().expect("made above").ptr();
+                let features = own_features(step, &mut tables.features, bytes)?;
                 step.backend().upload(features, bytes_of(&stored::<B::Elem>(&row.features)?))?;
                 step.set_input_device(features, tables.embed.ptr(), &p.input, &p.targets)?;
-                Ok(0.0)
+                Ok((0.0, None))
             }
             Frozen::Target(_) if fed.is_some() => {
                 Err(Error::option("engine", "fed features with an engine that runs its own target"))
@@ -680,14 +696,14 @@ impl<B: Backend> DeviceEngine<B> {
                 forward.run(&[&plain])?;
                 let (embed, _) = forward.frozen_tables();
                 step.set_input_device(forward.features_addr(), embed, &p.input, &p.targets)?;
-                Ok(forward.row_flops(&plain.doc_ids))
+                Ok((forward.row_flops(&plain.doc_ids), None))
             }
         }
     }
 
     /// The device memory planned for the step and the target's forward (or the host-frozen
-    /// engine's embedding table and features).
-    fn planned_bytes(&self) -> Option<u64> {
+    /// engine's embedding table and features); `None` before the step is laid out.
+    pub fn planned_bytes(&self) -> Option<u64> {
         let step = &self.step.as_ref()?.0;
         let beside = match &self.frozen {
             Frozen::Host(_) => self.beside_step_bytes(step.layout.dims.s),
@@ -697,12 +713,12 @@ impl<B: Backend> DeviceEngine<B> {
     }
 
     /// What a [`Frozen::Host`] engine allocates on the device after its step, for rows of `s`
-    /// tokens: the embedding table and a row's features (none when fed); 0 online (the
+    /// tokens: the embedding table and a row's features (none when fed in place); 0 online (the
     /// target's forward is allocated already).
     fn beside_step_bytes(&self, s: usize) -> u64 {
         let Frozen::Host(head) = &self.frozen else { return 0 };
-        let features =
-            if self.feed.is_some() { 0 } else { s * self.config.num_features() * self.config.dims.hidden_size };
+        let in_place = self.feed.as_ref().is_some_and(|f| !f.copies());
+        let features = if in_place { 0 } else { s * self.config.num_features() * self.config.dims.hidden_size };
         (head.embed.elem_count() as u64).saturating_add(features as u64).saturating_mul(B::Elem::BYTES as u64)
     }
 
@@ -746,7 +762,8 @@ impl<B: Backend> DeviceEngine<B> {
             if p.targets.total_weight() == 0.0 {
                 continue;
             }
-            share.flops += self.set_row(row, p, fed.as_ref())? + step_flops(&self.config, p)?;
+            let (flops, in_place) = self.set_row(row, p, fed)?;
+            share.flops += flops + step_flops(&self.config, p)?;
             let (step, adam) = self.step.as_mut().expect("made by set_row");
             stepped = true;
             step.set_record_predictions(share.stats.is_some());
@@ -766,7 +783,7 @@ impl<B: Backend> DeviceEngine<B> {
                 stats.add(&step.predictions()?, &p.targets);
             }
             adam.accumulate(step)?;
-            if fed.is_some() {
+            if in_place.is_some() {
                 // The step has read the slot (forward and backward) before it goes back.
                 step.backend().synchronize()?;
             }
@@ -1086,12 +1103,12 @@ impl<B: Backend> DeviceEngine<B> {
             if p.targets.total_weight() == 0.0 {
                 continue;
             }
-            self.set_row(&row, &p, fed.as_ref())?;
+            let (_, in_place) = self.set_row(&row, &p, fed)?;
             let (step, _) = self.step.as_mut().expect("made by set_row");
             step.set_record_predictions(true);
             let l = step.step(1.0)?;
             eval.add(l.loss * l.total_weight, &step.predictions()?, &p.targets);
-            if fed.is_some() {
+            if in_place.is_some() {
                 step.backend().synchronize()?;
             }
         }
@@ -1100,6 +1117,15 @@ impl<B: Backend> DeviceEngine<B> {
         }
         Ok(eval.report())
     }
+}
+
+/// The engine's own features buffer of `bytes` on `step`'s device (made on first use): a row's
+/// features uploaded from the host, or copied from a target worker's slot on another device.
+fn own_features<B: Backend>(step: &DrafterStep<B>, buffer: &mut Option<B::Alloc>, bytes: usize) -> Result<u64> {
+    if buffer.is_none() {
+        *buffer = Some(step.backend().alloc("features", bytes)?);
+    }
+    Ok(buffer.as_ref().expect("made above").ptr())
 }
 
 /// Uploads a checkpoint's AdamW moments into `step`'s optimizer regions and its step count.

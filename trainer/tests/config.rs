@@ -181,3 +181,20 @@ fn resume_refuses_options_that_change_the_run() {
     assert_eq!(notes.len(), 2, "{notes:?}");
     assert!(check_resume_config(&saved, &saved).unwrap().is_empty());
 }
+
+/// `gpus` places the workers, target workers first: drafter workers on GPUs of their own (one
+/// NCCL rank each), target workers anywhere: beside their drafters or on GPUs of their own.
+#[test]
+fn gpus_place_target_workers_anywhere_and_drafter_workers_apart() {
+    let base = set(&RunConfig::builtin(), &[("step", "gpu"), ("target", "/models/qwen3"), ("data", "/data/chats.jsonl")]).expect("parses");
+    let placed = |gpus: &str, targets: &str, drafters: &str| {
+        set(&base, &[("gpus", gpus), ("target-workers", targets), ("drafter-workers", drafters)])
+            .and_then(|c| c.validate().map(|()| c.topology()))
+    };
+    let apart = placed("2,3,0,1", "2", "2").expect("targets on GPUs of their own");
+    assert_eq!(apart, (vec![2, 3], vec![0, 1]));
+    assert_eq!(placed("0,0", "1", "1").expect("a target beside its drafter"), (vec![0], vec![0]));
+    assert_eq!(placed("1,1,0", "2", "1").expect("two targets on one GPU"), (vec![1, 1], vec![0]));
+    let refused = placed("0,1,1", "1", "2").expect_err("two drafter workers on GPU 1").to_string();
+    assert!(refused.contains("option `gpus`") && refused.contains("two drafter workers on GPU 1"), "{refused}");
+}

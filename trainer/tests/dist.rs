@@ -113,7 +113,9 @@ fn lookup(setup: &Arc<BuiltinSetup>, count: usize) -> dflash_trainer::Result<Box
     Ok(Box::new(Lookup { setup: setup.clone(), dev, slots }))
 }
 
-fn lookup_feed(targets: usize, drafters: usize, setup: &Arc<BuiltinSetup>) -> (FeedPool, Vec<FeedEnd>) {
+/// [`Lookup`] target workers on the (labelled) devices `targets` feeding drafter workers on
+/// `drafters`: a slot on another device than its drafter's is copied out, not read in place.
+fn lookup_feed(targets: &[usize], drafters: &[usize], setup: &Arc<BuiltinSetup>) -> (FeedPool, Vec<FeedEnd>) {
     let setup = setup.clone();
     let make: Arc<MakeSlotFill> = Arc::new(move |_, count| lookup(&setup, count));
     FeedPool::new(targets, drafters, make).expect("feed")
@@ -302,12 +304,12 @@ fn fed_workers_train_like_the_rows_own_features() {
     let c = config();
     let setup = Arc::new(builtin::setup(&c).expect("setup"));
     let want = losses(&mut engine(&setup, &c), &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(2));
-    let (pool, ends) = lookup_feed(1, 1, &setup);
+    let (pool, ends) = lookup_feed(&[0], &[0], &setup);
     let mut one = grouped(1, &setup, &c, ends).with_feed(pool);
     let got = losses(&mut one, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(2));
     assert_eq!(got, want, "1 target + 1 drafter worker");
     assert!(one.name().contains("fed by 1 target workers"), "{}", one.name());
-    let (pool, ends) = lookup_feed(2, 2, &setup);
+    let (pool, ends) = lookup_feed(&[0, 0], &[0, 0], &setup);
     let mut two = grouped(2, &setup, &c, ends).with_feed(pool);
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     let mut got = Vec::new();
@@ -326,6 +328,42 @@ fn fed_workers_train_like_the_rows_own_features() {
         StepEngine::evaluate(&mut e, held, 6, 4.0, 1).unwrap()
     });
     assert!((a.loss - b.loss).abs() <= DP_F32 * b.loss.abs(), "{} vs {}", a.loss, b.loss);
+}
+
+/// Target workers on other devices than their drafter workers': each slot is copied into the
+/// drafter's own features buffer (planned: a row's `[S, F*H]` more than a drafter reading its
+/// slots in place) and given back before its step. The same features, so a target on device 1
+/// feeding a drafter on device 0 gives the one engine's losses and evaluation bitwise, and
+/// targets on devices 0 and 1 feeding drafters on 0 and 1 (each drafter reading some slots in
+/// place, copying others) the same within the grouping bound.
+#[test]
+fn workers_fed_from_other_devices_train_like_the_rows_own_features() {
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let mut alone = engine(&setup, &c);
+    let want = losses(&mut alone, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(3));
+    let (pool, ends) = lookup_feed(&[1], &[0], &setup);
+    assert!(ends[0].copies(), "a slot on device 1 is copied to device 0");
+    let mut apart = grouped(1, &setup, &c, ends).with_feed(pool);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let first = apart.step(&batch(&setup, 0, &c), &mut rng).expect("step");
+    let mut got = vec![first.loss];
+    got.extend(losses(&mut apart, &setup, &c, 1..5, &mut rng));
+    assert_eq!(got, want, "copied");
+    let (pool, ends) = lookup_feed(&[0], &[0], &setup);
+    assert!(!ends[0].copies());
+    let mut beside = grouped(1, &setup, &c, ends).with_feed(pool);
+    let in_place = beside.step(&batch(&setup, 0, &c), &mut ChaCha8Rng::seed_from_u64(3)).expect("step");
+    let d = &setup.draft_config;
+    let row_features = (setup.data[0].len() * d.num_features() * d.dims.hidden_size * 4) as u64;
+    assert_eq!(first.device_bytes.zip(in_place.device_bytes).map(|(a, b)| a - b), Some(row_features));
+    let held: &dyn RowSource = &setup.held_out;
+    let (a, b) = (apart.evaluate(held, 6, 4.0, 1).unwrap(), StepEngine::evaluate(&mut alone, held, 6, 4.0, 1).unwrap());
+    assert_eq!(a.loss, b.loss, "evaluation from copied slots");
+    let (pool, ends) = lookup_feed(&[0, 1], &[0, 1], &setup);
+    assert!(ends.iter().all(FeedEnd::copies), "each drafter has a target on another device");
+    let mut mixed = grouped(2, &setup, &c, ends).with_feed(pool);
+    close(&losses(&mut mixed, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(3)), &want, "mixed");
 }
 
 /// A drafter worker that fails while the others wait in the group's all-reduce: the run stops
@@ -374,7 +412,7 @@ fn a_failing_target_worker_stops_the_run_with_its_error() {
         1 => Ok(Box::new(Broken) as _),
         _ => lookup(&setup2, count),
     });
-    let (pool, ends) = FeedPool::new(2, 2, make).unwrap();
+    let (pool, ends) = FeedPool::new(&[0, 0], &[0, 0], make).unwrap();
     let mut dp = grouped(2, &setup, &c, ends).with_feed(pool);
     let message = dp.step(&batch(&setup, 0, &c), &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
     assert!(message.contains("target worker 1") && message.contains("the forward failed (injected)"), "{message}");
@@ -382,7 +420,7 @@ fn a_failing_target_worker_stops_the_run_with_its_error() {
         1 => Err(dflash_trainer::Error::option("device", "no such GPU")),
         _ => Ok(Box::new(Broken) as _),
     });
-    let message = FeedPool::new(2, 1, make).err().expect("refused").to_string();
+    let message = FeedPool::new(&[0, 0], &[0], make).err().expect("refused").to_string();
     assert!(message.contains("target worker 1") && message.contains("no such GPU"), "{message}");
 }
 

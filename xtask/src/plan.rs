@@ -285,10 +285,15 @@ pub fn print_hybrid_plan(
     let weights = plan.weight_bytes().map_err(err)?;
     if chosen.is_some() {
         println!("topology: one GPU holds both (the single-GPU trainer); more GPUs add data-parallel pairs");
-    } else {
-        let target_gpus = plan.bytes.div_ceil(device_bytes).max(1);
+    } else if plan.bytes.saturating_add(POLICY_HEADROOM) <= device_bytes {
         println!(
-            "topology: the target ({} of weights, {} with one launch) does not share a GPU with the drafter: it needs {target_gpus} GPU(s) of its own (`train --gpus ... --target-gpus N`, each target GPU a whole replica) and the drafter others, or its features cached offline first (`xtask features`)",
+            "topology: the target ({} of weights, {} with one launch) does not share a GPU with the drafter: target workers on GPUs of their own, each a whole replica, and drafter workers on others, their features copied peer to peer (`train --target-workers T --drafter-workers D --gpus LIST`, target GPUs first); or its features cached offline first (`xtask features`)",
+            gb(weights),
+            gb(plan.bytes)
+        );
+    } else {
+        println!(
+            "topology: the target ({} of weights, {} with one launch) does not fit one GPU, and a target worker holds a whole replica: cache its features offline first (`xtask features`)",
             gb(weights),
             gb(plan.bytes)
         );

@@ -591,15 +591,18 @@ fn real_run(
                 let e = DeviceEngine::new(move || Cuda::new(&gpu, head_dim), drafter, frozen, adamw, &policies);
                 Box::new(e.with_rows_per_update(rows))
             } else {
-                // Target workers on their GPUs (a stream of their own beside the drafter's).
+                // Target workers on their GPUs (a stream of their own beside a drafter's), their
+                // slots readable by the drafter workers' GPUs.
                 let forward_for_fill = forward.clone();
+                let (places, readers) = (target_gpus.clone(), drafter_gpus.clone());
                 let fill: Arc<MakeSlotFill> = Arc::new(move |k, slots| {
-                    let gpu = Gpu::open_own_stream(target_gpus[k])?
-                        .ok_or_else(|| dflash_trainer::Error::option("gpus", format!("no GPU {}", target_gpus[k])))?;
+                    let gpu = Gpu::open_own_stream(places[k])?
+                        .ok_or_else(|| dflash_trainer::Error::option("gpus", format!("no GPU {}", places[k])))?;
+                    gpu.share_pool_with(&readers)?;
                     let f = forward_for_fill(&gpu, false)?;
                     Ok(Box::new(TargetSlots::new(f, slots)?) as Box<dyn SlotFill>)
                 });
-                let (feed, ends) = feed(targets, drafter_gpus.len(), fill)?;
+                let (feed, ends) = feed((&target_gpus, &drafter_gpus), fill)?;
                 let head = match online && targets == 0 {
                     true => None,
                     false => Some(host_head(DType::F32)?),
@@ -638,7 +641,7 @@ fn real_run(
             let fill: Arc<MakeSlotFill> = Arc::new(move |_, slots| {
                 Ok(Box::new(TargetSlots::new(forward_for_fill(false)?, slots)?) as Box<dyn SlotFill>)
             });
-            let (feed, ends) = feed(targets, config.drafter_workers, fill)?;
+            let (feed, ends) = feed((&vec![0; targets], &vec![0; config.drafter_workers]), fill)?;
             let (draft, seed) = (d.clone(), config.seed);
             let engine: Arc<HostEngine> = Arc::new(move |k| {
                 let frozen = match &head {
@@ -864,14 +867,21 @@ fn across(workers: DataParallel, processes: Option<&Arc<ProcessGroup>>) -> Resul
     }
 }
 
-/// `targets` target workers feeding `drafters` drafter workers through `fill` (none without
-/// target workers), and the drafter workers' ends.
-fn feed(targets: usize, drafters: usize, fill: Arc<MakeSlotFill>) -> Result<(Option<FeedPool>, Arc<FeedEnds>), String> {
-    if targets == 0 {
+/// Target workers on the devices of `targets` feeding drafter workers on the devices of
+/// `drafters` through `fill` (none without target workers), and the drafter workers' ends.
+fn feed(
+    (targets, drafters): (&[usize], &[usize]),
+    fill: Arc<MakeSlotFill>,
+) -> Result<(Option<FeedPool>, Arc<FeedEnds>), String> {
+    if targets.is_empty() {
         return Ok((None, Arc::new(std::sync::Mutex::new(Vec::new()))));
     }
     let (pool, ends) = FeedPool::new(targets, drafters, fill).map_err(|e| e.to_string())?;
-    println!("{targets} target workers feeding {drafters} drafter workers (features read in place)");
+    let how = match ends.iter().filter(|e| e.copies()).count() {
+        0 => "features read in place".to_string(),
+        n => format!("features copied peer to peer to {n} of them, from target workers on other GPUs"),
+    };
+    println!("{} target workers feeding {} drafter workers ({how})", targets.len(), drafters.len());
     Ok((Some(pool), Arc::new(std::sync::Mutex::new(ends.into_iter().map(Some).collect()))))
 }
 

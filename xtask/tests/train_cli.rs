@@ -639,13 +639,12 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--drafter-workers", "2", "--step", "reference"], &["drafter_workers", "host", "gpu"]);
     fails(&["--target-workers", "1", "--step", "reference"], &["target_workers", "host"]);
     fails(&["--shard-optimizer", "yes"], &["shard_optimizer", "2 or more drafter workers"]);
-    // The GPUs: one per worker, drafter workers on GPUs of their own, targets beside them.
+    // The GPUs: one per worker, drafter workers on GPUs of their own.
     fails(&["--gpus", "0", "--step", "host"], &["gpus", "`host` step"]);
     let gpu = |extra: &[&'static str]| [&["--step", "gpu"], extra].concat();
     fails(&gpu(&["--gpus", "0", "--target-workers", "1"]), &["gpus", "1 GPUs for 1 target + 1 drafter workers"]);
     fails(&gpu(&["--drafter-workers", "2"]), &["gpus", "two drafter workers on GPU 0"]);
     fails(&gpu(&["--gpus", "1,1", "--drafter-workers", "2"]), &["gpus", "two drafter workers on GPU 1"]);
-    fails(&gpu(&["--gpus", "0,1", "--target-workers", "1"]), &["gpus", "GPU 1 beside GPU 0", "not built yet"]);
     let cached = tmp.path().join("nothing").to_str().unwrap().to_string();
     fails(&["--target-workers", "1", "--features", &cached], &["target_workers", "no `--features`"]);
     // A mask token the data holds (a token of the first conversation).

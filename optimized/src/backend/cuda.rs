@@ -92,6 +92,16 @@ impl Backend for Cuda {
         copy_device::<u8>(&self.stream, dst, src, bytes)
     }
 
+    /// Through unified addressing (`cuMemcpyAsync` finds both devices from the addresses), peer
+    /// to peer where the source's pool shares it ([`Gpu::share_pool_with`]).
+    fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass allocations of at least `bytes` bytes, the source's complete.
+        unsafe { cudarc::driver::sys::cuMemcpyAsync(dst, src, bytes, self.stream.cu_stream()) }
+            .result()
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| crate::Error::Gpu(format!("copy of {bytes} bytes from another GPU: {e}")))
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| crate::Error::Gpu(format!("synchronizing the stream: {e}")))
     }

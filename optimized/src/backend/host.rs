@@ -123,6 +123,11 @@ impl<E: Elem> Backend for Host<E> {
         Ok(())
     }
 
+    /// Every CPU "device" shares the host's memory: a plain copy.
+    fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.copy(dst, src, bytes)
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }

@@ -40,6 +40,9 @@ pub trait Backend {
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()>;
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()>;
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+    /// Fills `dst` from `src` in the memory of another device of this kind that shared it with
+    /// this one (a target worker's feature slot on another GPU), and waits for the copy.
+    fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     /// Waits for the work queued so far (before another worker reads what it wrote).
     fn synchronize(&self) -> Result<()>;
     fn ops(&self) -> &Self::Ops;

@@ -149,6 +149,40 @@ impl Gpu {
         Ok(loaded)
     }
 
+    /// Lets the GPUs `peers` read this GPU's memory-pool allocations directly (drafter workers
+    /// copying a target worker's feature slots from this GPU, over NVLink or PCIe): pool memory
+    /// is readable by its own device only until its pool grants access. Fails naming both GPUs
+    /// when a peer has no direct path to this one.
+    pub fn share_pool_with(&self, peers: &[usize]) -> Result<()> {
+        let own = self.ctx.ordinal();
+        let pool = self.default_pool()?;
+        for &peer in peers.iter().filter(|&&p| p != own) {
+            let peer_dev = result::device::get(peer as i32).map_err(|e| driver_error(&format!("GPU {peer}"), e))?;
+            let mut can = 0;
+            // SAFETY: both devices come from the initialised driver; `can` receives an int.
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, peer_dev, self.ctx.cu_device()) }
+                .result()
+                .map_err(|e| driver_error(&format!("cuDeviceCanAccessPeer(GPU {peer}, GPU {own})"), e))?;
+            if can == 0 {
+                return Err(Error::Gpu(format!(
+                    "GPU {peer} cannot read GPU {own}'s memory directly (no peer-to-peer path between them): put the target workers on GPUs their drafter workers can reach, on the drafters' own GPUs, or cache the features offline (`xtask features`)"
+                )));
+            }
+            let access = sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: peer as i32,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: one access descriptor for the pool of this live context's device.
+            unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }
+                .result()
+                .map_err(|e| driver_error(&format!("cuMemPoolSetAccess(GPU {own}'s pool, GPU {peer})"), e))?;
+        }
+        Ok(())
+    }
+
     /// Highest memory in use in the device's default memory pool since it was opened or since
     /// [`Gpu::reset_pool_high`], in bytes (like `torch.cuda.max_memory_allocated`), after
     /// synchronising the stream.

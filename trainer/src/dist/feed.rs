@@ -7,8 +7,11 @@
 //! order the coordinator queued them ([`FeedPool::queue`] and [`FeedEnd::next`] keep the same
 //! cursor). Each side counts the seconds it waits for the other.
 //!
-//! Slots live on the target's device: a drafter worker reads them on the same device (a target
-//! and a drafter sharing a GPU, or the CPU twins).
+//! Slots live on the target's device. A drafter worker on the same device (a target and a
+//! drafter sharing a GPU) reads a slot in place and gives it back after its step; one on another
+//! device copies the slot into its own features buffer (peer to peer, `Backend::copy_from_peer`)
+//! and gives it back at once, so the target refills it while the drafter steps. On the CPU twins
+//! the devices are labels: the same protocol, over host memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
@@ -32,6 +35,9 @@ pub struct FedFeatures {
     pub tokens: Vec<u32>,
     /// Model FLOPs of the target's forward on the row.
     pub flops: f64,
+    /// Whether the slot is on another device than the drafter worker's: copied out, not read in
+    /// place.
+    pub copy: bool,
     slot: usize,
     free: Sender<usize>,
 }
@@ -49,6 +55,8 @@ type Fed = std::result::Result<FedFeatures, String>;
 pub struct FeedEnd {
     from: Vec<Receiver<Fed>>,
     next: usize,
+    /// Whether some of its target workers are on another device (its rows' features copied).
+    copies: bool,
     /// Seconds waited for features since the last [`FeedEnd::take_waited`].
     waited: f64,
 }
@@ -68,6 +76,12 @@ impl FeedEnd {
             Ok(Err(message)) => Err(Error::option(name, message)),
             Err(_) => Err(Error::option(name, "stopped (its thread ended)")),
         }
+    }
+
+    /// Whether some rows' features come from another device: the drafter worker then holds a
+    /// features buffer `[S, F*H]` of its own to copy them into.
+    pub fn copies(&self) -> bool {
+        self.copies
     }
 
     /// The seconds waited for features since the last call.
@@ -168,25 +182,30 @@ pub struct FeedPool {
 }
 
 impl FeedPool {
-    /// Starts `targets` target workers feeding `drafters` drafter workers, each making its
-    /// forward with `make(t, drafters + 1)` in its thread, with `drafters + 1` slots and a queue of as many
-    /// rows; returns the pool and drafter worker `k`'s end at `k`. An error making a forward
-    /// names the target worker.
-    pub fn new(targets: usize, drafters: usize, make: Arc<MakeSlotFill>) -> Result<(FeedPool, Vec<FeedEnd>)> {
-        if targets == 0 || drafters == 0 {
+    /// Starts a target worker on each device of `targets` feeding a drafter worker on each device
+    /// of `drafters` (device ids: GPU ordinals, or labels on the CPU), each target worker making
+    /// its forward with `make(t, drafters + 1)` in its thread, with `drafters + 1` slots and a
+    /// queue of as many rows; returns the pool and drafter worker `k`'s end at `k`. An error
+    /// making a forward names the target worker.
+    pub fn new(targets: &[usize], drafters: &[usize], make: Arc<MakeSlotFill>) -> Result<(FeedPool, Vec<FeedEnd>)> {
+        if targets.is_empty() || drafters.is_empty() {
             return Err(Error::option("target_workers", "a feed needs at least 1 target and 1 drafter worker"));
         }
-        let slots = drafters + 1;
+        let slots = drafters.len() + 1;
         let waited_ns = Arc::new(AtomicU64::new(0));
         // Drafter worker `k` starts at target worker `k mod targets`: the first rows of a step
         // go to different target workers.
-        let mut ends: Vec<FeedEnd> =
-            (0..drafters).map(|k| FeedEnd { from: Vec::new(), next: k, waited: 0.0 }).collect();
-        let mut workers = Vec::with_capacity(targets);
-        let mut made = Vec::with_capacity(targets);
-        for t in 0..targets {
+        let mut ends: Vec<FeedEnd> = drafters
+            .iter()
+            .enumerate()
+            .map(|(k, d)| FeedEnd { from: Vec::new(), next: k, copies: targets.iter().any(|t| t != d), waited: 0.0 })
+            .collect();
+        let mut workers = Vec::with_capacity(targets.len());
+        let mut made = Vec::with_capacity(targets.len());
+        for (t, &device) in targets.iter().enumerate() {
+            let copy: Vec<bool> = drafters.iter().map(|&d| d != device).collect();
             let (rows, inbox) = sync_channel::<(Row, usize)>(slots);
-            let mut outs = Vec::with_capacity(drafters);
+            let mut outs = Vec::with_capacity(drafters.len());
             for end in &mut ends {
                 let (out, from) = channel::<Fed>();
                 outs.push(out);
@@ -218,6 +237,7 @@ impl FeedPool {
                             addr,
                             tokens: row.tokens,
                             flops,
+                            copy: copy[k],
                             slot,
                             free: free.clone(),
                         });
@@ -235,7 +255,7 @@ impl FeedPool {
                 .map_err(|e| Error::option("target_workers", format!("worker {t}: cannot start its thread: {e}")))?;
             workers.push(FeedWorker { rows, thread: Some(thread) });
         }
-        let pool = FeedPool { workers, cursors: (0..drafters).collect(), waited_ns };
+        let pool = FeedPool { workers, cursors: (0..drafters.len()).collect(), waited_ns };
         for (t, is_made) in made.into_iter().enumerate() {
             match is_made.recv() {
                 Ok(Ok(())) => {}

@@ -74,6 +74,10 @@ pub trait Replica {
     fn checkpointing(&self) -> Option<Checkpointing> {
         None
     }
+    /// The device memory its step was planned to take (with what it keeps beside it), once laid out.
+    fn planned_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl<B: dflash_optimized::backend::Backend> Replica for crate::engine::DeviceEngine<B> {
@@ -106,6 +110,9 @@ impl<B: dflash_optimized::backend::Backend> Replica for crate::engine::DeviceEng
     }
     fn checkpointing(&self) -> Option<Checkpointing> {
         StepEngine::checkpointing(self)
+    }
+    fn planned_bytes(&self) -> Option<u64> {
+        crate::engine::DeviceEngine::planned_bytes(self)
     }
     fn abort(&self) -> Option<Abort> {
         crate::engine::DeviceEngine::abort(self)
@@ -146,7 +153,8 @@ enum Reply {
     Made(Option<Abort>),
     /// The worker's share and its gradients (`None`: summed on the devices).
     Accumulated(Box<Share>, Option<Vec<f64>>),
-    Applied(std::result::Result<f64, String>),
+    /// The update, and the device memory the worker's step was planned to take.
+    Applied(std::result::Result<f64, String>, Option<u64>),
     State(Box<EngineState>),
     Checkpointing(Option<Checkpointing>),
     Evaluated(EvalReport),
@@ -359,7 +367,7 @@ fn serve(
                     Some(sum) => engine.set_accumulated(shape, sum),
                     None => Ok(()),
                 };
-                set.and_then(|()| engine.apply(lr, clip_norm)).map(Reply::Applied)
+                set.and_then(|()| engine.apply(lr, clip_norm)).map(|u| Reply::Applied(u, engine.planned_bytes()))
             }
             Command::Discard => engine.discard().map(|()| Reply::Done),
             Command::State => engine.state().map(|s| Reply::State(Box::new(s))),
@@ -491,10 +499,14 @@ impl DataParallel {
         let (shape, sum) = (shape.expect("checked"), sum.filter(|_| !on_device));
         let replies =
             self.all(|_| Command::Apply { shape, sum: sum.clone(), lr: batch.lr, clip_norm: batch.clip_norm })?;
-        let Some(Reply::Applied(update)) = replies.into_iter().next() else {
-            return Err(worker_error(0, "an unexpected reply".into()));
-        };
-        Ok(share.outcome(total, Some(update), None))
+        // Worker 0's update (every worker applies the same), the largest worker's memory.
+        let (mut update, mut device_bytes) = (None, None);
+        for (k, reply) in replies.into_iter().enumerate() {
+            let Reply::Applied(u, bytes) = reply else { return Err(worker_error(k, "an unexpected reply".into())) };
+            update = update.or(Some(u));
+            device_bytes = device_bytes.max(bytes);
+        }
+        Ok(share.outcome(total, update, device_bytes))
     }
 
     /// Queues every worker's rows with the feed, interleaved (row 0 of each worker, then row 1,
