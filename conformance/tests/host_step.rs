@@ -362,3 +362,53 @@ fn chunked_is_accumulated<E: Elem>() {
     assert!(chunked.2 == accumulated.2 && chunked.3 == accumulated.3, "{what}: moments");
     assert!(chunked.4 == accumulated.4, "{what}: stored weights");
 }
+
+/// The gradient buckets (`grad_buckets`) cover every parameter once, from the last to the first
+/// in the order the backward finishes them; accumulated as the backward calls each (as a
+/// data-parallel worker does before summing it with the others'), on twins that run each
+/// operation at once, they equal the whole step's accumulated gradients bitwise: no part of the
+/// backward writes a bucket after it was called.
+#[test]
+fn gradient_buckets_accumulated_during_the_backward_are_the_whole_steps() {
+    let _serial = one_at_a_time();
+    use candle_core::DType;
+    use dflash_conformance::setups::gpu_draft_case;
+    use dflash_optimized::backend::download;
+    use dflash_optimized::memory::step::OptimizerShape;
+    use dflash_optimized::model::drafter_step::{grad_buckets, param_slots};
+    use dflash_optimized::train::adamw::DeviceAdamW;
+    use dflash_reference::optim::AdamWConfig;
+
+    let case = gpu_draft_case(6, DType::F32).expect("case");
+    let config = &case.drafter.config;
+    let params: usize = param_slots(config).iter().map(|s| s.len).sum();
+    let buckets = grad_buckets(config);
+    assert_eq!(buckets.len(), config.dims.num_layers() + 2, "the final norm, each layer, then fc");
+    assert_eq!((buckets[0].end, buckets.last().unwrap().start), (params, 0));
+    assert!(buckets.windows(2).all(|w| w[1].end == w[0].start && !w[0].is_empty()), "{buckets:?}");
+    let accumulated = |by_bucket: bool| -> Vec<u32> {
+        let (mut step, targets) = loaded_step::<f32>(&case, Some(OptimizerShape::whole(params, true)));
+        let adam = DeviceAdamW::new(&step, AdamWConfig::default()).expect("optimizer");
+        let mut called = Vec::new();
+        let scale = 1.0 / targets.total_weight();
+        match by_bucket {
+            true => {
+                let mut done = |s: &_, i: usize| {
+                    called.push(i);
+                    adam.accumulate_range(s, buckets[i].clone())
+                };
+                step.step_with(scale, &mut done).expect("step");
+                assert_eq!(called, (0..buckets.len()).collect::<Vec<_>>(), "each bucket once, in order");
+            }
+            false => {
+                step.step(scale).expect("step");
+                adam.accumulate(&step).expect("accumulate");
+            }
+        }
+        let acc = step.accumulator().expect("layout").expect("an accumulator");
+        let v: Vec<f32> = download(step.backend(), step.addr(acc), params).expect("download");
+        assert!(v.iter().any(|&g| g != 0.0), "the row has gradients");
+        v.into_iter().map(f32::to_bits).collect()
+    };
+    assert!(accumulated(true) == accumulated(false), "bucket by bucket vs the whole step");
+}

@@ -12,7 +12,7 @@ use dflash_optimized::flops::step_model_flops;
 use dflash_optimized::memory::step::{
     fastest_fitting, optimizer_shard, Checkpointing, OptimizerShape, StepLayout, StepShape, UPDATE_CHUNK,
 };
-use dflash_optimized::model::drafter_step::DrafterStep;
+use dflash_optimized::model::drafter_step::{grad_buckets, DrafterStep};
 use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
 use dflash_optimized::ops::{bytes_of, stored, Elem, Real};
@@ -431,8 +431,13 @@ pub struct DeviceEngine<B: Backend> {
     host_tables: Option<HostTables<B>>,
     /// With [`Frozen::Host`]: target workers' slots hold each row's features.
     feed: Option<FeedEnd>,
-    /// The all-reduce of the accumulated gradients over the drafter workers, on the device.
+    /// The all-reduce of the accumulated gradients over the drafter workers, on the device,
+    /// bucket by bucket ([`grad_buckets`]).
     reduce: Option<Box<dyn GradReduce>>,
+    /// The gradient buckets, with a reduction group.
+    buckets: Vec<std::ops::Range<usize>>,
+    /// How many buckets' sums this step has started (during its last row's backward).
+    buckets_started: usize,
     /// With the optimizer state sharded: (this worker, the workers).
     shard: Option<(usize, usize)>,
     /// Whether the step keeps an fp32 gradient accumulator (several rows per update, or
@@ -472,6 +477,8 @@ impl<B: Backend> DeviceEngine<B> {
             host_tables: None,
             feed: None,
             reduce: None,
+            buckets: Vec::new(),
+            buckets_started: 0,
             shard: None,
             accumulator: false,
         }
@@ -530,11 +537,13 @@ impl<B: Backend> DeviceEngine<B> {
     /// through `reduce` (needs an fp32 accumulator: the GPU's, or `Host<f32>`).
     pub fn with_reduce(mut self, reduce: Box<dyn GradReduce>) -> Self {
         self.reduce = Some(reduce);
+        self.buckets = grad_buckets(&self.config);
         self
     }
 
-    /// Sums the accumulated gradients over the reduction group, making the step for rows of
-    /// `(s, n)` first if needed; `false` without a group.
+    /// Sums the accumulated gradients over the reduction group (the buckets whose sums the
+    /// step's backward has not started, in order; then waits for all), making the step for rows
+    /// of `(s, n)` first if needed; `false` without a group.
     pub fn reduce_on_device(&mut self, (s, n): (usize, usize)) -> Result<bool> {
         if self.reduce.is_none() {
             return Ok(false);
@@ -545,7 +554,12 @@ impl<B: Backend> DeviceEngine<B> {
         self.ensure_step(s, n)?;
         let (step, _) = self.step.as_ref().expect("made above");
         let reduce = self.reduce.as_ref().expect("checked");
-        reduce.all_reduce_sum_f32(step.addr(Self::accumulator(step)?), step.num_params())?;
+        let acc = step.addr(Self::accumulator(step)?);
+        let started = std::mem::take(&mut self.buckets_started);
+        for b in &self.buckets[started..] {
+            reduce.all_reduce_sum_f32(acc + 4 * b.start as u64, b.len())?;
+        }
+        reduce.wait()?;
         Ok(true)
     }
 
@@ -755,8 +769,9 @@ impl<B: Backend> DeviceEngine<B> {
 
     fn accumulate_into(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, share: &mut Share) -> Result<()> {
         let mut stepped = false;
-        let mut rows = rows.iter();
-        while let Some((row, p)) = rows.next() {
+        let last = rows.iter().rposition(|(_, p)| p.targets.total_weight() > 0.0);
+        let mut rows = rows.iter().enumerate();
+        while let Some((i, (row, p))) = rows.next() {
             // Fed rows come in the order queued: every row, weighted or not.
             let fed = self.next_fed(row)?;
             if p.targets.total_weight() == 0.0 {
@@ -767,12 +782,36 @@ impl<B: Backend> DeviceEngine<B> {
             let (step, adam) = self.step.as_mut().expect("made by set_row");
             stepped = true;
             step.set_record_predictions(share.stats.is_some());
-            match step.step(1.0 / total) {
+            // With a reduction group, the last row's backward accumulates each bucket as it
+            // finishes it and starts its sum with the other workers' while the rest runs.
+            let overlap = self.reduce.as_deref().filter(|_| Some(i) == last);
+            let mut sum_failed = None;
+            let stepped_row = match overlap {
+                None => step.step(1.0 / total),
+                Some(reduce) => {
+                    let (acc, buckets, started) = (Self::accumulator(step)?, &self.buckets, &mut self.buckets_started);
+                    let mut done = |s: &DrafterStep<B>, k: usize| {
+                        adam.accumulate_range(s, buckets[k].clone())?;
+                        let at = s.addr(acc) + 4 * buckets[k].start as u64;
+                        if let Err(e) = reduce.all_reduce_sum_f32(at, buckets[k].len()) {
+                            sum_failed = Some(e);
+                            return Err(dflash_optimized::Error::invalid("gradient sums", "stopped"));
+                        }
+                        *started = k + 1;
+                        Ok(())
+                    };
+                    step.step_with(1.0 / total, &mut done)
+                }
+            };
+            if let Some(e) = sum_failed {
+                return Err(e);
+            }
+            match stepped_row {
                 Ok(l) => share.loss += l.loss * l.total_weight / total,
                 Err(dflash_optimized::Error::NonFinite { what, .. }) => {
                     share.failed = Some(what);
                     // The rows left were queued for this worker: take them off the feed.
-                    for (row, _) in rows {
+                    for (_, (row, _)) in rows {
                         self.next_fed(row)?;
                     }
                     break;
@@ -782,7 +821,9 @@ impl<B: Backend> DeviceEngine<B> {
             if let Some(stats) = &mut share.stats {
                 stats.add(&step.predictions()?, &p.targets);
             }
-            adam.accumulate(step)?;
+            if overlap.is_none() {
+                adam.accumulate(step)?;
+            }
             if in_place.is_some() {
                 // The step has read the slot (forward and backward) before it goes back.
                 step.backend().synchronize()?;

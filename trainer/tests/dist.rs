@@ -18,7 +18,7 @@ use dflash_reference::train::PreparedRow;
 use dflash_trainer::builtin::{self, BuiltinSetup};
 use dflash_trainer::config::RunConfig;
 use dflash_trainer::dist::feed::{FeedEnd, FeedPool, MakeSlotFill, SlotFill};
-use dflash_trainer::dist::reduce::{Abort, HostGroup};
+use dflash_trainer::dist::reduce::{Abort, GradReduce, HostGroup};
 use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
 use dflash_trainer::engine::{DeviceEngine, EngineState, Frozen, Share, StepBatch, StepEngine};
 use dflash_trainer::rows::RowSource;
@@ -293,6 +293,88 @@ fn workers_reducing_in_their_group_train_like_one() {
         // The policy worker 0's step took, for the run's summary.
         assert_eq!(dp.checkpointing(), Some(Checkpointing::PerLayer), "{count} workers");
     }
+}
+
+/// A [`HostRank`] that logs each sum it is asked for (the bucket's address and length, and
+/// whether it came during `accumulate_rows`) and each wait (`None`).
+struct Logged {
+    rank: dflash_trainer::dist::reduce::HostRank,
+    in_rows: Arc<std::sync::atomic::AtomicBool>,
+    log: std::sync::mpsc::Sender<Option<(u64, usize, bool)>>,
+}
+
+impl GradReduce for Logged {
+    fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> dflash_trainer::Result<()> {
+        let during = self.in_rows.load(std::sync::atomic::Ordering::SeqCst);
+        self.log.send(Some((addr, count, during))).unwrap();
+        self.rank.all_reduce_sum_f32(addr, count)
+    }
+    fn wait(&self) -> dflash_trainer::Result<()> {
+        self.log.send(None).unwrap();
+        Ok(())
+    }
+    fn abort(&self) -> Abort {
+        self.rank.abort()
+    }
+}
+
+/// The gradient sums overlap the backward: a worker with rows starts every bucket's sum
+/// (`grad_buckets`: from the last parameters to the first) during its last row's backward and
+/// waits for them once; a worker without rows sums the same buckets in the same order when it
+/// reduces. Summed bucket by bucket, 2 workers give bitwise the losses and weights of 2 workers
+/// whose whole accumulators the host adds (two f32 terms: one correctly rounded sum either way).
+#[test]
+fn workers_sum_their_gradient_buckets_during_the_backward() {
+    use dflash_optimized::model::drafter_step::grad_buckets;
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let buckets: Vec<(usize, usize)> =
+        grad_buckets(&setup.draft_config).into_iter().map(|b| (b.start, b.len())).collect();
+    let (in_rows, idle) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let ((log_0, logged_0), (log_1, logged_1)) = (std::sync::mpsc::channel(), std::sync::mpsc::channel());
+    let mut ranks = HostGroup::ranks(2).into_iter();
+    let rank_0 = Logged { rank: ranks.next().unwrap(), in_rows: in_rows.clone(), log: log_0 };
+    let rank_1 = Logged { rank: ranks.next().unwrap(), in_rows: idle, log: log_1 };
+    let step = batch(&setup, 0, &c);
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let (rows, total) = dflash_trainer::engine::prepare_rows(&step, setup.draft_config.block_size, &mut rng).unwrap();
+    let refs: Vec<_> = rows.iter().map(|(r, p)| (*r, p)).collect();
+    let shape = (rows[0].0.len(), c.anchors);
+    // Worker 0 steps every row, worker 1 (no rows) reduces: one thread each, as in a run.
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut worker_0 = engine(&setup, &c).with_reduce(Box::new(rank_0));
+            in_rows.store(true, SeqCst);
+            worker_0.accumulate_rows(&refs, total, false).expect("rows");
+            in_rows.store(false, SeqCst);
+            worker_0.reduce_on_device(shape).expect("reduce");
+        });
+        let mut worker_1 = engine(&setup, &c).with_reduce(Box::new(rank_1));
+        worker_1.accumulate_rows(&[], total, false).expect("no rows");
+        worker_1.reduce_on_device(shape).expect("reduce");
+    });
+    // Each worker's sums as (offset in its accumulator, length, during its rows), then its wait.
+    let sums = |log: std::sync::mpsc::Receiver<Option<(u64, usize, bool)>>| {
+        let log: Vec<_> = log.try_iter().collect();
+        assert_eq!(log.last(), Some(&None), "the wait comes last");
+        let sums: Vec<_> = log.into_iter().flatten().collect();
+        let base = sums.iter().map(|s| s.0).min().unwrap();
+        sums.into_iter().map(|(a, n, during)| (((a - base) / 4) as usize, n, during)).collect::<Vec<_>>()
+    };
+    let with = |during: bool| buckets.iter().map(|&(o, n)| (o, n, during)).collect::<Vec<_>>();
+    assert_eq!(sums(logged_0), with(true), "worker 0: every bucket during its rows, in the backward's order");
+    assert_eq!(sums(logged_1), with(false), "worker 1: the same buckets in the same order when it reduces");
+    // Bitwise the host's sums of the whole accumulators.
+    let mut host = workers(2, &setup, &c);
+    let mut grouped = grouped(2, &setup, &c, Vec::new());
+    let (a, b) = (
+        losses(&mut host, &setup, &c, 0..4, &mut ChaCha8Rng::seed_from_u64(7)),
+        losses(&mut grouped, &setup, &c, 0..4, &mut ChaCha8Rng::seed_from_u64(7)),
+    );
+    assert_eq!(a, b, "losses");
+    let (x, y) = (host.state().unwrap(), grouped.state().unwrap());
+    assert_eq!(x.first_difference(&y).unwrap(), None, "weights and moments");
 }
 
 /// Target workers feeding the drafter workers' slots (rows queued interleaved, slots given back

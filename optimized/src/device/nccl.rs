@@ -1,7 +1,9 @@
 //! NCCL over the drafter GPUs (spec section 9): one rank per GPU, made and used in that GPU's
-//! thread (an NCCL communicator is neither Send nor Sync), queued on its GPU's stream. The
-//! library (`libnccl.so`) is opened at run time on first use; a machine without it gets an error
-//! naming it, not a panic.
+//! thread (an NCCL communicator is neither Send nor Sync). Gradient sums run on a stream of the
+//! rank's own, each after the work its GPU's stream had queued when it was started, so that they
+//! overlap the rest of the backward; broadcasts run on the GPU's stream. The library
+//! (`libnccl.so`) is opened at run time on first use; a machine without it gets an error naming
+//! it, not a panic.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,10 +52,13 @@ impl AbortHandle {
     }
 }
 
-/// One rank of a communicator over `world` GPUs, on its GPU's stream.
+/// One rank of a communicator over `world` GPUs.
 pub struct Rank {
     comm: sys::ncclComm_t,
+    /// The GPU's stream (the step's work).
     stream: Arc<CudaStream>,
+    /// The gradient sums' own stream.
+    sums: Arc<CudaStream>,
     ended: Arc<AtomicBool>,
     pub rank: usize,
     pub world: usize,
@@ -75,12 +80,25 @@ impl Rank {
         let comm = nccl("ncclCommInitRank", || unsafe {
             result::comm_init_rank(comm.as_mut_ptr(), w, id, r).map(|_| comm.assume_init())
         })?;
-        Ok(Rank { comm, stream: gpu.stream().clone(), ended: Arc::new(AtomicBool::new(false)), rank, world })
+        let stream = gpu.stream().clone();
+        let sums = stream.context().new_stream().map_err(|e| Error::Gpu(format!("a stream for NCCL's sums: {e}")));
+        let ended = Arc::new(AtomicBool::new(false));
+        match sums {
+            Ok(sums) => Ok(Rank { comm, stream, sums, ended, rank, world }),
+            Err(e) => {
+                // SAFETY: the communicator was just made and nothing is queued on it.
+                let _ = catch_unwind(AssertUnwindSafe(|| unsafe { result::comm_destroy(comm) }));
+                Err(e)
+            }
+        }
     }
 
-    /// Sums `count` f32 at device address `addr` over the ranks, in place, and waits for it.
+    /// Starts summing `count` f32 at device address `addr` over the ranks, in place, after the
+    /// work the GPU's stream has queued so far; [`Rank::wait`] waits for it.
     pub fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> Result<()> {
-        // SAFETY: callers pass a live buffer of `count` f32 on this rank's GPU; the stream orders it.
+        self.sums.join(&self.stream).map_err(|e| Error::Gpu(format!("ordering ncclAllReduce after the step: {e}")))?;
+        // SAFETY: callers pass a live buffer of `count` f32 on this rank's GPU that nothing
+        // writes before `wait`; the sums' stream orders it after the step's work.
         nccl("ncclAllReduce", || unsafe {
             result::all_reduce(
                 addr as *const std::ffi::c_void,
@@ -89,10 +107,15 @@ impl Rank {
                 sys::ncclDataType_t::ncclFloat32,
                 sys::ncclRedOp_t::ncclSum,
                 self.comm,
-                self.stream.cu_stream() as sys::cudaStream_t,
+                self.sums.cu_stream() as sys::cudaStream_t,
             )
-        })?;
-        self.stream.synchronize().map_err(|e| Error::Gpu(format!("after ncclAllReduce: {e}")))
+        })
+        .map(|_| ())
+    }
+
+    /// Waits for every sum started so far.
+    pub fn wait(&self) -> Result<()> {
+        self.sums.synchronize().map_err(|e| Error::Gpu(format!("after ncclAllReduce: {e}")))
     }
 
     /// Every rank's part of the buffer at `addr` to every rank: `parts[r]` = (byte offset, bytes)

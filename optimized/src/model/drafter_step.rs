@@ -40,6 +40,9 @@ pub struct ParamSlot {
     pub len: usize,
 }
 
+/// What [`DrafterStep::step_with`] calls when the backward has queued a bucket's gradients.
+pub type BucketDone<'a, B> = dyn FnMut(&DrafterStep<B>, usize) -> Result<()> + 'a;
+
 /// The flat layout of the trainable parameters, in checkpoint-key order.
 pub fn param_slots(config: &DraftConfig) -> Vec<ParamSlot> {
     let mut offset = 0;
@@ -52,6 +55,23 @@ pub fn param_slots(config: &DraftConfig) -> Vec<ParamSlot> {
             slot
         })
         .collect()
+}
+
+/// The gradient buckets of the flat parameters in the order the step's backward completes them:
+/// the final norm, layer L-1 down to layer 0, then `hidden_norm` and `fc` (contiguous ranges
+/// that cover every parameter once). A bucket's gradients are final once its part of the
+/// backward is queued: a data-parallel worker starts summing it with the others' while the rest
+/// of the backward runs.
+pub fn grad_buckets(config: &DraftConfig) -> Vec<std::ops::Range<usize>> {
+    let slots = param_slots(config);
+    let start = |name: &str| slots.iter().find(|s| s.name == name).map_or(0, |s| s.offset);
+    let end = slots.last().map_or(0, |s| s.offset + s.len);
+    let layers = config.dims.num_layers();
+    // Layer l starts at its input norm; the final norm follows the last layer.
+    let mut starts: Vec<usize> = (0..layers).map(|l| start(&format!("layers.{l}.input_layernorm.weight"))).collect();
+    starts.push(start("norm.weight"));
+    let last_layers = (0..layers).rev().map(|l| starts[l]..starts[l + 1]);
+    std::iter::once(starts[layers]..end).chain(last_layers).chain(std::iter::once(0..starts[0])).collect()
 }
 
 /// What a forward of one layer is for.
@@ -449,11 +469,17 @@ impl<B: Backend> DrafterStep<B> {
     /// gradient) and returns the row's loss (when recording, the weighted rows' predictions too).
     /// Fails naming the step and the loss when the loss is not finite.
     pub fn step(&mut self, grad_scale: f64) -> Result<StepLoss> {
+        self.step_with(grad_scale, &mut |_, _| Ok(()))
+    }
+
+    /// [`DrafterStep::step`], calling `done(self, i)` as soon as the backward has queued the
+    /// gradients of bucket `i` of [`grad_buckets`] (in that order, each once).
+    pub fn step_with(&mut self, grad_scale: f64, done: &mut BucketDone<'_, B>) -> Result<StepLoss> {
         self.steps_done += 1;
         self.predicted = false;
         self.forward(grad_scale)?;
         self.predicted = self.record_predictions;
-        self.backward()
+        self.backward(done)
     }
 
     /// The step's forward through the LM head and the CE gradient (and the predictions when
@@ -473,15 +499,16 @@ impl<B: Backend> DrafterStep<B> {
         self.lm_head_ce(grad_scale)
     }
 
-    /// The step's backward from `grad.b` (the gradient of `hf`) into every parameter gradient;
-    /// returns the loss.
-    fn backward(&self) -> Result<StepLoss> {
+    /// The step's backward from `grad.b` (the gradient of `hf`) into every parameter gradient,
+    /// calling `done` per finished bucket; returns the loss.
+    fn backward(&self, done: &mut BucketDone<'_, B>) -> Result<StepLoss> {
         let (z, lay, ops) = (self.layout.dims, &self.layout, self.dev.ops());
         let at = |r: Region| r.at(self.base);
         // grad.b = dhf (from the LM head), grad.a = the gradient of the last layer's output.
         let (scratch, last) = (lay.scratch, at(lay.residual[z.layers]));
         let g = RmsNormGrad { dy: at(lay.grad_b), x: last, w: self.final_norm.w, inv: at(lay.inv_final), dres: None };
         ops.rms_norm_backward(g, at(scratch.grad_a), self.final_norm.g, at(scratch.dw_partial), z.q, z.h)?;
+        done(self, 0)?;
         self.zero(scratch.dctx)?;
         for l in (0..z.layers).rev() {
             match self.layout.policy {
@@ -490,6 +517,7 @@ impl<B: Backend> DrafterStep<B> {
                 Checkpointing::PerLayer => self.layer_forward(l, Recompute::All)?,
             }
             self.layer_backward(l)?;
+            done(self, z.layers - l)?;
         }
         // dctx -> through hidden_norm (in place) -> fc.
         let dctx = at(scratch.dctx);
@@ -497,6 +525,7 @@ impl<B: Backend> DrafterStep<B> {
             RmsNormGrad { dy: dctx, x: at(lay.ctx_pre), w: self.hidden_norm.w, inv: at(lay.inv_hidden), dres: None };
         ops.rms_norm_backward(g, dctx, self.hidden_norm.g, at(scratch.dw_partial), z.s, z.h)?;
         self.weight_grad(dctx, z.s, z.h, at(lay.input.features), z.fw, self.fc.g)?;
+        done(self, z.layers + 1)?;
         self.loss()
     }
 

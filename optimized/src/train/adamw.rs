@@ -41,8 +41,15 @@ impl DeviceAdamW {
     /// Adds the last step's gradients to the accumulator; without one, nothing (the update reads
     /// the step's gradients, which the next step overwrites).
     pub fn accumulate<B: Backend>(&self, step: &DrafterStep<B>) -> Result<()> {
+        self.accumulate_range(step, 0..step.num_params())
+    }
+
+    /// [`DeviceAdamW::accumulate`] of the flat parameters `range` only (a gradient bucket).
+    pub fn accumulate_range<B: Backend>(&self, step: &DrafterStep<B>, range: std::ops::Range<usize>) -> Result<()> {
         let Some(acc) = self.regions.grads.accumulator() else { return Ok(()) };
-        step.backend().ops().accumulate(step.addr(acc), step.addr(step.layout.grads), step.num_params())
+        let (stored, wide) = (<B::Elem as Elem>::BYTES, <<B::Elem as Elem>::Acc as Real>::BYTES);
+        let (to, from) = (step.addr(acc) + (range.start * wide) as u64, step.addr(step.layout.grads));
+        step.backend().ops().accumulate(to, from + (range.start * stored) as u64, range.len())
     }
 
     /// Drops the accumulated gradients (a skipped step).

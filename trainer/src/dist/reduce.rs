@@ -1,7 +1,9 @@
 //! The all-reduce of the drafter workers' accumulated gradients where they live (spec section 9):
 //! NCCL on GPUs ([`dflash_optimized::device::nccl::Rank`]), and its CPU twin [`HostGroup`] (an
-//! in-process all-reduce in rank order, so CI runs the same protocol: every rank reduces after
-//! its rows, a failed or stuck rank aborts the others).
+//! in-process all-reduce in rank order, so CI runs the same protocol: every rank sums the same
+//! gradient buckets in the same order, a failed or stuck rank aborts the others). A worker
+//! starts each bucket's sum as its last row's backward finishes the bucket (NCCL on a stream of
+//! its own, beside the backward) and waits for them all before the update.
 
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -12,10 +14,17 @@ use crate::error::{Error, Result};
 /// Aborts a reduction group from any thread: every pending and later reduction fails.
 pub type Abort = Arc<dyn Fn() + Send + Sync>;
 
-/// One rank's all-reduce: sums `count` f32 at address `addr` (the engine's gradient
-/// accumulator) over the ranks, in place, and waits for it.
+/// One rank's all-reduce.
 pub trait GradReduce {
+    /// Sums `count` f32 at address `addr` (a bucket of the engine's gradient accumulator) over
+    /// the ranks, in place: after the work this rank's device has queued so far, complete once
+    /// [`GradReduce::wait`] returns (the CPU groups sum at once). Every rank makes the same
+    /// calls in the same order.
     fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> Result<()>;
+    /// Waits for every sum started so far.
+    fn wait(&self) -> Result<()> {
+        Ok(())
+    }
     fn abort(&self) -> Abort;
     /// With the optimizer state sharded: every rank's buffer at `addr` (values of `elem` bytes)
     /// holds fresh values in its own shard (`shards[rank]`, contiguous in rank order); after the
@@ -29,6 +38,9 @@ pub trait GradReduce {
 impl GradReduce for Rank {
     fn all_reduce_sum_f32(&self, addr: u64, count: usize) -> Result<()> {
         Ok(Rank::all_reduce_sum_f32(self, addr, count)?)
+    }
+    fn wait(&self) -> Result<()> {
+        Ok(Rank::wait(self)?)
     }
     fn abort(&self) -> Abort {
         let handle = self.abort_handle();
