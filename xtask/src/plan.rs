@@ -165,6 +165,48 @@ pub fn print_offline_plan(config: &DraftConfig, run: &PlanFor) -> Result<Option<
     print_steps(config, run, tables, false, "drafter step + embedding table + features")
 }
 
+/// Target workers on GPUs of their own (none beside a drafter worker, `train --gpus`): a target
+/// worker's GPU holds the forward of `target` (`name`; no LM head where it is untied) and its
+/// `slots` feature slots `[S, F*H]`; a drafter worker's GPU holds the step with its own LM head,
+/// the embedding table and the row's features it copies in, under each policy of `run`. Returns
+/// the first policy that fits with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks).
+pub fn print_apart_plan(
+    name: &str,
+    target: &TargetKind,
+    draft: &DraftConfig,
+    run: &PlanFor,
+    slots: usize,
+) -> Result<Option<Checkpointing>, String> {
+    use dflash_optimized::memory::{BF16, F32};
+    let (s, ids, err) = (run.shape.context_len, &draft.target_layer_ids, |e: dflash_optimized::Error| e.to_string());
+    let forward = match target {
+        TargetKind::Dense(t) => {
+            let layout = dflash_optimized::memory::target::TargetLayout::new(t, ids, s, (BF16, F32), false, true);
+            layout.and_then(|l| l.total_bytes()).map_err(err)?
+        }
+        TargetKind::Hybrid(t) => dflash_optimized::memory::hybrid::HybridTargetPlan::new(t, ids, s, (BF16, F32))
+            .map_err(err)?
+            .bytes,
+    };
+    let slot = (s * draft.num_features() * draft.dims.hidden_size) as u64 * BF16;
+    let total = forward.saturating_add(slot.saturating_mul(slots as u64));
+    println!(
+        "== a target worker's GPU: {name}'s forward over layers 0..={} ({}) and {slots} feature slots of {}: {}  {} in {}",
+        ids.iter().max().unwrap_or(&0),
+        gb(forward),
+        gb(slot),
+        gb(total),
+        if total <= run.device_bytes { "fits" } else { "DOES NOT FIT" },
+        gb(run.device_bytes)
+    );
+    let tables = (draft.dims.vocab_size * draft.dims.hidden_size) as u64 * BF16 + slot;
+    println!(
+        "== a drafter worker's GPU (features copied from the target workers' GPUs): embedding table and a row's features {}",
+        gb(tables)
+    );
+    print_steps(draft, run, tables, false, "drafter step + embedding table + features")
+}
+
 /// The drafter's step under each policy of `run` (reading the target's LM head when
 /// `shared_head`, else its own) next to `fixed` bytes on the device: each plan itemised and the
 /// sum, labelled `what`; returns the first policy that fits with `POLICY_HEADROOM` to spare (what

@@ -505,8 +505,17 @@ fn real_run(
             policies: &policies,
             accumulate: config.accumulates_gradients(),
         };
+        // Target workers on GPUs of their own: a target's GPU and a drafter's GPU each.
+        let (target_gpus, drafter_gpus) = config.topology();
+        let apart = config.step == StepKind::Gpu
+            && !target_gpus.is_empty()
+            && target_gpus.iter().all(|g| !drafter_gpus.contains(g));
         let chosen = match t {
             _ if config.features.is_some() => crate::plan::print_offline_plan(d, &run)?,
+            _ if apart => {
+                let slots = dflash_trainer::dist::feed::slots_per_target(config.drafter_workers);
+                crate::plan::print_apart_plan(&name, t, d, &run, slots)?
+            }
             TargetKind::Dense(t) => crate::plan::print_target_plan(&name, t, d, &run)?,
             TargetKind::Hybrid(t) => crate::plan::print_hybrid_plan(&name, t, d, &run)?,
         };

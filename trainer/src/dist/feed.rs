@@ -167,6 +167,12 @@ pub fn balance(waits: (f64, f64), seconds: f64, targets: usize, drafters: usize)
     ))
 }
 
+/// The feature slots of each target worker feeding `drafters` drafter workers: one per drafter
+/// worker stepping on a row, and one being filled.
+pub fn slots_per_target(drafters: usize) -> usize {
+    drafters + 1
+}
+
 struct FeedWorker {
     rows: SyncSender<(Row, usize)>,
     thread: Option<JoinHandle<()>>,
@@ -184,14 +190,14 @@ pub struct FeedPool {
 impl FeedPool {
     /// Starts a target worker on each device of `targets` feeding a drafter worker on each device
     /// of `drafters` (device ids: GPU ordinals, or labels on the CPU), each target worker making
-    /// its forward with `make(t, drafters + 1)` in its thread, with `drafters + 1` slots and a
+    /// its forward with `make(t, slots)` in its thread, with [`slots_per_target`] slots and a
     /// queue of as many rows; returns the pool and drafter worker `k`'s end at `k`. An error
     /// making a forward names the target worker.
     pub fn new(targets: &[usize], drafters: &[usize], make: Arc<MakeSlotFill>) -> Result<(FeedPool, Vec<FeedEnd>)> {
         if targets.is_empty() || drafters.is_empty() {
             return Err(Error::option("target_workers", "a feed needs at least 1 target and 1 drafter worker"));
         }
-        let slots = drafters.len() + 1;
+        let slots = slots_per_target(drafters.len());
         let waited_ns = Arc::new(AtomicU64::new(0));
         // Drafter worker `k` starts at target worker `k mod targets`: the first rows of a step
         // go to different target workers.
