@@ -155,6 +155,11 @@ impl Gpu {
     /// when a peer has no direct path to this one.
     pub fn share_pool_with(&self, peers: &[usize]) -> Result<()> {
         let own = self.ctx.ordinal();
+        if !self.ctx.has_async_alloc() {
+            // Plain allocations (no pool): copied between devices through unified addressing
+            // without a grant.
+            return Ok(());
+        }
         let pool = self.default_pool()?;
         for &peer in peers.iter().filter(|&&p| p != own) {
             let peer_dev = result::device::get(peer as i32).map_err(|e| driver_error(&format!("GPU {peer}"), e))?;
