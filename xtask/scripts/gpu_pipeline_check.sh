@@ -7,6 +7,8 @@
 # 768): "small", 12 layers of hidden 2048 (heads of 128), rows of 2048 tokens and 256 anchors;
 # "8b-layers", 8 layers of Qwen3-8B's shape (hidden 4096, 32 heads, 8 KV heads, MLP 12288), rows
 # of 3072 tokens and 512 anchors (the recipe's). Each pair of runs trains 16 steps of 4 rows.
+# On a machine with two GPUs or more, a third run puts the target worker on GPU 1 and the drafter
+# on GPU 0 (`--gpus 1,0 --target-workers 1`: the features copied peer to peer).
 # Checks: the losses are bitwise equal (the same bf16 features and kernels), and the pipeline's
 # samples/s (median of steps 4.., after warm-up) are no lower than the single trainer's (2%:
 # the run-to-run spread of one configuration on a shared machine). Writes OUT_DIR/pipeline.json.
@@ -20,6 +22,8 @@ cases=("$@")
 work=$(mktemp -d)
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
+topologies=(single pipeline)
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then topologies+=(apart); fi
 
 case_run() { # case_run NAME HIDDEN MLP HEADS KV LAYERS IDS S N
   local name=$1 hidden=$2 mlp=$3 heads=$4 kv=$5 layers=$6 ids=$7 s=$8 n=$9
@@ -31,9 +35,10 @@ case_run() { # case_run NAME HIDDEN MLP HEADS KV LAYERS IDS S N
     \"rope_theta\": 1000000.0, \"tie_word_embeddings\": false}}" > "$work/$name/make.json"
   python3 "$bundle/target_torch.py" "$work/$name/make.json" > /dev/null
   cp fixtures/data/tokenizer-qwen/* "$work/$name/target/"
-  for topology in single pipeline; do
+  for topology in "${topologies[@]}"; do
     local extra=()
     if [ "$topology" = pipeline ]; then extra=(--gpus 0,0 --target-workers 1); fi
+    if [ "$topology" = apart ]; then extra=(--gpus 1,0 --target-workers 1); fi
     "$bundle/xtask" train --target "$work/$name/target" --data fixtures/data/conversations.jsonl \
       --data-cache "$work/$name/cache" --out "$work/$name/$topology" --step gpu --max-len "$s" \
       --anchors "$n" --target-layer-ids "$ids" --held-out 0.1 --steps 16 --rows-per-step 4 \
