@@ -427,8 +427,9 @@ pub struct DeviceEngine<B: Backend> {
     host_copy: Option<Drafter>,
     /// Moments and step count restored before the step existed (applied when it is made).
     pending: Option<EngineState>,
-    /// With [`Frozen::Host`]: the device copies the rows read (made with the step).
-    host_tables: Option<HostTables<B>>,
+    /// With [`Frozen::Host`]: the embedding table `[V, H]` (stored) on the device, the block
+    /// embeddings gathered from it (made on the first row).
+    embed_table: Option<B::Alloc>,
     /// With [`Frozen::Host`]: target workers' slots hold each row's features.
     feed: Option<FeedEnd>,
     /// The all-reduce of the accumulated gradients over the drafter workers, on the device,
@@ -443,14 +444,6 @@ pub struct DeviceEngine<B: Backend> {
     /// Whether the step keeps an fp32 gradient accumulator (several rows per update, or
     /// gradients summed with other workers'); without, AdamW reads the step's own gradients.
     accumulator: bool,
-}
-
-/// What a [`Frozen::Host`] engine keeps on the device, stored: the embedding table `[V, H]` the
-/// block embeddings are gathered from, and a row's features `[S, F*H]` uploaded or copied from
-/// another device per row (made on the first such row: none when fed in place).
-struct HostTables<B: Backend> {
-    embed: B::Alloc,
-    features: Option<B::Alloc>,
 }
 
 impl<B: Backend> DeviceEngine<B> {
@@ -474,7 +467,7 @@ impl<B: Backend> DeviceEngine<B> {
             step: None,
             host_copy: None,
             pending: None,
-            host_tables: None,
+            embed_table: None,
             feed: None,
             reduce: None,
             buckets: Vec::new(),
@@ -526,8 +519,8 @@ impl<B: Backend> DeviceEngine<B> {
     }
 
     /// The same engine fed by target workers: rows carry `[S, 0]` features and each row's
-    /// features are read in place from the slot `feed` gives (a target worker on this device), or
-    /// copied from it (on another device) (needs [`Frozen::Host`]).
+    /// features are copied into the step from the slot `feed` gives (on this device, or peer to
+    /// peer from another) (needs [`Frozen::Host`]).
     pub fn with_feed(mut self, feed: FeedEnd) -> Self {
         self.feed = Some(feed);
         self
@@ -545,11 +538,8 @@ impl<B: Backend> DeviceEngine<B> {
     /// step's backward has not started, in order; then waits for all), making the step for rows
     /// of `(s, n)` first if needed; `false` without a group.
     pub fn reduce_on_device(&mut self, (s, n): (usize, usize)) -> Result<bool> {
-        if self.reduce.is_none() {
+        if self.reduce_group()?.is_none() {
             return Ok(false);
-        }
-        if std::mem::size_of::<Acc<B>>() != 4 {
-            return Err(Error::option("engine", "a reduction group needs an fp32 gradient accumulator"));
         }
         self.ensure_step(s, n)?;
         let (step, _) = self.step.as_ref().expect("made above");
@@ -561,6 +551,16 @@ impl<B: Backend> DeviceEngine<B> {
         }
         reduce.wait()?;
         Ok(true)
+    }
+
+    /// The reduction group, if any: it sums f32, so it needs an fp32 gradient accumulator.
+    fn reduce_group(&self) -> Result<Option<&dyn GradReduce>> {
+        match self.reduce.as_deref() {
+            Some(_) if std::mem::size_of::<Acc<B>>() != 4 => {
+                Err(Error::option("engine", "a reduction group needs an fp32 gradient accumulator"))
+            }
+            group => Ok(group),
+        }
     }
 
     /// Aborts the reduction group (another worker failed), if any.
@@ -603,7 +603,7 @@ impl<B: Backend> DeviceEngine<B> {
         let dev = (self.make)()?;
         let own_head = matches!(self.frozen, Frozen::Host(_));
         let widths = (B::Elem::BYTES as u64, <Acc<B> as Real>::BYTES as u64);
-        let (available, beside) = (dev.available_bytes()?, self.beside_step_bytes(s));
+        let (available, beside) = (dev.available_bytes()?, self.beside_step_bytes());
         let step_bytes =
             |p| Ok(StepLayout::with_head(&self.config, shape, p, optimizer, widths, own_head)?.total_bytes());
         let policy = fastest_fitting(&self.policies, available, beside, step_bytes)?;
@@ -615,7 +615,7 @@ impl<B: Backend> DeviceEngine<B> {
             return Err(Error::option(
                 "checkpointing",
                 format!(
-                    "the step ({} checkpointing: {}) and the embedding table and a row's features beside it ({}) need {}; {} has {} free",
+                    "the step ({} checkpointing: {}) and the embedding table beside it ({}) need {}; {} has {} free",
                     policy.name(),
                     size_text(need),
                     size_text(beside),
@@ -648,54 +648,42 @@ impl<B: Backend> DeviceEngine<B> {
         Ok(())
     }
 
-    /// Puts `row`'s input into the step (running the target first when online; when fed,
-    /// reading `fed`'s slot in place, or copying it from another device into the engine's own
-    /// features buffer); returns the model FLOPs of the target's forward (0 offline) and the
-    /// slot the step reads in place (to hold until the step has read it; a copied slot is given
-    /// back at once).
-    fn set_row(
-        &mut self,
-        row: &TrainRow,
-        p: &PreparedRow,
-        fed: Option<FedFeatures>,
-    ) -> Result<(f64, Option<FedFeatures>)> {
+    /// Puts `row`'s input into the step (running the target first when online); when fed, its
+    /// features come from `fed`'s slot (copied into the step's input, from another device peer
+    /// to peer), and the slot goes back once they are; returns the model FLOPs of the target's
+    /// forward (0 offline).
+    fn set_row(&mut self, row: &TrainRow, p: &PreparedRow, fed: Option<FedFeatures>) -> Result<f64> {
         self.ensure_step(p.input.layout.context_len, p.input.layout.anchors.len())?;
         let (step, _) = self.step.as_mut().expect("made above");
         match &mut self.frozen {
             Frozen::Host(head) => {
                 let z = step.layout.dims;
-                if self.host_tables.is_none() {
+                if self.embed_table.is_none() {
                     let dev = step.backend();
                     let embed: Vec<B::Elem> = stored(&head.embed)?;
                     let table = dev.alloc("embedding table", std::mem::size_of_val(&embed[..]))?;
                     dev.upload(table.ptr(), bytes_of(&embed))?;
-                    self.host_tables = Some(HostTables { embed: table, features: None });
+                    self.embed_table = Some(table);
                 }
-                let tables = self.host_tables.as_mut().expect("made above");
-                let bytes = z.s * z.fw * B::Elem::BYTES;
-                match fed {
-                    Some(fed) if fed.copy => {
-                        let features = own_features(step, &mut tables.features, bytes)?;
-                        step.backend().copy_from_peer(features, fed.addr, bytes)?;
-                        step.set_input_device(features, tables.embed.ptr(), &p.input, &p.targets)?;
-                        return Ok((fed.flops, None));
-                    }
+                let embed = self.embed_table.as_ref().expect("made above").ptr();
+                let (features, bytes) = (step.input_features(), z.s * z.fw * B::Elem::BYTES);
+                match &fed {
+                    Some(fed) if fed.copy => step.backend().copy_from_peer(features, fed.addr, bytes)?,
                     Some(fed) => {
-                        step.set_input_device(fed.addr, tables.embed.ptr(), &p.input, &p.targets)?;
-                        return Ok((fed.flops, Some(fed)));
+                        step.backend().copy(features, fed.addr, bytes)?;
+                        step.backend().synchronize()?;
                     }
-                    None => {}
+                    None if row.features.dims() != [z.s, z.fw] => {
+                        return Err(Error::option(
+                            "features",
+                            format!("shape {:?}, the step expects [{}, {}]", row.features.dims(), z.s, z.fw),
+                        ))
+                    }
+                    None => step.backend().upload(features, bytes_of(&stored::<B::Elem>(&row.features)?))?,
                 }
-                if row.features.dims() != [z.s, z.fw] {
-                    return Err(Error::option(
-                        "features",
-                        format!("shape {:?}, the step expects [{}, {}]", row.features.dims(), z.s, z.fw),
-                    ));
-                }
-                let features = own_features(step, &mut tables.features, bytes)?;
-                step.backend().upload(features, bytes_of(&stored::<B::Elem>(&row.features)?))?;
-                step.set_input_device(features, tables.embed.ptr(), &p.input, &p.targets)?;
-                Ok((0.0, None))
+                step.set_input_after_features(embed, &p.input, &p.targets)?;
+                // The slot goes back here, its features copied (and waited for).
+                Ok(fed.map_or(0.0, |f| f.flops))
             }
             Frozen::Target(_) if fed.is_some() => {
                 Err(Error::option("engine", "fed features with an engine that runs its own target"))
@@ -710,30 +698,28 @@ impl<B: Backend> DeviceEngine<B> {
                 forward.run(&[&plain])?;
                 let (embed, _) = forward.frozen_tables();
                 step.set_input_device(forward.features_addr(), embed, &p.input, &p.targets)?;
-                Ok((forward.row_flops(&plain.doc_ids), None))
+                Ok(forward.row_flops(&plain.doc_ids))
             }
         }
     }
 
     /// The device memory planned for the step and the target's forward (or the host-frozen
-    /// engine's embedding table and features); `None` before the step is laid out.
+    /// engine's embedding table); `None` before the step is laid out.
     pub fn planned_bytes(&self) -> Option<u64> {
         let step = &self.step.as_ref()?.0;
         let beside = match &self.frozen {
-            Frozen::Host(_) => self.beside_step_bytes(step.layout.dims.s),
+            Frozen::Host(_) => self.beside_step_bytes(),
             Frozen::Target(forward) => forward.allocated_bytes(),
         };
         Some(step.planned_peak().saturating_add(beside))
     }
 
-    /// What a [`Frozen::Host`] engine allocates on the device after its step, for rows of `s`
-    /// tokens: the embedding table and a row's features (none when fed in place); 0 online (the
-    /// target's forward is allocated already).
-    fn beside_step_bytes(&self, s: usize) -> u64 {
+    /// What a [`Frozen::Host`] engine allocates on the device after its step: the embedding
+    /// table (a row's features go straight into the step's input); 0 online (the target's
+    /// forward is allocated already).
+    fn beside_step_bytes(&self) -> u64 {
         let Frozen::Host(head) = &self.frozen else { return 0 };
-        let in_place = self.feed.as_ref().is_some_and(|f| !f.copies());
-        let features = if in_place { 0 } else { s * self.config.num_features() * self.config.dims.hidden_size };
-        (head.embed.elem_count() as u64).saturating_add(features as u64).saturating_mul(B::Elem::BYTES as u64)
+        (head.embed.elem_count() as u64).saturating_mul(B::Elem::BYTES as u64)
     }
 
     /// The checkpointing policy of the step (`None` until it is laid out, on the first row).
@@ -769,6 +755,7 @@ impl<B: Backend> DeviceEngine<B> {
 
     fn accumulate_into(&mut self, rows: &[(&TrainRow, &PreparedRow)], total: f64, share: &mut Share) -> Result<()> {
         let mut stepped = false;
+        self.reduce_group()?;
         let last = rows.iter().rposition(|(_, p)| p.targets.total_weight() > 0.0);
         let mut rows = rows.iter().enumerate();
         while let Some((i, (row, p))) = rows.next() {
@@ -777,7 +764,7 @@ impl<B: Backend> DeviceEngine<B> {
             if p.targets.total_weight() == 0.0 {
                 continue;
             }
-            let (flops, in_place) = self.set_row(row, p, fed)?;
+            let flops = self.set_row(row, p, fed)?;
             share.flops += flops + step_flops(&self.config, p)?;
             let (step, adam) = self.step.as_mut().expect("made by set_row");
             stepped = true;
@@ -823,10 +810,6 @@ impl<B: Backend> DeviceEngine<B> {
             }
             if overlap.is_none() {
                 adam.accumulate(step)?;
-            }
-            if in_place.is_some() {
-                // The step has read the slot (forward and backward) before it goes back.
-                step.backend().synchronize()?;
             }
         }
         // An update of no weighted row applies zero gradients, as an emptied accumulator holds:
@@ -1144,29 +1127,17 @@ impl<B: Backend> DeviceEngine<B> {
             if p.targets.total_weight() == 0.0 {
                 continue;
             }
-            let (_, in_place) = self.set_row(&row, &p, fed)?;
+            self.set_row(&row, &p, fed)?;
             let (step, _) = self.step.as_mut().expect("made by set_row");
             step.set_record_predictions(true);
             let l = step.step(1.0)?;
             eval.add(l.loss * l.total_weight, &step.predictions()?, &p.targets);
-            if in_place.is_some() {
-                step.backend().synchronize()?;
-            }
         }
         if let Some((step, _)) = self.step.as_mut() {
             step.set_record_predictions(false);
         }
         Ok(eval.report())
     }
-}
-
-/// The engine's own features buffer of `bytes` on `step`'s device (made on first use): a row's
-/// features uploaded from the host, or copied from a target worker's slot on another device.
-fn own_features<B: Backend>(step: &DrafterStep<B>, buffer: &mut Option<B::Alloc>, bytes: usize) -> Result<u64> {
-    if buffer.is_none() {
-        *buffer = Some(step.backend().alloc("features", bytes)?);
-    }
-    Ok(buffer.as_ref().expect("made above").ptr())
 }
 
 /// Uploads a checkpoint's AdamW moments into `step`'s optimizer regions and its step count.

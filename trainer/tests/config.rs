@@ -186,7 +186,9 @@ fn resume_refuses_options_that_change_the_run() {
 /// NCCL rank each), target workers anywhere: beside their drafters or on GPUs of their own.
 #[test]
 fn gpus_place_target_workers_anywhere_and_drafter_workers_apart() {
-    let base = set(&RunConfig::builtin(), &[("step", "gpu"), ("target", "/models/qwen3"), ("data", "/data/chats.jsonl")]).expect("parses");
+    let base =
+        set(&RunConfig::builtin(), &[("step", "gpu"), ("target", "/models/qwen3"), ("data", "/data/chats.jsonl")])
+            .expect("parses");
     let placed = |gpus: &str, targets: &str, drafters: &str| {
         set(&base, &[("gpus", gpus), ("target-workers", targets), ("drafter-workers", drafters)])
             .and_then(|c| c.validate().map(|()| c.topology()))

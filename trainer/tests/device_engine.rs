@@ -216,7 +216,7 @@ fn auto_checkpointing_takes_the_fastest_policy_that_fits() {
     let row = |step: usize| one_row(&setup, step, &c);
     let engine = |available: u64, policies: &[Checkpointing]| engine_on::<f32>(&setup, &c, available, policies);
     // The step's bytes under each policy for the rows' shape, and what the engine puts beside it
-    // (the embedding table and a row's features).
+    // (the embedding table; a row's features go into the step's input).
     let (s, n) = (setup.data[0].len(), c.anchors);
     let shape = StepShape { context_len: s, num_anchors: n, lm_chunk_rows: 1024 };
     let params = dflash_optimized::model::drafter_step::param_slots(&setup.draft_config).iter().map(|s| s.len).sum();
@@ -225,7 +225,7 @@ fn auto_checkpointing_takes_the_fastest_policy_that_fits() {
         StepLayout::with_head(&setup.draft_config, shape, p, optimizer, (4, 4), true).expect("layout").total_bytes()
     };
     let d = &setup.draft_config;
-    let beside = 4 * (d.dims.vocab_size * d.dims.hidden_size + s * d.num_features() * d.dims.hidden_size) as u64;
+    let beside = 4 * (d.dims.vocab_size * d.dims.hidden_size) as u64;
     assert!(bytes(Checkpointing::PerLayer) < bytes(Checkpointing::None), "per-layer keeps less");
     let auto = CheckpointingChoice::Auto.policies();
     let just_per_layer = bytes(Checkpointing::PerLayer) + beside + POLICY_HEADROOM;
@@ -246,5 +246,5 @@ fn auto_checkpointing_takes_the_fastest_policy_that_fits() {
     // The step fits, what goes beside it does not: refused before either is allocated.
     let mut short = engine(bytes(Checkpointing::PerLayer) + beside / 2, &auto);
     let err = short.step(&row(0), &mut ChaCha8Rng::seed_from_u64(4)).expect_err("beside does not fit").to_string();
-    assert!(err.contains("per-layer checkpointing") && err.contains("features beside it"), "{err}");
+    assert!(err.contains("per-layer checkpointing") && err.contains("embedding table beside it"), "{err}");
 }

@@ -23,7 +23,9 @@ work=$(mktemp -d)
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
 topologies=(single pipeline)
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then topologies+=(apart); fi
+visible=$(nvidia-smi -L | wc -l)
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then visible=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | wc -l); fi
+if [ "$visible" -ge 2 ]; then topologies+=(apart); fi
 
 case_run() { # case_run NAME HIDDEN MLP HEADS KV LAYERS IDS S N
   local name=$1 hidden=$2 mlp=$3 heads=$4 kv=$5 layers=$6 ids=$7 s=$8 n=$9

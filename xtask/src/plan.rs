@@ -152,29 +152,30 @@ pub struct PlanFor<'a> {
 }
 
 /// An offline run's step (from a feature cache: no target on the device) under each policy of
-/// `run`, with its own LM head, and the embedding table and a row's features beside it; returns
-/// the first policy that fits with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks).
+/// `run`, with its own LM head, and the embedding table beside it (each row's features go
+/// straight into the step's input); returns the first policy that fits with `POLICY_HEADROOM` to
+/// spare (what `DeviceEngine` picks).
 pub fn print_offline_plan(config: &DraftConfig, run: &PlanFor) -> Result<Option<Checkpointing>, String> {
-    let (c, shape) = (&config.dims, run.shape);
-    let tables = (c.vocab_size * c.hidden_size + shape.context_len * config.num_features() * c.hidden_size) as u64
-        * dflash_optimized::memory::BF16;
-    println!(
-        "== offline (features from the cache; no target on the device): embedding table and a row's features {}",
-        gb(tables)
-    );
-    print_steps(config, run, tables, false, "drafter step + embedding table + features")
+    let c = &config.dims;
+    let tables = (c.vocab_size * c.hidden_size) as u64 * dflash_optimized::memory::BF16;
+    println!("== offline (features from the cache; no target on the device): embedding table {}", gb(tables));
+    print_steps(config, run, tables, false, "drafter step + embedding table")
 }
 
-/// Target workers on GPUs of their own (none beside a drafter worker, `train --gpus`): a target
-/// worker's GPU holds the forward of `target` (`name`; no LM head where it is untied) and its
-/// `slots` feature slots `[S, F*H]`; a drafter worker's GPU holds the step with its own LM head,
-/// the embedding table and the row's features it copies in, under each policy of `run`. Returns
-/// the first policy that fits with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks).
-pub fn print_apart_plan(
+/// The `gpu` step with target workers on `target_gpus` (one entry per worker) and drafter workers
+/// on `drafter_gpus`: a target worker holds the forward of `target` (`name`; no LM head where it
+/// is untied) and `slots` feature slots `[S, F*H]`; a drafter worker the step with its own LM
+/// head and the embedding table (each row's features are copied into the step's input, from
+/// another GPU peer to peer). Prints each GPU's target workers, and the drafter's step under
+/// each policy of `run` beside the most target workers a drafter's GPU holds. Returns the first
+/// policy under which every GPU fits with `POLICY_HEADROOM` to spare (what `DeviceEngine` picks),
+/// `None` when a GPU of target workers alone does not fit.
+pub fn print_workers_plan(
     name: &str,
     target: &TargetKind,
     draft: &DraftConfig,
     run: &PlanFor,
+    (target_gpus, drafter_gpus): (&[usize], &[usize]),
     slots: usize,
 ) -> Result<Option<Checkpointing>, String> {
     use dflash_optimized::memory::{BF16, F32};
@@ -184,27 +185,46 @@ pub fn print_apart_plan(
             let layout = dflash_optimized::memory::target::TargetLayout::new(t, ids, s, (BF16, F32), false, true);
             layout.and_then(|l| l.total_bytes()).map_err(err)?
         }
-        TargetKind::Hybrid(t) => dflash_optimized::memory::hybrid::HybridTargetPlan::new(t, ids, s, (BF16, F32))
-            .map_err(err)?
-            .bytes,
+        TargetKind::Hybrid(t) => {
+            dflash_optimized::memory::hybrid::HybridTargetPlan::new(t, ids, s, (BF16, F32)).map_err(err)?.bytes
+        }
     };
     let slot = (s * draft.num_features() * draft.dims.hidden_size) as u64 * BF16;
-    let total = forward.saturating_add(slot.saturating_mul(slots as u64));
+    let worker = forward.saturating_add(slot.saturating_mul(slots as u64));
     println!(
-        "== a target worker's GPU: {name}'s forward over layers 0..={} ({}) and {slots} feature slots of {}: {}  {} in {}",
+        "== a target worker: {name}'s forward over layers 0..={} ({}) and {slots} feature slots of {}: {}",
         ids.iter().max().unwrap_or(&0),
         gb(forward),
         gb(slot),
-        gb(total),
-        if total <= run.device_bytes { "fits" } else { "DOES NOT FIT" },
-        gb(run.device_bytes)
+        gb(worker)
     );
-    let tables = (draft.dims.vocab_size * draft.dims.hidden_size) as u64 * BF16 + slot;
+    let mut gpus: Vec<usize> = target_gpus.iter().chain(drafter_gpus).copied().collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    let on = |g: usize| target_gpus.iter().filter(|&&t| t == g).count() as u64;
+    let mut alone_fit = true;
+    for &g in gpus.iter().filter(|g| !drafter_gpus.contains(g)) {
+        let total = worker.saturating_mul(on(g));
+        let fits = total.saturating_add(POLICY_HEADROOM) <= run.device_bytes;
+        alone_fit &= fits;
+        println!(
+            "  GPU {g}: {} target worker(s) {:>12}  {} in {}",
+            on(g),
+            gb(total),
+            if fits { "fits" } else { "DOES NOT FIT" },
+            gb(run.device_bytes)
+        );
+    }
+    let beside = drafter_gpus.iter().map(|&g| on(g)).max().unwrap_or(0);
+    let tables = (draft.dims.vocab_size * draft.dims.hidden_size) as u64 * BF16;
     println!(
-        "== a drafter worker's GPU (features copied from the target workers' GPUs): embedding table and a row's features {}",
-        gb(tables)
+        "== a drafter worker's GPU: the embedding table {} and {beside} target worker(s) beside it {}",
+        gb(tables),
+        gb(worker.saturating_mul(beside))
     );
-    print_steps(draft, run, tables, false, "drafter step + embedding table + features")
+    let fixed = tables.saturating_add(worker.saturating_mul(beside));
+    let chosen = print_steps(draft, run, fixed, false, "drafter step + embedding table + target workers")?;
+    Ok(chosen.filter(|_| alone_fit))
 }
 
 /// The drafter's step under each policy of `run` (reading the target's LM head when

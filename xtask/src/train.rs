@@ -505,16 +505,12 @@ fn real_run(
             policies: &policies,
             accumulate: config.accumulates_gradients(),
         };
-        // Target workers on GPUs of their own: a target's GPU and a drafter's GPU each.
-        let (target_gpus, drafter_gpus) = config.topology();
-        let apart = config.step == StepKind::Gpu
-            && !target_gpus.is_empty()
-            && target_gpus.iter().all(|g| !drafter_gpus.contains(g));
         let chosen = match t {
             _ if config.features.is_some() => crate::plan::print_offline_plan(d, &run)?,
-            _ if apart => {
+            _ if config.step == StepKind::Gpu && config.target_workers > 0 => {
+                let (target_gpus, drafter_gpus) = config.topology();
                 let slots = dflash_trainer::dist::feed::slots_per_target(config.drafter_workers);
-                crate::plan::print_apart_plan(&name, t, d, &run, slots)?
+                crate::plan::print_workers_plan(&name, t, d, &run, (&target_gpus, &drafter_gpus), slots)?
             }
             TargetKind::Dense(t) => crate::plan::print_target_plan(&name, t, d, &run)?,
             TargetKind::Hybrid(t) => crate::plan::print_hybrid_plan(&name, t, d, &run)?,
@@ -887,7 +883,7 @@ fn feed(
     }
     let (pool, ends) = FeedPool::new(targets, drafters, fill).map_err(|e| e.to_string())?;
     let how = match ends.iter().filter(|e| e.copies()).count() {
-        0 => "features read in place".to_string(),
+        0 => "features copied on their GPU".to_string(),
         n => format!("features copied peer to peer to {n} of them, from target workers on other GPUs"),
     };
     println!("{} target workers feeding {} drafter workers ({how})", targets.len(), drafters.len());

@@ -426,19 +426,26 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let gb: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
     // The whole state's bytes against the largest shard's, in the same unit below 1 GB.
     assert!(gb.len() == 3 && line.matches("MB").count() == 2 && (gb[1] / gb[2] - 10.0 / 16.0).abs() < 0.01, "{line}");
-    // A target worker on a GPU of its own: its forward and 2 feature slots there (one per drafter
-    // worker and one being filled); the drafter's GPU plans the step with its own LM head and
-    // the features it copies in, no target beside it.
-    let extra = ["--plan", "--step", "gpu", "--gpus", "1,0", "--target-workers", "1"];
-    let result =
-        Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &planned, &extra)).output().unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}
-{}", text(&result.stderr));
-    for expected in ["a target worker's GPU", "and 2 feature slots of", "a drafter worker's GPU", "its own LM head"] {
-        assert!(stdout.contains(expected), "--plan apart: no `{expected}` in\n{stdout}");
+    // Target workers with the `gpu` step: each GPU's target workers (a forward and 2 feature
+    // slots each: one per drafter worker and one being filled), and the drafter's step with its
+    // own LM head beside the target workers on its GPU (none, then one).
+    for (gpus, targets, beside) in
+        [("1,0", "1", "0 target worker(s) beside it"), ("1,0,0", "2", "1 target worker(s) beside it")]
+    {
+        let extra = ["--plan", "--step", "gpu", "--gpus", gpus, "--target-workers", targets];
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(real_args(&target, &cache, &planned, &extra))
+            .output()
+            .unwrap();
+        let stdout = text(&result.stdout);
+        assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+        for expected in
+            ["a target worker: ", "and 2 feature slots of", "GPU 1: 1 target worker(s)", "its own LM head", beside]
+        {
+            assert!(stdout.contains(expected), "--plan --gpus {gpus}: no `{expected}` in\n{stdout}");
+        }
+        assert!(!stdout.contains("target + drafter step"), "--plan --gpus {gpus}: no shared LM head:\n{stdout}");
     }
-    assert!(!stdout.contains("target + drafter step"), "--plan apart: no target beside the drafter:\n{stdout}");
     let (mut first, mut stats) = (Vec::new(), Vec::new());
     for (name, step) in [("host", "host"), ("reference", "reference")] {
         let out = tmp.path().join(name);

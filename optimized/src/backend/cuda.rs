@@ -95,6 +95,8 @@ impl Backend for Cuda {
     /// Through unified addressing (`cuMemcpyAsync` finds both devices from the addresses), peer
     /// to peer where the source's pool shares it ([`Gpu::share_pool_with`]).
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // The copy goes to the context current on this thread: this GPU's.
+        self.stream.context().bind_to_thread().map_err(|e| crate::Error::Gpu(format!("binding the context: {e}")))?;
         // SAFETY: callers pass allocations of at least `bytes` bytes, the source's complete.
         unsafe { cudarc::driver::sys::cuMemcpyAsync(dst, src, bytes, self.stream.cu_stream()) }
             .result()

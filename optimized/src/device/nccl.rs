@@ -159,7 +159,10 @@ impl Drop for Rank {
         if self.ended.swap(true, Ordering::SeqCst) {
             return;
         }
-        // SAFETY: the communicator is live (not aborted) and no call on it is pending (calls wait).
+        // Sums still queued (a step that stopped before its wait) finish first: a run that
+        // stops on an error aborts every communicator, which returns above instead.
+        let _ = self.sums.synchronize();
+        // SAFETY: the communicator is live (not aborted) and nothing is queued on it.
         let _ = catch_unwind(AssertUnwindSafe(|| unsafe { result::comm_destroy(self.comm) }));
     }
 }

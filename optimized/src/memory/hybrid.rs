@@ -514,7 +514,8 @@ impl HybridTargetPlan {
     /// Refuses the plan when it needs more than `available` bytes of `device`, naming the largest
     /// items.
     pub fn check_fits(&self, available: u64, device: &str) -> Result<()> {
-        let hint = "run the target on a GPU of its own (`train --target-workers`, `--gpus`) or offline (`xtask features`)";
+        let hint =
+            "run the target on a GPU of its own (`train --target-workers`, `--gpus`) or offline (`xtask features`)";
         check_fits("the hybrid target", self.bytes, &self.items, available, device, hint)
     }
 

@@ -381,8 +381,23 @@ impl<B: Backend> DrafterStep<B> {
     ) -> Result<()> {
         let z = self.layout.dims;
         self.check_blocks(&input.layout)?;
+        self.dev.copy(self.input_features(), features, z.s * z.fw * B::Elem::BYTES)?;
+        self.set_input_after_features(embed, input, targets)
+    }
+
+    /// Where the step reads a row's features (`[S, F*H]` stored): a caller may write them there
+    /// itself (uploaded from the host, or copied from another device), then call
+    /// [`DrafterStep::set_input_after_features`].
+    pub fn input_features(&self) -> u64 {
+        self.addr(self.layout.input.features)
+    }
+
+    /// [`DrafterStep::set_input_device`] for a row whose features are already at
+    /// [`DrafterStep::input_features`].
+    pub fn set_input_after_features(&mut self, embed: u64, input: &DraftInput, targets: &BlockTargets) -> Result<()> {
+        let z = self.layout.dims;
+        self.check_blocks(&input.layout)?;
         let i = self.layout.input;
-        self.dev.copy(self.addr(i.features), features, z.s * z.fw * B::Elem::BYTES)?;
         let tokens = input.block_tokens(self.config.mask_token_id);
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= z.v) {
             return Err(Error::invalid("block tokens", format!("token {bad} is not below the vocab size {}", z.v)));

@@ -7,11 +7,10 @@
 //! order the coordinator queued them ([`FeedPool::queue`] and [`FeedEnd::next`] keep the same
 //! cursor). Each side counts the seconds it waits for the other.
 //!
-//! Slots live on the target's device. A drafter worker on the same device (a target and a
-//! drafter sharing a GPU) reads a slot in place and gives it back after its step; one on another
-//! device copies the slot into its own features buffer (peer to peer, `Backend::copy_from_peer`)
-//! and gives it back at once, so the target refills it while the drafter steps. On the CPU twins
-//! the devices are labels: the same protocol, over host memory.
+//! Slots live on the target's device. A drafter worker copies a slot into its step's input (on
+//! the same device, or peer to peer from another: `Backend::copy_from_peer`) and gives it back
+//! at once, so the target refills it while the drafter steps. On the CPU twins the devices are
+//! labels: the same protocol, over host memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
@@ -35,8 +34,7 @@ pub struct FedFeatures {
     pub tokens: Vec<u32>,
     /// Model FLOPs of the target's forward on the row.
     pub flops: f64,
-    /// Whether the slot is on another device than the drafter worker's: copied out, not read in
-    /// place.
+    /// Whether the slot is on another device than the drafter worker's (copied peer to peer).
     pub copy: bool,
     slot: usize,
     free: Sender<usize>,
@@ -78,8 +76,7 @@ impl FeedEnd {
         }
     }
 
-    /// Whether some rows' features come from another device: the drafter worker then holds a
-    /// features buffer `[S, F*H]` of its own to copy them into.
+    /// Whether some rows' features come from another device (copied peer to peer).
     pub fn copies(&self) -> bool {
         self.copies
     }
@@ -168,7 +165,7 @@ pub fn balance(waits: (f64, f64), seconds: f64, targets: usize, drafters: usize)
 }
 
 /// The feature slots of each target worker feeding `drafters` drafter workers: one per drafter
-/// worker stepping on a row, and one being filled.
+/// worker copying from it, and one being filled.
 pub fn slots_per_target(drafters: usize) -> usize {
     drafters + 1
 }

@@ -18,8 +18,9 @@
 //! summed over the processes too, so every rank logs the same loss and skips the same steps.
 //!
 //! Features come from the rows, from each engine's own target, or from target workers
-//! ([`feed::FeedPool`]: threads with a target's forward whose features stay on the device, in
-//! slots the drafter workers read in place, the rows streamed while the drafters step). Each
+//! ([`feed::FeedPool`]: threads with a target's forward whose features stay on their device, in
+//! slots each drafter worker copies into its step, on the same GPU or peer to peer from another,
+//! the rows streamed while the drafters step). Each
 //! step then reports how long the drafters waited for the features and the targets for the
 //! drafters.
 
