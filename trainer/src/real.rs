@@ -65,9 +65,9 @@ pub fn data_options(c: &RunConfig) -> DataOptions {
     }
 }
 
-/// Reads and checks the target folder, the data (tokenized once, then cached) and the feature
-/// cache of `c` (validated, with `target` set).
-pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
+/// Reads and checks the target folder, then `devices` (the run's devices exist), then the data
+/// (tokenized once, then cached) and the feature cache of `c` (validated, with `target` set).
+pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<RealSetup> {
     let target_dir = c.target.clone().ok_or_else(|| Error::option("target", "not set"))?;
     if !target_dir.is_dir() {
         return Err(Error::option("target", format!("{}: not a folder", target_dir.display())));
@@ -144,6 +144,7 @@ pub fn prepare(c: &RunConfig) -> Result<RealSetup> {
     draft_config.target_layer_ids = layer_ids.clone();
     target_config.check_drafter(&draft_config)?;
 
+    devices()?;
     let files: Vec<PathBuf> = c.data.clone();
     let dataset = Dataset::prepare(&tokenizer, &files, &data_options(c)).map_err(data_error)?;
     if let Some(doc) =

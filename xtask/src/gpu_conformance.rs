@@ -67,9 +67,26 @@ pub fn open_gpu() -> Result<Gpu, String> {
 pub fn open_gpu_at(ordinal: usize) -> Result<Gpu, String> {
     match Gpu::open(ordinal).map_err(|e| e.to_string())? {
         Some(gpu) => Ok(gpu),
-        None => Err("no CUDA GPU here (no driver library libcuda.so, or no device); run on the GPU machine: \
-                     `cargo xtask gpu-bundle` prints the command"
-            .to_string()),
+        None => Err(NO_GPU.to_string()),
+    }
+}
+
+/// What a GPU command says on a machine without one.
+const NO_GPU: &str = "no CUDA GPU here (no driver library libcuda.so, or no device); run on the GPU machine: \
+                      `cargo xtask gpu-bundle` prints the command";
+
+/// Checks that this machine has the GPUs `ordinals` (the `gpu` step's workers), before any work.
+pub fn check_gpus(ordinals: &[usize]) -> dflash_trainer::Result<()> {
+    let count = Gpu::count()?;
+    if count == 0 {
+        return Err(dflash_trainer::Error::option("step", format!("`gpu`: {NO_GPU}")));
+    }
+    match ordinals.iter().find(|&&g| g >= count) {
+        Some(g) => Err(dflash_trainer::Error::option(
+            "gpus",
+            format!("GPU {g} requested, but this machine has {count} CUDA device(s)"),
+        )),
+        None => Ok(()),
     }
 }
 

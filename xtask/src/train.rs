@@ -303,6 +303,7 @@ fn builtin_run(
         println!("{}", plan.describe());
         return Ok(());
     }
+    gpus_present(&config, launch, plan).map_err(err)?;
     prepare_out(&config, launch, &resume)?;
 
     let started = Instant::now();
@@ -434,7 +435,7 @@ fn real_run(
 ) -> Result<(), String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     let started = Instant::now();
-    let setup = real::prepare(&config).map_err(err)?;
+    let setup = real::prepare(&config, || gpus_present(&config, launch, plan)).map_err(err)?;
     let (t, d) = (&setup.target_config, &setup.draft_config);
     for note in &setup.notes {
         println!("{note}");
@@ -759,6 +760,16 @@ fn real_run(
     }
     report_files(&config, &summary, &final_dir, &svg, started);
     Ok(())
+}
+
+/// The `gpu` step's GPUs exist (unless only planning): checked before the data is read or
+/// anything is loaded.
+fn gpus_present(config: &RunConfig, launch: &Launch, plan: bool) -> dflash_trainer::Result<()> {
+    if config.step != StepKind::Gpu || plan {
+        return Ok(());
+    }
+    let (targets, drafters) = launch.topology(config);
+    crate::gpu_conformance::check_gpus(&[targets, drafters].concat())
 }
 
 /// Makes drafter worker `k`'s engine on its GPU, in the worker's thread.

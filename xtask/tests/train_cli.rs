@@ -665,6 +665,14 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&gpu(&["--gpus", "0", "--target-workers", "1"]), &["gpus", "1 GPUs for 1 target + 1 drafter workers"]);
     fails(&gpu(&["--drafter-workers", "2"]), &["gpus", "two drafter workers on GPU 0"]);
     fails(&gpu(&["--gpus", "1,1", "--drafter-workers", "2"]), &["gpus", "two drafter workers on GPU 1"]);
+    // GPUs the machine lacks, before the data is read: none in CI, GPU 63 on a GPU machine.
+    let mut args = real_args(&target, &cache, &out, &["--steps", "2"]);
+    args.extend(gpu(&["--gpus", "0,63", "--drafter-workers", "2"]).iter().map(|s| s.to_string()));
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
+    assert!(!result.status.success(), "GPU 63 accepted");
+    assert!(stderr.contains("no CUDA GPU here") || stderr.contains("GPU 63 requested"), "{stderr}");
+    assert!(!stdout.contains("data:"), "the data was read first:\n{stdout}");
     let cached = tmp.path().join("nothing").to_str().unwrap().to_string();
     fails(&["--target-workers", "1", "--features", &cached], &["target_workers", "no `--features`"]);
     // A mask token the data holds (a token of the first conversation).

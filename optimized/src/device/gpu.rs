@@ -59,6 +59,20 @@ impl Gpu {
         Self::open_on(ordinal, true)
     }
 
+    /// How many CUDA devices this machine has: 0 without a driver library or a device.
+    pub fn count() -> Result<usize> {
+        // SAFETY: only tries to load the driver library (and unloads it again).
+        if !unsafe { sys::is_culib_present() } {
+            return Ok(0);
+        }
+        match catch_unwind(CudaContext::device_count) {
+            Ok(Ok(count)) => Ok(usize::try_from(count).unwrap_or(0)),
+            Ok(Err(DriverError(sys::CUresult::CUDA_ERROR_NO_DEVICE))) => Ok(0),
+            Ok(Err(e)) => Err(driver_error("initialising the CUDA driver (cuInit, cuDeviceGetCount)", e)),
+            Err(_) => Err(Error::Gpu("the CUDA driver library is unusable (older than CUDA 13.0?)".into())),
+        }
+    }
+
     fn open_on(ordinal: usize, own_stream: bool) -> Result<Option<Gpu>> {
         // SAFETY: only tries to load the driver library (and unloads it again).
         if !unsafe { sys::is_culib_present() } {
