@@ -147,6 +147,18 @@ fn bad_options_are_refused_before_any_work() {
         assert!(!out_run.status.success() && stderr.contains(needle), "{extra:?}: `{needle}` missing from: {stderr}");
         assert!(!out.exists() && !data.exists(), "{extra:?}: work was done before the error");
     }
+    // The GPU (the default device) is checked before the data is read: without one (CI), the
+    // run is refused and nothing is written; with one, the cache is written.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    c.arg("features").args(["--target", target.to_str().unwrap()]);
+    c.args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()]);
+    c.args(["--out", out.to_str().unwrap(), "--cache", data.to_str().unwrap(), "--max-len", "512"]);
+    let gpu = run(c);
+    let stderr = String::from_utf8_lossy(&gpu.stderr);
+    match stderr.contains("no CUDA GPU here") {
+        true => assert!(!gpu.status.success() && !out.exists() && !data.exists(), "work before the error: {stderr}"),
+        false => assert!(gpu.status.success(), "{stderr}"),
+    }
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
     c.args(["features", "--target", target.to_str().unwrap(), "--data", "x.jsonl"]);
     let stderr = String::from_utf8_lossy(&run(c).stderr).into_owned();
