@@ -528,8 +528,8 @@ impl RunConfig {
     }
 
     /// `gpus` against the workers: one GPU per worker, drafter workers on distinct GPUs (one
-    /// NCCL rank each); target workers anywhere (beside a drafter worker its features are read
-    /// in place, elsewhere copied peer to peer).
+    /// NCCL rank each); target workers anywhere (their features are copied into a drafter's
+    /// step on the same GPU, or peer to peer from another).
     fn validate_gpus(&self) -> Result<()> {
         let workers = self.target_workers + self.drafter_workers;
         if !self.gpus.is_empty() && self.step != StepKind::Gpu {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (from the repository root): the pipeline of spec section 9 on one GPU, a
 # target worker and a drafter worker sharing GPU 0 (`--gpus 0,0 --target-workers 1`: the target
-# on a stream of its own, its features read in place from its slots, the gradients all-reduced
+# on a stream of its own, its features copied from its slots into the step, the gradients summed
 # through NCCL with one rank), against the single-GPU trainer (the drafter's engine running the
 # target itself). transformers makes two random Qwen3 targets with the fixture tokenizer (vocab
 # 768): "small", 12 layers of hidden 2048 (heads of 128), rows of 2048 tokens and 256 anchors;

@@ -119,7 +119,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
     if device == "gpu" {
         // Before the data is read.
-        crate::gpu_conformance::check_gpus(&[0]).map_err(|e| e.to_string())?;
+        crate::gpu_conformance::check_gpus("--device", &[0]).map_err(|e| e.to_string())?;
     }
     let started = Instant::now();
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;

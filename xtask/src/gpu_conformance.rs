@@ -75,11 +75,12 @@ pub fn open_gpu_at(ordinal: usize) -> Result<Gpu, String> {
 const NO_GPU: &str = "no CUDA GPU here (no driver library libcuda.so, or no device); run on the GPU machine: \
                       `cargo xtask gpu-bundle` prints the command";
 
-/// Checks that this machine has the GPUs `ordinals` (the `gpu` step's workers), before any work.
-pub fn check_gpus(ordinals: &[usize]) -> dflash_trainer::Result<()> {
+/// Checks that this machine has the GPUs `ordinals` (a command's workers), before any work;
+/// without any GPU the error names `option` (the one that asked for the GPU).
+pub fn check_gpus(option: &str, ordinals: &[usize]) -> dflash_trainer::Result<()> {
     let count = Gpu::count()?;
     if count == 0 {
-        return Err(dflash_trainer::Error::option("step", format!("`gpu`: {NO_GPU}")));
+        return Err(dflash_trainer::Error::option(option, format!("`gpu`: {NO_GPU}")));
     }
     match ordinals.iter().find(|&&g| g >= count) {
         Some(g) => Err(dflash_trainer::Error::option(

@@ -215,6 +215,11 @@ pub fn print_workers_plan(
             gb(run.device_bytes)
         );
     }
+    if !alone_fit {
+        println!(
+            "a GPU of target workers does not fit: fewer target workers on it (`--gpus`), a shorter --max-len, or the features cached offline first (`xtask features`)"
+        );
+    }
     let beside = drafter_gpus.iter().map(|&g| on(g)).max().unwrap_or(0);
     let tables = (draft.dims.vocab_size * draft.dims.hidden_size) as u64 * BF16;
     println!(

@@ -769,7 +769,7 @@ fn gpus_present(config: &RunConfig, launch: &Launch, plan: bool) -> dflash_train
         return Ok(());
     }
     let (targets, drafters) = launch.topology(config);
-    crate::gpu_conformance::check_gpus(&[targets, drafters].concat())
+    crate::gpu_conformance::check_gpus("step", &[targets, drafters].concat())
 }
 
 /// Makes drafter worker `k`'s engine on its GPU, in the worker's thread.

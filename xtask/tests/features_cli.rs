@@ -148,16 +148,18 @@ fn bad_options_are_refused_before_any_work() {
         assert!(!out.exists() && !data.exists(), "{extra:?}: work was done before the error");
     }
     // The GPU (the default device) is checked before the data is read: without one (CI), the
-    // run is refused and nothing is written; with one, the cache is written.
+    // run is refused naming `--device` and nothing is written; with one, this target's heads of
+    // 8 are refused by the GPU kernels.
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
     c.arg("features").args(["--target", target.to_str().unwrap()]);
     c.args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()]);
     c.args(["--out", out.to_str().unwrap(), "--cache", data.to_str().unwrap(), "--max-len", "512"]);
     let gpu = run(c);
     let stderr = String::from_utf8_lossy(&gpu.stderr);
+    assert!(!gpu.status.success(), "heads of 8 on the GPU");
     match stderr.contains("no CUDA GPU here") {
-        true => assert!(!gpu.status.success() && !out.exists() && !data.exists(), "work before the error: {stderr}"),
-        false => assert!(gpu.status.success(), "{stderr}"),
+        true => assert!(stderr.contains("option `--device`") && !out.exists() && !data.exists(), "{stderr}"),
+        false => assert!(stderr.contains("head_dim"), "{stderr}"),
     }
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
     c.args(["features", "--target", target.to_str().unwrap(), "--data", "x.jsonl"]);

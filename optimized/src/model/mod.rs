@@ -49,7 +49,7 @@ fn logits_to_host<B: Backend>(dev: &B, logits: u64, (rows, held): (usize, usize)
 
 /// A frozen target's forward writing the drafter's features of packed rows on its backend: the
 /// dense [`target_forward::TargetForward`] or the hybrid [`hybrid_forward::HybridForward`]. The
-/// training step reads the features and the frozen tables in place.
+/// training step copies the features into its input and reads the frozen tables in place.
 pub trait TargetFeatures {
     type Backend: Backend;
     /// The backend the forward runs on.
