@@ -401,12 +401,15 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let steps = ["--steps", "8", "--checkpoint-every", "4"];
     // --plan: the resolved config, the target and step memory on one GPU, the run's size; no training.
     let planned = tmp.path().join("planned");
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(real_args(&target, &cache, &planned, &["--plan", "--epochs", "2"]))
-        .output()
-        .unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    // A run of `extra` into `out` that succeeds: its stdout.
+    let run = |out: &Path, extra: &[&str]| {
+        let result =
+            Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, out, extra)).output().unwrap();
+        let stdout = text(&result.stdout);
+        assert!(result.status.success(), "{extra:?}:\n{stdout}\n{}", text(&result.stderr));
+        stdout
+    };
+    let stdout = run(&planned, &["--plan", "--epochs", "2"]);
     for expected in ["# resolved config", "target + drafter step", "fits", "steps:", "epochs: 2.00", "estimated time"] {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
@@ -418,10 +421,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     // With the AdamW state sharded over 2 drafter GPUs: per worker the whole accumulated
     // gradients (4 bytes per parameter) and half the masters and moments (12 / 2), against 16.
     let extra = ["--plan", "--step", "gpu", "--gpus", "0,1", "--drafter-workers", "2", "--shard-optimizer", "yes"];
-    let result =
-        Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &planned, &extra)).output().unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    let stdout = run(&planned, &extra);
     let line = stdout.lines().find(|l| l.contains("sharded over 2 drafter workers")).expect("the sharded state's line");
     let gb: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
     // The whole state's bytes against the largest shard's, in the same unit below 1 GB.
@@ -432,13 +432,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     for (gpus, targets, beside) in
         [("1,0", "1", "0 target worker(s) beside it"), ("1,0,0", "2", "1 target worker(s) beside it")]
     {
-        let extra = ["--plan", "--step", "gpu", "--gpus", gpus, "--target-workers", targets];
-        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-            .args(real_args(&target, &cache, &planned, &extra))
-            .output()
-            .unwrap();
-        let stdout = text(&result.stdout);
-        assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+        let stdout = run(&planned, &["--plan", "--step", "gpu", "--gpus", gpus, "--target-workers", targets]);
         for expected in
             ["a target worker: ", "and 2 feature slots of", "GPU 1: 1 target worker(s)", "its own LM head", beside]
         {
@@ -451,10 +445,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         let out = tmp.path().join(name);
         let mut extra = vec!["--step", step, "--tau-prompts", "2", "--tau-tokens", "6"];
         extra.extend(steps);
-        let result =
-            Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
-        let stdout = text(&result.stdout);
-        assert!(result.status.success(), "{name}:\n{stdout}\n{}", text(&result.stderr));
+        let stdout = run(&out, &extra);
         for expected in ["training (", "held-out loss", "held-out tau_hat", "saved the drafter"] {
             assert!(stdout.contains(expected), "{name}: no `{expected}` in\n{stdout}");
         }
@@ -489,23 +480,14 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     write_features(&target, &cache, &features);
     let out = tmp.path().join("offline");
     // --plan from the cache: the step with its own LM head, no target on the device.
-    let offline_plan = ["--plan", "--step", "host", "--features", features.to_str().unwrap()];
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(real_args(&target, &cache, &out, &offline_plan))
-        .output()
-        .unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    let stdout = run(&out, &["--plan", "--step", "host", "--features", features.to_str().unwrap()]);
     for expected in ["no target on the device", "its own LM head", "checkpointing: none (the fastest policy"] {
         assert!(stdout.contains(expected), "offline --plan: no `{expected}` in\n{stdout}");
     }
     assert!(!stdout.contains("target + drafter step"), "offline --plan plans no target:\n{stdout}");
     let mut extra = vec!["--step", "host", "--features", features.to_str().unwrap()];
     extra.extend(steps);
-    let result =
-        Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, &out, &extra)).output().unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    let stdout = run(&out, &extra);
     assert!(stdout.contains("features from the cache"), "{stdout}");
     let offline = loss_values(&out)[0];
     assert!(rel(offline, first[0]) <= GPU_STEP_BF16.rel, "from the cache {offline} vs online {}", first[0]);
