@@ -364,6 +364,14 @@ fn real_args(target: &Path, cache: &Path, out: &Path, extra: &[&str]) -> Vec<Str
     args
 }
 
+/// A real run of `extra` (over [`real_args`]) that succeeds: its stdout.
+fn run_real(target: &Path, cache: &Path, out: &Path, extra: &[&str]) -> String {
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(target, cache, out, extra)).output().unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{extra:?}:\n{stdout}\n{}", text(&result.stderr));
+    stdout
+}
+
 /// `xtask features` on the CPU twins: the cache of `real_args`' data and layers into `features`.
 fn write_features(target: &Path, cache: &Path, features: &Path) {
     let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
@@ -401,14 +409,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let steps = ["--steps", "8", "--checkpoint-every", "4"];
     // --plan: the resolved config, the target and step memory on one GPU, the run's size; no training.
     let planned = tmp.path().join("planned");
-    // A run of `extra` into `out` that succeeds: its stdout.
-    let run = |out: &Path, extra: &[&str]| {
-        let result =
-            Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, out, extra)).output().unwrap();
-        let stdout = text(&result.stdout);
-        assert!(result.status.success(), "{extra:?}:\n{stdout}\n{}", text(&result.stderr));
-        stdout
-    };
+    let run = |out: &Path, extra: &[&str]| run_real(&target, &cache, out, extra);
     let stdout = run(&planned, &["--plan", "--epochs", "2"]);
     for expected in ["# resolved config", "target + drafter step", "fits", "steps:", "epochs: 2.00", "estimated time"] {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
@@ -515,13 +516,7 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
     );
     candle_core::safetensors::save(&tensors, &weights).unwrap();
     let cache = tmp.path().join("data-cache");
-    let run = |out: &Path, extra: &[&str]| {
-        let result =
-            Command::new(env!("CARGO_BIN_EXE_xtask")).args(real_args(&target, &cache, out, extra)).output().unwrap();
-        let stdout = text(&result.stdout);
-        assert!(result.status.success(), "{extra:?}:\n{stdout}\n{}", text(&result.stderr));
-        stdout
-    };
+    let run = |out: &Path, extra: &[&str]| run_real(&target, &cache, out, extra);
     let stdout = run(&tmp.path().join("planned"), &["--plan", "--step", "host", "--tau-prompts", "1"]);
     for expected in [
         "== hybrid target",
