@@ -114,6 +114,9 @@ fn edit_safetensors(dir: &Path, file: &str, edit: impl FnOnce(&mut HashMap<Strin
 #[case::rope_llama3_bands_inverted("target-llama", "/rope_scaling", Some(json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0})), "rope_scaling.high_freq_factor")]
 #[case::drafter_rope_scaled("drafter", "/rope_scaling", Some(json!({"rope_type": "linear", "factor": 2.0})), "rope_scaling")]
 #[case::rope_scaling_dynamic("drafter", "/rope_scaling", Some(json!({"rope_type": "dynamic", "factor": 2.0})), "rope_scaling.rope_type")]
+#[case::rope_factor_without_type("target-llama", "/rope_parameters", Some(json!({"rope_theta": 5e5, "factor": 2.0})), "rope_parameters.rope_type")]
+#[case::rope_keys_disagree("target-qwen3", "/rope_scaling", Some(json!({"rope_type": "linear", "factor": 2.0})), "rope_parameters")]
+#[case::max_positions_zero("target-qwen3", "/max_position_embeddings", Some(json!(0)), "max_position_embeddings")]
 fn bad_config_field_is_named(
     #[case] fixture: &str,
     #[case] pointer: &str,

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use dflash_conformance::fixtures_dir;
 use dflash_data::target::TargetTokenizer;
 use dflash_data::{DataOptions, Dataset, Error, SkipReason};
+use rand::Rng;
 use rstest::rstest;
 use tempfile::TempDir;
 
@@ -56,6 +57,7 @@ fn options(dir: &Path) -> DataOptions {
 #[case::negative_id("tokenizer-qwen", br#"{"input_ids": [5, -6], "loss_mask": [1, 1]}"#.to_vec(), SkipReason::MalformedLine, &["input_ids[1]"])]
 #[case::unknown_format("tokenizer-qwen", br#"{"prompt": "x", "completion": "y"}"#.to_vec(), SkipReason::UnknownFormat, &["messages"])]
 #[case::no_anchor_candidate("tokenizer-qwen", br#"{"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 0]}"#.to_vec(), SkipReason::NoAnchorCandidate, &["2 consecutive supervised"])]
+#[case::longer_than_the_limit("tokenizer-qwen", long_line(), SkipReason::MalformedLine, &["bytes, over the 16 MiB limit"])]
 fn a_bad_line_is_a_counted_skip_naming_file_and_line(
     #[case] tok: &str,
     #[case] line: Vec<u8>,
@@ -79,6 +81,12 @@ fn a_bad_line_is_a_counted_skip_naming_file_and_line(
         assert!(example.contains(name), "`{example}` does not name {name}");
     }
     assert!(stats.to_string().contains(example.as_str()), "the summary lists the example");
+}
+
+/// A `{"text"}` line just over `MAX_LINE_BYTES`: skipped without being read into memory.
+fn long_line() -> Vec<u8> {
+    let pad = dflash_data::source::MAX_LINE_BYTES as usize + rand::rng().random_range(1..4096);
+    [&br#"{"text": ""#[..], &vec![b'a'; pad], &br#""}"#[..]].concat()
 }
 
 fn expect_error(result: dflash_data::Result<impl Sized>) -> Error {
@@ -138,6 +146,24 @@ fn a_broken_target_folder_is_an_error_naming_the_file(
     }
     let err = expect_error(TargetTokenizer::load(dir.path()));
     assert_names(&err, names);
+}
+
+/// `chat_template.jinja` takes priority over the config's `chat_template`, as transformers loads
+/// them: its template is the one rendered, and a broken one is an error naming it (never quietly
+/// replaced by the config's).
+#[test]
+fn the_template_file_takes_priority_over_the_config() {
+    let dir = copy_tokenizer("tokenizer-qwen");
+    let config = std::fs::read_to_string(dir.path().join("tokenizer_config.json")).unwrap();
+    assert!(config.contains("\"chat_template\""), "the fixture's config holds a template");
+    let own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}";
+    write(dir.path(), "chat_template.jinja", own.as_bytes());
+    let loaded = TargetTokenizer::load(dir.path()).expect("loads");
+    let template = loaded.template.as_ref().expect("a template");
+    assert!(template.file.ends_with("chat_template.jinja") && template.source == own, "{:?}", template.file);
+    write(dir.path(), "chat_template.jinja", b"{% for m in messages %}{{ m.content }");
+    let err = expect_error(TargetTokenizer::load(dir.path()));
+    assert_names(&err, &["chat_template.jinja", "chat template"]);
 }
 
 #[rstest]

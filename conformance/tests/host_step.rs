@@ -150,11 +150,11 @@ fn device_adamw_accumulates_clips_and_updates_like_the_reference() {
     }
 }
 
-/// A NaN in a weight is reported as a non-finite loss naming the step; a NaN that reaches only
-/// gradients (a dropped block's rows: no loss and no other block sees them, but `0 * NaN` in
-/// the weight gradients) is reported naming the step and the parameter.
+/// A NaN in a weight is reported as a non-finite loss; a NaN that reaches only gradients (a
+/// dropped block's rows: no loss and no other block sees them, but `0 * NaN` in the weight
+/// gradients) is reported naming the parameter (the training loop names the step).
 #[test]
-fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
+fn nan_in_the_loss_or_a_gradient_is_reported_with_the_tensor() {
     let _serial = one_at_a_time();
     use candle_core::{DType, Tensor};
     use dflash_conformance::setups::gpu_draft_case;
@@ -194,7 +194,7 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     })
     .unwrap();
     let err = new_step(&poisoned).step(1.0).expect_err("a NaN weight makes a NaN loss").to_string();
-    assert!(err.contains("loss of step 1") && err.contains("NaN"), "{err}");
+    assert!(err.starts_with("loss: ") && err.contains("NaN"), "{err}");
 
     // NaN block inputs in the dropped block: a finite loss, NaN weight gradients.
     let mut step = new_step(&case.drafter);
@@ -205,7 +205,7 @@ fn nan_in_the_loss_or_a_gradient_is_reported_with_the_step_and_the_tensor() {
     step.step(1.0).expect("the dropped block does not reach the loss");
     step.step(1.0).expect("nor in a second step");
     let err = step.grad_sum_squares(Grads::Step).expect_err("NaN gradients").to_string();
-    assert!(err.contains("gradient of ") && err.contains("after step 2") && err.contains("NaN"), "{err}");
+    assert!(err.starts_with("gradient of layers.") && err.contains("NaN"), "{err}");
 }
 
 /// The step's recorded predictions (`set_record_predictions`, `predictions`) on the CPU twins

@@ -166,6 +166,7 @@ impl Backend for Tight {
     type Ops = ElementwiseTwin<f32>;
     type Alloc = HostAlloc;
     type Ranges = KeyRanges;
+    const KIND: &'static str = "CPU twins (a small device)";
 
     fn name(&self) -> &str {
         "a small device"

@@ -30,20 +30,45 @@ pub const FORMAT: &str = "dflash-features-1";
 /// Bytes of metadata per token in a shard: token u32, mask u8, document i64, position u32.
 pub const META_BYTES_PER_TOKEN: u64 = 4 + 1 + 8 + 4;
 
-/// sha256 of a file's bytes, hex, read in blocks (a single-file checkpoint may be many GB).
-fn file_hash(file: &Path) -> Result<String> {
+/// sha256 of the bytes of `files` one after another, hex, read in blocks (a checkpoint's weights
+/// may be many GB).
+fn files_hash(files: &[PathBuf]) -> Result<String> {
     use sha2::Digest;
     use std::io::Read;
-    let mut f = File::open(file).map_err(|e| Error::io(file, e))?;
     let (mut hasher, mut block) = (sha2::Sha256::new(), vec![0u8; 1 << 22]);
-    loop {
-        let n = f.read(&mut block).map_err(|e| Error::io(file, e))?;
-        if n == 0 {
-            break;
+    for file in files {
+        let mut f = File::open(file).map_err(|e| Error::io(file, e))?;
+        loop {
+            let n = f.read(&mut block).map_err(|e| Error::io(file, e))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&block[..n]);
         }
-        hasher.update(&block[..n]);
     }
     Ok(hex(&hasher.finalize()))
+}
+
+/// The target's weight files: the shards its `model.safetensors.index.json` names (each once, by
+/// name), or its single `model.safetensors`.
+fn weight_files(target: &Path) -> Result<Vec<PathBuf>> {
+    let index = target.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Ok(vec![target.join("model.safetensors")]);
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::field(&index, "(the file)", e.to_string()))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::field(&index, "weight_map", "missing, or not an object"))?;
+    let mut names = std::collections::BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| Error::field(&index, format!("weight_map.{tensor}"), "not a file name"))?;
+        names.insert(file.to_string());
+    }
+    Ok(names.into_iter().map(|name| target.join(name)).collect())
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -52,15 +77,14 @@ fn hex(bytes: &[u8]) -> String {
 
 /// The provenance of a cache of the target in `target` tapping `layer_ids` over the data set of
 /// key `data_key` (the tokenized cache's: tokenizer, template, options, files): sha256 of the
-/// target's `config.json` and of its weights (the shard index, which names every tensor's file,
-/// or the single `model.safetensors`). `xtask/scripts/features_transformers.py` computes the same.
+/// target's `config.json` and of its weights (every shard its index names, in name order, as one
+/// stream; or the single `model.safetensors`). `xtask/scripts/features_transformers.py` computes
+/// the same.
 pub fn provenance(target: &Path, layer_ids: &[usize], data_key: &[u8; 32]) -> Result<BTreeMap<String, String>> {
-    let index = target.join("model.safetensors.index.json");
-    let weights = if index.is_file() { index } else { target.join("model.safetensors") };
     let ids: Vec<String> = layer_ids.iter().map(|l| l.to_string()).collect();
     Ok(BTreeMap::from([
-        ("target_config".to_string(), file_hash(&target.join("config.json"))?),
-        ("target_weights".to_string(), file_hash(&weights)?),
+        ("target_config".to_string(), files_hash(&[target.join("config.json")])?),
+        ("target_weights".to_string(), files_hash(&weight_files(target)?)?),
         ("data".to_string(), hex(data_key)),
         ("layer_ids".to_string(), ids.join(",")),
     ]))
@@ -152,12 +176,27 @@ impl FeatureIndex {
         write_synced(&dir.join("index.json"), text.as_bytes())
     }
 
-    /// The first provenance entry that differs from `want`: `(name, cached, wanted)`.
-    pub fn provenance_mismatch(&self, want: &BTreeMap<String, String>) -> Option<(String, String, String)> {
+    /// The first provenance entry that differs from `want`, as an error on `file` naming the
+    /// entry, both values and what the entry covers, then `advice`.
+    pub fn provenance_mismatch(&self, want: &BTreeMap<String, String>, file: &Path, advice: &str) -> Option<Error> {
         let names: std::collections::BTreeSet<&String> = self.provenance.keys().chain(want.keys()).collect();
         names.into_iter().find_map(|k| {
             let (a, b) = (self.provenance.get(k), want.get(k));
-            (a != b).then(|| (k.clone(), a.cloned().unwrap_or("(none)".into()), b.cloned().unwrap_or("(none)".into())))
+            let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "(none)".into());
+            let covers = match k.as_str() {
+                "target_config" => "the target's config.json",
+                "target_weights" => "the target's weight files",
+                "data" => "the tokenized data: the data files, tokenizer, chat template, thinking, system prompt and max_len",
+                "layer_ids" => "the target layers tapped",
+                _ => "an entry this version does not know",
+            };
+            (a != b).then(|| {
+                Error::field(
+                    file,
+                    format!("provenance.{k}"),
+                    format!("the cache was made from {}, this run uses {} ({covers} differ){advice}", show(a), show(b)),
+                )
+            })
         })
     }
 }
@@ -211,12 +250,8 @@ impl FeatureWriter {
         index.shards.clear();
         if file.exists() {
             let old = FeatureIndex::read(&file)?;
-            if let Some((name, cached, wanted)) = old.provenance_mismatch(&index.provenance) {
-                return Err(Error::field(
-                    &file,
-                    format!("provenance.{name}"),
-                    format!("the cache was made from {cached}, this run uses {wanted}; choose another --out"),
-                ));
+            if let Some(mismatch) = old.provenance_mismatch(&index.provenance, &file, "; choose another --out") {
+                return Err(mismatch);
             }
             let same = (old.hidden_size, &old.layer_ids, old.shard_bytes, old.documents, old.tokens)
                 == (index.hidden_size, &index.layer_ids, index.shard_bytes, index.documents, index.tokens);
@@ -438,12 +473,8 @@ impl FeatureCache {
     pub fn open(dir: &Path, want: Option<&BTreeMap<String, String>>) -> Result<Self> {
         let file = dir.join("index.json");
         let index = FeatureIndex::read(&file)?;
-        if let Some((name, cached, wanted)) = want.and_then(|w| index.provenance_mismatch(w)) {
-            return Err(Error::field(
-                &file,
-                format!("provenance.{name}"),
-                format!("the cache was made from {cached}, this run uses {wanted}"),
-            ));
+        if let Some(mismatch) = want.and_then(|w| index.provenance_mismatch(w, &file, "")) {
+            return Err(mismatch);
         }
         if !index.complete() {
             return Err(Error::field(
@@ -534,4 +565,49 @@ fn open_shard(dir: &Path, entry: &ShardEntry, fw: usize) -> Result<Shard> {
         first_doc: entry.first_doc,
         map,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use sha2::Digest;
+
+    fn random_bytes(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<u8> {
+        (0..n).map(|_| rng.random()).collect()
+    }
+
+    /// The weights' hash covers every shard's bytes (a cache of another checkpoint of the same
+    /// architecture, whose index is identical, is another provenance), each shard once; a single
+    /// `model.safetensors` hashes as its own sha256.
+    #[test]
+    fn the_weights_hash_covers_every_shard() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path();
+        std::fs::write(t.join("config.json"), b"{}").unwrap();
+        let index = r#"{"metadata": {}, "weight_map": {"a": "m-2.safetensors", "b": "m-1.safetensors", "c": "m-2.safetensors"}}"#;
+        std::fs::write(t.join("model.safetensors.index.json"), index).unwrap();
+        let (one, two) = (random_bytes(&mut rng, 5000), random_bytes(&mut rng, 3000));
+        std::fs::write(t.join("m-1.safetensors"), &one).unwrap();
+        std::fs::write(t.join("m-2.safetensors"), &two).unwrap();
+        let key = [3u8; 32];
+        let sharded = provenance(t, &[1, 2], &key).unwrap();
+        let expected = hex(&sha2::Sha256::new().chain_update(&one).chain_update(&two).finalize());
+        assert_eq!(sharded["target_weights"], expected, "the shards in name order, each once");
+
+        let mut changed = two.clone();
+        changed[1234] ^= 1;
+        std::fs::write(t.join("m-2.safetensors"), &changed).unwrap();
+        assert_ne!(provenance(t, &[1, 2], &key).unwrap()["target_weights"], sharded["target_weights"]);
+
+        std::fs::remove_file(t.join("model.safetensors.index.json")).unwrap();
+        std::fs::write(t.join("model.safetensors"), &one).unwrap();
+        let single = provenance(t, &[1, 2], &key).unwrap();
+        assert_eq!(single["target_weights"], hex(&sha2::Sha256::digest(&one)));
+
+        std::fs::write(t.join("model.safetensors.index.json"), r#"{"weight_map": {"a": 3}}"#).unwrap();
+        let err = provenance(t, &[1, 2], &key).unwrap_err().to_string();
+        assert!(err.contains("model.safetensors.index.json") && err.contains("weight_map.a"), "{err}");
+    }
 }

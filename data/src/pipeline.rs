@@ -130,7 +130,11 @@ impl Dataset {
             }
         };
         if cache.is_empty() {
-            return Err(Error::NoRows(format!("every line was skipped or filtered ({})", cache.stats.skip_summary())));
+            let examples: String = cache.stats.examples.iter().map(|e| format!("\n  e.g. {e}")).collect();
+            return Err(Error::NoRows(format!(
+                "every line was skipped or filtered ({}){examples}",
+                cache.stats.skip_summary()
+            )));
         }
         let (train, held_out): (Vec<usize>, Vec<usize>) = match &opts.held_out {
             HeldOut::Fraction(f) => {
@@ -142,6 +146,13 @@ impl Dataset {
             }
             HeldOut::Files(_) => (0..cache.len()).partition(|&i| (cache.file_of(i) as usize) < files.len()),
         };
+        if let (HeldOut::Files(held_files), true) = (&opts.held_out, held_out.is_empty()) {
+            let names: Vec<String> = held_files.iter().map(|f| f.display().to_string()).collect();
+            return Err(Error::option(
+                "held_out",
+                format!("{}: no held-out document (every line skipped or filtered, or none)", names.join(", ")),
+            ));
+        }
         if train.is_empty() {
             return Err(Error::NoRows("every document is held out".into()));
         }

@@ -32,6 +32,10 @@ pub struct Line {
     pub text: std::result::Result<String, String>,
 }
 
+/// The longest line read (a conversation of a few thousand tokens is tens of KB; tokenizing a
+/// line takes about 100 times its size in memory).
+pub const MAX_LINE_BYTES: u64 = 16 << 20;
+
 /// The lines of one file, plain or gzip.
 pub struct Lines {
     file: PathBuf,
@@ -53,17 +57,41 @@ impl Lines {
         Ok(Lines { file: file.to_owned(), reader, number: 0 })
     }
 
-    /// Up to `max` non-blank lines; empty at the end of the file.
+    /// Up to `max` non-blank lines; empty at the end of the file. A line longer than
+    /// [`MAX_LINE_BYTES`] is not read into memory: it comes back as an error (skipped, counted).
     pub fn chunk(&mut self, max: usize) -> Result<Vec<Line>> {
         let mut lines = Vec::with_capacity(max);
         let mut buf = Vec::new();
+        let io = |e| Error::io(&self.file, e);
         while lines.len() < max {
             buf.clear();
-            let n = self.reader.read_until(b'\n', &mut buf).map_err(|e| Error::io(&self.file, e))?;
+            let n = (&mut self.reader).take(MAX_LINE_BYTES + 1).read_until(b'\n', &mut buf).map_err(io)?;
             if n == 0 {
                 break;
             }
             self.number += 1;
+            if n as u64 > MAX_LINE_BYTES && buf.last() != Some(&b'\n') {
+                // The rest of the line, read through and dropped.
+                let mut rest = n as u64;
+                loop {
+                    let available = self.reader.fill_buf().map_err(io)?;
+                    if available.is_empty() {
+                        break;
+                    }
+                    let (used, end) = match available.iter().position(|&b| b == b'\n') {
+                        Some(i) => (i + 1, true),
+                        None => (available.len(), false),
+                    };
+                    self.reader.consume(used);
+                    rest += used as u64;
+                    if end {
+                        break;
+                    }
+                }
+                let text = Err(format!("a line of {rest} bytes, over the {} MiB limit", MAX_LINE_BYTES >> 20));
+                lines.push(Line { number: self.number, text });
+                continue;
+            }
             let text = match std::str::from_utf8(&buf) {
                 Ok(t) if t.trim().is_empty() => continue,
                 Ok(t) => Ok(t.trim_end_matches(['\n', '\r']).to_owned()),

@@ -85,8 +85,6 @@ pub struct RowCounts {
     /// Tokens of documents (not padding).
     pub tokens: usize,
     pub supervised_tokens: usize,
-    /// Token slots of all rows (tokens + padding).
-    pub slots: usize,
 }
 
 impl RowCounts {
@@ -95,11 +93,11 @@ impl RowCounts {
         self.rows += 1;
         self.tokens += row.doc_ids.iter().filter(|&&d| d >= 0).count();
         self.supervised_tokens += row.loss_mask.iter().filter(|&&m| m).count();
-        self.slots += row.tokens.len();
     }
 
-    /// Packing efficiency: document tokens / token slots.
-    pub fn efficiency(&self) -> f64 {
-        self.tokens as f64 / self.slots.max(1) as f64
+    /// Packing efficiency: document tokens / the token slots of the rows as training lays them
+    /// out, each padded to `seq_len` (packed or one document per row).
+    pub fn efficiency(&self, seq_len: usize) -> f64 {
+        self.tokens as f64 / (self.rows * seq_len).max(1) as f64
     }
 }

@@ -1,6 +1,6 @@
 //! The target folder's tokenizer side: `tokenizer.json` (through the `tokenizers` crate, pure
-//! Rust), the special tokens and chat template of `tokenizer_config.json` (or
-//! `chat_template.jinja` next to it, transformers 5's layout), and the vocabulary size of
+//! Rust), the special tokens and chat template of `tokenizer_config.json` (the template of
+//! `chat_template.jinja` next to it first, as transformers does), and the vocabulary size of
 //! `config.json` when present (else the tokenizer's).
 
 use std::collections::HashMap;
@@ -147,27 +147,27 @@ impl TargetTokenizer {
         })
     }
 
-    /// The chat template: `chat_template` of the config (a string, or a list of named templates
-    /// of which `default` is taken), else `chat_template.jinja`.
+    /// The chat template as transformers loads it: `chat_template.jinja` when the folder has one
+    /// (it takes priority over the config's), else `chat_template` of the config (a string, or a
+    /// list of named templates of which `default` is taken).
     fn template(dir: &Path, cfg_file: &Path, cfg: &Json) -> Result<Option<(String, PathBuf)>> {
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            let source = String::from_utf8(read(&jinja)?).map_err(|e| Error::field(&jinja, "text", e.to_string()))?;
+            return Ok(Some((source, jinja)));
+        }
         match cfg.get("chat_template") {
-            Some(Json::String(s)) => return Ok(Some((s.clone(), cfg_file.to_owned()))),
+            Some(Json::String(s)) => Ok(Some((s.clone(), cfg_file.to_owned()))),
             Some(Json::Array(named)) => {
                 let default = named.iter().find(|t| t.get("name").and_then(Json::as_str) == Some("default"));
                 let source = default.and_then(|t| t.get("template")).and_then(Json::as_str).ok_or_else(|| {
                     Error::field(cfg_file, "chat_template", "a list of templates without a `default` one")
                 })?;
-                return Ok(Some((source.to_owned(), cfg_file.to_owned())));
+                Ok(Some((source.to_owned(), cfg_file.to_owned())))
             }
-            Some(Json::Null) | None => {}
-            Some(_) => return Err(Error::field(cfg_file, "chat_template", "neither a string nor a list")),
+            Some(Json::Null) | None => Ok(None),
+            Some(_) => Err(Error::field(cfg_file, "chat_template", "neither a string nor a list")),
         }
-        let jinja = dir.join("chat_template.jinja");
-        if !jinja.exists() {
-            return Ok(None);
-        }
-        let source = String::from_utf8(read(&jinja)?).map_err(|e| Error::field(&jinja, "text", e.to_string()))?;
-        Ok(Some((source, jinja)))
     }
 
     /// The ids of `text`, special-token text included, without adding special tokens.

@@ -72,7 +72,10 @@ impl ModelDims {
                 return Err(f.error("hidden_act", format!("unsupported activation `{act}` (only `silu`)")));
             }
         }
-        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(32768);
+        let max_position_embeddings = match f.has("max_position_embeddings") {
+            true => f.positive("max_position_embeddings")?,
+            false => 32768,
+        };
         let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
         if rms_norm_eps <= 0.0 {
             return Err(f.error("rms_norm_eps", "must be positive"));
@@ -246,6 +249,7 @@ impl RopeScaling {
 fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
     let mut theta = f.opt_f64("rope_theta")?;
     let mut scaling = RopeScaling::Default;
+    let mut seen: Option<(&str, RopeScaling)> = None;
     for key in ["rope_scaling", "rope_parameters"] {
         let Some(sub) = f.object(key)? else { continue };
         if key == "rope_parameters" {
@@ -260,6 +264,10 @@ fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeSc
         let (kind_key, kind) = match (sub.opt_str("rope_type")?, sub.opt_str("type")?) {
             (Some(kind), _) => ("rope_type", kind),
             (None, Some(kind)) => ("type", kind),
+            // A scaling factor without its type: which scaling it means is unknown.
+            (None, None) if sub.has("factor") => {
+                return Err(sub.error("rope_type", "missing beside `factor` (linear, llama3 or yarn?)"))
+            }
             (None, None) => ("rope_type", "default"),
         };
         let positive = |name: &str| -> Result<f64> {
@@ -329,6 +337,11 @@ fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeSc
                 ))
             }
         };
+        // Both keys (transformers 4's and 5's): they must say the same.
+        if let Some((first, earlier)) = seen.take().filter(|(_, earlier)| earlier != &scaling) {
+            return Err(f.error(key, format!("{scaling:?} disagrees with `{first}`'s {earlier:?}")));
+        }
+        seen = Some((key, scaling.clone()));
     }
     let theta = theta.unwrap_or(10000.0);
     if !(theta.is_finite() && theta > 1.0) {
@@ -371,6 +384,34 @@ pub fn default_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize
     }
     let span = num_target_layers as f64 - 4.0;
     (0..n).map(|i| (1.0 + i as f64 * span / (n - 1) as f64).round().max(0.0) as usize).collect()
+}
+
+/// The target layers a new drafter of `n` features (at most the target's layers) is trained on:
+/// the spec's rule ([`default_target_layer_ids`]) where it gives `n` distinct layers in
+/// increasing order, as for every published target; on targets of a few layers, where the rule
+/// repeats or reorders layers, `n` layers spread evenly from the first to the last, each once.
+pub fn training_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize> {
+    let rule = default_target_layer_ids(num_target_layers, n);
+    if rule.windows(2).all(|p| p[0] < p[1]) && rule.iter().all(|&l| l < num_target_layers) {
+        return rule;
+    }
+    let last = num_target_layers.saturating_sub(1) as f64;
+    (0..n).map(|i| (i as f64 * last / (n.max(2) - 1) as f64).round() as usize).collect()
+}
+
+/// Checks feature layer ids chosen for a target of `num_target_layers` layers: at least one,
+/// each below the layer count, none twice. The message names the bad id.
+pub fn check_feature_layers(ids: &[usize], num_target_layers: usize) -> std::result::Result<(), String> {
+    if ids.is_empty() {
+        return Err("no layer given".into());
+    }
+    if let Some(bad) = ids.iter().find(|&&l| l >= num_target_layers) {
+        return Err(format!("layer {bad} is out of range for the target's {num_target_layers} layers"));
+    }
+    if let Some((_, l)) = ids.iter().enumerate().find(|(i, l)| ids[..*i].contains(l)) {
+        return Err(format!("layer {l} is given twice"));
+    }
+    Ok(())
 }
 
 /// The DFlash drafter's config (`DFlashDraftModel`, `model_type: qwen3`).
@@ -424,7 +465,7 @@ pub struct TargetConfig {
 
 impl DraftConfig {
     /// A drafter for `target`: the target's dims with `num_layers` full-attention layers,
-    /// features from the default layer ids for `num_features` features.
+    /// features from [`training_target_layer_ids`] for `num_features` features.
     pub fn for_target(
         target: &TargetConfig,
         num_layers: usize,
@@ -440,7 +481,7 @@ impl DraftConfig {
             block_size,
             num_target_layers,
             mask_token_id,
-            target_layer_ids: default_target_layer_ids(num_target_layers, num_features),
+            target_layer_ids: training_target_layer_ids(num_target_layers, num_features),
         }
     }
 

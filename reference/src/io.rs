@@ -30,10 +30,17 @@ pub fn save_weights_f32(dir: &Path, weights: &HashMap<String, Tensor>) -> Result
     save_safetensors(&dir.join("model.safetensors"), &tensors)
 }
 
-/// Saves named tensors as one safetensors file, atomically.
+/// Saves named tensors as one safetensors file, atomically and synced, with the permissions a
+/// newly created file gets (the writer underneath creates a private temporary file: a server
+/// running as another user could not read the drafter).
 pub fn save_safetensors(file: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     let tmp = temporary_name(file);
-    let result = candle_core::safetensors::save(tensors, &tmp).map_err(|e| std::io::Error::other(e.to_string()));
+    let result = (|| {
+        let permissions = std::fs::File::create(&tmp)?.metadata()?.permissions();
+        candle_core::safetensors::save(tensors, &tmp).map_err(|e| std::io::Error::other(e.to_string()))?;
+        std::fs::set_permissions(&tmp, permissions)?;
+        std::fs::File::open(&tmp)?.sync_all()
+    })();
     finish_atomic_write(file, &tmp, result)
 }
 
@@ -93,8 +100,8 @@ fn checkpoint_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
 }
 
 /// Checks the checkpoint in `dir` from its safetensors headers alone: every `expected` weight
-/// `(checkpoint name, shape)` is there with its shape. Returns the checkpoint's other tensors,
-/// sorted, unless `refuse(name)` says why one of them is refused (checked first, so a checkpoint
+/// `(checkpoint name, shape)` is there with its shape and a float dtype (bf16, f16, f32 or f64).
+/// Returns the checkpoint's other tensors, sorted, unless `refuse(name)` says why one of them is refused (checked first, so a checkpoint
 /// of another layout names its first foreign tensor).
 pub fn check_checkpoint(
     dir: &Path,
@@ -112,8 +119,11 @@ pub fn check_checkpoint(
     for (name, shape) in expected {
         match shapes.get(name) {
             None => return Err(error(name, "missing from the checkpoint (the config needs it)".into())),
-            Some(found) if found != shape => {
+            Some((found, _)) if found != shape => {
                 return Err(error(name, format!("shape {found:?} in the checkpoint, the config needs {shape:?}")))
+            }
+            Some((_, dtype)) if !["BF16", "F16", "F32", "F64"].contains(&dtype.as_str()) => {
+                return Err(error(name, format!("dtype {dtype} in the checkpoint (expected BF16, F16, F32 or F64)")))
             }
             Some(_) => {}
         }
@@ -149,10 +159,11 @@ impl WeightSet {
         Ok(WeightSet { origin: origin.to_path_buf(), files: mapped, index })
     }
 
-    /// Every tensor's shape, from the headers (no tensor is read).
-    pub fn shapes(&self) -> HashMap<String, Vec<usize>> {
+    /// Every tensor's shape and dtype (as safetensors names it: `BF16`, `F32`, ...), from the
+    /// headers (no tensor is read).
+    pub fn shapes(&self) -> HashMap<String, (Vec<usize>, String)> {
         let views = self.files.iter().flat_map(|(_, m)| m.tensors());
-        views.map(|(name, view)| (name, view.shape().to_vec())).collect()
+        views.map(|(name, view)| (name, (view.shape().to_vec(), format!("{:?}", view.dtype())))).collect()
     }
 
     /// The tensor `name`, checked to have `shape` and a float dtype, converted to `dtype`.

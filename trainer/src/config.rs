@@ -340,6 +340,31 @@ pub const FIELDS: &[(&str, Kind, &str)] = &[
     ("master_port", Kind::Int, "several processes: rank 0's TCP port (default: $MASTER_PORT, or 29500)"),
 ];
 
+/// The most passes over the data a run may make (more is a typo, and its step count would not
+/// fit the checkpoint's TOML integers).
+pub const MAX_EPOCHS: f64 = 1e6;
+
+/// The most drafter (or target) workers of one process: one thread each, a GPU each on the GPU
+/// (nodes hold 8 to 16).
+pub const MAX_WORKERS: usize = 64;
+
+/// Options only the built-in default reads (its target and sampled rows).
+const BUILTIN_ONLY: &[&str] = &["builtin_target", "rows", "temperature", "prompt_len", "continuation_len"];
+
+/// Options only a real run reads (its data, rows and derived drafter).
+const REAL_ONLY: &[&str] = &[
+    "max_len",
+    "packing",
+    "thinking",
+    "system_prompt",
+    "held_out",
+    "data_cache",
+    "mask_token_id",
+    "draft_layers",
+    "block_size",
+    "target_layer_ids",
+];
+
 /// How a process joins the others of its run (`dist::group::Launch`): options of one process,
 /// not of the run, so a checkpoint neither saves nor hashes them ([`RunConfig::without_launch`]).
 pub const LAUNCH_OPTIONS: &[&str] = &["rank", "world_size", "master_addr", "master_port"];
@@ -473,6 +498,25 @@ impl RunConfig {
         RunConfig { rank: None, world_size: None, master_addr: None, master_port: None, ..self.clone() }
     }
 
+    /// The config with its input paths (`target`, `data`, `features`, `data_cache`, a `held_out`
+    /// file) made absolute against the working directory, so that a checkpoint's `run.toml`
+    /// names the same files whichever folder the run is resumed from. `out` stays as given (a
+    /// resumed run's is its `--resume` folder).
+    pub fn with_absolute_paths(&self) -> Result<Self> {
+        let absolute = |name: &str, p: &Path| {
+            std::path::absolute(p).map_err(|e| Error::option(name, format!("{}: {e}", p.display())))
+        };
+        let mut c = self.clone();
+        c.target = c.target.as_deref().map(|p| absolute("target", p)).transpose()?;
+        c.data = c.data.iter().map(|p| absolute("data", p)).collect::<Result<_>>()?;
+        c.features = c.features.as_deref().map(|p| absolute("features", p)).transpose()?;
+        c.data_cache = c.data_cache.as_deref().map(|p| absolute("data_cache", p)).transpose()?;
+        if c.held_out.parse::<f64>().is_err() {
+            c.held_out = absolute("held_out", Path::new(&c.held_out))?.display().to_string();
+        }
+        Ok(c)
+    }
+
     /// `gamma`, or the block size's default.
     pub fn gamma_for(&self, block_size: usize) -> f64 {
         self.gamma.unwrap_or_else(|| default_gamma(block_size))
@@ -584,10 +628,22 @@ impl RunConfig {
             (Some(s), None) => at_least("steps", s, 1)?,
             (None, Some(e)) => {
                 finite("epochs", e)?;
-                if e <= 0.0 {
-                    return Err(Error::option("epochs", format!("{e}: must be above 0")));
+                if e <= 0.0 || e > MAX_EPOCHS {
+                    return Err(Error::option("epochs", format!("{e}: must be above 0 and at most {MAX_EPOCHS}")));
                 }
             }
+        }
+        for (name, value) in [("drafter_workers", self.drafter_workers), ("target_workers", self.target_workers)] {
+            if value > MAX_WORKERS {
+                return Err(Error::option(name, format!("{value}: at most {MAX_WORKERS} (one thread per worker)")));
+            }
+        }
+        // An empty path is the working folder by accident (files of the run strewn there).
+        let paths = [("out", Some(&self.out)), ("target", self.target.as_ref()), ("features", self.features.as_ref())];
+        let paths = paths.into_iter().chain([("data_cache", self.data_cache.as_ref())]);
+        let paths = paths.chain(self.data.iter().map(|d| ("data", Some(d))));
+        if let Some((name, _)) = paths.into_iter().find(|(_, p)| p.is_some_and(|p| p.as_os_str().is_empty())) {
+            return Err(Error::option(name, "an empty path"));
         }
         for (name, value) in [
             ("rows_per_step", self.rows_per_step),
@@ -676,6 +732,16 @@ impl RunConfig {
         if self.temperature < 0.0 {
             return Err(Error::option("temperature", format!("{}: must be at least 0 (0 = greedy)", self.temperature)));
         }
+        // Options of the other kind of run are refused, not ignored (both presets leave them at
+        // the recipe's values).
+        let (set, recipe) = (self.to_table()?, RunConfig::default().to_table()?);
+        let (others, why) = match self.target {
+            None => (REAL_ONLY, "applies to real runs (`--target`) only"),
+            Some(_) => (BUILTIN_ONLY, "applies to the built-in default only (a real run's rows come from `--data`)"),
+        };
+        if let Some(name) = others.iter().find(|&&name| set.get(name) != recipe.get(name)) {
+            return Err(Error::option(*name, why));
+        }
         let row_len = match &self.target {
             None => {
                 if !self.data.is_empty() || self.features.is_some() {
@@ -703,14 +769,17 @@ impl RunConfig {
                 }
                 at_least("max_len", self.max_len, 2)?;
                 at_least("block_size", self.block_size, 2)?;
+                if self.block_size > self.max_len {
+                    return Err(Error::option(
+                        "block_size",
+                        format!("{}: a block longer than a row of max_len {} tokens", self.block_size, self.max_len),
+                    ));
+                }
                 at_least("draft_layers", self.draft_layers, 1)?;
                 if let Ok(f) = self.held_out.parse::<f64>() {
                     if !(0.0..1.0).contains(&f) {
                         return Err(Error::option("held_out", format!("{f}: a fraction in [0, 1), or a jsonl file")));
                     }
-                }
-                if self.target_layer_ids.as_ref().is_some_and(|ids| ids.is_empty()) {
-                    return Err(Error::option("target_layer_ids", "no layer given"));
                 }
                 self.max_len
             }

@@ -1019,9 +1019,9 @@ pub fn prepare_rows<'a>(
 impl<B: Backend> StepEngine for DeviceEngine<B> {
     fn name(&self) -> String {
         match self.frozen {
-            Frozen::Host(_) if self.feed.is_some() => "device, fed by target workers".into(),
-            Frozen::Host(_) => "device".into(),
-            Frozen::Target(_) => "device, online target".into(),
+            Frozen::Host(_) if self.feed.is_some() => format!("optimized on the {}, fed by target workers", B::KIND),
+            Frozen::Host(_) => format!("optimized on the {}", B::KIND),
+            Frozen::Target(_) => format!("optimized on the {}, online target", B::KIND),
         }
     }
 
@@ -1130,8 +1130,14 @@ impl<B: Backend> DeviceEngine<B> {
             self.set_row(&row, &p, fed)?;
             let (step, _) = self.step.as_mut().expect("made by set_row");
             step.set_record_predictions(true);
-            let l = step.step(1.0)?;
-            eval.add(l.loss * l.total_weight, &step.predictions()?, &p.targets);
+            // A non-finite loss is the evaluation's to report (NaN), not an error that ends the
+            // run (the reference's evaluation reports it the same way).
+            let ce_sum = match step.step(1.0) {
+                Ok(l) => l.loss * l.total_weight,
+                Err(dflash_optimized::Error::NonFinite { .. }) => f64::NAN,
+                Err(e) => return Err(e.into()),
+            };
+            eval.add(ce_sum, &step.predictions()?, &p.targets);
         }
         if let Some((step, _)) = self.step.as_mut() {
             step.set_record_predictions(false);

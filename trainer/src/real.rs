@@ -17,7 +17,7 @@ use dflash_optimized::memory::hybrid::hybrid_drafter;
 use dflash_optimized::model::hybrid_forward::HybridForward;
 use dflash_optimized::model::target_forward::TargetForward;
 use dflash_optimized::model::TargetFeatures;
-use dflash_reference::config::{default_target_layer_ids, DraftConfig};
+use dflash_reference::config::{training_target_layer_ids, DraftConfig};
 use dflash_reference::io::WeightSet;
 use dflash_reference::target::TargetKind;
 
@@ -75,6 +75,17 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
     let config_file = target_dir.join("config.json");
     let target_config = TargetKind::from_file(&config_file)?;
     let layers = target_config.num_layers();
+    if c.max_len > target_config.max_positions() {
+        return Err(Error::option(
+            "max_len",
+            format!(
+                "rows of {} tokens exceed the target's {} positions (max_position_embeddings of {})",
+                c.max_len,
+                target_config.max_positions(),
+                config_file.display()
+            ),
+        ));
+    }
     let mut notes = Vec::new();
     let unused = target_config.check_checkpoint(&target_dir)?;
     if !unused.is_empty() {
@@ -103,14 +114,10 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
         }
         (Some(ids), _) => ids.clone(),
         (None, Some(index)) => index.layer_ids.clone(),
-        (None, None) => default_target_layer_ids(layers, DEFAULT_NUM_FEATURES.min(layers)),
+        (None, None) => training_target_layer_ids(layers, DEFAULT_NUM_FEATURES.min(layers)),
     };
-    if let Some(&bad) = layer_ids.iter().find(|&&l| l >= layers) {
-        return Err(Error::option(
-            "target_layer_ids",
-            format!("layer {bad} is out of range for the target's {layers} layers ({})", config_file.display()),
-        ));
-    }
+    dflash_reference::config::check_feature_layers(&layer_ids, layers)
+        .map_err(|e| Error::option("target_layer_ids", format!("{e} ({})", config_file.display())))?;
 
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| Error::option("target", e.to_string()))?;
     let vocab = target_config.vocab_size();
@@ -214,8 +221,10 @@ impl RealSetup {
     }
 
     /// Up to `n` prompts for the real tau: held-out documents up to their first supervised token
-    /// (what the target was asked before the answer the drafter learns to draft).
-    pub fn tau_prompts(&self, n: usize) -> Result<Vec<Vec<u32>>> {
+    /// (what the target was asked before the answer the drafter learns to draft); each with
+    /// `new_tokens` and a block must fit the target's positions.
+    pub fn tau_prompts(&self, n: usize, new_tokens: usize) -> Result<Vec<Vec<u32>>> {
+        let (max, b) = (self.target_config.max_positions(), self.draft_config.block_size);
         let mut prompts = Vec::new();
         for &d in &self.dataset.held_out {
             if prompts.len() == n {
@@ -223,6 +232,16 @@ impl RealSetup {
             }
             let doc = self.dataset.cache.document(d).map_err(data_error)?;
             let first = doc.loss_mask.iter().position(|&m| m).unwrap_or(doc.tokens.len());
+            // A verify step may run up to B - 1 positions past the last token kept.
+            if first + new_tokens + b > max {
+                return Err(Error::option(
+                    "tau_tokens",
+                    format!(
+                        "held-out prompt {} of {first} tokens + {new_tokens} new + a block of {b} exceed the target's {max} positions",
+                        prompts.len()
+                    ),
+                ));
+            }
             if first > 0 {
                 prompts.push(doc.tokens[..first].to_vec());
             }

@@ -116,14 +116,14 @@ pub fn check_resume_config(current: &RunConfig, saved: &RunConfig) -> Result<Vec
     Ok(notes)
 }
 
-/// Makes `out` ready for a fresh run. A folder holding a finished run (its newest complete
-/// checkpoint is at the run's last step) is cleared of that run's files (checkpoints, `latest`,
-/// `metrics.jsonl`, `training.svg`, `drafter/`), and a note says so; a folder holding an
-/// unfinished run is refused (`--resume` continues it), so no unfinished run is ever lost.
-pub fn prepare_fresh_out(out: &std::path::Path) -> Result<Vec<String>> {
+/// Whether `out` may take a fresh run, without touching it: `Ok(None)` when it holds no run,
+/// `Ok(Some(steps))` when it holds a finished run of `steps` steps that `replace` allows
+/// replacing. A folder holding an unfinished run is refused (`--resume` continues it), so no
+/// unfinished run is ever lost; a finished one is refused unless `replace`.
+pub fn check_fresh_out(out: &std::path::Path, replace: bool) -> Result<Option<usize>> {
     let checkpoints = checkpoint::list_checkpoints(out)?;
     if !out.join("latest").exists() && checkpoints.is_empty() {
-        return Ok(Vec::new());
+        return Ok(None);
     }
     let refuse = |why: String| {
         Error::option(
@@ -141,7 +141,24 @@ pub fn prepare_fresh_out(out: &std::path::Path) -> Result<Vec<String>> {
     if found.state.step < total {
         return Err(refuse(format!("its newest complete checkpoint is at step {} of {total}", found.state.step)));
     }
-    for (_, dir) in checkpoints {
+    if !replace {
+        return Err(Error::option(
+            "out",
+            format!(
+                "{} holds a finished run of {total} steps: `--overwrite` replaces it, or choose another --out",
+                out.display()
+            ),
+        ));
+    }
+    Ok(Some(total))
+}
+
+/// Makes `out` ready for a fresh run ([`check_fresh_out`] first): a finished run there is
+/// cleared of its files (checkpoints, `latest`, `metrics.jsonl`, `training.svg`, `drafter/`),
+/// and a note says so.
+pub fn prepare_fresh_out(out: &std::path::Path, replace: bool) -> Result<Vec<String>> {
+    let Some(total) = check_fresh_out(out, replace)? else { return Ok(Vec::new()) };
+    for (_, dir) in checkpoint::list_checkpoints(out)? {
         std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     }
     for tmp in checkpoint::leftover_temporaries(out) {
@@ -221,8 +238,13 @@ impl<'a> Trainer<'a> {
                 format!("its training rows (sha256 {}) are not this run's ({})", s.data_sha256, self.data_sha256),
             ));
         }
-        if s.order.len() != self.inputs.data.len() || s.cursor > s.order.len() {
-            return Err(Error::checkpoint(&found.dir, "its data order does not fit this run's rows"));
+        let mut seen = vec![false; self.inputs.data.len()];
+        let permutation = s.order.len() == seen.len() && s.order.iter().all(|&i| i < seen.len() && !std::mem::replace(&mut seen[i], true));
+        if !permutation || s.cursor > s.order.len() {
+            return Err(Error::checkpoint(
+                &found.dir,
+                format!("state.json: its data order is not an order of this run's {} rows", seen.len()),
+            ));
         }
         if s.step > self.total_steps {
             return Err(Error::checkpoint(

@@ -146,6 +146,24 @@ fn incomplete_checkpoints_are_never_loaded() {
     assert!(message.contains("no complete checkpoint"), "{message}");
 }
 
+/// A checkpoint whose data order is not an order of the run's rows (a row twice, or one past
+/// the last) is refused naming the checkpoint and state.json, before any step.
+#[test]
+fn a_checkpoint_with_a_bad_data_order_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(dir.path(), fresh_seed(), 3);
+    c.checkpoint_every = 2;
+    let s = setup(&c);
+    run_to_end(&c, &s, StepKind::Reference);
+    for (i, tamper) in [|o: &mut Vec<usize>| o[1] = o[0], |o: &mut Vec<usize>| o[0] = o.len()].into_iter().enumerate() {
+        let mut found = find_resumable(dir.path()).unwrap();
+        tamper(&mut found.state.order);
+        let mut e = engine(&c, &s, StepKind::Reference);
+        let err = Trainer::new(inputs(&c, &s)).unwrap().resume(&mut e, &found).err().expect("refused").to_string();
+        assert!(err.contains("checkpoint-3") && err.contains("state.json") && err.contains("order"), "case {i}: {err}");
+    }
+}
+
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
@@ -181,6 +199,10 @@ fn checkpoint_holds_the_servable_drafter() {
         let diff = (loaded.param(name) - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(diff, 0.0, "{name}: the saved weights are the trained ones in bf16");
     }
+    // The weights are as readable as the config (a server may run as another user).
+    let mode = |f: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(folder.join(f)).unwrap().permissions());
+    assert_eq!(mode("model.safetensors"), mode("config.json"), "model.safetensors' permissions");
+    assert_eq!(mode("training.safetensors"), mode("config.json"), "training.safetensors' permissions");
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"], serde_json::json!(["DFlashDraftModel"]));

@@ -28,12 +28,24 @@ import transformers
 FORMAT = "dflash-features-1"
 
 
-def sha256_file(path):
+def sha256_files(paths):
+    """sha256 of the files' bytes one after another."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
     return h.hexdigest()
+
+
+def weight_files(target):
+    """Every shard the index names (each once, in name order), or the single model.safetensors."""
+    index_file = os.path.join(target, "model.safetensors.index.json")
+    if not os.path.isfile(index_file):
+        return [os.path.join(target, "model.safetensors")]
+    with open(index_file) as f:
+        names = sorted(set(json.load(f)["weight_map"].values()))
+    return [os.path.join(target, n) for n in names]
 
 
 def text_config(config):
@@ -41,10 +53,17 @@ def text_config(config):
 
 
 def default_layer_ids(num_layers, n=5):
-    """Spec section 1: n == 1 -> [L/2]; else round(1 + i*(L-4)/(n-1)), halves away from zero."""
+    """As `training_target_layer_ids` in reference/src/config.rs: spec section 1's rule (n == 1 ->
+    [L/2]; else round(1 + i*(L-4)/(n-1)), halves away from zero) where it gives n distinct layers
+    in increasing order; else n layers spread evenly from the first to the last, each once."""
+    n = min(n, num_layers)
     if n == 1:
-        return [num_layers // 2]
-    return [int(math.floor(1 + i * (num_layers - 4) / (n - 1) + 0.5)) for i in range(n)]
+        rule = [num_layers // 2]
+    else:
+        rule = [int(math.floor(1 + i * (num_layers - 4) / (n - 1) + 0.5)) for i in range(n)]
+    if all(a < b for a, b in zip(rule, rule[1:])) and all(0 <= l < num_layers for l in rule):
+        return rule
+    return [int(math.floor(i * (num_layers - 1) / max(n - 1, 1) + 0.5)) for i in range(n)]
 
 
 def decoder_layers(model, num_layers):
@@ -92,11 +111,9 @@ def main():
     ids = [int(x) for x in a.layer_ids.split(",")] if a.layer_ids else default_layer_ids(num_layers)
     if any(l < 0 or l >= num_layers for l in ids):
         raise SystemExit(f"error: --layer-ids {ids}: the target has {num_layers} layers")
-    index_file = os.path.join(a.target, "model.safetensors.index.json")
-    weights = index_file if os.path.isfile(index_file) else os.path.join(a.target, "model.safetensors")
     provenance = {
-        "target_config": sha256_file(os.path.join(a.target, "config.json")),
-        "target_weights": sha256_file(weights),
+        "target_config": sha256_files([os.path.join(a.target, "config.json")]),
+        "target_weights": sha256_files(weight_files(a.target)),
         "data": header["data"],
         "layer_ids": ",".join(str(l) for l in ids),
     }

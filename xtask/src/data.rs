@@ -126,7 +126,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         held.rows,
         data.held_out.len()
     );
-    println!("packing efficiency: {:.1}% of token slots hold document tokens", 100.0 * train.efficiency());
+    println!(
+        "packing efficiency: {:.1}% of the token slots of rows padded to {} hold document tokens",
+        100.0 * train.efficiency(data_opts.max_len),
+        data_opts.max_len
+    );
     let colour = std::io::stdout().is_terminal();
     for (i, row) in data.epoch(0).take(show).enumerate() {
         println!("\n{}", render_row(&target, &row.map_err(err)?, i, colour));

@@ -107,6 +107,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         other => return Err(format!("option `--device`: `{other}` (gpu or cpu)")),
     };
     let out: PathBuf = opts.get("out", drafter_dir.join("eval.json"))?;
+    crate::gpu_conformance::check_json_out(&out)?;
     let render = RenderOptions {
         thinking: opts.yes_no("thinking", false)?,
         system_prompt: Some(opts.get("system-prompt", String::new())?).filter(|s| !s.is_empty()),
@@ -115,7 +116,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     // Everything checked before decoding: the drafter against the target, every prompt's length.
     let err = |e: dflash_reference::Error| e.to_string();
     let target_config = TargetKind::from_file(&target_dir.join("config.json")).map_err(err)?;
-    let draft_config = DraftConfig::from_file(&drafter_dir.join("config.json")).map_err(err)?;
+    let draft_config = DraftConfig::from_file(&drafter_dir.join("config.json")).map_err(|e| {
+        match drafter_dir.join("drafter/config.json").is_file() {
+            true => format!("{e} (a run folder? its final drafter is {})", drafter_dir.join("drafter").display()),
+            false => e.to_string(),
+        }
+    })?;
     target_config
         .check_drafter(&draft_config)
         .map_err(|e| format!("{} does not fit the target {}: {e}", drafter_dir.display(), target_dir.display()))?;
@@ -125,8 +131,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let context = target_config.max_positions();
     for p in &prompts {
         // A verify step may run up to B - 1 positions past the last token kept.
-        let need = p.tokens.len() + max_new + b;
-        if need > context {
+        let need = p.tokens.len().checked_add(max_new).and_then(|n| n.checked_add(b));
+        if need.is_none_or(|need| need > context) {
             return Err(format!(
                 "{} line {}: {} prompt tokens + {max_new} new + a block of {b} exceed the target's {context} positions",
                 p.file.display(),
@@ -153,8 +159,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
 
     println!(
-        "{} prompts x {max_new} new tokens; drafter {} (block {b}, layers {:?} of the target)",
+        "{} prompts x {max_new} new tokens, {}; drafter {} (block {b}, layers {:?} of the target)",
         prompts.len(),
+        match sampling {
+            Sampling::Greedy => "greedy".to_string(),
+            Sampling::Temperature { temperature, seed } => format!("sampled at temperature {temperature} (seed {seed})"),
+        },
         drafter_dir.display(),
         draft_config.target_layer_ids
     );
@@ -190,13 +200,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         per_prompt.push(json!({
             "file": p.file, "line": p.line, "prompt_tokens": p.tokens.len(), "tau": spec.tau(),
             "accept_lengths": spec.accept_lengths, "tokens": spec.tokens, "identical_to_greedy": identical,
+            "spec_tokens_per_s": max_new as f64 / s, "plain_tokens_per_s": max_new as f64 / g,
         }));
     }
     let tokens = (prompts.len() * max_new) as f64;
     let (spec_rate, plain_rate) = (tokens / spec_secs, tokens / plain_secs);
     let report = json!({
         "target": target_dir, "drafter": drafter_dir, "device": decoders.describe(),
-        "prompts": prompts.len(), "max_new_tokens": max_new, "block_size": b, "sampling": format!("{sampling:?}"),
+        "prompts": prompts.len(), "max_new_tokens": max_new, "block_size": b, "sampling": sampling_json(&sampling),
         "tau_over_steps": acceptance.tau_over_steps(), "tau_over_prompts": acceptance.tau_over_prompts(),
         "acceptance_per_position": acceptance.per_position(),
         "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate,
@@ -230,6 +241,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The sampling of a report: `{"temperature": 0}` when greedy, else the temperature and seed.
+fn sampling_json(sampling: &Sampling) -> Value {
+    match *sampling {
+        Sampling::Greedy => json!({"temperature": 0.0}),
+        Sampling::Temperature { temperature, seed } => json!({"temperature": temperature, "seed": seed}),
+    }
 }
 
 /// The decoders of one evaluation: the cached ones on the GPU, or the reference on the CPU.

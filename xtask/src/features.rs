@@ -15,7 +15,7 @@ use dflash_optimized::backend::host::Host;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::memory::gb;
 use dflash_optimized::model::TargetFeatures;
-use dflash_reference::config::default_target_layer_ids;
+use dflash_reference::config::training_target_layer_ids;
 use dflash_reference::data::Row;
 use dflash_reference::target::TargetKind;
 use dflash_trainer::real::load_forward;
@@ -94,21 +94,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let config = TargetKind::from_file(&target_dir.join("config.json")).map_err(|e| e.to_string())?;
     let layers = config.num_layers();
     let layer_ids: Vec<usize> = match opts.get("layer-ids", String::new())? {
-        s if s.is_empty() => default_target_layer_ids(layers, 5.min(layers)),
+        s if s.is_empty() => training_target_layer_ids(layers, 5.min(layers)),
         s => s
             .split(',')
             .map(|x| x.trim().parse().map_err(|_| format!("option `--layer-ids`: `{x}` is not a layer number")))
             .collect::<Result<_, _>>()?,
     };
-    if let Some(bad) = layer_ids.iter().find(|&&l| l >= layers) {
-        return Err(format!(
-            "option `--layer-ids`: layer {bad} is out of range for the target's {layers} layers ({})",
-            target_dir.join("config.json").display()
-        ));
-    }
-    if layer_ids.is_empty() {
-        return Err("option `--layer-ids`: no layer given".into());
-    }
+    dflash_reference::config::check_feature_layers(&layer_ids, layers)
+        .map_err(|e| format!("option `--layer-ids`: {e} ({})", target_dir.join("config.json").display()))?;
     let launch_tokens: usize = opts.get("launch-tokens", data_opts.max_len)?;
     if launch_tokens < data_opts.max_len {
         return Err(format!(

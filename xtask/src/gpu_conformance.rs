@@ -112,6 +112,19 @@ fn iso_utc(secs: u64) -> String {
     format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
+/// Checks before the work that [`write_json`] can write `file`: it is not a folder, and its
+/// folder can be created and written (a probe file is created there and removed).
+pub fn check_json_out(file: &Path) -> Result<(), String> {
+    if file.is_dir() {
+        return Err(format!("option `--out`: {} is a folder, not a file", file.display()));
+    }
+    let dir = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    let written = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&probe, b"probe"));
+    let _ = std::fs::remove_file(&probe);
+    written.map_err(|e| format!("option `--out`: {}: cannot write there: {e}", file.display()))
+}
+
 /// Writes `value` as pretty JSON to `file` atomically, creating its folder.
 pub fn write_json(file: &Path, value: &Value) -> Result<(), String> {
     if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {

@@ -4,11 +4,16 @@
 //!   target on the CPU (a few minutes), printing the falling loss and tau before and after.
 //! - `plan`: the memory planner's itemised peak for the named configs, per policy.
 //! - `data`: a user's conversations and the target's tokenizer to packed rows; statistics.
+//! - `features`: the offline feature cache (every document through the target, in shards).
+//! - `eval`: a drafter by speculative decoding with its target (tau, acceptance, speed).
 //! - `gpu-bundle`: the release binary and baseline scripts in `gpu-bundle/`, for the GPU machine.
 //! - `gpu-conformance` (GPU machine): the CUDA kernels against the reference; the attestation.
 //! - `bench attention` (GPU machine): our attention against PyTorch flex_attention and SDPA.
 //! - `bench step` (GPU machine): the GPU training step against PyTorch; MFU and memory peaks.
 //! - `bench data`: the data pipeline against Python transformers on the CPU; peak memory.
+//! - `bench gemm`, `bench target`, `bench hybrid`, `bench eval`, `bench train` (GPU machine):
+//!   the cuBLAS linear, the target forwards, decoding and training end to end, each against its
+//!   baseline (`xtask bench --help`).
 
 mod args;
 mod bench;
@@ -44,6 +49,8 @@ commands:
   bench gemm         (GPU machine) the cuBLAS bf16 linear: checked against the CPU, timed
   bench step         (GPU machine) the GPU training step per policy vs PyTorch, MFU, peaks
   bench target       (GPU machine) the target forward (features) vs transformers, 8B shape
+  bench hybrid       (GPU machine) the hybrid target forward vs transformers (fla and torch)
+  bench eval         (GPU machine) batch-1 decoding, plain and speculative, vs transformers
   bench train        (GPU machine) training steps end to end vs a PyTorch pipeline, 8B target
   bench data         the data pipeline vs Python transformers on the CPU; peak memory
 

@@ -47,8 +47,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let lm_chunk_rows: usize = opts.get("lm-chunk", DEFAULT_LM_CHUNK_ROWS)?;
     let device_gib: f64 = opts.get("device-gib", H200_GIB)?;
     let chunk_rows: usize = opts.get("chunk-rows", 256)?;
-    if lm_chunk_rows == 0 || chunk_rows == 0 || device_gib <= 0.0 {
-        return Err("--lm-chunk and --chunk-rows must be at least 1, --device-gib positive".into());
+    if lm_chunk_rows == 0 || chunk_rows == 0 || !(device_gib > 0.0 && device_gib.is_finite()) {
+        return Err("--lm-chunk and --chunk-rows must be at least 1, --device-gib a finite number above 0".into());
     }
     let device_bytes = (device_gib * (1u64 << 30) as f64) as u64;
     let target: PathBuf = opts.get("target", PathBuf::new())?;
@@ -118,8 +118,9 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
     let target = match TargetKind::from_file(&file).map_err(|e| e.to_string())? {
         TargetKind::Hybrid(config) => {
             use dflash_optimized::memory::hybrid::{hybrid_drafter, HYBRID_DRAFTER_RECIPE};
-            let draft = hybrid_drafter(&config, HYBRID_DRAFTER_RECIPE, (config.vocab_size - 1) as u32)
-                .map_err(|e| e.to_string())?;
+            let (layers, block, features) = HYBRID_DRAFTER_RECIPE;
+            let recipe = (layers, block, features.min(config.num_layers()));
+            let draft = hybrid_drafter(&config, recipe, (config.vocab_size - 1) as u32).map_err(|e| e.to_string())?;
             print_hybrid_plan(&file.display().to_string(), &config, &draft, &every_policy(shape, device_bytes))?;
             return Ok(());
         }

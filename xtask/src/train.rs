@@ -35,11 +35,13 @@ use dflash_trainer::metrics;
 use dflash_trainer::plan::Plan;
 use dflash_trainer::real::{self, RealSetup};
 use dflash_trainer::rows::{RowFeatures, RowSource};
-use dflash_trainer::run::{check_resume_config, prepare_fresh_out, RunInputs, RunSummary, TauProbe, Trainer};
+use dflash_trainer::run::{
+    check_fresh_out, check_resume_config, prepare_fresh_out, RunInputs, RunSummary, TauProbe, Trainer,
+};
 
 use crate::eval::{cached_decoders, CachedDecoder};
 
-const HELP_HEAD: &str = "usage: cargo xtask train [--target DIR --data FILE... [--features CACHE]] [--config FILE] [--plan] [--resume OUT] [--key value ...]
+const HELP_HEAD: &str = "usage: cargo xtask train [--target DIR --data FILE... [--features CACHE]] [--config FILE] [--plan] [--resume OUT] [--overwrite] [--key value ...]
 
 Without --target: trains a tiny DFlash drafter against a tiny random Qwen3 target built in code,
 on data sampled from that target, on the CPU (`--step gpu --builtin-target gpu`: on the GPU).
@@ -72,11 +74,16 @@ Unknown keys are errors.
   --resume OUT               continue the run in OUT from its latest complete checkpoint, with
                              losses identical to an uninterrupted run (its config is loaded;
                              only options that do not change the run may differ, e.g. --steps)
+  --overwrite                a real run: replace the finished run in --out (the built-in
+                             default always replaces its own)
 
 The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
 model.safetensors in bf16; training.safetensors, run.toml, state.json), latest, metrics.jsonl
 (one JSON object per line), training.svg, and drafter/ (the final servable drafter). A fresh
-run replaces a finished run in its folder and refuses an unfinished one (--resume continues it).
+run refuses a folder holding an unfinished run (--resume continues it), and one holding a
+finished real run unless --overwrite; the built-in default replaces its finished run. The
+input paths (target, data, features, data cache, a held-out file) are saved absolute, so a run
+resumes from any folder.
 
 options (built-in defaults; real runs start from the recipe):";
 
@@ -96,7 +103,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Some(dir) => {
             let found = find_resumable(dir).map_err(err)?;
             resume_notes.extend(found.notes.iter().cloned());
-            let mut saved = load_config(&found.dir).map_err(err)?;
+            // Relative paths of a checkpoint saved before they were made absolute: as from here.
+            let mut saved = load_config(&found.dir).and_then(|c| c.with_absolute_paths()).map_err(err)?;
             let base = RunConfig { out: dir.clone(), ..saved.clone() };
             saved.out = dir.clone();
             (base, Some((found, saved)))
@@ -107,7 +115,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     if let Some(file) = &cli.config {
         config = RunConfig::from_file(&config, file).map_err(err)?;
     }
-    config = config.with_overrides(&cli.overrides).map_err(err)?;
+    config = config.with_overrides(&cli.overrides).and_then(|c| c.with_absolute_paths()).map_err(err)?;
     if let Some(dir) = &cli.resume {
         if &config.out != dir {
             return Err(format!(
@@ -118,9 +126,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
     }
     config.validate().map_err(err)?;
+    // An option that would change a resumed run, before the data is read (checked again, with
+    // the notes, once `epochs` is resolved to steps).
+    if let Some((_, saved)) = &resume {
+        check_resume_config(&config, saved).map_err(err)?;
+    }
     let launch = Launch::resolve(&config, &|name| std::env::var(name).ok()).map_err(err)?;
     match config.target.is_some() {
-        true => real_run(config, &launch, cli.plan, resume, resume_notes),
+        true => real_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
         false => builtin_run(config, &launch, cli.plan, resume, resume_notes),
     }
 }
@@ -136,15 +149,26 @@ fn check_resume(config: &RunConfig, resume: &Resume, notes: &mut Vec<String>) ->
     Ok(())
 }
 
-/// `--out` checked writable and made ready for a fresh run (a finished run there is replaced);
-/// by rank 0 alone (the other ranks write nothing there).
-fn prepare_out(config: &RunConfig, launch: &Launch, resume: &Resume) -> Result<(), String> {
+/// `--out` checked writable and free for a fresh run ([`check_fresh_out`]: a finished run there
+/// may be replaced only when `replace`), touching nothing but a probe file; by rank 0 alone (the
+/// other ranks write nothing there).
+fn check_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: bool) -> Result<(), String> {
     if launch.rank > 0 {
         return Ok(());
     }
     config.check_out().map_err(|e| e.to_string())?;
     if resume.is_none() {
-        for note in prepare_fresh_out(&config.out).map_err(|e| e.to_string())? {
+        check_fresh_out(&config.out, replace).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// `--out` checked again ([`check_out`]) and made ready for a fresh run: a finished run there is
+/// replaced when `replace`.
+fn prepare_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: bool) -> Result<(), String> {
+    check_out(config, launch, resume, replace)?;
+    if launch.rank == 0 && resume.is_none() {
+        for note in prepare_fresh_out(&config.out, replace).map_err(|e| e.to_string())? {
             println!("{note}");
         }
     }
@@ -242,11 +266,16 @@ fn report_end(
 /// The last lines: where the drafter and the run's files are.
 fn report_files(config: &RunConfig, summary: &RunSummary, final_dir: &Path, svg: &Path, started: Instant) {
     println!("saved the drafter (HF format: config.json + model.safetensors, bf16) to {}", final_dir.display());
+    // A resumed run that was already at its last step writes no checkpoint: `latest` names its.
+    let latest = match summary.checkpoints.last() {
+        Some(dir) => dir.display().to_string(),
+        None => std::fs::read_to_string(config.out.join("latest"))
+            .map_or("none".into(), |name| config.out.join(name.trim()).display().to_string()),
+    };
     println!(
-        "run folder {}: {} checkpoint(s) written by this run (latest: {}), metrics.jsonl, {}",
+        "run folder {}: {} checkpoint(s) written by this run (latest: {latest}), metrics.jsonl, {}",
         config.out.display(),
         summary.checkpoints.len(),
-        summary.checkpoints.last().map_or("-".into(), |p| p.display().to_string()),
         svg.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
     );
     println!("total {:.1}s", started.elapsed().as_secs_f64());
@@ -304,7 +333,7 @@ fn builtin_run(
         return Ok(());
     }
     gpus_present(&config, launch, plan).map_err(err)?;
-    prepare_out(&config, launch, &resume)?;
+    prepare_out(&config, launch, &resume, true)?;
 
     let started = Instant::now();
     print!(
@@ -426,15 +455,20 @@ fn builtin_run(
 }
 
 /// A real run: the user's target and data (features online or from a cache).
+/// A real run; `(plan, overwrite)`: `--plan` and `--overwrite`.
 fn real_run(
     config: RunConfig,
     launch: &Launch,
-    plan: bool,
+    (plan, overwrite): (bool, bool),
     resume: Resume,
     mut resume_notes: Vec<String>,
 ) -> Result<(), String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     let started = Instant::now();
+    // The run folder before the data is read (tokenizing a large data set takes minutes).
+    if !plan {
+        check_out(&config, launch, &resume, overwrite)?;
+    }
     let setup = real::prepare(&config, || gpus_present(&config, launch, plan)).map_err(err)?;
     let (t, d) = (&setup.target_config, &setup.draft_config);
     for note in &setup.notes {
@@ -449,6 +483,12 @@ fn real_run(
         stats.conversations,
         setup.dataset.held_out.len()
     );
+    if stats.total_skipped() > 0 {
+        println!("data: {} skipped or filtered ({})", stats.total_skipped(), stats.skip_summary());
+        for example in &stats.examples {
+            println!("  e.g. {example}");
+        }
+    }
     let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
     // The reference target on the CPU: the reference engine's features, and its real tau.
     let reference_features = config.step == StepKind::Reference && setup.cache.is_none();
@@ -464,6 +504,10 @@ fn real_run(
     let (train_rows, held_rows) = setup.rows(&config, features).map_err(err)?;
     let config = config.resolved(d.block_size, train_rows.len());
     check_resume(&config, &resume, &mut resume_notes)?;
+    let prompts = match config.tau_prompts {
+        0 => Vec::new(),
+        n => setup.tau_prompts(n, config.tau_tokens).map_err(err)?,
+    };
     let source = match &config.features {
         Some(cache) => format!("features from the cache {}", cache.display()),
         None => format!("features online from target layers {:?}", d.target_layer_ids),
@@ -487,7 +531,6 @@ fn real_run(
         // The real tau's cached decoders sit beside the step, with their own copy of the target.
         let mut decoders = 0;
         if config.tau_prompts > 0 && config.step != StepKind::Reference {
-            let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
             let context = tau_context(&prompts, config.tau_tokens);
             let widths = if config.step == StepKind::Gpu { (2, 4) } else { (4, 4) };
             decoders = dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths)
@@ -535,17 +578,23 @@ fn real_run(
         let steps = config.total_steps(train_rows.len());
         let rows = (steps * config.rows_per_update()) as f64;
         let per_row = real_flops_per_row(&config, &setup);
-        println!(
-            "steps: {steps}\nepochs: {:.2}\ntokens: {:.0}\nestimated time on one H200: {:.0}s ({:.1e} model FLOP at {:.0}% MFU)",
-            rows / train_rows.len() as f64,
-            rows * config.max_len as f64,
-            rows * per_row / (PEAK_FLOPS * PLANNED_MFU),
-            rows * per_row,
-            PLANNED_MFU * 100.0
-        );
+        let (epochs, tokens, flop) = (rows / train_rows.len() as f64, rows * config.max_len as f64, rows * per_row);
+        let estimate = match config.step {
+            StepKind::Gpu => format!(
+                "on one H200: {:.0}s ({flop:.1e} model FLOP at {:.0}% MFU)",
+                flop / (PEAK_FLOPS * PLANNED_MFU),
+                PLANNED_MFU * 100.0
+            ),
+            _ => format!(
+                "on the CPU: {:.0}s ({flop:.1e} model FLOP at the {:.0e} FLOP/s of the CPU engines measured on 2 cores)",
+                flop / dflash_trainer::plan::CPU_TRAIN_FLOPS,
+                dflash_trainer::plan::CPU_TRAIN_FLOPS
+            ),
+        };
+        println!("steps: {steps}\nepochs: {epochs:.2}\ntokens: {tokens:.0}\nestimated time {estimate}");
         return Ok(());
     }
-    prepare_out(&config, launch, &resume)?;
+    prepare_out(&config, launch, &resume, overwrite)?;
     let processes = join_processes(launch, &config, &train_rows, &resume)?;
 
     let drafter_started = Instant::now();
@@ -687,7 +736,6 @@ fn real_run(
             false => engine.evaluate(held, config.anchors, gamma, config.seed).map(Some).map_err(err),
         }
     };
-    let prompts = setup.tau_prompts(config.tau_prompts).map_err(err)?;
     let with_tau = config.tau_prompts > 0 && !prompts.is_empty() && launch.rank == 0;
     // The real tau: the reference decoders with the reference step, else the step's own cached
     // decoders (on its first GPU in bf16, or the CPU twins in f32), built before the first step.
@@ -932,27 +980,31 @@ struct Cli {
     config: Option<PathBuf>,
     resume: Option<PathBuf>,
     plan: bool,
+    overwrite: bool,
     overrides: Vec<(String, String)>,
 }
 
 impl Cli {
     /// `Ok(None)` for `--help`.
     fn parse(args: Vec<String>) -> Result<Option<Self>, String> {
-        let mut cli = Cli { config: None, resume: None, plan: false, overrides: Vec::new() };
+        let mut cli = Cli { config: None, resume: None, plan: false, overwrite: false, overrides: Vec::new() };
         let mut it = args.into_iter().peekable();
         while let Some(arg) = it.next() {
             if arg == "--help" || arg == "-h" {
                 return Ok(None);
             }
             let name = arg.strip_prefix("--").ok_or_else(|| format!("unexpected argument `{arg}`"))?.to_string();
-            if name == "plan" {
-                cli.plan = true;
+            if name == "plan" || name == "overwrite" {
+                match name.as_str() {
+                    "plan" => cli.plan = true,
+                    _ => cli.overwrite = true,
+                }
                 continue;
             }
             let is_option = FIELDS.iter().any(|(f, _, _)| *f == name.replace('-', "_"));
             if !is_option && !["config", "resume"].contains(&name.as_str()) {
                 return Err(format!(
-                    "unknown option `--{name}` (known: --config, --plan, --resume, {})",
+                    "unknown option `--{name}` (known: --config, --plan, --resume, --overwrite, {})",
                     known_flags().join(", ")
                 ));
             }
@@ -965,7 +1017,11 @@ impl Cli {
                     while let Some(more) = it.next_if(|a| !a.starts_with("--")) {
                         value = format!("{value}\n{more}");
                     }
-                    cli.overrides.push((name, value));
+                    // `--data A --data B` is `--data A B`, as for `data` and `features`.
+                    match cli.overrides.iter_mut().find(|(k, _)| k == "data") {
+                        Some((_, earlier)) => *earlier = format!("{earlier}\n{value}"),
+                        None => cli.overrides.push((name, value)),
+                    }
                 }
                 _ => cli.overrides.push((name, value)),
             }

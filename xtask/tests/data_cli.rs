@@ -27,6 +27,25 @@ fn the_fixture_prepares_and_bad_input_is_refused() {
     for needle in ["conversations:      50", "supervised tokens", "packing efficiency", "── row 0"] {
         assert!(stdout.contains(needle), "`{needle}` missing from:\n{stdout}");
     }
+    // One document per row: the efficiency counts each row padded to --max-len, as training
+    // pads it (documents + padding = rows x S), not the documents alone.
+    let efficiency = |stdout: &str| -> (f64, usize, usize) {
+        let line = stdout.lines().find(|l| l.starts_with("packing efficiency")).expect("efficiency line");
+        let pct: f64 = line.split_whitespace().nth(2).unwrap().trim_end_matches('%').parse().unwrap();
+        let rows = stdout.lines().find(|l| l.starts_with("rows (")).expect("rows line");
+        let number = |after: &str| -> usize {
+            let rest = &rows[rows.find(after).unwrap() + after.len()..];
+            rest.trim_start().split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+        };
+        (pct, number("):"), number("documents,"))
+    };
+    let unpacked =
+        data(&["--target", &target, "--data", &convs, "--packing", "no", "--max-len", "512", "--show", "0"], cache.path());
+    let stdout = String::from_utf8_lossy(&unpacked.stdout).into_owned();
+    assert!(unpacked.status.success(), "{}", String::from_utf8_lossy(&unpacked.stderr));
+    let (pct, rows, tokens) = efficiency(&stdout);
+    let want = 100.0 * tokens as f64 / (rows * 512) as f64;
+    assert!((pct - want).abs() < 0.06 && pct < 100.0, "{pct}% printed, {want:.2}% of {rows} rows x 512:\n{stdout}");
     let bad: [(&[&str], &str); 7] = [
         (&["--target", &target], "--data FILE... is required"),
         (&["--target", &target, "--data", "no-such.jsonl"], "no-such.jsonl"),

@@ -145,7 +145,10 @@ fn bad_options_are_named_before_any_work() {
         (vec!["--rows", "0"], "option `rows`".into()),
         (vec!["--config", bad_toml_s], format!("line {line}")),
         (vec!["--config", bad_toml_s], "unknown field `warmup`".into()),
-        (vec!["--target", "somewhere", "--data", "a.jsonl"], "option `target`: somewhere: not a folder".into()),
+        (vec!["--target", "somewhere", "--data", "a.jsonl"], "somewhere: not a folder".into()),
+        // A real run's option on the built-in default: refused, not ignored.
+        (vec!["--max-len", "100"], "option `max_len`: applies to real runs (`--target`) only".into()),
+        (vec!["--block-size", "4"], "option `block_size`: applies to real runs".into()),
     ];
     let mut all = cases;
     all.push((vec!["--out", a_file.to_str().unwrap()], "option `out`".into()));
@@ -602,6 +605,78 @@ fn a_killed_real_run_resumes_with_the_uninterrupted_losses() {
     killed_and_resumed_equals_uninterrupted(tmp.path(), run_args, 12, &seed);
 }
 
+/// The run folder and the inputs of real runs: `--data A --data B` reads both files as `--data
+/// A B` does; paths are saved absolute, so a run started with relative paths resumes from
+/// another folder; a finished real run is replaced only with `--overwrite`; an `--out` that
+/// cannot be a run folder is refused before the data is read; a run whose weights go non-finite
+/// reports a NaN held-out loss and still writes its checkpoint and drafter.
+#[test]
+fn real_run_folders_paths_and_inputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    write_target_folder(&target, rand::rng().random_range(0..1u64 << 30));
+    let conversations = std::fs::read_to_string(repo("fixtures/data/conversations.jsonl")).unwrap();
+    let lines: Vec<&str> = conversations.lines().collect();
+    let half = rand::rng().random_range(10..lines.len() - 10);
+    std::fs::write(tmp.path().join("a.jsonl"), lines[..half].join("\n")).unwrap();
+    std::fs::write(tmp.path().join("b.jsonl"), lines[half..].join("\n")).unwrap();
+    let run = |args: &[&str]| {
+        let mut all = vec!["train", "--target", target.to_str().unwrap(), "--step", "host"];
+        all.extend(["--max-len", "256", "--anchors", "4", "--target-layer-ids", "2,0", "--held-out", "0.2"]);
+        all.extend(args);
+        Command::new(env!("CARGO_BIN_EXE_xtask")).args(&all).current_dir(tmp.path()).output().unwrap()
+    };
+    let data_line = |out: &std::process::Output| {
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+        stdout.lines().find(|l| l.starts_with("data: ")).map(String::from).expect("a data line")
+    };
+    let both = data_line(&run(&["--data", "a.jsonl", "b.jsonl", "--plan"]));
+    let repeated = data_line(&run(&["--data", "a.jsonl", "--data", "b.jsonl", "--plan"]));
+    let first = data_line(&run(&["--data", "a.jsonl", "--plan"]));
+    assert_eq!(repeated, both, "--data A --data B reads both files");
+    assert_ne!(first, both, "the second file adds conversations");
+
+    // Relative paths in, absolute paths saved; resumed from another folder.
+    let trained = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run"]);
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+    let saved = std::fs::read_to_string(tmp.path().join("run/checkpoint-2/run.toml")).unwrap();
+    let abs = std::path::absolute(tmp.path().join("a.jsonl")).unwrap();
+    assert!(saved.contains(&format!("data = [\"{}\"]", abs.display())), "{saved}");
+    let elsewhere = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["train", "--resume", tmp.path().join("run").to_str().unwrap(), "--steps", "3"])
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    assert!(elsewhere.status.success(), "resumed from another folder:\n{}", text(&elsewhere.stderr));
+    assert!(tmp.path().join("run/checkpoint-3/state.json").exists(), "the resumed run's checkpoint");
+
+    // A finished real run: refused without --overwrite, before the data is read; replaced with it.
+    let again = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run"]);
+    let stderr = text(&again.stderr);
+    assert!(!again.status.success() && stderr.contains("finished run of 3 steps") && stderr.contains("--overwrite"), "{stderr}");
+    assert!(!text(&again.stdout).contains("data:"), "the data was read first");
+    assert!(tmp.path().join("run/checkpoint-3").exists(), "the finished run was kept");
+    let replaced = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run", "--overwrite"]);
+    assert!(replaced.status.success() && text(&replaced.stdout).contains("replaced by this one"), "{}", text(&replaced.stderr));
+    assert!(!tmp.path().join("run/checkpoint-3").exists() && tmp.path().join("run/checkpoint-2").exists());
+
+    // An --out that is a file: refused before the data is read.
+    std::fs::write(tmp.path().join("a-file"), "x").unwrap();
+    let refused = run(&["--data", "a.jsonl", "--steps", "2", "--out", "a-file"]);
+    assert!(!refused.status.success() && text(&refused.stderr).contains("option `out`"), "{}", text(&refused.stderr));
+    assert!(!text(&refused.stdout).contains("data:"), "the data was read first");
+
+    // Weights blown up by a huge learning rate: the held-out loss is NaN, the run still ends
+    // with its checkpoint and drafter.
+    let blown = run(&["--data", "a.jsonl", "--steps", "2", "--lr", "1e30", "--eval-every", "1", "--out", "nan"]);
+    assert!(blown.status.success(), "{}", text(&blown.stderr));
+    let evals: Vec<serde_json::Value> =
+        metrics(&tmp.path().join("nan")).into_iter().filter(|v| v["kind"] == "eval").collect();
+    assert!(evals.iter().any(|v| v["loss"].is_null()), "a NaN held-out loss is written as null: {evals:?}");
+    assert!(tmp.path().join("nan/checkpoint-2/state.json").exists() && tmp.path().join("nan/drafter/config.json").exists());
+}
+
 /// Bad real-run input is refused before any training, naming the option, file or token.
 #[test]
 fn bad_real_runs_are_refused_before_any_work() {
@@ -633,6 +708,13 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--target-layer-ids", "1,x"], &["--target-layer-ids", "comma-separated whole numbers"]);
     fails(&["--packing", "maybe"], &["--packing", "yes or no"]);
     fails(&["--drafter-workers", "0"], &["drafter_workers", "at least 1"]);
+    fails(&["--target-layer-ids", "2,0,2"], &["target_layer_ids", "layer 2 is given twice"]);
+    fails(&["--block-size", "300"], &["block_size", "300", "max_len 256"]);
+    fails(&["--max-len", "5000"], &["max_len", "5000", "4096 positions", "config.json"]);
+    fails(&["--tau-prompts", "1", "--tau-tokens", "4090"], &["tau_tokens", "4090", "4096 positions"]);
+    // The built-in default's options: refused, not ignored.
+    fails(&["--temperature", "0.7"], &["temperature", "built-in default only"]);
+    fails(&["--rows", "10"], &["rows", "built-in default only"]);
     fails(&["--drafter-workers", "2", "--step", "reference"], &["drafter_workers", "host", "gpu"]);
     fails(&["--target-workers", "1", "--step", "reference"], &["target_workers", "host"]);
     fails(&["--shard-optimizer", "yes"], &["shard_optimizer", "2 or more drafter workers"]);
@@ -718,7 +800,13 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
         assert!((1.0..=4.0).contains(&tau), "{key} {tau}");
     }
     assert_eq!(v["acceptance_per_position"].as_array().unwrap().len(), 3);
-    assert!(v["per_prompt"].as_array().unwrap().iter().all(|p| p["tokens"].as_array().unwrap().len() == 12));
+    for prompt in v["per_prompt"].as_array().unwrap() {
+        assert_eq!(prompt["tokens"].as_array().unwrap().len(), 12);
+        for rate in ["spec_tokens_per_s", "plain_tokens_per_s"] {
+            assert!(prompt[rate].as_f64().is_some_and(|r| r > 0.0), "{rate}: {prompt}");
+        }
+    }
+    assert_eq!(v["sampling"], serde_json::json!({"temperature": 0.0}));
     // Seeded sampling: speculative equals plain sampling, and the tokens are not the greedy ones.
     let sampled = tmp.path().join("sampled.json");
     let args = ["--prompts", p, "--max-new-tokens", "12", "--max-prompts", "3", "--temperature", "1.5", "--seed", "4"];
@@ -726,6 +814,8 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     assert!(result.status.success(), "{}", text(&result.stderr));
     let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sampled).unwrap()).unwrap();
     assert_eq!(s["all_identical_to_greedy"], true);
+    assert_eq!(s["sampling"], serde_json::json!({"temperature": 1.5, "seed": 4}));
+    assert!(text(&result.stdout).contains("sampled at temperature 1.5 (seed 4)"), "{}", text(&result.stdout));
     let tokens = |v: &serde_json::Value| {
         v["per_prompt"].as_array().unwrap().iter().map(|p| p["tokens"].clone()).collect::<Vec<_>>()
     };
@@ -758,6 +848,9 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     refused(&["--prompts", p, "--max-new-tokens", "0"], &["--max-new-tokens"]);
     refused(&["--prompts", p, "--max-prompts", "0"], &["--max-prompts"]);
     refused(&["--prompts", p, "--thinking", "maybe"], &["--thinking"]);
+    // A report that cannot be written: refused before decoding.
+    let unwritable = tmp.path().join("eval.json").join("report.json");
+    refused(&["--prompts", p, "--out", unwritable.to_str().unwrap()], &["--out", "report.json"]);
     refused(&[], &["--prompts FILE... is required"]);
     let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
         .args(["eval", "--target", target.to_str().unwrap(), "--prompts", p])
@@ -768,6 +861,13 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
         "{}",
         text(&result.stderr)
     );
+    // The run folder instead of its drafter: the error points at the drafter.
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["eval", "--target", target.to_str().unwrap(), "--drafter", out.to_str().unwrap(), "--prompts", p])
+        .output()
+        .unwrap();
+    let stderr = text(&result.stderr);
+    assert!(!result.status.success() && stderr.contains(&drafter.display().to_string()), "{stderr}");
     let other = repo("fixtures/drafter");
     let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
         .args(["eval", "--target", target.to_str().unwrap(), "--drafter", other.to_str().unwrap(), "--prompts", p])

@@ -58,6 +58,8 @@ impl Backend for Cuda {
     type Alloc = Buf<u8>;
     type Ranges = DeviceKeyRanges;
 
+    const KIND: &'static str = "GPU";
+
     fn name(&self) -> &str {
         &self.name
     }

@@ -80,6 +80,8 @@ impl<E: Elem> Backend for Host<E> {
     type Alloc = HostAlloc;
     type Ranges = KeyRanges;
 
+    const KIND: &'static str = "CPU twins";
+
     fn name(&self) -> &str {
         "CPU"
     }

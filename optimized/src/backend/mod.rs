@@ -29,6 +29,9 @@ pub trait Backend {
     /// Key ranges where the backend's attention reads them.
     type Ranges;
 
+    /// The kind of backend, in words (`GPU`, `CPU twins`), known before one is made.
+    const KIND: &'static str;
+
     /// What runs the step, e.g. `NVIDIA H200`.
     fn name(&self) -> &str;
     /// Bytes a new allocation can get.

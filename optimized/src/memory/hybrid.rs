@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use dflash_reference::config::{default_target_layer_ids, AttnKind, DraftConfig, ModelDims};
+use dflash_reference::config::{training_target_layer_ids, AttnKind, DraftConfig, ModelDims};
 use dflash_reference::hybrid::{hybrid_param_shapes, HybridConfig, HybridLayerKind};
 
 use super::attention::key_ranges_bytes;
@@ -586,7 +586,7 @@ pub fn hybrid_drafter(
         block_size,
         num_target_layers: config.num_layers(),
         mask_token_id,
-        target_layer_ids: default_target_layer_ids(config.num_layers(), num_features),
+        target_layer_ids: training_target_layer_ids(config.num_layers(), num_features),
     })
 }
 

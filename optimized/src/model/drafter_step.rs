@@ -155,8 +155,6 @@ pub struct DrafterStep<B: Backend> {
     record_predictions: bool,
     /// Whether the predictions region holds the last step's (on the current input).
     predicted: bool,
-    /// Steps run so far (named in errors: the step whose loss or gradient went bad).
-    steps_done: u64,
     total_weight: f64,
 }
 
@@ -249,7 +247,6 @@ impl<B: Backend> DrafterStep<B> {
             ce_rows: Vec::new(),
             record_predictions: false,
             predicted: false,
-            steps_done: 0,
             total_weight: 0.0,
         })
     }
@@ -490,7 +487,6 @@ impl<B: Backend> DrafterStep<B> {
     /// [`DrafterStep::step`], calling `done(self, i)` as soon as the backward has queued the
     /// gradients of bucket `i` of [`grad_buckets`] (in that order, each once).
     pub fn step_with(&mut self, grad_scale: f64, done: &mut BucketDone<'_, B>) -> Result<StepLoss> {
-        self.steps_done += 1;
         self.predicted = false;
         self.forward(grad_scale)?;
         self.predicted = self.record_predictions;
@@ -746,7 +742,7 @@ impl<B: Backend> DrafterStep<B> {
         let loss = if self.total_weight > 0.0 { sum / self.total_weight } else { 0.0 };
         if !loss.is_finite() {
             return Err(Error::NonFinite {
-                what: format!("loss of step {}", self.steps_done),
+                what: "loss".into(),
                 message: format!("{loss} (not finite) on {}", self.dev.name()),
             });
         }
@@ -817,7 +813,10 @@ impl<B: Backend> DrafterStep<B> {
                 let sq: f64 = partials[n * NORM_PARTS..(n + 1) * NORM_PARTS].iter().map(|&x| x.to_f64()).sum();
                 if !sq.is_finite() {
                     return Err(Error::NonFinite {
-                        what: format!("gradient of {} ({which:?}, after step {})", slot.name, self.steps_done),
+                        what: match which {
+                            Grads::Step => format!("gradient of {}", slot.name),
+                            Grads::Update => format!("gradient of {} (accumulated for the update)", slot.name),
+                        },
                         message: "holds NaN or Inf".into(),
                     });
                 }

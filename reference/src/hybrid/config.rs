@@ -249,7 +249,10 @@ impl HybridConfig {
             rope: parse_rope(f, head_dim)?,
             rms_norm_eps,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+            max_position_embeddings: match f.has("max_position_embeddings") {
+                true => f.positive("max_position_embeddings")?,
+                false => 32768,
+            },
         })
     }
 

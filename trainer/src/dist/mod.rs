@@ -411,7 +411,7 @@ impl StepEngine for DataParallel {
         let targets = self.feed.as_ref().map_or(String::new(), |f| format!(" fed by {} target workers", f.targets()));
         let process = self.process.as_ref();
         let process = process.map_or(String::new(), |g| format!(" on rank {} of {} processes", g.rank(), g.world()));
-        format!("device, {} data-parallel workers{targets}{process}", self.workers.len())
+        format!("optimized, {} data-parallel workers{targets}{process}", self.workers.len())
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
