@@ -61,7 +61,7 @@ pub fn hybrid_config(
 /// tokenizer, weights N(0, 0.1), saved in HF format; returns the model.
 pub fn write_hybrid_target_folder(dir: &std::path::Path, seed: u64) -> Result<HybridModel> {
     std::fs::create_dir_all(dir).map_err(|e| dflash_optimized::Error::invalid("folder", e.to_string()))?;
-    crate::target_cases::copy_fixture_tokenizer(dir);
+    crate::target_cases::copy_fixture_tokenizer(dir).expect("copy the fixture tokenizer");
     let kinds = ["linear_attention", "full_attention", "linear_attention"];
     let config = hybrid_config(128, &kinds, (1, 2, 32, 32), (2, 1, 64), 768, false)?;
     let model = HybridModel::random(config, seed, 0.1, DType::F32)?;

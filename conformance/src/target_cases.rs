@@ -29,19 +29,24 @@ pub struct TargetCase {
 }
 
 /// Copies the fixture Qwen tokenizer (with its chat template) into the folder `dir`.
-pub fn copy_fixture_tokenizer(dir: &std::path::Path) {
-    for entry in std::fs::read_dir(fixtures_dir().join("data/tokenizer-qwen")).expect("fixture tokenizer") {
-        let path = entry.expect("entry").path();
-        std::fs::copy(&path, dir.join(path.file_name().expect("a file"))).expect("copy the tokenizer");
+pub fn copy_fixture_tokenizer(dir: &std::path::Path) -> dflash_reference::Result<()> {
+    let source = fixtures_dir().join("data/tokenizer-qwen");
+    let io = |file: &std::path::Path, e| dflash_reference::Error::io(file, e);
+    for entry in std::fs::read_dir(&source).map_err(|e| io(&source, e))? {
+        let path = entry.map_err(|e| io(&source, e))?.path();
+        let to = dir.join(path.file_name().unwrap_or_default());
+        std::fs::copy(&path, &to).map_err(|e| io(&to, e))?;
     }
+    Ok(())
 }
 
 /// Writes a target folder for end-to-end runs into `dir`: the fixture Qwen tokenizer (with its
 /// chat template) and a random Qwen3 of 3 layers (hidden 32, heads of 8, GQA 4/2) whose vocab of
-/// 768 covers the tokenizer, saved in HF format; returns the model.
-pub fn write_target_folder(dir: &std::path::Path, seed: u64) -> TargetModel {
-    std::fs::create_dir_all(dir).expect("target folder");
-    copy_fixture_tokenizer(dir);
+/// 768 covers the tokenizer, saved in HF format; returns the model. (`cargo xtask demo-target`
+/// writes one for trying the real-run commands without a download.)
+pub fn write_target_folder(dir: &std::path::Path, seed: u64) -> dflash_reference::Result<TargetModel> {
+    std::fs::create_dir_all(dir).map_err(|e| dflash_reference::Error::io(dir, e))?;
+    copy_fixture_tokenizer(dir)?;
     let config = TargetConfig {
         arch: TargetArch::Qwen3,
         dims: ModelDims {
@@ -59,9 +64,9 @@ pub fn write_target_folder(dir: &std::path::Path, seed: u64) -> TargetModel {
         tie_word_embeddings: false,
         rope_scaling: RopeScaling::Default,
     };
-    let model = TargetModel::random(config, seed, 0.1, DType::F32).expect("random target");
-    model.save(dir).expect("save the target");
-    model
+    let model = TargetModel::random(config, seed, 0.1, DType::F32)?;
+    model.save(dir)?;
+    Ok(model)
 }
 
 /// A row of documents of `lengths` tokens (positions restarting at 0), then `pad` padding tokens.

@@ -6,6 +6,7 @@
 //! - `data`: a user's conversations and the target's tokenizer to packed rows; statistics.
 //! - `features`: the offline feature cache (every document through the target, in shards).
 //! - `eval`: a drafter by speculative decoding with its target (tau, acceptance, speed).
+//! - `demo-target`: a small random Qwen3 target folder with a real tokenizer (no download).
 //! - `gpu-bundle`: the release binary and baseline scripts in `gpu-bundle/`, for the GPU machine.
 //! - `gpu-conformance` (GPU machine): the CUDA kernels against the reference; the attestation.
 //! - `bench attention` (GPU machine): our attention against PyTorch flex_attention and SDPA.
@@ -26,6 +27,7 @@ mod bench_step;
 mod bench_target;
 mod bench_train;
 mod data;
+mod demo_target;
 mod eval;
 mod features;
 mod gpu_bundle;
@@ -43,6 +45,7 @@ commands:
   data               conversations + the target's tokenizer -> packed rows; stats, samples
   features           the offline feature cache: every document through the target, in shards
   eval               a drafter by speculative decoding with its target: tau, acceptance, speed
+  demo-target        a small random Qwen3 target folder with a real tokenizer, to try the above
   gpu-bundle         build the release binary into gpu-bundle/ for the GPU machine
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
@@ -64,6 +67,7 @@ fn main() -> ExitCode {
         Some("data") => data::run(argv.collect()),
         Some("features") => features::run(argv.collect()),
         Some("eval") => eval::run(argv.collect()),
+        Some("demo-target") => demo_target::run(argv.collect()),
         Some("gpu-bundle") => gpu_bundle::run(argv.collect()),
         Some("gpu-conformance") => gpu_conformance::run(argv.collect()),
         Some("bench") => bench::run(argv.collect()),

@@ -53,7 +53,7 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn the_cache_holds_every_document_with_the_reference_features() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
-    let model = write_target_folder(&target, 1);
+    let model = write_target_folder(&target, 1).unwrap();
     let stdout = ok(&run(command(&target, &out, &data, &[])));
     assert!(stdout.contains("documents,") && stdout.contains("free at"), "size estimate missing:\n{stdout}");
     let cache = FeatureCache::open(&out, None).unwrap();
@@ -95,7 +95,7 @@ fn kill_after_first_shard(mut child: Child, out: &Path) {
 fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, data) = (tmp.path().join("target"), tmp.path().join("data"));
-    write_target_folder(&target, 2);
+    write_target_folder(&target, 2).unwrap();
     let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
     ok(&run(command(&target, &whole, &data, &[])));
 
@@ -132,7 +132,7 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
 fn bad_options_are_refused_before_any_work() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
-    write_target_folder(&target, 3);
+    write_target_folder(&target, 3).unwrap();
     let cases: [(&[&str], &str); 6] = [
         (&["--layer-ids", "9"], "layer 9 is out of range for the target's 3 layers"),
         (&["--layer-ids", "1,x"], "`x` is not a layer number"),

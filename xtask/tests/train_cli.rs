@@ -407,7 +407,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
     let seed: u64 = rand::rng().random_range(0..1 << 30);
-    write_target_folder(&target, seed);
+    write_target_folder(&target, seed).unwrap();
     let cache = tmp.path().join("data-cache");
     let steps = ["--steps", "8", "--checkpoint-every", "4"];
     // --plan: the resolved config, the target and step memory on one GPU, the run's size; no training.
@@ -594,7 +594,7 @@ fn a_killed_real_run_resumes_with_the_uninterrupted_losses() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
     let seed = rand::rng().random_range(0..1u64 << 30).to_string();
-    write_target_folder(&target, 7);
+    write_target_folder(&target, 7).unwrap();
     let cache = tmp.path().join("data-cache");
     let run_args = |out: &Path| {
         let extra = ["--step", "host", "--steps", "12", "--checkpoint-every", "3", "--keep-checkpoints", "2"];
@@ -614,7 +614,7 @@ fn a_killed_real_run_resumes_with_the_uninterrupted_losses() {
 fn real_run_folders_paths_and_inputs() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    write_target_folder(&target, rand::rng().random_range(0..1u64 << 30));
+    write_target_folder(&target, rand::rng().random_range(0..1u64 << 30)).unwrap();
     let conversations = std::fs::read_to_string(repo("fixtures/data/conversations.jsonl")).unwrap();
     let lines: Vec<&str> = conversations.lines().collect();
     let half = rand::rng().random_range(10..lines.len() - 10);
@@ -677,12 +677,28 @@ fn real_run_folders_paths_and_inputs() {
     assert!(tmp.path().join("nan/checkpoint-2/state.json").exists() && tmp.path().join("nan/drafter/config.json").exists());
 }
 
+/// `demo-target` writes a target folder the real-run commands take as it is (a short run on
+/// the CPU twins trains and saves a drafter); it refuses a folder that is not new or empty.
+#[test]
+fn demo_target_writes_a_folder_a_real_run_takes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("demo");
+    let seed = rand::rng().random_range(0..1u64 << 30).to_string();
+    let made = xtask(&["demo-target", "--out", target.to_str().unwrap(), "--seed", &seed]);
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    let (cache, out) = (tmp.path().join("data-cache"), tmp.path().join("run"));
+    run_real(&target, &cache, &out, &["--step", "host", "--steps", "2"]);
+    assert!(out.join("drafter/model.safetensors").exists());
+    let again = xtask(&["demo-target", "--out", target.to_str().unwrap()]);
+    assert!(!again.status.success() && text(&again.stderr).contains("not an empty folder"), "{}", text(&again.stderr));
+}
+
 /// Bad real-run input is refused before any training, naming the option, file or token.
 #[test]
 fn bad_real_runs_are_refused_before_any_work() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    write_target_folder(&target, 3);
+    write_target_folder(&target, 3).unwrap();
     let cache = tmp.path().join("data-cache");
     let out = tmp.path().join("out");
     let refuses = |target: &Path, extra: &[&str], want: &[&str]| {
@@ -740,7 +756,7 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--mask-token-id", &common], &["mask_token_id", "occurs in the data"]);
     // A checkpoint without a weight of its last layer, and one with a weight of the wrong shape.
     let damaged = tmp.path().join("damaged");
-    write_target_folder(&damaged, 3);
+    write_target_folder(&damaged, 3).unwrap();
     let weights = damaged.join("model.safetensors");
     let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
     let refused = |tensors: &std::collections::HashMap<String, candle_core::Tensor>, want: &[&str]| {
@@ -769,7 +785,7 @@ fn bad_real_runs_are_refused_before_any_work() {
 fn eval_decodes_losslessly_and_refuses_bad_input() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    write_target_folder(&target, 11);
+    write_target_folder(&target, 11).unwrap();
     let (cache, out) = (tmp.path().join("data-cache"), tmp.path().join("run"));
     let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
         .args(real_args(&target, &cache, &out, &["--step", "host", "--steps", "4", "--block-size", "4"]))
@@ -887,7 +903,7 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
 fn drafter_workers_train_like_one_and_resume_on_another_count() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    write_target_folder(&target, 5);
+    write_target_folder(&target, 5).unwrap();
     let cache = tmp.path().join("data-cache");
     let run = |out: &Path, workers: &str| {
         let extra = ["--step", "host", "--steps", "6", "--checkpoint-every", "3", "--rows-per-step", "3"];
@@ -982,7 +998,7 @@ const PEER_STOPS_WITHIN: Duration = Duration::from_secs(20);
 fn processes_joined_through_the_rendezvous_train_like_one() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    write_target_folder(&target, rand::rng().random_range(0..1 << 30));
+    write_target_folder(&target, rand::rng().random_range(0..1 << 30)).unwrap();
     let cache = tmp.path().join("data-cache");
     let seed = rand::rng().random_range(0..1u64 << 40).to_string();
     let common = ["--step", "host", "--rows-per-step", "4", "--seed", &seed];
