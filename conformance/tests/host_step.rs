@@ -412,3 +412,21 @@ fn gradient_buckets_accumulated_during_the_backward_are_the_whole_steps() {
     };
     assert!(accumulated(true) == accumulated(false), "bucket by bucket vs the whole step");
 }
+
+/// The CPU twins, like a GPU, refuse a step larger than their memory (the host's available
+/// memory) before allocating it, naming the device and the largest items: the 8B drafter's
+/// step with a thousand layers needs terabytes.
+#[test]
+fn a_step_larger_than_the_host_memory_is_refused_before_allocating() {
+    use dflash_optimized::memory::step::Checkpointing;
+    use dflash_optimized::model::drafter_step::DrafterStep;
+    let named = dflash_optimized::memory::named::named_configs().into_iter().next().expect("a named config");
+    let mut config = named.config;
+    let layers = rand::Rng::random_range(&mut rand::rng(), 1000..1100);
+    config.dims.layer_kinds = vec![dflash_reference::config::AttnKind::Full; layers];
+    let err = DrafterStep::new(Host::<f32>::default(), &config, named.shape, Checkpointing::PerLayer, false)
+        .err()
+        .expect("a step of terabytes is refused")
+        .to_string();
+    assert!(err.contains("the step needs") && err.contains("but CPU (") && err.contains("largest items"), "{err}");
+}

@@ -45,7 +45,7 @@ impl Drop for HostAlloc {
 pub struct Host<E> {
     ops: ElementwiseTwin<E>,
     gdn: GdnTwin<E>,
-    /// What [`Backend::available_bytes`] reports (unbounded unless set).
+    /// What [`Backend::available_bytes`] reports: the host's available memory unless set.
     available: u64,
     _elem: PhantomData<E>,
 }
@@ -60,8 +60,17 @@ impl<E> Host<E> {
 
 impl<E> Default for Host<E> {
     fn default() -> Self {
-        Host { ops: ElementwiseTwin::default(), gdn: GdnTwin::default(), available: u64::MAX, _elem: PhantomData }
+        let available = host_available_bytes().unwrap_or(u64::MAX);
+        Host { ops: ElementwiseTwin::default(), gdn: GdnTwin::default(), available, _elem: PhantomData }
     }
+}
+
+/// The memory the host can give new allocations without swapping: `MemAvailable` of
+/// `/proc/meminfo` (`None` where it cannot be read).
+pub fn host_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = text.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?;
+    kb.trim().parse::<u64>().ok()?.checked_mul(1024)
 }
 
 /// `count` stored values from `p` in the arithmetic type (allocates: attention scratch only).
