@@ -128,6 +128,18 @@ pub const STEP_F32: Tolerance = Tolerance {
     reason: "two f32 computations of ~100 ops in different orders (fused attention with online softmax vs dense, chunked CE vs full), rounding ~6e-8 per op amplified by the attention backward's cancellation in p*(dp - D)",
 };
 
+/// Each parameter's gradient of the step on the f32 twins against the reference in f64, on
+/// random tiny cases (the loss stays within [`STEP_F32`]). A row that sees a single key adds a
+/// score-path term that is zero in exact arithmetic (`p (dp - D)` with `p = 1`, `D = dp`) but
+/// leaves f32 rounding; where the true score-path gradient (q/k projections and norms) is small,
+/// that noise is large relative to it. Measured over 6400 random cases: the worst tensor of a
+/// case has a median error of 8.6e-7, the worst of all 2.4e-4; 1e-3 leaves 4x above it, while a
+/// wrong gradient is off by O(1).
+pub const STEP_F32_GRADS: Tolerance = Tolerance {
+    rel: 1e-3,
+    reason: "f32 rounding of score-path terms that are zero in exact arithmetic (rows seeing one key), relative to a small q/k gradient: worst of 6400 random cases 2.4e-4",
+};
+
 /// The GPU step (bf16 activations and weights, fp32 accumulation and gradients) against the
 /// reference in f64 on the same weights (issue 4's bound).
 pub const GPU_STEP_BF16: Tolerance = Tolerance {

@@ -6,7 +6,7 @@
 use candle_core::DType;
 use dflash_conformance::gpu_step::rounded_to;
 use dflash_conformance::setups::random_draft_case;
-use dflash_conformance::tolerance::{assert_close, Tolerance, STEP_F32, STEP_F64};
+use dflash_conformance::tolerance::{assert_close, Tolerance, STEP_F32, STEP_F32_GRADS, STEP_F64};
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::memory::step::{Checkpointing, StepShape};
 use dflash_optimized::model::drafter_step::DrafterStep;
@@ -19,8 +19,8 @@ use rand_chacha::ChaCha8Rng;
 
 /// The step storing `E` against the reference in f64 on inputs exact in `storage` (so only the
 /// step's own arithmetic is measured; an f32 reference would add its own f32 log-softmax error,
-/// ~1e-3 of a loss near 4e-4).
-fn check_case<E: Elem>(seed: u64, storage: DType, tol: Tolerance) {
+/// ~1e-3 of a loss near 4e-4): the loss within `tol`, each gradient within `grad_tol`.
+fn check_case<E: Elem>(seed: u64, storage: DType, (tol, grad_tol): (Tolerance, Tolerance)) {
     let case = rounded_to(random_draft_case(seed, DType::F64).expect("random case"), storage).expect("rounded");
     let b = case.drafter.config.block_size;
     let input = DraftInput::training(&case.row, &case.anchors, b).expect("input");
@@ -54,7 +54,7 @@ fn check_case<E: Elem>(seed: u64, storage: DType, tol: Tolerance) {
             assert_eq!(name, got_name);
             let got = candle_core::Tensor::from_vec(got.clone(), var.dims(), &candle_core::Device::Cpu).unwrap();
             let want = reference_grads.get(var.as_tensor()).cloned().unwrap_or(var.as_tensor().zeros_like().unwrap());
-            assert_close(&format!("seed {seed} {policy:?} grad {name}"), &got, &want, tol);
+            assert_close(&format!("seed {seed} {policy:?} grad {name}"), &got, &want, grad_tol);
         }
         per_policy.push(grads);
     }
@@ -70,13 +70,14 @@ proptest! {
     /// f64: the step on the f64 twins equals autograd to f64 rounding (1e-10).
     #[test]
     fn step_matches_reference_f64(seed in any::<u64>()) {
-        check_case::<f64>(seed, DType::F64, STEP_F64);
+        check_case::<f64>(seed, DType::F64, (STEP_F64, STEP_F64));
     }
 
-    /// f32: the step on the f32 twins within 1e-4 of the f64 reference on f32-exact inputs.
+    /// f32: the step on the f32 twins within 1e-4 (the loss) and 1e-3 (each gradient) of the
+    /// f64 reference on f32-exact inputs.
     #[test]
     fn step_matches_reference_f32(seed in any::<u64>()) {
-        check_case::<f32>(seed, DType::F32, STEP_F32);
+        check_case::<f32>(seed, DType::F32, (STEP_F32, STEP_F32_GRADS));
     }
 }
 
