@@ -177,6 +177,8 @@ fn training_layer_ids(#[case] layers: usize, #[case] n: usize, #[case] want: Vec
 #[test]
 fn bad_feature_layers_are_named() {
     assert_eq!(check_feature_layers(&[], 4), Err("no layer given".to_string()));
-    assert!(check_feature_layers(&[1, 4], 4).unwrap_err().contains("layer 4 is out of range for the target's 4 layers"));
+    assert!(check_feature_layers(&[1, 4], 4)
+        .unwrap_err()
+        .contains("layer 4 is out of range for the target's 4 layers"));
     assert!(check_feature_layers(&[2, 0, 2], 4).unwrap_err().contains("layer 2 is given twice"));
 }

@@ -65,7 +65,8 @@ fn weight_files(target: &Path) -> Result<Vec<PathBuf>> {
         .ok_or_else(|| Error::field(&index, "weight_map", "missing, or not an object"))?;
     let mut names = std::collections::BTreeSet::new();
     for (tensor, file) in map {
-        let file = file.as_str().ok_or_else(|| Error::field(&index, format!("weight_map.{tensor}"), "not a file name"))?;
+        let file =
+            file.as_str().ok_or_else(|| Error::field(&index, format!("weight_map.{tensor}"), "not a file name"))?;
         names.insert(file.to_string());
     }
     Ok(names.into_iter().map(|name| target.join(name)).collect())
@@ -186,7 +187,9 @@ impl FeatureIndex {
             let covers = match k.as_str() {
                 "target_config" => "the target's config.json",
                 "target_weights" => "the target's weight files",
-                "data" => "the tokenized data: the data files, tokenizer, chat template, thinking, system prompt and max_len",
+                "data" => {
+                    "the tokenized data: the data files, tokenizer, chat template, thinking, system prompt and max_len"
+                }
                 "layer_ids" => "the target layers tapped",
                 _ => "an entry this version does not know",
             };

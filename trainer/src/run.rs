@@ -239,7 +239,8 @@ impl<'a> Trainer<'a> {
             ));
         }
         let mut seen = vec![false; self.inputs.data.len()];
-        let permutation = s.order.len() == seen.len() && s.order.iter().all(|&i| i < seen.len() && !std::mem::replace(&mut seen[i], true));
+        let permutation = s.order.len() == seen.len()
+            && s.order.iter().all(|&i| i < seen.len() && !std::mem::replace(&mut seen[i], true));
         if !permutation || s.cursor > s.order.len() {
             return Err(Error::checkpoint(
                 &found.dir,

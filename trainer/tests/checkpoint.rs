@@ -159,7 +159,7 @@ fn a_checkpoint_with_a_bad_data_order_is_refused() {
         let mut found = find_resumable(dir.path()).unwrap();
         tamper(&mut found.state.order);
         let mut e = engine(&c, &s, StepKind::Reference);
-        let err = Trainer::new(inputs(&c, &s)).unwrap().resume(&mut e, &found).err().expect("refused").to_string();
+        let err = Trainer::new(inputs(&c, &s)).unwrap().resume(&mut e, &found).expect_err("refused").to_string();
         assert!(err.contains("checkpoint-3") && err.contains("state.json") && err.contains("order"), "case {i}: {err}");
     }
 }
@@ -200,7 +200,8 @@ fn checkpoint_holds_the_servable_drafter() {
         assert_eq!(diff, 0.0, "{name}: the saved weights are the trained ones in bf16");
     }
     // The weights are as readable as the config (a server may run as another user).
-    let mode = |f: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(folder.join(f)).unwrap().permissions());
+    let mode =
+        |f: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(folder.join(f)).unwrap().permissions());
     assert_eq!(mode("model.safetensors"), mode("config.json"), "model.safetensors' permissions");
     assert_eq!(mode("training.safetensors"), mode("config.json"), "training.safetensors' permissions");
     let config: serde_json::Value =

@@ -163,7 +163,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         prompts.len(),
         match sampling {
             Sampling::Greedy => "greedy".to_string(),
-            Sampling::Temperature { temperature, seed } => format!("sampled at temperature {temperature} (seed {seed})"),
+            Sampling::Temperature { temperature, seed } =>
+                format!("sampled at temperature {temperature} (seed {seed})"),
         },
         drafter_dir.display(),
         draft_config.target_layer_ids

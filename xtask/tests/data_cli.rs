@@ -39,8 +39,10 @@ fn the_fixture_prepares_and_bad_input_is_refused() {
         };
         (pct, number("):"), number("documents,"))
     };
-    let unpacked =
-        data(&["--target", &target, "--data", &convs, "--packing", "no", "--max-len", "512", "--show", "0"], cache.path());
+    let unpacked = data(
+        &["--target", &target, "--data", &convs, "--packing", "no", "--max-len", "512", "--show", "0"],
+        cache.path(),
+    );
     let stdout = String::from_utf8_lossy(&unpacked.stdout).into_owned();
     assert!(unpacked.status.success(), "{}", String::from_utf8_lossy(&unpacked.stderr));
     let (pct, rows, tokens) = efficiency(&stdout);

@@ -654,11 +654,18 @@ fn real_run_folders_paths_and_inputs() {
     // A finished real run: refused without --overwrite, before the data is read; replaced with it.
     let again = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run"]);
     let stderr = text(&again.stderr);
-    assert!(!again.status.success() && stderr.contains("finished run of 3 steps") && stderr.contains("--overwrite"), "{stderr}");
+    assert!(
+        !again.status.success() && stderr.contains("finished run of 3 steps") && stderr.contains("--overwrite"),
+        "{stderr}"
+    );
     assert!(!text(&again.stdout).contains("data:"), "the data was read first");
     assert!(tmp.path().join("run/checkpoint-3").exists(), "the finished run was kept");
     let replaced = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run", "--overwrite"]);
-    assert!(replaced.status.success() && text(&replaced.stdout).contains("replaced by this one"), "{}", text(&replaced.stderr));
+    assert!(
+        replaced.status.success() && text(&replaced.stdout).contains("replaced by this one"),
+        "{}",
+        text(&replaced.stderr)
+    );
     assert!(!tmp.path().join("run/checkpoint-3").exists() && tmp.path().join("run/checkpoint-2").exists());
 
     // An --out that is a file: refused before the data is read.
@@ -674,7 +681,9 @@ fn real_run_folders_paths_and_inputs() {
     let evals: Vec<serde_json::Value> =
         metrics(&tmp.path().join("nan")).into_iter().filter(|v| v["kind"] == "eval").collect();
     assert!(evals.iter().any(|v| v["loss"].is_null()), "a NaN held-out loss is written as null: {evals:?}");
-    assert!(tmp.path().join("nan/checkpoint-2/state.json").exists() && tmp.path().join("nan/drafter/config.json").exists());
+    assert!(
+        tmp.path().join("nan/checkpoint-2/state.json").exists() && tmp.path().join("nan/drafter/config.json").exists()
+    );
 }
 
 /// `demo-target` writes a target folder the real-run commands take as it is (a short run on
