@@ -107,6 +107,7 @@ fn edit_safetensors(dir: &Path, file: &str, edit: impl FnOnce(&mut HashMap<Strin
 #[case::unknown_layer_type("drafter", "/layer_types", Some(json!(["sliding_attention", "chunked_attention"])), "layer_types[1]")]
 #[case::sliding_without_window("drafter", "/sliding_window", None, "sliding_window")]
 #[case::sliding_window_zero("drafter", "/sliding_window", Some(json!(0)), "sliding_window")]
+#[case::sliding_turned_off("drafter", "/use_sliding_window", Some(json!(false)), "use_sliding_window")]
 #[case::rope_longrope("target-qwen3", "/rope_parameters/rope_type", Some(json!("longrope")), "rope_parameters.rope_type")]
 #[case::rope_yarn_negative_factor("target-qwen3", "/rope_parameters", Some(json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": -2.0})), "rope_parameters.factor")]
 #[case::rope_partial_rotary("target-qwen3", "/rope_parameters/partial_rotary_factor", Some(json!(0.5)), "rope_parameters.partial_rotary_factor")]

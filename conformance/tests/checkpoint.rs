@@ -155,30 +155,38 @@ fn default_layer_ids(#[case] layers: usize, #[case] n: usize, #[case] want: Vec<
     assert_eq!(default_target_layer_ids(layers, n), want);
 }
 
-/// A new drafter's feature layers: the spec's rule wherever it gives distinct increasing layers
-/// (every published target); on targets of a few layers, where the rule repeats layers (3
-/// layers: [1, 1, 0]; 6: [1, 2, 2, 3, 3]), layers spread evenly from the first to the last.
+/// A new drafter's feature layers: the spec's rule wherever it gives increasing layers below the
+/// last (every published target); on targets of a few layers, where the rule repeats layers (3
+/// layers: [1, 1, 0]; 6: [1, 2, 2, 3, 3]), layers spread evenly from the first to the one below
+/// the last, as many as there are.
 #[rstest]
 #[case::qwen3_8b(36, 5, vec![1, 9, 17, 25, 33])]
 #[case::target_64(64, 5, vec![1, 16, 31, 46, 61])]
 #[case::eight_layers(8, 5, vec![1, 2, 3, 4, 5])]
-#[case::six_layers(6, 5, vec![0, 1, 3, 4, 5])]
-#[case::three_layers(3, 3, vec![0, 1, 2])]
-#[case::three_of_two(3, 2, vec![0, 2])]
+#[case::six_layers(6, 5, vec![0, 1, 2, 3, 4])]
+#[case::three_layers(3, 5, vec![0, 1])]
+#[case::three_of_two(3, 2, vec![0, 1])]
 #[case::one_of_3(3, 1, vec![1])]
+#[case::two_layers(2, 5, vec![0])]
 fn training_layer_ids(#[case] layers: usize, #[case] n: usize, #[case] want: Vec<usize>) {
     let ids = training_target_layer_ids(layers, n);
     assert_eq!(ids, want);
     assert_eq!(check_feature_layers(&ids, layers), Ok(()));
 }
 
-/// Feature layers chosen by a user: none, one past the last layer, or one twice are refused,
-/// naming the layer.
+/// Feature layers chosen by a user, as serving engines read them: none, one past the last layer,
+/// the last layer itself (engines serve its output after the final norm), one twice, or out of
+/// increasing order (engines concatenate in layer order) are refused, naming the layer.
 #[test]
 fn bad_feature_layers_are_named() {
     assert_eq!(check_feature_layers(&[], 4), Err("no layer given".to_string()));
-    assert!(check_feature_layers(&[1, 4], 4)
-        .unwrap_err()
-        .contains("layer 4 is out of range for the target's 4 layers"));
-    assert!(check_feature_layers(&[2, 0, 2], 4).unwrap_err().contains("layer 2 is given twice"));
+    let refused = |ids: &[usize], want: &str| {
+        let err = check_feature_layers(ids, 4).unwrap_err();
+        assert!(err.contains(want), "{ids:?}: {err}");
+    };
+    refused(&[1, 4], "layer 4 is out of range for the target's 4 layers");
+    refused(&[0, 3], "layer 3 is the target's last");
+    refused(&[1, 1], "layer 1 is given twice");
+    refused(&[2, 0], "2 before 0");
+    assert!(check_feature_layers(&[0], 1).unwrap_err().contains("no layer below its last"));
 }

@@ -121,6 +121,11 @@ impl ModelDims {
             "hidden_act": "silu",
             "layer_types": layer_types,
             "sliding_window": sliding_window,
+            // transformers' Qwen3 keeps `sliding_window` only with `use_sliding_window` (else its
+            // sliding layers run full attention); the window applies to the layers `layer_types`
+            // names, `max_window_layers` counting them all, as the published drafters write it.
+            "use_sliding_window": sliding_window.is_some(),
+            "max_window_layers": self.num_layers(),
         });
         out.extend(fields.as_object().expect("json! object").clone());
     }
@@ -364,6 +369,15 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
         .enumerate()
         .map(|(i, t)| match t.as_str() {
             "full_attention" => Ok(AttnKind::Full),
+            // transformers drops the window when `use_sliding_window` is false: refused rather
+            // than read two ways (files without the key, as this project wrote before, are read
+            // with their window).
+            "sliding_attention" if f.opt_bool("use_sliding_window")? == Some(false) => Err(f.error(
+                "use_sliding_window",
+                format!(
+                    "false, but layer_types[{i}] is sliding_attention (transformers would run it as full attention)"
+                ),
+            )),
             "sliding_attention" => match f.opt_usize("sliding_window")? {
                 Some(window) if window > 0 => Ok(AttnKind::Sliding { window }),
                 _ => Err(f.error(
@@ -386,30 +400,54 @@ pub fn default_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize
     (0..n).map(|i| (1.0 + i as f64 * span / (n - 1) as f64).round().max(0.0) as usize).collect()
 }
 
-/// The target layers a new drafter of `n` features (at most the target's layers) is trained on:
-/// the spec's rule ([`default_target_layer_ids`]) where it gives `n` distinct layers in
-/// increasing order, as for every published target; on targets of a few layers, where the rule
-/// repeats or reorders layers, `n` layers spread evenly from the first to the last, each once.
-pub fn training_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize> {
-    let rule = default_target_layer_ids(num_target_layers, n);
-    if rule.windows(2).all(|p| p[0] < p[1]) && rule.iter().all(|&l| l < num_target_layers) {
-        return rule;
-    }
-    let last = num_target_layers.saturating_sub(1) as f64;
-    (0..n).map(|i| (i as f64 * last / (n.max(2) - 1) as f64).round() as usize).collect()
+/// The feature layers a drafter may tap in a target of `num_target_layers` layers: below its last
+/// layer, whose output serving engines do not see as we do (transformers' last hidden state is
+/// after the final norm; the features are the layers' outputs before it).
+pub fn max_feature_layer(num_target_layers: usize) -> Option<usize> {
+    num_target_layers.checked_sub(2)
 }
 
-/// Checks feature layer ids chosen for a target of `num_target_layers` layers: at least one,
-/// each below the layer count, none twice. The message names the bad id.
+/// The target layers a new drafter of `n` features is trained on (fewer when the target has
+/// fewer layers up to [`max_feature_layer`]): the spec's rule ([`default_target_layer_ids`]) where it gives `n`
+/// increasing layers up to [`max_feature_layer`], as for every published target; on targets of a
+/// few layers, where the rule repeats or reorders layers, `n` layers spread evenly from the first
+/// to [`max_feature_layer`], each once.
+pub fn training_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize> {
+    let Some(top) = max_feature_layer(num_target_layers) else { return Vec::new() };
+    let n = n.min(top + 1);
+    let rule = default_target_layer_ids(num_target_layers, n);
+    if rule.windows(2).all(|p| p[0] < p[1]) && rule.iter().all(|&l| l <= top) {
+        return rule;
+    }
+    (0..n).map(|i| (i as f64 * top as f64 / (n.max(2) - 1) as f64).round() as usize).collect()
+}
+
+/// Checks feature layer ids chosen for a target of `num_target_layers` layers, as serving
+/// engines read them: at least one; each at most [`max_feature_layer`]; increasing (the engines
+/// concatenate the features in layer order whatever the list's). The message names the bad id.
 pub fn check_feature_layers(ids: &[usize], num_target_layers: usize) -> std::result::Result<(), String> {
+    let Some(top) = max_feature_layer(num_target_layers) else {
+        return Err(format!("a target of {num_target_layers} layer has no layer below its last to tap"));
+    };
     if ids.is_empty() {
         return Err("no layer given".into());
     }
     if let Some(bad) = ids.iter().find(|&&l| l >= num_target_layers) {
         return Err(format!("layer {bad} is out of range for the target's {num_target_layers} layers"));
     }
-    if let Some((_, l)) = ids.iter().enumerate().find(|(i, l)| ids[..*i].contains(l)) {
-        return Err(format!("layer {l} is given twice"));
+    if let Some(bad) = ids.iter().find(|&&l| l > top) {
+        return Err(format!(
+            "layer {bad} is the target's last: engines serve its output after the final norm, which the drafter never saw; take layers up to {top}"
+        ));
+    }
+    if let Some(p) = ids.windows(2).find(|p| p[0] >= p[1]) {
+        return Err(match p[0] == p[1] {
+            true => format!("layer {} is given twice", p[0]),
+            false => format!(
+                "{} before {}: give the layers in increasing order (engines concatenate the features in layer order)",
+                p[0], p[1]
+            ),
+        });
     }
     Ok(())
 }
@@ -465,7 +503,8 @@ pub struct TargetConfig {
 
 impl DraftConfig {
     /// A drafter for `target`: the target's dims with `num_layers` full-attention layers,
-    /// features from [`training_target_layer_ids`] for `num_features` features.
+    /// features from [`training_target_layer_ids`] for `num_features` features (a one-layer
+    /// target, which only tests build, has none below its last: its only layer).
     pub fn for_target(
         target: &TargetConfig,
         num_layers: usize,
@@ -481,7 +520,10 @@ impl DraftConfig {
             block_size,
             num_target_layers,
             mask_token_id,
-            target_layer_ids: training_target_layer_ids(num_target_layers, num_features),
+            target_layer_ids: match training_target_layer_ids(num_target_layers, num_features) {
+                ids if ids.is_empty() => vec![0],
+                ids => ids,
+            },
         }
     }
 
@@ -594,9 +636,24 @@ impl DraftConfig {
         Value::Object(out)
     }
 
-    /// Writes `config.json` atomically (temporary name, then rename).
-    pub fn save(&self, file: &Path) -> Result<()> {
-        write_json(file, &self.to_value())
+    /// Writes `config.json` atomically (temporary name, then rename), naming the dtype of the
+    /// weights saved beside it (`dtype`, and `torch_dtype` for transformers 4 readers: engines
+    /// run the drafter in it).
+    pub fn save(&self, file: &Path, weights: candle_core::DType) -> Result<()> {
+        let name = match weights {
+            candle_core::DType::BF16 => "bfloat16",
+            candle_core::DType::F16 => "float16",
+            candle_core::DType::F32 => "float32",
+            other => {
+                return Err(Error::invalid("dtype", format!("{other:?}: not a dtype drafter weights are saved in")))
+            }
+        };
+        let mut value = self.to_value();
+        if let Value::Object(map) = &mut value {
+            map.insert("dtype".into(), json!(name));
+            map.insert("torch_dtype".into(), json!(name));
+        }
+        write_json(file, &value)
     }
 }
 

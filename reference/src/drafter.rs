@@ -178,7 +178,7 @@ impl Drafter {
             .map(|(n, v)| Ok((n.clone(), v.as_tensor().to_dtype(DType::F32)?)))
             .collect::<Result<HashMap<_, _>>>()?;
         save_safetensors(&dir.join("model.safetensors"), &tensors)?;
-        self.config.save(&dir.join("config.json"))
+        self.config.save(&dir.join("config.json"), DType::F32)
     }
 
     /// Every trainable parameter with its checkpoint key, in a fixed order.

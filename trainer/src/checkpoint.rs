@@ -146,7 +146,7 @@ fn sync_path(path: &Path) -> Result<()> {
 /// Writes the servable drafter folder into `dir` (existing): `config.json` and
 /// `model.safetensors` in bf16 with the spec's keys, each synced.
 pub fn write_servable(dir: &Path, config: &DraftConfig, state: &EngineState) -> Result<()> {
-    config.save(&dir.join("config.json"))?;
+    config.save(&dir.join("config.json"), DType::BF16)?;
     pause();
     let tensors = state
         .names

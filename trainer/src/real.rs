@@ -114,7 +114,7 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
         }
         (Some(ids), _) => ids.clone(),
         (None, Some(index)) => index.layer_ids.clone(),
-        (None, None) => training_target_layer_ids(layers, DEFAULT_NUM_FEATURES.min(layers)),
+        (None, None) => training_target_layer_ids(layers, DEFAULT_NUM_FEATURES),
     };
     dflash_reference::config::check_feature_layers(&layer_ids, layers)
         .map_err(|e| Error::option("target_layer_ids", format!("{e} ({})", config_file.display())))?;

@@ -214,6 +214,14 @@ fn checkpoint_holds_the_servable_drafter() {
     assert_eq!(config["dflash_config"]["target_layer_ids"], serde_json::json!([1, 3, 5]));
     assert_eq!(config["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]));
     assert_eq!(config["sliding_window"], 32);
+    // transformers keeps the window only with `use_sliding_window`; engines run the drafter in
+    // the weights' dtype.
+    assert_eq!(config["use_sliding_window"], true);
+    assert_eq!(config["max_window_layers"], 2);
+    assert_eq!(
+        (&config["dtype"], &config["torch_dtype"]),
+        (&serde_json::json!("bfloat16"), &serde_json::json!("bfloat16"))
+    );
     for key in [
         "hidden_size",
         "intermediate_size",

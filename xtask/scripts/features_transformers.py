@@ -54,16 +54,18 @@ def text_config(config):
 
 def default_layer_ids(num_layers, n=5):
     """As `training_target_layer_ids` in reference/src/config.rs: spec section 1's rule (n == 1 ->
-    [L/2]; else round(1 + i*(L-4)/(n-1)), halves away from zero) where it gives n distinct layers
-    in increasing order; else n layers spread evenly from the first to the last, each once."""
-    n = min(n, num_layers)
+    [L/2]; else round(1 + i*(L-4)/(n-1)), halves away from zero) where it gives n increasing
+    layers up to L-2; else n layers spread evenly from 0 to L-2, each once (the last layer's
+    output is not tapped: engines serve it after the final norm)."""
+    top = num_layers - 2
+    n = min(n, top + 1)
     if n == 1:
         rule = [num_layers // 2]
     else:
         rule = [int(math.floor(1 + i * (num_layers - 4) / (n - 1) + 0.5)) for i in range(n)]
-    if all(a < b for a, b in zip(rule, rule[1:])) and all(0 <= l < num_layers for l in rule):
+    if all(a < b for a, b in zip(rule, rule[1:])) and all(0 <= l <= top for l in rule):
         return rule
-    return [int(math.floor(i * (num_layers - 1) / max(n - 1, 1) + 0.5)) for i in range(n)]
+    return [int(math.floor(i * top / max(n - 1, 1) + 0.5)) for i in range(n)]
 
 
 def decoder_layers(model, num_layers):
@@ -109,8 +111,9 @@ def main():
     tc = text_config(config)
     num_layers, hidden = tc.num_hidden_layers, tc.hidden_size
     ids = [int(x) for x in a.layer_ids.split(",")] if a.layer_ids else default_layer_ids(num_layers)
-    if any(l < 0 or l >= num_layers for l in ids):
-        raise SystemExit(f"error: --layer-ids {ids}: the target has {num_layers} layers")
+    if not ids or any(l < 0 or l > num_layers - 2 for l in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
+        raise SystemExit(f"error: --layer-ids {ids}: increasing layers from 0 to {num_layers - 2} "
+                         f"(the target has {num_layers}; its last is not tapped)")
     provenance = {
         "target_config": sha256_files([os.path.join(a.target, "config.json")]),
         "target_weights": sha256_files(weight_files(a.target)),

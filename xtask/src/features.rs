@@ -94,7 +94,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let config = TargetKind::from_file(&target_dir.join("config.json")).map_err(|e| e.to_string())?;
     let layers = config.num_layers();
     let layer_ids: Vec<usize> = match opts.get("layer-ids", String::new())? {
-        s if s.is_empty() => training_target_layer_ids(layers, 5.min(layers)),
+        s if s.is_empty() => training_target_layer_ids(layers, 5),
         s => s
             .split(',')
             .map(|x| x.trim().parse().map_err(|_| format!("option `--layer-ids`: `{x}` is not a layer number")))

@@ -127,8 +127,7 @@ fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Re
         TargetKind::Dense(target) => target,
     };
     let t = &target.dims;
-    let features = 5.min(t.num_layers());
-    let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, features);
+    let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, 5);
     print_target_plan(&file.display().to_string(), &target, &config, &every_policy(shape, device_bytes))?;
     Ok(())
 }

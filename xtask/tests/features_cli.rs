@@ -23,7 +23,7 @@ fn command(target: &Path, out: &Path, data_cache: &Path, extra: &[&str]) -> Comm
         .args(["--device", "cpu", "--target", target.to_str().unwrap()])
         .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
         .args(["--out", out.to_str().unwrap(), "--cache", data_cache.to_str().unwrap()])
-        .args(["--max-len", "512", "--shard-gb", "0.00002", "--layer-ids", "2,0"])
+        .args(["--max-len", "512", "--shard-gb", "0.00002", "--layer-ids", "0,1"])
         .args(extra);
     c
 }
@@ -58,7 +58,7 @@ fn the_cache_holds_every_document_with_the_reference_features() {
     assert!(stdout.contains("documents,") && stdout.contains("free at"), "size estimate missing:\n{stdout}");
     let cache = FeatureCache::open(&out, None).unwrap();
     assert!(cache.index.shards.len() > 2, "several shards expected, got {}", cache.index.shards.len());
-    assert_eq!(cache.index.layer_ids, vec![2, 0]);
+    assert_eq!(cache.index.layer_ids, vec![0, 1]);
     let fw = cache.index.feature_width();
     let mut total = 0;
     for i in 0..cache.len() {
@@ -67,7 +67,7 @@ fn the_cache_holds_every_document_with_the_reference_features() {
         if i % 7 != 0 {
             continue;
         }
-        let want = model.features(&doc.tokens, &[2, 0]).unwrap();
+        let want = model.features(&doc.tokens, &[0, 1]).unwrap();
         let got: Vec<f32> = doc.features.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
         let got = Tensor::from_vec(got, (doc.tokens.len(), fw), &candle_core::Device::Cpu).unwrap();
         let err = rel_error(&got, &want);

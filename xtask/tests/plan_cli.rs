@@ -34,7 +34,7 @@ fn absurd_configs_are_clear_errors() {
             config.dims.vocab_size = vocab;
         }
         let file = dir.path().join(format!("{}.json", name.replace(' ', "_")));
-        config.save(&file).expect("save config");
+        config.save(&file, candle_core::DType::BF16).expect("save config");
         let out = plan(&file, seq, anchors);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{name}: plan succeeded:\n{}", String::from_utf8_lossy(&out.stdout));
@@ -45,7 +45,7 @@ fn absurd_configs_are_clear_errors() {
     }
     // A sane config still plans.
     let file = dir.path().join("sane.json");
-    base.save(&file).expect("save config");
+    base.save(&file, candle_core::DType::BF16).expect("save config");
     let out = plan(&file, "3072", "512");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("predicted peak"));

@@ -359,7 +359,7 @@ fn real_args(target: &Path, cache: &Path, out: &Path, extra: &[&str]) -> Vec<Str
         .into_iter()
         .chain(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
         .chain(["--data-cache", cache.to_str().unwrap(), "--out", out.to_str().unwrap()])
-        .chain(["--max-len", "256", "--anchors", "8", "--target-layer-ids", "2,0", "--held-out", "0.2"])
+        .chain(["--max-len", "256", "--anchors", "8", "--target-layer-ids", "0,1", "--held-out", "0.2"])
         .chain(["--lr", "3e-3", "--log-every", "1", "--eval-rows", "2", "--eval-every", "4"])
         .map(String::from)
         .collect();
@@ -381,7 +381,7 @@ fn write_features(target: &Path, cache: &Path, features: &Path) {
         .args(["features", "--device", "cpu", "--target", target.to_str().unwrap()])
         .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
         .args(["--out", features.to_str().unwrap(), "--cache", cache.to_str().unwrap()])
-        .args(["--max-len", "256", "--layer-ids", "2,0", "--held-out", "0.2"])
+        .args(["--max-len", "256", "--layer-ids", "0,1", "--held-out", "0.2"])
         .output()
         .unwrap();
     assert!(result.status.success(), "{}", text(&result.stderr));
@@ -467,7 +467,7 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         );
         assert!(stdout.contains("tau (greedy speculative decoding, 2 held-out prompts"), "{name}: {stdout}");
         let drafter = dflash_reference::drafter::Drafter::load(&out.join("drafter"), candle_core::DType::F32).unwrap();
-        assert_eq!(drafter.config.target_layer_ids, vec![2, 0]);
+        assert_eq!(drafter.config.target_layer_ids, vec![0, 1]);
         assert_eq!((drafter.config.dims.hidden_size, drafter.config.dims.vocab_size), (32, 768));
         assert_eq!((drafter.config.block_size, drafter.config.dims.num_layers()), (16, 5));
         first.push(loss_values(&out)[0]);
@@ -546,7 +546,7 @@ fn a_real_run_with_a_hybrid_target_trains_online_offline_and_with_the_reference(
         assert!(stdout.contains("saved the drafter"), "{step}:\n{stdout}");
         let drafter = dflash_reference::drafter::Drafter::load(&out.join("drafter"), candle_core::DType::F32).unwrap();
         let dims = &drafter.config.dims;
-        assert_eq!(drafter.config.target_layer_ids, vec![2, 0]);
+        assert_eq!(drafter.config.target_layer_ids, vec![0, 1]);
         assert_eq!((dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim), (128, 1, 1, 128));
         assert_eq!(dims.vocab_size, 768);
         let full = dims.layer_kinds.iter().filter(|k| **k == dflash_reference::config::AttnKind::Full).count();
@@ -622,7 +622,7 @@ fn real_run_folders_paths_and_inputs() {
     std::fs::write(tmp.path().join("b.jsonl"), lines[half..].join("\n")).unwrap();
     let run = |args: &[&str]| {
         let mut all = vec!["train", "--target", target.to_str().unwrap(), "--step", "host"];
-        all.extend(["--max-len", "256", "--anchors", "4", "--target-layer-ids", "2,0", "--held-out", "0.2"]);
+        all.extend(["--max-len", "256", "--anchors", "4", "--target-layer-ids", "0,1", "--held-out", "0.2"]);
         all.extend(args);
         Command::new(env!("CARGO_BIN_EXE_xtask")).args(&all).current_dir(tmp.path()).output().unwrap()
     };
@@ -733,7 +733,9 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--target-layer-ids", "1,x"], &["--target-layer-ids", "comma-separated whole numbers"]);
     fails(&["--packing", "maybe"], &["--packing", "yes or no"]);
     fails(&["--drafter-workers", "0"], &["drafter_workers", "at least 1"]);
-    fails(&["--target-layer-ids", "2,0,2"], &["target_layer_ids", "layer 2 is given twice"]);
+    fails(&["--target-layer-ids", "0,0"], &["target_layer_ids", "layer 0 is given twice"]);
+    fails(&["--target-layer-ids", "1,0"], &["target_layer_ids", "1 before 0", "increasing order"]);
+    fails(&["--target-layer-ids", "0,2"], &["target_layer_ids", "layer 2 is the target's last", "up to 1"]);
     fails(&["--block-size", "300"], &["block_size", "300", "max_len 256"]);
     fails(&["--max-len", "5000"], &["max_len", "5000", "4096 positions", "config.json"]);
     fails(&["--tau-prompts", "1", "--tau-tokens", "4090"], &["tau_tokens", "4090", "4096 positions"]);
