@@ -52,7 +52,7 @@ case_run() { # case_run NAME HIDDEN MLP HEADS KV LAYERS IDS S N
 for c in "${cases[@]}"; do
   case $c in
     small) case_run small 2048 6144 16 8 12 1,4,7,10 2048 256 ;;
-    8b-layers) case_run 8b-layers 4096 12288 32 8 8 1,3,5,7 3072 512 ;;
+    8b-layers) case_run 8b-layers 4096 12288 32 8 8 1,3,5,6 3072 512 ;;
     *) echo "unknown case $c" >&2; exit 2 ;;
   esac
 done

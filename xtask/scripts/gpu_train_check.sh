@@ -61,7 +61,7 @@ args() { # args OUT STEP EXTRA...: the options of one training run into OUT
   shift 2
   echo train --target "$work/target" --data fixtures/data/conversations.jsonl \
     --data-cache "$work/cache" --out "$dir" --step "$step" --max-len 512 --anchors 64 \
-    --target-layer-ids 1,3 --held-out 0.2 --lr 3e-3 --log-every 1 --eval-every 20 --eval-rows 4 \
+    --target-layer-ids 1,2 --held-out 0.2 --lr 3e-3 --log-every 1 --eval-every 20 --eval-rows 4 \
     --checkpoint-every 20 --keep-checkpoints 2 "$@"
 }
 run() { "$bundle/xtask" $(args "$@"); }
@@ -89,7 +89,7 @@ eval_args="--target $work/target --drafter $work/whole/drafter --prompts fixture
 "$bundle/xtask" eval $eval_args --device cpu --out "$out/eval-cpu.json" > "$out/eval-cpu.log"
 if [ "$kind" = hybrid ]; then
   "$bundle/xtask" features --device gpu --target "$work/target" --data fixtures/data/conversations.jsonl \
-    --cache "$work/cache" --out "$work/features" --max-len 256 --layer-ids 1,3 --held-out 0.2 > "$out/features.log"
+    --cache "$work/cache" --out "$work/features" --max-len 256 --layer-ids 1,2 --held-out 0.2 > "$out/features.log"
   run "$work/offline3" gpu --steps 3 --eval-rows 1 --max-len 256 --anchors 16 --features "$work/features" \
     > "$out/offline3.log"
 fi

@@ -103,7 +103,7 @@ fn cut_config(layers: usize) -> Result<HybridConfig, String> {
 /// The 5-feature rule's ids for `layers` of the 27B's layers: as the rule gives them for the
 /// whole model, with the last moved to the last layer for a cut (every layer of it runs).
 fn default_layer_ids(layers: usize) -> Vec<usize> {
-    let mut ids = training_target_layer_ids(layers, 5.min(layers));
+    let mut ids = training_target_layer_ids(layers, 5);
     if let Some(last) = ids.last_mut().filter(|_| layers < qwen3_5_27b_target().num_layers()) {
         *last = layers - 1;
     }
