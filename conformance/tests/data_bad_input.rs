@@ -57,6 +57,7 @@ fn options(dir: &Path) -> DataOptions {
 #[case::negative_id("tokenizer-qwen", br#"{"input_ids": [5, -6], "loss_mask": [1, 1]}"#.to_vec(), SkipReason::MalformedLine, &["input_ids[1]"])]
 #[case::unknown_format("tokenizer-qwen", br#"{"prompt": "x", "completion": "y"}"#.to_vec(), SkipReason::UnknownFormat, &["messages"])]
 #[case::no_anchor_candidate("tokenizer-qwen", br#"{"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 0]}"#.to_vec(), SkipReason::NoAnchorCandidate, &["2 consecutive supervised"])]
+#[case::prompt_not_a_prefix("tokenizer-qwen", br#"{"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "Part one."}, {"role": "assistant", "content": "Part two."}]}"#.to_vec(), SkipReason::PromptNotPrefix, &["assistant turn 1", "generation prompt"])]
 #[case::longer_than_the_limit("tokenizer-qwen", long_line(), SkipReason::MalformedLine, &["bytes, over the 16 MiB limit"])]
 fn a_bad_line_is_a_counted_skip_naming_file_and_line(
     #[case] tok: &str,
@@ -164,6 +165,34 @@ fn the_template_file_takes_priority_over_the_config() {
     write(dir.path(), "chat_template.jinja", b"{% for m in messages %}{{ m.content }");
     let err = expect_error(TargetTokenizer::load(dir.path()));
     assert_names(&err, &["chat_template.jinja", "chat template"]);
+}
+
+/// A `tokenizer.json` saved with truncation or padding encodes as without them (transformers
+/// turns both off for a plain encode): a piece longer than the truncation keeps every token, and
+/// no padding is added.
+#[test]
+fn the_tokenizer_files_truncation_and_padding_do_not_apply() {
+    let text = "A sentence long enough to be cut by a truncation to four tokens, and padded otherwise.";
+    let plain = TargetTokenizer::load(&fixtures_dir().join("data/tokenizer-qwen")).unwrap().encode(text).unwrap();
+    assert!(plain.len() > 8);
+    for setting in [
+        (
+            "truncation",
+            serde_json::json!({"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}),
+        ),
+        (
+            "padding",
+            serde_json::json!({"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+        ),
+    ] {
+        let dir = copy_tokenizer("tokenizer-qwen");
+        let file = dir.path().join("tokenizer.json");
+        let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        json[setting.0] = setting.1;
+        std::fs::write(&file, serde_json::to_string(&json).unwrap()).unwrap();
+        let ids = TargetTokenizer::load(dir.path()).expect("loads").encode(text).unwrap();
+        assert_eq!(ids, plain, "with the file's {}", setting.0);
+    }
 }
 
 #[rstest]

@@ -64,11 +64,15 @@ pub enum SkipReason {
     TokenOutOfVocab,
     /// Fewer than 2 consecutive supervised tokens after truncation: no anchor candidate.
     NoAnchorCandidate,
+    /// An assistant turn's render does not start with the generation prompt's tokens (the
+    /// template writes the earlier turns differently once the turn follows), so where the turn
+    /// starts is unknown.
+    PromptNotPrefix,
 }
 
 impl SkipReason {
     /// Every reason, in summary order.
-    pub const ALL: [SkipReason; 8] = [
+    pub const ALL: [SkipReason; 9] = [
         SkipReason::MalformedLine,
         SkipReason::UnknownFormat,
         SkipReason::UnknownRole,
@@ -77,6 +81,7 @@ impl SkipReason {
         SkipReason::TemplateError,
         SkipReason::TokenOutOfVocab,
         SkipReason::NoAnchorCandidate,
+        SkipReason::PromptNotPrefix,
     ];
 
     /// The reason in a few words.
@@ -90,6 +95,7 @@ impl SkipReason {
             SkipReason::TemplateError => "the chat template raised",
             SkipReason::TokenOutOfVocab => "token id outside the target's vocabulary",
             SkipReason::NoAnchorCandidate => "filtered: fewer than 2 consecutive supervised tokens",
+            SkipReason::PromptNotPrefix => "an assistant turn's render does not start with the generation prompt",
         }
     }
 }

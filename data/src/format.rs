@@ -239,7 +239,9 @@ fn sharegpt_messages(turns: &Value) -> Result<Vec<Value>, Skip> {
 }
 
 /// The messages a template renders: the system prompt (if given and the conversation has none)
-/// first; with thinking off, the reasoning fields removed (the drafter is served without them).
+/// first; with thinking off, the reasoning removed (the drafter is served without it): the
+/// reasoning fields, and reasoning written inline in an assistant's `content` (what comes before
+/// its last `</think>`, as the Qwen3 templates split it).
 pub fn prepare_messages(messages: &[Value], system_prompt: Option<&str>, thinking: bool) -> Vec<Value> {
     let has_system = messages.first().is_some_and(|m| role(m) == Some("system"));
     let system = system_prompt
@@ -247,10 +249,15 @@ pub fn prepare_messages(messages: &[Value], system_prompt: Option<&str>, thinkin
         .map(|s| Value::from_iter([("role", Value::from("system")), ("content", Value::from(s))]));
     let strip = |m: &Value| {
         if thinking {
-            m.clone()
-        } else {
-            Value::from_iter(entries(m).into_iter().filter(|(k, _)| !REASONING_FIELDS.contains(&k.as_str())))
+            return m.clone();
         }
+        let assistant = role(m) == Some("assistant");
+        Value::from_iter(entries(m).into_iter().filter(|(k, _)| !REASONING_FIELDS.contains(&k.as_str())).map(
+            |(k, v)| match (assistant && k == "content", v.as_str().and_then(|c| c.rsplit_once("</think>"))) {
+                (true, Some((_, answer))) => (k, Value::from(answer.trim_start_matches('\n'))),
+                _ => (k, v),
+            },
+        ))
     };
     system.into_iter().chain(messages.iter().map(strip)).collect()
 }

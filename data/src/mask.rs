@@ -1,6 +1,7 @@
 //! Records to documents with their loss mask (spec section 6). A conversation is rendered up to
-//! each assistant turn with the generation prompt, then with the turn; the turn's tokens from
-//! the first one that differs from the generation prompt's are supervised (token-level diff).
+//! each assistant turn with the generation prompt, then with the turn; the turn's tokens after
+//! the generation prompt's, through its last end-of-turn (`eos_token`) token, are supervised (a
+//! turn whose render does not start with the prompt's tokens is skipped, counted).
 //! When each such render is a token prefix of the whole conversation's render, the
 //! conversation is one document supervised on all its assistant turns ([`Layout::Whole`]).
 //! Templates that rewrite earlier turns (Qwen3 drops earlier reasoning and adds a `<think>`
@@ -97,24 +98,41 @@ fn chat_documents(
     let whole = encode_render(messages.len(), false)?;
     let mut per_turn = Vec::with_capacity(turns.len());
     let mut is_prefix = true;
-    for &i in &turns {
+    for (n, &i) in turns.iter().enumerate() {
         let prompt = encode_render(i, true)?;
         let full = encode_render(i + 1, false)?;
-        let start = common_prefix(&prompt, &full);
+        // The turn is what its render adds after the generation prompt; a render that does not
+        // start with the prompt (the template writes the turns before it differently once it
+        // follows them) has no such boundary.
+        if full.len() < prompt.len() || full[..prompt.len()] != prompt[..] {
+            return Err(Skip::new(
+                SkipReason::PromptNotPrefix,
+                format!(
+                    "assistant turn {n} (message {i}): its render departs from the generation prompt's at token {}",
+                    common_prefix(&prompt, &full)
+                ),
+            ));
+        }
+        let start = prompt.len();
+        // Through the turn's end-of-turn token: what the template writes after it is never drafted.
+        let end = tok
+            .eos_id
+            .and_then(|eos| full[start..].iter().rposition(|&t| t == eos))
+            .map_or(full.len(), |p| start + p + 1);
         is_prefix &= whole.len() >= full.len() && whole[..full.len()] == full[..];
-        per_turn.push((full, start));
+        per_turn.push((full, start, end));
     }
     if is_prefix {
         let mut loss_mask = vec![false; whole.len()];
-        for (full, start) in &per_turn {
-            loss_mask[*start..full.len()].fill(true);
+        for (_, start, end) in &per_turn {
+            loss_mask[*start..*end].fill(true);
         }
         return Ok((Layout::Whole, vec![Document { tokens: whole, loss_mask }]));
     }
     let docs = per_turn
         .into_iter()
-        .map(|(tokens, start)| {
-            let loss_mask = (0..tokens.len()).map(|k| k >= start).collect();
+        .map(|(tokens, start, end)| {
+            let loss_mask = (0..tokens.len()).map(|k| (start..end).contains(&k)).collect();
             Document { tokens, loss_mask }
         })
         .collect();

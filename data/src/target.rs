@@ -25,6 +25,8 @@ pub struct TargetTokenizer {
     pub vocab_size: usize,
     /// The id padding tokens get in packed rows: `pad_token`, else `eos_token`, else 0.
     pub pad_id: u32,
+    /// `eos_token`'s id: the end-of-turn token a supervised assistant turn ends with.
+    pub eos_id: Option<u32>,
     /// `tokenizer.json`'s bytes hash (part of the cache key).
     pub tokenizer_hash: [u8; 32],
     splitter: Option<Splitter>,
@@ -97,8 +99,13 @@ impl TargetTokenizer {
     pub fn load(dir: &Path) -> Result<Self> {
         let tok_file = dir.join("tokenizer.json");
         let bytes = read(&tok_file)?;
-        let tokenizer =
+        let mut tokenizer =
             Tokenizer::from_bytes(&bytes).map_err(|e| Error::field(&tok_file, "tokenizer", e.to_string()))?;
+        // As transformers encodes text: the file's truncation and padding (if any) do not apply.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| Error::field(&tok_file, "truncation", e.to_string()))?
+            .with_padding(None);
         let cfg_file = dir.join("tokenizer_config.json");
         let cfg = read_json(&cfg_file)?;
         let special_tokens: Vec<(String, String)> = SPECIAL_TOKEN_NAMES
@@ -135,6 +142,7 @@ impl TargetTokenizer {
         let id_of =
             |name: &str| special_tokens.iter().find(|(n, _)| n == name).and_then(|(_, t)| tokenizer.token_to_id(t));
         let pad_id = id_of("pad_token").or_else(|| id_of("eos_token")).unwrap_or(0);
+        let eos_id = id_of("eos_token");
         let json: Json = serde_json::from_slice(&bytes).map_err(|e| Error::field(&tok_file, "JSON", e.to_string()))?;
         let splitter = Splitter::new(&tokenizer, &json);
         Ok(TargetTokenizer {
@@ -142,6 +150,7 @@ impl TargetTokenizer {
             template,
             vocab_size,
             pad_id,
+            eos_id,
             tokenizer_hash: crate::cache::sha256(&bytes),
             splitter,
         })
