@@ -107,6 +107,11 @@ impl TrainRow {
         self.tokens.len()
     }
 
+    /// Tokens of documents (`S` less the padding, whose document id is `-1`).
+    pub fn document_tokens(&self) -> usize {
+        self.doc_ids.as_ref().map_or(self.tokens.len(), |d| d.iter().filter(|&&id| id >= 0).count())
+    }
+
     /// Whether the row has no tokens.
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()

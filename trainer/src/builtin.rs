@@ -13,7 +13,7 @@ use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{param_shapes, Drafter};
 use dflash_reference::hybrid::hybrid_param_shapes;
 use dflash_reference::optim::AdamWConfig;
-use dflash_reference::speculative::{greedy_decode, speculative_decode};
+use dflash_reference::speculative::{greedy_decode, speculative_decode, Acceptance};
 use dflash_reference::target::Target;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -116,17 +116,18 @@ pub fn adamw_config(c: &RunConfig) -> AdamWConfig {
     AdamWConfig { lr: c.lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, weight_decay: c.weight_decay }
 }
 
-/// Mean tau of greedy speculative decoding over `prompts` (`new_tokens` each); checks that the
-/// output is identical to plain greedy decoding.
+/// The tau of greedy speculative decoding over `prompts` (`new_tokens` each) as spec section 4
+/// defines it: the mean of `A + 1` over all verify steps of all prompts; checks that the output
+/// is identical to plain greedy decoding.
 pub fn mean_tau(target: &dyn Target, drafter: &Drafter, prompts: &[Vec<u32>], new_tokens: usize) -> Result<f64> {
-    let mut sum = 0.0;
+    let mut acceptance = Acceptance::new(drafter.config.block_size);
     for prompt in prompts {
         let spec = speculative_decode(target, drafter, prompt, new_tokens)?;
         let greedy = greedy_decode(target, prompt, new_tokens)?;
         if spec.tokens != greedy {
             return Err(Error::option("speculative decoding", "output differs from plain greedy decoding"));
         }
-        sum += spec.tau();
+        acceptance.add(&spec);
     }
-    Ok(sum / prompts.len().max(1) as f64)
+    Ok(acceptance.tau_over_steps())
 }

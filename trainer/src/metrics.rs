@@ -5,8 +5,12 @@
 //! `metrics.jsonl` lines, by `kind`:
 //! - `train`: `step` (0-based), `epoch` (rows consumed / training rows), `loss`, `acc` (top-1
 //!   accuracy at offsets 1..B-1: `acc[o-1]` is `acc_o`), `tau_hat`, `lr`, `grad_norm`,
-//!   `tokens_per_s`, `samples_per_s` (since the previous train line), `skipped_total`;
-//! - `eval`: `step`, `loss`, `acc`, `tau_hat` on the held-out rows;
+//!   `tokens_per_s` (document tokens, padding left out), `samples_per_s` (rows) and `mfu` (per
+//!   device) over the steps since the previous train line (evaluations and checkpoints left out),
+//!   `skipped_total`;
+//! - `eval`: `step`, `loss`, `acc`, `tau_hat` on the held-out rows, and `tau`: the real tau of
+//!   greedy speculative decoding of held-out prompts (the mean of `A + 1` over all verify steps,
+//!   spec section 4), when measured;
 //! - `skipped`: a step whose loss or a gradient was NaN or Inf: `step`, `tensor`, `rows`,
 //!   `in_a_row`, `skipped_total`.
 //!
@@ -111,6 +115,8 @@ pub struct Reporter {
     tokens: u64,
     samples: u64,
     flops: f64,
+    /// The devices `flops` ran on: the MFU divides by their peak.
+    devices: usize,
     /// Seconds the drafter workers waited for features, and the target workers for the drafters.
     waits: Option<(f64, f64)>,
     started: Instant,
@@ -156,10 +162,23 @@ impl Reporter {
             tokens: 0,
             samples: 0,
             flops: 0.0,
+            devices: 1,
             waits: None,
             started: now,
             quiet: true,
         }
+    }
+
+    /// The same reporter, its MFU over `devices` devices' peak.
+    pub fn with_devices(mut self, devices: usize) -> Self {
+        self.devices = devices.max(1);
+        self
+    }
+
+    /// Leaves time spent outside the steps (an evaluation, a checkpoint) out of the next train
+    /// line's throughput.
+    pub fn exclude(&mut self, spent: Duration) {
+        self.since += spent;
     }
 
     fn write(&mut self, value: &Value) -> Result<()> {
@@ -214,7 +233,7 @@ impl Reporter {
     ) -> Result<()> {
         let secs = self.since.elapsed().as_secs_f64().max(1e-9);
         let (tokens_per_s, samples_per_s) = (self.tokens as f64 / secs, self.samples as f64 / secs);
-        let mfu = (self.flops > 0.0).then(|| self.flops / (secs * PEAK_FLOPS));
+        let mfu = (self.flops > 0.0).then(|| self.flops / (secs * PEAK_FLOPS * self.devices as f64));
         let waits = self.waits.take();
         (self.since, self.tokens, self.samples, self.flops) = (Instant::now(), 0, 0, 0.0);
         let tau_hat = stats.map(BlockStats::tau_hat);

@@ -98,6 +98,9 @@ pub struct RunInputs<'a> {
     pub tau: Option<TauProbe<'a>>,
     /// Print nothing (tests); metrics.jsonl is written all the same.
     pub quiet: bool,
+    /// The devices the step's model FLOPs ran on (every process's GPUs; 1 for a CPU engine): the
+    /// MFU divides by their peak.
+    pub devices: usize,
 }
 
 /// The options whose change forbids resuming `saved` with `current`, as an error naming the
@@ -306,7 +309,7 @@ impl<'a> Trainer<'a> {
         }
         let total = self.total_steps;
         let mut reporter = match self.writes {
-            true => Reporter::new(&out, self.state.step, total, self.inputs.quiet)?,
+            true => Reporter::new(&out, self.state.step, total, self.inputs.quiet)?.with_devices(self.inputs.devices),
             false => Reporter::silent(total),
         };
         let b = self.inputs.draft_config.block_size;
@@ -339,7 +342,8 @@ impl<'a> Trainer<'a> {
                 let (a, b) = summary.waits.unwrap_or((0.0, 0.0));
                 summary.waits = Some((a + d, b + t));
             }
-            let tokens: usize = batch.micro_batches.iter().flatten().map(|r| r.len()).sum();
+            // Document tokens: a row's padding is not throughput.
+            let tokens: usize = batch.micro_batches.iter().flatten().map(|r| r.document_tokens()).sum();
             reporter.count(step, tokens as u64, (c.rows_per_update()) as u64, outcome.flops, outcome.waits);
             self.state.step += 1;
             summary.steps_run += 1;
@@ -372,6 +376,7 @@ impl<'a> Trainer<'a> {
                 }
             }
             let done = self.state.step;
+            let outside = std::time::Instant::now();
             let eval_now = c.eval_every > 0 && done.is_multiple_of(c.eval_every);
             if (eval_now || done == total) && !self.inputs.held_out.is_empty() && self.writes {
                 let e = engine.evaluate(self.inputs.held_out, c.anchors, gamma, c.seed)?;
@@ -409,6 +414,7 @@ impl<'a> Trainer<'a> {
                 ));
                 summary.checkpoints.push(dir);
             }
+            reporter.exclude(outside.elapsed());
         }
         reporter.finish();
         summary.skipped_total = self.state.nonfinite_total;

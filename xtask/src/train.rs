@@ -21,7 +21,7 @@ use dflash_reference::config::DraftConfig;
 use dflash_reference::drafter::{Drafter, FrozenHead};
 use dflash_reference::eval::{evaluate, EvalReport};
 use dflash_reference::io::WeightSet;
-use dflash_reference::speculative::Sampling;
+use dflash_reference::speculative::{Acceptance, Sampling};
 use dflash_reference::target::TargetKind;
 use dflash_trainer::builtin::{self, mean_tau};
 use dflash_trainer::checkpoint::{self, find_resumable, load_config, Found};
@@ -432,6 +432,7 @@ fn builtin_run(
         held_out: &setup.held_out,
         tau: Some(&tau),
         quiet: false,
+        devices: devices(&config, launch),
     };
     let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
     if launch.rank > 0 {
@@ -785,7 +786,9 @@ fn real_run(
     };
     let tau: Option<TauProbe> = with_tau.then_some(&measure_tau);
     let tau_before = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
-    let inputs = RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, tau, quiet: false };
+    let devices = devices(&config, launch);
+    let inputs =
+        RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, tau, quiet: false, devices };
     let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
     if launch.rank > 0 {
         return follower_end(launch, &summary, started);
@@ -1042,14 +1045,26 @@ impl Cli {
     }
 }
 
+/// The devices a run's model FLOPs run on: every process's distinct GPUs with the `gpu` step,
+/// one CPU engine otherwise.
+fn devices(config: &RunConfig, launch: &Launch) -> usize {
+    let (targets, drafters) = config.topology();
+    let gpus: std::collections::BTreeSet<usize> = targets.into_iter().chain(drafters).collect();
+    match config.step {
+        StepKind::Gpu => gpus.len().max(1) * launch.world_size,
+        _ => 1,
+    }
+}
+
 /// The positions the real tau's decoders hold: the longest prompt and `new_tokens` after it.
 fn tau_context(prompts: &[Vec<u32>], new_tokens: usize) -> usize {
     prompts.iter().map(Vec::len).max().unwrap_or(0) + new_tokens
 }
 
-/// The mean tau of `drafter` over `prompts` (`new_tokens` each) with the cached decoders (its
-/// weights loaded first), and how many speculative decodes parted from plain greedy decoding
-/// (none in exact arithmetic; in bf16 a verify step and a plain step may round a near-tie apart).
+/// The tau of `drafter` over `prompts` (`new_tokens` each) with the cached decoders (its weights
+/// loaded first), the mean of `A + 1` over all verify steps as `mean_tau`; and how many
+/// speculative decodes parted from plain greedy decoding (none in exact arithmetic; in bf16 a
+/// verify step and a plain step may round a near-tie apart).
 fn cached_tau(
     decoder: &mut dyn CachedDecoder,
     drafter: &Drafter,
@@ -1057,13 +1072,13 @@ fn cached_tau(
     new_tokens: usize,
 ) -> dflash_trainer::Result<(f64, usize)> {
     decoder.load_drafter(&|name, _| Ok(drafter.param(name).clone()))?;
-    let (mut sum, mut parted) = (0.0, 0);
+    let (mut acceptance, mut parted) = (Acceptance::new(drafter.config.block_size), 0);
     for prompt in prompts {
         let spec = decoder.speculative(prompt, new_tokens, &Sampling::Greedy)?;
         parted += usize::from(spec.tokens != decoder.plain(prompt, new_tokens, &Sampling::Greedy)?);
-        sum += spec.tau();
+        acceptance.add(&spec);
     }
-    Ok((sum / prompts.len().max(1) as f64, parted))
+    Ok((acceptance.tau_over_steps(), parted))
 }
 
 #[cfg(test)]
@@ -1091,6 +1106,15 @@ mod tests {
             let (tau, parted) = cached_tau(&mut *decoders, drafter, &prompts, 24).unwrap();
             let want = mean_tau(target.as_ref(), drafter, &prompts, 24).unwrap();
             assert_eq!((tau, parted), (want, 0));
+            // Spec section 4's tau: A + 1 (`accept_lengths`) summed over every verify step of every prompt, over the
+            // steps' count (not the mean of the prompts' taus).
+            let outs: Vec<_> = prompts
+                .iter()
+                .map(|p| dflash_reference::speculative::speculative_decode(target.as_ref(), drafter, p, 24).unwrap())
+                .collect();
+            let accepted: usize = outs.iter().flat_map(|o| o.accept_lengths.iter()).sum();
+            let steps: usize = outs.iter().map(|o| o.accept_lengths.len()).sum();
+            assert_eq!(tau, accepted as f64 / steps as f64);
             tau
         };
         let dense = builtin_pair(DType::F64);

@@ -668,6 +668,16 @@ fn real_run_folders_paths_and_inputs() {
     );
     assert!(!tmp.path().join("run/checkpoint-3").exists() && tmp.path().join("run/checkpoint-2").exists());
 
+    // Throughput counts document tokens, not padding: one document per row, padded to 512 (no
+    // fixture conversation reaches 512 tokens, so no row is all document).
+    let args = ["--data", "a.jsonl", "--steps", "3", "--log-every", "1", "--packing", "no", "--max-len", "512"];
+    let unpacked = run(&[&args[..], &["--out", "unpacked"]].concat());
+    assert!(unpacked.status.success(), "{}", text(&unpacked.stderr));
+    for line in metrics(&tmp.path().join("unpacked")).iter().filter(|v| v["kind"] == "train") {
+        let per_row = line["tokens_per_s"].as_f64().unwrap() / line["samples_per_s"].as_f64().unwrap();
+        assert!((2.0..511.0).contains(&per_row), "{per_row} tokens per row of 512 counted: {line}");
+    }
+
     // An --out that is a file: refused before the data is read.
     std::fs::write(tmp.path().join("a-file"), "x").unwrap();
     let refused = run(&["--data", "a.jsonl", "--steps", "2", "--out", "a-file"]);

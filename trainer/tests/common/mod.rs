@@ -50,7 +50,15 @@ pub fn engine(c: &RunConfig, s: &BuiltinSetup, kind: StepKind) -> CpuEngine {
 }
 
 pub fn inputs<'a>(c: &'a RunConfig, s: &'a BuiltinSetup) -> RunInputs<'a> {
-    RunInputs { config: c, draft_config: &s.draft_config, data: &s.data, held_out: &s.held_out, tau: None, quiet: true }
+    RunInputs {
+        config: c,
+        draft_config: &s.draft_config,
+        data: &s.data,
+        held_out: &s.held_out,
+        tau: None,
+        quiet: true,
+        devices: 1,
+    }
 }
 
 /// A whole run of `c` from scratch; returns the trainer's losses by step from metrics.jsonl.
