@@ -12,7 +12,8 @@ use crate::target::Target;
 pub struct SpecOutput {
     /// The generated tokens (prompt excluded), exactly `max_new` of them.
     pub tokens: Vec<u32>,
-    /// `A + 1` for every verify step (accepted drafts plus the bonus token), in `[1, B]`.
+    /// `A + 1` for every verify step (accepted drafts plus the bonus token), in `[1, B]`; the last
+    /// step's only up to `max_new`, so that they sum to the tokens generated.
     pub accept_lengths: Vec<usize>,
 }
 
@@ -214,9 +215,10 @@ pub fn speculative_decode_with(
         let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
         seq.push(bonus);
         seq.extend(&drafts[..accepted]);
+        // The last step counts only the tokens emitted (up to `max_new`).
+        out.accept_lengths.push((accepted + 1).min(max_new - out.tokens.len()));
         out.tokens.push(bonus);
         out.tokens.extend(&drafts[..accepted]);
-        out.accept_lengths.push(accepted + 1);
         bonus = chosen[accepted];
         features = Tensor::cat(&checked.hidden, 1)?.narrow(0, 0, seq.len())?;
     }
