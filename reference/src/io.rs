@@ -30,14 +30,21 @@ pub fn save_weights_f32(dir: &Path, weights: &HashMap<String, Tensor>) -> Result
     save_safetensors(&dir.join("model.safetensors"), &tensors)
 }
 
-/// Saves named tensors as one safetensors file, atomically and synced, with the permissions a
-/// newly created file gets (the writer underneath creates a private temporary file: a server
-/// running as another user could not read the drafter).
+/// The header metadata of every safetensors file written, as PyTorch's writers set it:
+/// transformers before 4.48.2 fails to load a file without `"format": "pt"` (it reads
+/// `metadata.get("format")` from a header whose metadata is absent).
+pub const SAFETENSORS_METADATA: [(&str, &str); 1] = [("format", "pt")];
+
+/// Saves named tensors as one safetensors file with [`SAFETENSORS_METADATA`], atomically and
+/// synced, with the permissions a newly created file gets (the writer underneath creates a private
+/// temporary file: a server running as another user could not read the drafter).
 pub fn save_safetensors(file: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     let tmp = temporary_name(file);
     let result = (|| {
         let permissions = std::fs::File::create(&tmp)?.metadata()?.permissions();
-        candle_core::safetensors::save(tensors, &tmp).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let metadata = SAFETENSORS_METADATA.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        safetensors::serialize_to_file(tensors, Some(metadata), &tmp)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
         std::fs::set_permissions(&tmp, permissions)?;
         std::fs::File::open(&tmp)?.sync_all()
     })();

@@ -204,6 +204,11 @@ fn checkpoint_holds_the_servable_drafter() {
         |f: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(folder.join(f)).unwrap().permissions());
     assert_eq!(mode("model.safetensors"), mode("config.json"), "model.safetensors' permissions");
     assert_eq!(mode("training.safetensors"), mode("config.json"), "training.safetensors' permissions");
+    // transformers before 4.48.2 loads only a file whose header metadata says `"format": "pt"`.
+    let bytes = std::fs::read(folder.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    assert_eq!(header["__metadata__"], serde_json::json!({"format": "pt"}), "model.safetensors' metadata");
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"], serde_json::json!(["DFlashDraftModel"]));
