@@ -50,9 +50,10 @@ options:
   --python EXE    Python with PyTorch and transformers (default python3)
   --out FILE      results file                (default results/train-h200.json)
   --seed N        seed of tokens, anchors, init (default 0)
+  --profile yes|no  print each operation's GPU time in one more step per shape (default no)
   --commit SHA    the commit measured         (default: commit.txt next to the binary)";
 
-const OPTIONS: &[&str] = &["target", "shapes", "warmup", "iters", "torch", "python", "out", "seed", "commit"];
+const OPTIONS: &[&str] = &["target", "shapes", "warmup", "iters", "torch", "python", "out", "seed", "commit", "profile"];
 
 /// What our engine measured at one shape.
 struct Measured {
@@ -86,6 +87,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err("--iters must be at least 1".into());
     }
     let with_torch = opts.yes_no("torch", true)?;
+    let profile = opts.yes_no("profile", false)?;
     let python: String = opts.get("python", "python3".to_string())?;
     let target_script = gpu_bundle::bundled_file("target_torch.py", "xtask/bench/target_torch.py");
     let script = gpu_bundle::bundled_file("train_torch.py", "xtask/bench/train_torch.py");
@@ -108,7 +110,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     draft.check_target(&target).map_err(|e| e.to_string())?;
 
     let gpu = Arc::new(open_gpu()?);
-    let (online, offline) = measure_ours(&gpu, &dir, &target, &draft, &shapes, (warmup, iters, seed))?;
+    let (online, offline) = measure_ours(&gpu, &dir, &target, &draft, &shapes, (warmup, iters, seed), profile)?;
     let mut errors = Vec::new();
     let (date, name) = (utc_now(), gpu.name().to_string());
     drop(gpu);
@@ -242,7 +244,8 @@ fn random_rows(s: usize, count: usize, draft: &DraftConfig, rng: &mut ChaCha8Rng
 }
 
 /// Times `engine`'s optimizer steps over `rows` (one row per step, cycling), CUDA events after
-/// warm-up; the pool's high-water mark above `before` is the peak.
+/// warm-up; the pool's high-water mark above `before` is the peak. With `profile`, one more step
+/// is profiled per operation.
 fn time_engine(
     gpu: &Gpu,
     engine: &mut dyn StepEngine,
@@ -250,6 +253,7 @@ fn time_engine(
     n: usize,
     (warmup, iters, seed): (usize, usize, u64),
     before: u64,
+    profile: Option<&str>,
 ) -> Result<Measured, String> {
     let err = |e: dflash_optimized::Error| e.to_string();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -257,26 +261,29 @@ fn time_engine(
     let mut k = 0;
     gpu.reset_pool_high().map_err(err)?;
     let gamma = default_gamma(16);
-    let ms = gpu
-        .time_ms(warmup, iters, || {
-            let row = &rows[k % rows.len()];
-            k += 1;
-            let batch = StepBatch {
-                step: k,
-                micro_batches: vec![vec![row]],
-                anchors: n,
-                gamma,
-                lr: 6e-4,
-                clip_norm: 1.0,
-                want_stats: false,
-            };
-            let outcome =
-                engine.step(&batch, &mut rng).map_err(|e| dflash_optimized::Error::invalid("step", e.to_string()))?;
-            losses.push(outcome.loss);
-            Ok(())
-        })
-        .map_err(err)?;
+    let mut step = |engine: &mut dyn StepEngine| {
+        let row = &rows[k % rows.len()];
+        k += 1;
+        let batch = StepBatch {
+            step: k,
+            micro_batches: vec![vec![row]],
+            anchors: n,
+            gamma,
+            lr: 6e-4,
+            clip_norm: 1.0,
+            want_stats: false,
+        };
+        let outcome =
+            engine.step(&batch, &mut rng).map_err(|e| dflash_optimized::Error::invalid("step", e.to_string()))?;
+        losses.push(outcome.loss);
+        Ok(())
+    };
+    let ms = gpu.time_ms(warmup, iters, || step(&mut *engine)).map_err(err)?;
     let peak = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
+    if let Some(what) = profile {
+        crate::bench::profile_once(what, || step(&mut *engine))?;
+        losses.pop(); // the timed steps' losses only
+    }
     if losses.iter().any(|l| !l.is_finite()) {
         return Err(format!("non-finite losses {losses:?}"));
     }
@@ -291,6 +298,7 @@ fn measure_ours(
     draft: &DraftConfig,
     shapes: &[(usize, usize)],
     (warmup, iters, seed): (usize, usize, u64),
+    profile: bool,
 ) -> Result<(Vec<Measured>, Vec<Measured>), String> {
     let err = |e: dflash_optimized::Error| e.to_string();
     let started = std::time::Instant::now();
@@ -340,7 +348,8 @@ fn measure_ours(
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string())?;
         let mut engine = engine_of(frozen)?;
-        let m = time_engine(gpu, &mut engine, &train, n, (warmup, iters, seed), before)?;
+        let what = format!("one online step at S={s} N={n}");
+        let m = time_engine(gpu, &mut engine, &train, n, (warmup, iters, seed), before, profile.then_some(&*what))?;
         println!("ours online S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
         online.push(m);
         frozen = engine.into_frozen();
@@ -364,7 +373,8 @@ fn measure_ours(
     let mut offline = Vec::new();
     for (&(s, n), rows) in shapes.iter().zip(&offline_rows) {
         let mut engine = engine_of(Frozen::Host(head.clone()))?;
-        let m = time_engine(gpu, &mut engine, rows, n, (warmup, iters, seed), before)?;
+        let what = format!("one offline step at S={s} N={n}");
+        let m = time_engine(gpu, &mut engine, rows, n, (warmup, iters, seed), before, profile.then_some(&*what))?;
         println!("ours offline S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
         offline.push(m);
     }
