@@ -539,19 +539,26 @@ fn open_shard(dir: &Path, entry: &ShardEntry, fw: usize) -> Result<Shard> {
     let header: serde_json::Value = serde_json::from_slice(map.get(8..8 + n).ok_or_else(|| bad("truncated".into()))?)
         .map_err(|e| bad(e.to_string()))?;
     let data = 8 + n;
-    let locate = |name: &str, dtype: &str, shape: &[usize]| -> Result<(usize, usize)> {
+    // A tensor's byte range: inside the file and exactly its shape's size in its dtype.
+    let locate = |name: &str, dtype: &str, width: usize, shape: &[usize]| -> Result<(usize, usize)> {
         let t = &header[name];
         if t["dtype"] != dtype || t["shape"] != serde_json::json!(shape) {
             return Err(bad(format!("tensor `{name}`: {} {}, expected {dtype} {shape:?}", t["dtype"], t["shape"])));
         }
-        let off = |i: usize| t["data_offsets"][i].as_u64().map(|o| o as usize + data);
+        let off = |i: usize| t["data_offsets"][i].as_u64().and_then(|o| usize::try_from(o).ok()?.checked_add(data));
+        let bytes = shape.iter().try_fold(width, |acc, &d| acc.checked_mul(d));
         match (off(0), off(1)) {
-            (Some(a), Some(b)) if a <= b && b <= map.len() => Ok((a, b)),
+            (Some(a), Some(b)) if a <= b && b <= map.len() && Some(b - a) == bytes => Ok((a, b)),
+            (Some(a), Some(b)) if a <= b && b <= map.len() => Err(bad(format!(
+                "tensor `{name}`: data offsets span {} bytes, its shape {shape:?} of {dtype} needs {}",
+                b - a,
+                bytes.map_or("more than the address space".into(), |n| n.to_string())
+            ))),
             _ => Err(bad(format!("tensor `{name}`: data offsets outside the file"))),
         }
     };
     let (t, docs) = (entry.tokens as usize, entry.docs);
-    let offsets = locate("doc_offsets", "I64", &[docs + 1])?;
+    let offsets = locate("doc_offsets", "I64", 8, &[docs + 1])?;
     let doc_offsets: Vec<i64> =
         map[offsets.0..offsets.1].chunks(8).map(|c| i64::from_le_bytes(c.try_into().expect("8"))).collect();
     if doc_offsets.first() != Some(&0)
@@ -561,9 +568,9 @@ fn open_shard(dir: &Path, entry: &ShardEntry, fw: usize) -> Result<Shard> {
         return Err(bad("doc_offsets are not increasing from 0 to the token count".into()));
     }
     Ok(Shard {
-        features: locate("features", "BF16", &[t, fw])?,
-        tokens: locate("tokens", "U32", &[t])?,
-        mask: locate("loss_mask", "U8", &[t])?,
+        features: locate("features", "BF16", 2, &[t, fw])?,
+        tokens: locate("tokens", "U32", 4, &[t])?,
+        mask: locate("loss_mask", "U8", 1, &[t])?,
         doc_offsets,
         first_doc: entry.first_doc,
         map,

@@ -121,6 +121,21 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("shard-00001.safetensors"), "{stderr}");
 
+    // A header whose byte range of a tensor is not its shape's size (a valid safetensors file
+    // otherwise, of the listed size) is named, not read past or misread.
+    let shard = whole.join("shard-00000.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let end = header["doc_offsets"]["data_offsets"][1].as_u64().unwrap();
+    header["doc_offsets"]["data_offsets"][1] = (end - 3).into();
+    let mut text = serde_json::to_vec(&header).unwrap();
+    text.resize(n, b' ');
+    bytes[8..8 + n].copy_from_slice(&text);
+    std::fs::write(&shard, &bytes).unwrap();
+    let err = FeatureCache::open(&whole, None).err().expect("a misdescribed tensor must not open").to_string();
+    assert!(err.contains("shard-00000.safetensors") && err.contains("tensor `doc_offsets`: data offsets span"), "{err}");
+
     // --out naming a file is refused before any work.
     let file = tmp.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
