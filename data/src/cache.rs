@@ -3,8 +3,9 @@
 //! loss mask (bits), the index (per document: offset `u64`, length `u32`, file `u32`,
 //! conversation `u32`), the
 //! stats (JSON), and a footer (index offset, document count, stats offset and length as `u64`,
-//! magic). Written to a temporary name, synced, then renamed; opened only when its key (the
-//! tokenizer, template, options and data files) matches, else rebuilt.
+//! the sha256 of every byte between the key and the footer, magic). Written to a temporary name,
+//! synced, then renamed; opened only when its key (the tokenizer, template, options and data
+//! files) matches, else rebuilt, and only when its bytes match their sha256 (else an error).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -17,8 +18,8 @@ use crate::error::{Error, Result};
 use crate::mask::Document;
 use crate::stats::Stats;
 
-const MAGIC: &[u8; 8] = b"DFTOK\x00\x00\x01";
-const FOOTER: usize = 4 * 8 + 8;
+const MAGIC: &[u8; 8] = b"DFTOK\x00\x00\x02";
+const FOOTER: usize = 4 * 8 + 32 + 8;
 const ENTRY: usize = 20;
 
 /// sha256 of `bytes`.
@@ -88,6 +89,8 @@ pub struct CacheWriter {
     out: BufWriter<File>,
     offset: u64,
     index: Vec<u8>,
+    /// Of every byte after the key.
+    checksum: Sha256,
 }
 
 impl CacheWriter {
@@ -103,14 +106,17 @@ impl CacheWriter {
             out: BufWriter::with_capacity(1 << 20, file),
             offset: 0,
             index: vec![],
+            checksum: Sha256::new(),
         };
         w.write(MAGIC)?;
         w.write(key)?;
+        w.checksum = Sha256::new();
         Ok(w)
     }
 
     fn write(&mut self, bytes: &[u8]) -> Result<()> {
         self.out.write_all(bytes).map_err(|e| Error::io(&self.tmp, e))?;
+        self.checksum.update(bytes);
         self.offset += bytes.len() as u64;
         Ok(())
     }
@@ -143,6 +149,7 @@ impl CacheWriter {
         for v in [index_offset, n_docs, stats_offset, stats_json.len() as u64] {
             footer.extend(v.to_le_bytes());
         }
+        footer.extend(self.checksum.clone().finalize());
         footer.extend(MAGIC);
         self.write(&footer)?;
         let file = self.out.into_inner().map_err(|e| Error::io(&self.tmp, e.into_error()))?;
@@ -185,7 +192,7 @@ impl Cache {
             return Ok(None);
         }
         let footer = read(len - FOOTER as u64, FOOTER)?;
-        if &footer[32..] != MAGIC {
+        if &footer[64..] != MAGIC {
             return Err(corrupt("no footer (a partial write?)"));
         }
         let word = |i: usize| u64::from_le_bytes(footer[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
@@ -194,6 +201,19 @@ impl Cache {
             || stats_offset + stats_len + FOOTER as u64 != len
         {
             return Err(corrupt("inconsistent footer"));
+        }
+        // Every byte between the key and the footer against the sha256 the writer recorded.
+        let mut checksum = Sha256::new();
+        let mut buf = vec![0; 1 << 20];
+        let (mut at, end) = ((MAGIC.len() + 32) as u64, len - FOOTER as u64);
+        while at < end {
+            let n = buf.len().min((end - at) as usize);
+            file.read_exact_at(&mut buf[..n], at).map_err(|e| Error::io(path, e))?;
+            checksum.update(&buf[..n]);
+            at += n as u64;
+        }
+        if checksum.finalize()[..] != footer[32..64] {
+            return Err(corrupt("its bytes do not match the sha256 written with them (the file was changed)"));
         }
         let index = read(index_offset, n_docs as usize * ENTRY)?
             .chunks(ENTRY)
@@ -282,6 +302,31 @@ mod tests {
         assert_eq!(cache.len(), docs.len());
         for (i, d) in docs.iter().enumerate() {
             assert_eq!(cache.document(i).unwrap().tokens, d.tokens);
+        }
+    }
+
+    /// A cache whose bytes changed after it was written (a token, the index or the stats; the
+    /// length and footer intact) is refused naming the file, not read as other documents.
+    #[test]
+    fn a_changed_byte_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("docs.cache");
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
+        let key = [9u8; 32];
+        let mut w = CacheWriter::create(&path, &key).unwrap();
+        for i in 0..5 {
+            w.push(&doc(&mut rng), 0, i).unwrap();
+        }
+        w.finish(&Stats::default()).unwrap();
+        let whole = std::fs::read(&path).unwrap();
+        assert!(Cache::open(&path, &key).unwrap().is_some());
+        let body = MAGIC.len() + 32..whole.len() - FOOTER;
+        for _ in 0..8 {
+            let mut bytes = whole.clone();
+            bytes[rng.random_range(body.clone())] ^= 1 << rng.random_range(0..8);
+            std::fs::write(&path, &bytes).unwrap();
+            let err = Cache::open(&path, &key).err().expect("a changed cache must not open").to_string();
+            assert!(err.contains("docs.cache") && err.contains("do not match the sha256"), "{err}");
         }
     }
 }
