@@ -169,6 +169,24 @@ impl FeatureIndex {
         if index.format != FORMAT {
             return Err(Error::field(file, "format", format!("`{}`; this build reads `{FORMAT}`", index.format)));
         }
+        // The shards: files of the cache's own folder, holding consecutive documents from 0.
+        let mut next = 0;
+        for (k, shard) in index.shards.iter().enumerate() {
+            let plain = Path::new(&shard.file).file_name().is_some_and(|n| n == shard.file.as_str());
+            if !plain || shard.file == ".." {
+                let why = format!("`{}` is not a file name in the cache's folder", shard.file);
+                return Err(Error::field(file, format!("shards[{k}].file"), why));
+            }
+            if shard.first_doc != next {
+                let why = format!("{}, where the shards before it end at document {next}", shard.first_doc);
+                return Err(Error::field(file, format!("shards[{k}].first_doc"), why));
+            }
+            next = shard.first_doc.saturating_add(shard.docs);
+        }
+        if next > index.documents {
+            let why = format!("{}, fewer than its shards hold ({next})", index.documents);
+            return Err(Error::field(file, "documents", why));
+        }
         Ok(index)
     }
 

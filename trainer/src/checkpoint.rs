@@ -270,6 +270,9 @@ pub fn leftover_temporaries(out: &Path) -> Vec<PathBuf> {
 /// Reads `dir`'s `state.json` and checks every file it lists against its sha256; an error says
 /// what is missing or corrupt.
 pub fn verify(dir: &Path) -> Result<TrainState> {
+    if !dir.is_dir() {
+        return Err(Error::checkpoint(dir, "no such folder"));
+    }
     let state_file = dir.join("state.json");
     let text = std::fs::read_to_string(&state_file)
         .map_err(|_| Error::checkpoint(dir, "no state.json (the checkpoint was not completed)"))?;
@@ -292,6 +295,12 @@ pub fn verify(dir: &Path) -> Result<TrainState> {
     if state.step != dir.file_name().and_then(|n| n.to_str()).and_then(parse_folder_name).unwrap_or(usize::MAX) {
         return Err(Error::checkpoint(dir, format!("state.json is for step {}, not this folder's", state.step)));
     }
+    if usize::try_from(state.adam_t).map_or(true, |t| t > state.step) {
+        return Err(Error::checkpoint(
+            dir,
+            format!("state.json's adam_t {} is not an update count of {} steps", state.adam_t, state.step),
+        ));
+    }
     Ok(state)
 }
 
@@ -308,6 +317,10 @@ pub struct Found {
 pub fn find_resumable(out: &Path) -> Result<Found> {
     let mut notes = Vec::new();
     let latest = out.join("latest");
+    if latest.is_dir() {
+        // It could not be replaced by the next checkpoint's `latest`: refused before any work.
+        return Err(Error::checkpoint(out, "`latest` is a folder, not the file naming the newest checkpoint: remove it"));
+    }
     match std::fs::read_to_string(&latest) {
         Ok(text) => {
             let name = text.trim();
@@ -321,7 +334,8 @@ pub fn find_resumable(out: &Path) -> Result<Found> {
                 }
             }
         }
-        Err(_) => notes.push(format!("{} is missing", latest.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => notes.push(format!("{} is missing", latest.display())),
+        Err(e) => notes.push(format!("{} is not readable: {e}", latest.display())),
     }
     let mut all = list_checkpoints(out)?;
     all.sort_by_key(|c| std::cmp::Reverse(c.0));
@@ -334,7 +348,13 @@ pub fn find_resumable(out: &Path) -> Result<Found> {
             Err(e) => notes.push(format!("skipping {e}")),
         }
     }
-    Err(Error::checkpoint(out, format!("no complete checkpoint to resume from ({})", notes.join("; "))))
+    Err(Error::checkpoint(
+        out,
+        format!(
+            "no complete checkpoint to resume from ({}); a fresh run in this folder (`--overwrite` for a real run) replaces it",
+            notes.join("; ")
+        ),
+    ))
 }
 
 /// The resolved config a checkpoint was written with (its `run.toml`).

@@ -120,47 +120,48 @@ pub fn check_resume_config(current: &RunConfig, saved: &RunConfig) -> Result<Vec
 }
 
 /// Whether `out` may take a fresh run, without touching it: `Ok(None)` when it holds no run,
-/// `Ok(Some(steps))` when it holds a finished run of `steps` steps that `replace` allows
-/// replacing. A folder holding an unfinished run is refused (`--resume` continues it), so no
-/// unfinished run is ever lost; a finished one is refused unless `replace`.
-pub fn check_fresh_out(out: &std::path::Path, replace: bool) -> Result<Option<usize>> {
+/// `Ok(Some(what))` when it holds a run that `replace` allows replacing: a finished run, or the
+/// remains of one with no complete checkpoint (nothing there can be resumed). A folder holding an
+/// unfinished run with a complete checkpoint is refused (`--resume` continues it), so no
+/// unfinished run is ever lost; the others are refused unless `replace`.
+pub fn check_fresh_out(out: &std::path::Path, replace: bool) -> Result<Option<String>> {
     let checkpoints = checkpoint::list_checkpoints(out)?;
     if !out.join("latest").exists() && checkpoints.is_empty() {
         return Ok(None);
     }
-    let refuse = |why: String| {
-        Error::option(
-            "out",
-            format!(
-                "{} holds an unfinished run ({why}): `--resume {}` continues it, or choose another --out",
-                out.display(),
-                out.display()
-            ),
-        )
+    let held = match checkpoint::find_resumable(out) {
+        Err(e) => format!("the remains of a run with no complete checkpoint ({e})"),
+        Ok(found) => {
+            let total = checkpoint::load_config(&found.dir)?.steps.unwrap_or(usize::MAX);
+            if found.state.step < total {
+                return Err(Error::option(
+                    "out",
+                    format!(
+                        "{} holds an unfinished run (its newest complete checkpoint is at step {} of {total}): \
+                         `--resume {}` continues it, or choose another --out",
+                        out.display(),
+                        found.state.step,
+                        out.display()
+                    ),
+                ));
+            }
+            format!("a finished run of {total} steps")
+        }
     };
-    let found = checkpoint::find_resumable(out).map_err(|e| refuse(e.to_string()))?;
-    let saved = checkpoint::load_config(&found.dir)?;
-    let total = saved.steps.unwrap_or(usize::MAX);
-    if found.state.step < total {
-        return Err(refuse(format!("its newest complete checkpoint is at step {} of {total}", found.state.step)));
-    }
     if !replace {
         return Err(Error::option(
             "out",
-            format!(
-                "{} holds a finished run of {total} steps: `--overwrite` replaces it, or choose another --out",
-                out.display()
-            ),
+            format!("{} holds {held}: `--overwrite` replaces it, or choose another --out", out.display()),
         ));
     }
-    Ok(Some(total))
+    Ok(Some(held))
 }
 
-/// Makes `out` ready for a fresh run ([`check_fresh_out`] first): a finished run there is
-/// cleared of its files (checkpoints, `latest`, `metrics.jsonl`, `training.svg`, `drafter/`),
-/// and a note says so.
+/// Makes `out` ready for a fresh run ([`check_fresh_out`] first): a run there that may be
+/// replaced is cleared of its files (checkpoints, `latest`, `metrics.jsonl`, `training.svg`,
+/// `drafter/`), and a note says so.
 pub fn prepare_fresh_out(out: &std::path::Path, replace: bool) -> Result<Vec<String>> {
-    let Some(total) = check_fresh_out(out, replace)? else { return Ok(Vec::new()) };
+    let Some(held) = check_fresh_out(out, replace)? else { return Ok(Vec::new()) };
     for (_, dir) in checkpoint::list_checkpoints(out)? {
         std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     }
@@ -169,7 +170,9 @@ pub fn prepare_fresh_out(out: &std::path::Path, replace: bool) -> Result<Vec<Str
     }
     for file in ["latest", "metrics.jsonl", "training.svg"] {
         let path = out.join(file);
-        if path.exists() {
+        if path.is_dir() {
+            std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
+        } else if path.exists() {
             std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
         }
     }
@@ -177,7 +180,7 @@ pub fn prepare_fresh_out(out: &std::path::Path, replace: bool) -> Result<Vec<Str
     if drafter.is_dir() {
         std::fs::remove_dir_all(&drafter).map_err(|e| Error::io(&drafter, e))?;
     }
-    Ok(vec![format!("{} held a finished run of {total} steps: replaced by this one", out.display())])
+    Ok(vec![format!("{} held {held}: replaced by this one", out.display())])
 }
 
 /// The training loop of one run.

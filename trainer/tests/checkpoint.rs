@@ -130,9 +130,27 @@ fn incomplete_checkpoints_are_never_loaded() {
     assert_eq!(found.state.step, 2, "{:?}", found.notes);
     assert!(found.notes.join("\n").contains("no state.json"));
 
-    // `latest` missing: the newest complete one still.
+    // `latest` naming a folder that is gone, or missing: the newest complete one still.
+    std::fs::write(out.join("latest"), "checkpoint-10\n").unwrap();
+    let found = find_resumable(out).unwrap();
+    assert_eq!(found.state.step, 2);
+    assert!(found.notes.join("\n").contains("checkpoint-10: no such folder"), "{:?}", found.notes);
     std::fs::remove_file(out.join("latest")).unwrap();
     assert_eq!(find_resumable(out).unwrap().state.step, 2);
+    // A folder in `latest`'s place (the next checkpoint could not replace it): refused at once.
+    std::fs::create_dir(out.join("latest")).unwrap();
+    let message = find_resumable(out).err().expect("a folder as latest").to_string();
+    assert!(message.contains("`latest` is a folder"), "{message}");
+    std::fs::remove_dir(out.join("latest")).unwrap();
+    // A step count AdamW cannot have reached is not a complete state.
+    let state_file = out.join("checkpoint-2/state.json");
+    let state = std::fs::read_to_string(&state_file).unwrap();
+    let mut bad: serde_json::Value = serde_json::from_str(&state).unwrap();
+    bad["adam_t"] = serde_json::json!(-5);
+    std::fs::write(&state_file, bad.to_string()).unwrap();
+    let message = find_resumable(out).err().expect("adam_t -5").to_string();
+    assert!(message.contains("adam_t -5"), "{message}");
+    std::fs::write(&state_file, state).unwrap();
 
     // Resuming from it removes the leftover temporary folder.
     let mut e = engine(&c, &s, StepKind::Reference);

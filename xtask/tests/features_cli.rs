@@ -121,6 +121,22 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("shard-00001.safetensors"), "{stderr}");
 
+    // An index whose shards are not consecutive documents of files in its folder is named.
+    let index_file = whole.join("index.json");
+    let index = std::fs::read_to_string(&index_file).unwrap();
+    let edits: [(&str, serde_json::Value, &str); 2] = [
+        ("first_doc", serde_json::json!(5), "shards[1].first_doc"),
+        ("file", serde_json::json!("/etc/passwd"), "shards[1].file"),
+    ];
+    for (field, value, named) in edits {
+        let mut bad: serde_json::Value = serde_json::from_str(&index).unwrap();
+        bad["shards"][1][field] = value;
+        std::fs::write(&index_file, bad.to_string()).unwrap();
+        let err = FeatureCache::open(&whole, None).err().expect("a bad index must not open").to_string();
+        assert!(err.contains("index.json") && err.contains(named), "{err}");
+    }
+    std::fs::write(&index_file, &index).unwrap();
+
     // A header whose byte range of a tensor is not its shape's size (a valid safetensors file
     // otherwise, of the listed size) is named, not read past or misread.
     let shard = whole.join("shard-00000.safetensors");

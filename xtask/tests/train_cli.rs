@@ -102,6 +102,18 @@ fn short_training_run_saves_a_loadable_drafter() {
     let stderr = text(&refused.stderr);
     assert!(stderr.contains("unfinished run") && stderr.contains("--resume"), "{stderr}");
     assert!(dir.join("checkpoint-4/state.json").exists(), "nothing of the unfinished run is deleted");
+    // With no complete checkpoint left (`latest` naming a lost one), nothing can be resumed: the
+    // resume says so and how to go on, and a fresh run replaces the remains.
+    for (_, checkpoint) in dflash_trainer::checkpoint::list_checkpoints(&dir).unwrap() {
+        std::fs::remove_dir_all(checkpoint).unwrap();
+    }
+    let resumed = xtask(&["train", "--resume", dir.to_str().unwrap()]);
+    let stderr = text(&resumed.stderr);
+    assert!(!resumed.status.success() && stderr.contains("no complete checkpoint") && stderr.contains("fresh run"), "{stderr}");
+    let fresh = xtask(&args);
+    assert!(fresh.status.success(), "{}", text(&fresh.stderr));
+    assert!(text(&fresh.stdout).contains("held the remains of a run with no complete checkpoint"), "{}", text(&fresh.stdout));
+    assert_eq!(losses(&dir), first);
 }
 
 fn metrics(out: &Path) -> Vec<serde_json::Value> {
