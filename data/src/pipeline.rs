@@ -115,6 +115,20 @@ impl Dataset {
         for f in &all {
             std::fs::metadata(f).map_err(|e| Error::io(f, e))?;
         }
+        // A held-out file that is also training data would measure the drafter on what it trained on.
+        for h in &held_files {
+            let same = |f: &PathBuf| f.canonicalize().ok().is_some_and(|f| Some(f) == h.canonicalize().ok());
+            if let Some(f) = files.iter().find(|f| same(f)) {
+                return Err(Error::option(
+                    "held_out",
+                    format!(
+                        "{} is also a --data file ({}): held-out documents must not be trained on",
+                        h.display(),
+                        f.display()
+                    ),
+                ));
+            }
+        }
         let key = cache_key(target, &all, opts)?;
         std::fs::create_dir_all(&opts.cache_dir).map_err(|e| Error::io(&opts.cache_dir, e))?;
         let path = opts.cache_dir.join("tokenized.bin");
@@ -129,6 +143,13 @@ impl Dataset {
                 )
             }
         };
+        if cache.is_empty() && cache.stats.lines == 0 {
+            let names: Vec<String> = all.iter().map(|f| f.display().to_string()).collect();
+            return Err(Error::NoRows(format!(
+                "the data files hold no lines (blank lines aside): {}",
+                names.join(", ")
+            )));
+        }
         if cache.is_empty() {
             let examples: String = cache.stats.examples.iter().map(|e| format!("\n  e.g. {e}")).collect();
             return Err(Error::NoRows(format!(

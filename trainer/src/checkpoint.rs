@@ -319,7 +319,10 @@ pub fn find_resumable(out: &Path) -> Result<Found> {
     let latest = out.join("latest");
     if latest.is_dir() {
         // It could not be replaced by the next checkpoint's `latest`: refused before any work.
-        return Err(Error::checkpoint(out, "`latest` is a folder, not the file naming the newest checkpoint: remove it"));
+        return Err(Error::checkpoint(
+            out,
+            "`latest` is a folder, not the file naming the newest checkpoint: remove it",
+        ));
     }
     match std::fs::read_to_string(&latest) {
         Ok(text) => {

@@ -327,6 +327,7 @@ fn the_launch_comes_from_the_options_or_the_torchrun_variables() {
         (bad(RunConfig { rank: Some(world), world_size: Some(world), ..base.clone() }, &[]), "option `rank`"),
         (bad(base.clone(), &[("RANK", "2"), ("WORLD_SIZE", "2")]), "`RANK=2` (the torchrun variable)"),
         (bad(base.clone(), &[("WORLD_SIZE", "two")]), "`WORLD_SIZE=two`"),
+        (bad(base.clone(), &[("WORLD_SIZE", "18446744073709551615")]), "at most 1024 processes"),
         (bad(RunConfig { world_size: Some(0), ..base.clone() }, &[]), "option `world_size`"),
         (
             bad(RunConfig { world_size: Some(2), master_port: Some(70000), ..base.clone() }, &[]),

@@ -53,7 +53,8 @@ options:
   --profile yes|no  print each operation's GPU time in one more step per shape (default no)
   --commit SHA    the commit measured         (default: commit.txt next to the binary)";
 
-const OPTIONS: &[&str] = &["target", "shapes", "warmup", "iters", "torch", "python", "out", "seed", "commit", "profile"];
+const OPTIONS: &[&str] =
+    &["target", "shapes", "warmup", "iters", "torch", "python", "out", "seed", "commit", "profile"];
 
 /// What our engine measured at one shape.
 struct Measured {

@@ -105,6 +105,19 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let err = |e: dflash_data::Error| e.to_string();
     let started = Instant::now();
     let target = TargetTokenizer::load(&target_dir).map_err(err)?;
+    // Rows longer than the target's positions, as `train` refuses them (when the config is one
+    // this project reads: `data` also serves targets only transformers runs).
+    let config = target_dir.join("config.json");
+    if let Ok(kind) = dflash_reference::target::TargetKind::from_file(&config) {
+        if data_opts.max_len > kind.max_positions() {
+            return Err(format!(
+                "option `--max-len`: rows of {} tokens exceed the target's {} positions ({})",
+                data_opts.max_len,
+                kind.max_positions(),
+                config.display()
+            ));
+        }
+    }
     let data = Dataset::prepare(&target, &files, &data_opts).map_err(err)?;
     let how = if data.tokenized { "tokenized" } else { "opened the cache" };
     println!(

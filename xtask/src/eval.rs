@@ -125,6 +125,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     target_config
         .check_drafter(&draft_config)
         .map_err(|e| format!("{} does not fit the target {}: {e}", drafter_dir.display(), target_dir.display()))?;
+    // The layers as engines read them (in increasing order, below the last): as training checks.
+    dflash_reference::config::check_feature_layers(&draft_config.target_layer_ids, target_config.num_layers())
+        .map_err(|why| {
+            format!(
+                "{}: dflash_config.target_layer_ids {:?}: {why}",
+                drafter_dir.join("config.json").display(),
+                draft_config.target_layer_ids
+            )
+        })?;
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
     let prompts = read_prompts(&tokenizer, &files, &render, max_prompts).map_err(|e| e.to_string())?;
     let b = draft_config.block_size;

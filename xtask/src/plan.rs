@@ -20,16 +20,18 @@ known failure modes (unfused attention backward; chunked attention without check
 
 With --target DIR (an HF target folder), plans that target's forward (its weights up to the last
 tapped layer, the shared embedding table and LM head, one launch of S tokens) next to the step of
-its drafter (the recipe: 5 layers, block 16, the 5-feature layer rule, the LM head shared) on the
-same GPU, and says whether both fit. A Qwen3.5/3.6 hybrid target (GatedDeltaNet + gated attention)
+its drafter (the recipe: 5 layers, block 16, the 5-feature layer rule, the LM head shared; or the
+--config drafter, checked against the target) on the same GPU, and says whether both fit; --seq
+beyond the target's positions is refused. A Qwen3.5/3.6 hybrid target (GatedDeltaNet + gated attention)
 is planned with its GatedDeltaNet state and chunk scratch, next to its published drafter (4
 sliding layers + 1 full, heads of 128), with the topology it calls for.
 
 options:
   --target DIR      a target folder (config.json): plan the target and its drafter together
-  --config FILE     a drafter config.json (default: the two named configs)
-  --seq N           context length S with --config            (default 3072)
-  --anchors N       anchors per row N with --config           (default 512)
+  --config FILE     a drafter config.json (default: the two named configs, or with
+                    --target the recipe's drafter for it)
+  --seq N           context length S with --config or --target  (default 3072)
+  --anchors N       anchors per row N with --config or --target (default 512)
   --lm-chunk N      LM-head rows per chunk                    (default 1024)
   --device-gib X    device memory to fit, GiB                 (default 139.8, one H200)
   --chunk-rows N    query rows per chunk of the chunked-attention failure mode (default 256)";
@@ -52,12 +54,17 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     let device_bytes = (device_gib * (1u64 << 30) as f64) as u64;
     let target: PathBuf = opts.get("target", PathBuf::new())?;
+    let draft_file: PathBuf = opts.get("config", PathBuf::new())?;
     if !target.as_os_str().is_empty() {
         let shape =
             StepShape { context_len: opts.get("seq", 3072)?, num_anchors: opts.get("anchors", 512)?, lm_chunk_rows };
-        return plan_target(&target, shape, device_bytes);
+        let draft = match draft_file.as_os_str().is_empty() {
+            true => None,
+            false => Some(DraftConfig::from_file(&draft_file).map_err(|e| e.to_string())?),
+        };
+        return plan_target(&target, draft, shape, device_bytes);
     }
-    let configs: Vec<(String, DraftConfig, StepShape)> = match opts.get::<PathBuf>("config", PathBuf::new())? {
+    let configs: Vec<(String, DraftConfig, StepShape)> = match draft_file {
         path if path.as_os_str().is_empty() => named_configs()
             .into_iter()
             .map(|p| (p.name.to_string(), p.config, StepShape { lm_chunk_rows, ..p.shape }))
@@ -113,21 +120,42 @@ fn every_policy(shape: StepShape, device_bytes: u64) -> PlanFor<'static> {
 }
 
 /// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
-fn plan_target(dir: &std::path::Path, shape: StepShape, device_bytes: u64) -> Result<(), String> {
+fn plan_target(
+    dir: &std::path::Path,
+    draft: Option<DraftConfig>,
+    shape: StepShape,
+    device_bytes: u64,
+) -> Result<(), String> {
     let file = dir.join("config.json");
-    let target = match TargetKind::from_file(&file).map_err(|e| e.to_string())? {
+    let kind = TargetKind::from_file(&file).map_err(|e| e.to_string())?;
+    if shape.context_len > kind.max_positions() {
+        return Err(format!(
+            "option `--seq`: rows of {} tokens exceed the target's {} positions ({})",
+            shape.context_len,
+            kind.max_positions(),
+            file.display()
+        ));
+    }
+    if let Some(draft) = &draft {
+        kind.check_drafter(draft)
+            .map_err(|e| format!("option `--config`: the drafter does not fit the target: {e}"))?;
+    }
+    let target = match kind {
         TargetKind::Hybrid(config) => {
             use dflash_optimized::memory::hybrid::{hybrid_drafter, HYBRID_DRAFTER_RECIPE};
             let (layers, block, features) = HYBRID_DRAFTER_RECIPE;
             let recipe = (layers, block, features.min(config.num_layers()));
-            let draft = hybrid_drafter(&config, recipe, (config.vocab_size - 1) as u32).map_err(|e| e.to_string())?;
+            let draft = match draft {
+                Some(draft) => draft,
+                None => hybrid_drafter(&config, recipe, (config.vocab_size - 1) as u32).map_err(|e| e.to_string())?,
+            };
             print_hybrid_plan(&file.display().to_string(), &config, &draft, &every_policy(shape, device_bytes))?;
             return Ok(());
         }
         TargetKind::Dense(target) => target,
     };
     let t = &target.dims;
-    let config = DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, 5);
+    let config = draft.unwrap_or_else(|| DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, 5));
     print_target_plan(&file.display().to_string(), &target, &config, &every_policy(shape, device_bytes))?;
     Ok(())
 }

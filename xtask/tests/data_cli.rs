@@ -48,8 +48,9 @@ fn the_fixture_prepares_and_bad_input_is_refused() {
     let (pct, rows, tokens) = efficiency(&stdout);
     let want = 100.0 * tokens as f64 / (rows * 512) as f64;
     assert!((pct - want).abs() < 0.06 && pct < 100.0, "{pct}% printed, {want:.2}% of {rows} rows x 512:\n{stdout}");
-    let bad: [(&[&str], &str); 7] = [
+    let bad: [(&[&str], &str); 8] = [
         (&["--target", &target], "--data FILE... is required"),
+        (&["--target", &target, "--data", &convs, "--held-out", &convs], "is also a --data file"),
         (&["--target", &target, "--data", "no-such.jsonl"], "no-such.jsonl"),
         (&["--target", "no-such-target", "--data", &convs], "no-such-target/tokenizer.json"),
         (&["--target", &target, "--data", &convs, "--max-len", "1"], "max_len"),
@@ -63,4 +64,13 @@ fn the_fixture_prepares_and_bad_input_is_refused() {
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr.contains(needle) && !stderr.contains("panicked"), "{args:?}: `{needle}` missing:\n{stderr}");
     }
+    // Rows longer than a target's positions (its config.json), as `train` refuses them.
+    let folder = cache.path().join("target");
+    dflash_conformance::target_cases::write_target_folder(&folder, 2).unwrap();
+    let out = data(&["--target", folder.to_str().unwrap(), "--data", &convs, "--max-len", "100000"], cache.path());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("rows of 100000 tokens exceed the target's 4096 positions"),
+        "{stderr}"
+    );
 }

@@ -150,7 +150,10 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     bytes[8..8 + n].copy_from_slice(&text);
     std::fs::write(&shard, &bytes).unwrap();
     let err = FeatureCache::open(&whole, None).err().expect("a misdescribed tensor must not open").to_string();
-    assert!(err.contains("shard-00000.safetensors") && err.contains("tensor `doc_offsets`: data offsets span"), "{err}");
+    assert!(
+        err.contains("shard-00000.safetensors") && err.contains("tensor `doc_offsets`: data offsets span"),
+        "{err}"
+    );
 
     // --out naming a file is refused before any work.
     let file = tmp.path().join("a-file");

@@ -65,6 +65,25 @@ fn plan_target_and_bench_target_options() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("target LM head") && stdout.contains("target + drafter step"), "{stdout}");
+    // --config's drafter is planned against the target (read, not ignored: this one does not
+    // fit it), and rows beyond the target's positions are refused as `train` refuses them.
+    let drafter = fixture.join("../drafter/config.json");
+    let refused: [(&[&str], &str); 2] = [
+        (
+            &["--config", drafter.to_str().unwrap(), "--seq", "64"],
+            "option `--config`: the drafter does not fit the target",
+        ),
+        (&["--seq", "100000"], "option `--seq`: rows of 100000 tokens exceed the target's 128 positions"),
+    ];
+    for (extra, needle) in refused {
+        let out = std::process::Command::new(xtask)
+            .args(["plan", "--target", fixture.to_str().unwrap(), "--anchors", "8"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(needle), "{extra:?}: `{needle}` missing from: {stderr}");
+    }
     // A small Qwen3.5 hybrid (heads of 128 for its drafter): its layers itemised next to its drafter.
     let tmp = tempfile::tempdir().unwrap();
     let hybrid = tmp.path().join("hybrid");

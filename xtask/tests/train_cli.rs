@@ -109,10 +109,17 @@ fn short_training_run_saves_a_loadable_drafter() {
     }
     let resumed = xtask(&["train", "--resume", dir.to_str().unwrap()]);
     let stderr = text(&resumed.stderr);
-    assert!(!resumed.status.success() && stderr.contains("no complete checkpoint") && stderr.contains("fresh run"), "{stderr}");
+    assert!(
+        !resumed.status.success() && stderr.contains("no complete checkpoint") && stderr.contains("fresh run"),
+        "{stderr}"
+    );
     let fresh = xtask(&args);
     assert!(fresh.status.success(), "{}", text(&fresh.stderr));
-    assert!(text(&fresh.stdout).contains("held the remains of a run with no complete checkpoint"), "{}", text(&fresh.stdout));
+    assert!(
+        text(&fresh.stdout).contains("held the remains of a run with no complete checkpoint"),
+        "{}",
+        text(&fresh.stdout)
+    );
     assert_eq!(losses(&dir), first);
 }
 
@@ -749,6 +756,18 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--max-len", "1"], &["max_len"]);
     fails(&["--mask-token-id", "9999"], &["mask_token_id", "9999", "768"]);
     fails(&["--held-out", "1.5"], &["held_out"]);
+    // The training data as its own held-out file (by another spelling of its path); no lines.
+    let data_again = repo("fixtures/data/../data/conversations.jsonl");
+    fails(&["--held-out", data_again.to_str().unwrap()], &["held_out", "also a --data file"]);
+    let empty = tmp.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let empty_cache = tmp.path().join("empty-cache");
+    let mut args = real_args(&target, &empty_cache, &out, &["--step", "host", "--steps", "2"]);
+    let at = args.iter().position(|a| a == "--data").unwrap() + 1;
+    args[at] = empty.to_str().unwrap().to_string();
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    let stderr = text(&result.stderr);
+    assert!(!result.status.success() && stderr.contains("hold no lines") && stderr.contains("empty.jsonl"), "{stderr}");
     fails(&["--features", tmp.path().join("nothing").to_str().unwrap()], &["features", "index.json"]);
     fails(&["--block-size", "1"], &["block_size", "at least 2"]);
     fails(&["--draft-layers", "0"], &["draft_layers", "at least 1"]);
@@ -926,6 +945,28 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
         !result.status.success() && text(&result.stderr).contains("does not fit the target"),
         "{}",
         text(&result.stderr)
+    );
+    // Feature layers that training refuses (out of order: engines concatenate them in layer
+    // order) are refused here too, not decoded in list order.
+    let swapped = tmp.path().join("swapped");
+    std::fs::create_dir(&swapped).unwrap();
+    for f in ["model.safetensors", "config.json"] {
+        std::fs::copy(drafter.join(f), swapped.join(f)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(swapped.join("config.json")).unwrap()).unwrap();
+    let ids = config["dflash_config"]["target_layer_ids"].as_array().unwrap().clone();
+    assert!(ids.len() >= 2, "{ids:?}");
+    config["dflash_config"]["target_layer_ids"] = serde_json::json!(ids.iter().rev().collect::<Vec<_>>());
+    std::fs::write(swapped.join("config.json"), config.to_string()).unwrap();
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["eval", "--target", target.to_str().unwrap(), "--drafter", swapped.to_str().unwrap(), "--prompts", p])
+        .output()
+        .unwrap();
+    let stderr = text(&result.stderr);
+    assert!(
+        !result.status.success() && stderr.contains("target_layer_ids") && stderr.contains("increasing"),
+        "{stderr}"
     );
 }
 

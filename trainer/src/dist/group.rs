@@ -47,6 +47,10 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// A hello's first bytes: this protocol, version 1.
 const MAGIC: &[u8; 12] = b"DFLASH-PG/1\n";
 
+/// The most processes a run joins: rank 0 keeps one connection per process (and sums the host
+/// step's gradients through them).
+pub const MAX_PROCESSES: usize = 1024;
+
 /// Which process of a run this is; `world_size` 1: alone (no rendezvous).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Launch {
@@ -105,6 +109,9 @@ impl Launch {
         let world_size = world_given.as_ref().map_or(Ok(1), Given::whole)?;
         if let Some(g) = world_given.as_ref().filter(|_| world_size == 0) {
             return Err(g.error("must be at least 1 process"));
+        }
+        if let Some(g) = world_given.as_ref().filter(|_| world_size > MAX_PROCESSES) {
+            return Err(g.error(format!("at most {MAX_PROCESSES} processes (rank 0 holds a connection to each)")));
         }
         let rank_given = given("rank", config.rank.map(|r| r.to_string()), "RANK", env);
         let rank = rank_given.as_ref().map_or(Ok(0), Given::whole)?;
