@@ -206,6 +206,33 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
     assert!(alone.contains("rank 1: rank 0 did not answer"), "{alone}");
 }
 
+/// A rank that joins and then dies (here: gives up waiting and closes its connection) frees its
+/// place: a restarted rank 1 joins in its stead and the group forms; when none comes, rank 0's
+/// timeout names the rank that left, not only the ranks missing.
+#[test]
+fn a_rank_that_leaves_the_rendezvous_may_be_restarted_and_is_named() {
+    let impatient =
+        Timeouts { rendezvous: Duration::from_millis(300), hello: Duration::from_millis(200), collective: LONG };
+    let (port, print) = (free_port(), random_print());
+    let zero = rank_thread(0, 3, port, print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
+    let gave_up = rank_thread(1, 3, port, print, impatient, |_| ()).join().unwrap().unwrap_err();
+    assert!(gave_up.contains("rank 1"), "{gave_up}");
+    std::thread::sleep(Duration::from_millis(100));
+    let again = rank_thread(1, 3, port, print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
+    let two = rank_thread(2, 3, port, print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
+    for t in [zero, again, two] {
+        assert_eq!(t.join().unwrap(), Ok(3), "the restarted rank 1 joins");
+    }
+    let (port, print) = (free_port(), random_print());
+    let zero = rank_thread(0, 3, port, print, timeouts(Duration::from_millis(1500), LONG), |_| ());
+    rank_thread(1, 3, port, print, impatient, |_| ()).join().unwrap().unwrap_err();
+    let err = zero.join().unwrap().unwrap_err();
+    assert!(
+        err.contains("ranks [1, 2] did not join") && err.contains("[1] joined, then closed their connection"),
+        "{err}"
+    );
+}
+
 /// After a good all-reduce, one rank of 3 drops its group (as a killed process closes its
 /// sockets): the two others' next all-reduce fails within seconds (the collective timeout is a
 /// minute), both errors naming the rank that dropped. Then, in a new group, one rank aborts

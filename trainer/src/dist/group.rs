@@ -283,6 +283,18 @@ fn stopped_by_0(note: &[u8]) -> String {
     format!("rank 0 stopped the group: {}", String::from_utf8_lossy(&note[1..]))
 }
 
+/// Whether a joined peer's connection is still open (it says nothing until rank 0 answers: a
+/// read that would block is an open connection, an end of stream a closed one).
+fn still_connected(stream: &TcpStream) -> bool {
+    let probe = stream.set_nonblocking(true).and_then(|()| stream.peek(&mut [0u8; 1]));
+    let open = match probe {
+        Ok(0) => false,
+        Ok(_) => true,
+        Err(e) => e.kind() == ErrorKind::WouldBlock,
+    };
+    open && stream.set_nonblocking(false).is_ok()
+}
+
 /// What one link's I/O error says about its peer, within `what`.
 fn peer_error(rank: usize, e: &std::io::Error, what: &str, timeout: Duration) -> String {
     match e.kind() {
@@ -347,6 +359,9 @@ impl ProcessGroup {
             .map_err(|e| Error::Group(format!("rank 0 cannot listen on {addr} (`master_addr`, `master_port`): {e}")))?;
         let deadline = Instant::now() + timeouts.rendezvous;
         let mut joined: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        // Ranks that joined and then closed their connection (stopped or killed): their place is
+        // free again (a restarted rank may take it), and the timeout names them.
+        let mut left: Vec<usize> = Vec::new();
         let refuse = |stream: &TcpStream, why: &str| drop(send(stream, &[&[REFUSED], why.as_bytes()]));
         let outcome = loop {
             let missing: Vec<usize> = (1..world).filter(|&r| joined[r].is_none()).collect();
@@ -356,12 +371,22 @@ impl ProcessGroup {
             let stream = match listener.accept() {
                 Ok((stream, _)) => stream,
                 Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                    for (rank, slot) in joined.iter_mut().enumerate() {
+                        if slot.as_ref().is_some_and(|s| !still_connected(s)) {
+                            *slot = None;
+                            left.push(rank);
+                        }
+                    }
                     std::thread::sleep(Duration::from_millis(10));
                     continue;
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    let gone = match left.iter().filter(|r| missing.contains(r)).collect::<Vec<_>>() {
+                        l if l.is_empty() => String::new(),
+                        l => format!("; ranks {l:?} joined, then closed their connection (stopped or killed)"),
+                    };
                     break Err(format!(
-                        "ranks {missing:?} did not join within {} s (rank 0 listening on {addr})",
+                        "ranks {missing:?} did not join within {} s (rank 0 listening on {addr}){gone}",
                         timeouts.rendezvous.as_secs_f64()
                     ));
                 }
@@ -380,7 +405,7 @@ impl ProcessGroup {
                 Some(format!("rank {rank} has a world of {their_world} processes, rank 0 has {world}"))
             } else if rank == 0 || rank >= world {
                 Some(format!("a process says rank {rank}: ranks 1 to {} join rank 0", world - 1))
-            } else if joined[rank].is_some() {
+            } else if joined[rank].as_ref().is_some_and(still_connected) {
                 Some(format!("rank {rank} joined twice (two processes with the same `rank` or RANK)"))
             } else if &theirs != fingerprint {
                 Some(format!(
@@ -445,6 +470,9 @@ impl ProcessGroup {
                 Err(Error::Group(format!("rank 0 refused rank {rank}: {}", String::from_utf8_lossy(&a[1..]))))
             }
             Ok(_) => Err(Error::Group(format!("rank {rank}: rank 0 answered something else than a rendezvous"))),
+            Err(e) if e.kind() == ErrorKind::InvalidData => Err(Error::Group(format!(
+                "rank {rank}: the process at {addr} is not rank 0 of this trainer (`master_addr`, `master_port`): it answered {e}"
+            ))),
             Err(e) => Err(Error::Group(format!("rank {rank}: {}", peer_error(0, &e, "the rendezvous", left)))),
         }
     }
