@@ -6,6 +6,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -132,11 +133,30 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         check_resume_config(&config, saved).map_err(err)?;
     }
     let launch = Launch::resolve(&config, &|name| std::env::var(name).ok()).map_err(err)?;
-    match config.target.is_some() {
+    let outcome = match config.target.is_some() {
         true => real_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
         false => builtin_run(config, &launch, cli.plan, resume, resume_notes),
+    };
+    match outcome {
+        // Rank 0 stopped before the others joined it: they would wait out the rendezvous
+        // timeout; each is told why as it arrives.
+        Err(e) if launch.rank == 0 && launch.world_size > 1 && !JOIN_STARTED.load(Ordering::SeqCst) => {
+            let others = launch.world_size - 1;
+            eprintln!("error: {e}");
+            eprintln!(
+                "rank 0 stopped before the rendezvous: telling the other {others} ranks as they arrive (up to {} s) ...",
+                group::RENDEZVOUS_TIMEOUT.as_secs()
+            );
+            let told = ProcessGroup::refuse_joiners(&launch, &e, group::Timeouts::default());
+            Err(format!("rank 0 stopped before the rendezvous (the error above); {told} of {others} ranks told"))
+        }
+        outcome => outcome,
     }
 }
+
+/// Whether this process began joining the others (after which a failure reaches them through
+/// the group, not through [`ProcessGroup::refuse_joiners`]).
+static JOIN_STARTED: AtomicBool = AtomicBool::new(false);
 
 /// The checkpoint to resume from and the config it was saved with.
 type Resume = Option<(Found, RunConfig)>;
@@ -297,6 +317,7 @@ fn join_processes(
     let fingerprint = group::fingerprint(config, &rows.sha256().map_err(err)?, first_step).map_err(err)?;
     let (rank, world, addr, port) = (launch.rank, launch.world_size, &launch.master_addr, launch.master_port);
     println!("process rank {rank} of {world}: joining the others through rank 0 at {addr}:{port} ...");
+    JOIN_STARTED.store(true, Ordering::SeqCst);
     let joined = ProcessGroup::join(launch, fingerprint).map_err(err)?;
     println!("process rank {rank} of {world}: joined");
     Ok(Some(Arc::new(joined)))

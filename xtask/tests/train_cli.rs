@@ -1178,4 +1178,16 @@ fn processes_joined_through_the_rendezvous_train_like_one() {
         took.as_secs_f64(),
         stderr.trim()
     );
+
+    // Rank 0 refused before the rendezvous (its --out holds a finished run): rank 1 is told why
+    // when it arrives, instead of waiting out the rendezvous timeout; both stop.
+    let port = free_port();
+    let started = Instant::now();
+    let (zero, one) = (spawn(0, &port, args(&two, &steps)), spawn(1, &port, args(&elsewhere, &steps)));
+    let (zero, one) = (zero.wait_with_output().unwrap(), one.wait_with_output().unwrap());
+    assert!(!zero.status.success() && !one.status.success());
+    let (stderr0, stderr1) = (text(&zero.stderr), text(&one.stderr));
+    assert!(stderr0.contains("finished run") && stderr0.contains("1 of 1 ranks told"), "{stderr0}");
+    assert!(stderr1.contains("rank 0 stopped before the rendezvous") && stderr1.contains("finished run"), "{stderr1}");
+    assert!(started.elapsed() < Duration::from_secs(120), "{:?}", started.elapsed());
 }

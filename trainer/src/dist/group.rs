@@ -441,6 +441,37 @@ impl ProcessGroup {
         }
     }
 
+    /// Rank 0 of `launch`, stopped before the rendezvous by `why`: answers each other rank's
+    /// hello that comes within `timeouts.rendezvous` with the refusal, so that none waits out its
+    /// timeout without knowing why. Returns how many ranks were told, once all were or at the
+    /// deadline (at once when the port cannot be listened on).
+    pub fn refuse_joiners(launch: &Launch, why: &str, timeouts: Timeouts) -> usize {
+        let others = launch.world_size.saturating_sub(1);
+        let Ok(addr) = socket_addr(&launch.master_addr, launch.master_port) else { return 0 };
+        let Ok(listener) = TcpListener::bind(addr).and_then(|l| l.set_nonblocking(true).map(|()| l)) else { return 0 };
+        let note = format!("rank 0 stopped before the rendezvous: {why}");
+        let deadline = Instant::now() + timeouts.rendezvous;
+        let mut told = std::collections::BTreeSet::new();
+        while told.len() < others && Instant::now() < deadline {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let said = stream
+                        .set_nonblocking(false)
+                        .and_then(|()| stream.set_read_timeout(Some(timeouts.hello)))
+                        .and_then(|()| recv(&stream, MAGIC.len() + 48));
+                    if let Some((rank, _, _)) = said.ok().as_deref().and_then(parse_hello) {
+                        if send(&stream, &[&[REFUSED], note.as_bytes()]).is_ok() && (1..=others).contains(&rank) {
+                            told.insert(rank);
+                        }
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                Err(_) => break,
+            }
+        }
+        told.len()
+    }
+
     /// Rank `rank` > 0: connects to rank 0 (retrying until `timeouts.rendezvous`), says its
     /// hello and waits for rank 0's answer.
     fn connect(addr: SocketAddr, rank: usize, world: usize, fingerprint: &[u8; 32], t: Timeouts) -> Result<Link> {
