@@ -750,7 +750,6 @@ impl RunConfig {
                         "needs `target` (the target folder whose data and features these are)",
                     ));
                 }
-                at_least("tau_prompts", self.tau_prompts, 1)?;
                 let row_len = self.builtin_row_len();
                 if row_len > BUILTIN_MAX_POSITIONS {
                     return Err(Error::option(

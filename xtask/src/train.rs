@@ -380,7 +380,12 @@ fn builtin_run(
     );
     let head = setup.target.frozen_head();
     let gamma = config.gamma_for(d.block_size);
-    let tau_before = mean_tau(setup.target.as_ref(), &drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
+    // The real tau before and after (none with `--tau-prompts 0`).
+    let with_tau = !setup.prompts.is_empty();
+    let tau_before = match with_tau {
+        true => Some(mean_tau(setup.target.as_ref(), &drafter, &setup.prompts, config.tau_tokens).map_err(err)?),
+        false => None,
+    };
     let eval_before =
         evaluate(&drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
     let processes = join_processes(launch, &config, &setup.data, &resume)?;
@@ -451,7 +456,7 @@ fn builtin_run(
         draft_config: &setup.draft_config,
         data: &setup.data,
         held_out: &setup.held_out,
-        tau: Some(&tau),
+        tau: with_tau.then_some(&tau),
         quiet: false,
         devices: devices(&config, launch),
     };
@@ -461,17 +466,22 @@ fn builtin_run(
     }
 
     let drafter = engine.drafter().map_err(err)?;
-    let tau_after = mean_tau(setup.target.as_ref(), drafter, &setup.prompts, config.tau_tokens).map_err(err)?;
+    let tau_after = match with_tau {
+        true => Some(mean_tau(setup.target.as_ref(), drafter, &setup.prompts, config.tau_tokens).map_err(err)?),
+        false => None,
+    };
     let eval_after =
         evaluate(drafter, &head, &setup.held_out, config.anchors, gamma, config.seed).map_err(|e| e.to_string())?;
     let held = Some((setup.held_out.len(), &eval_before, &eval_after));
     let (final_dir, svg) = report_end(&config, &setup.draft_config, engine.as_mut(), &summary, held)?;
-    println!(
-        "tau (greedy speculative decoding, {} held-out prompts x {} tokens, block {}): {tau_before:.2} before -> {tau_after:.2} after; output identical to plain greedy decoding",
-        setup.prompts.len(),
-        config.tau_tokens,
-        d.block_size
-    );
+    if let (Some(tau_before), Some(tau_after)) = (tau_before, tau_after) {
+        println!(
+            "tau (greedy speculative decoding, {} held-out prompts x {} tokens, block {}): {tau_before:.2} before -> {tau_after:.2} after; output identical to plain greedy decoding",
+            setup.prompts.len(),
+            config.tau_tokens,
+            d.block_size
+        );
+    }
     report_files(&config, &summary, &final_dir, &svg, started);
     Ok(())
 }

@@ -121,6 +121,15 @@ fn short_training_run_saves_a_loadable_drafter() {
         text(&fresh.stdout)
     );
     assert_eq!(losses(&dir), first);
+    // `--tau-prompts 0` (the help's "0: none"): trained without the real tau, reported as none.
+    let no_tau = tmp.path().join("no-tau");
+    let mut args = vec!["train"];
+    args.extend(TINY);
+    args.extend(["--steps", "2", "--tau-prompts", "0", "--out", no_tau.to_str().unwrap()]);
+    let result = xtask(&args);
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    assert!(!text(&result.stdout).contains("greedy speculative decoding"), "{}", text(&result.stdout));
+    assert!(metrics(&no_tau).iter().filter(|v| v["kind"] == "eval").all(|v| v["tau"].is_null()));
 }
 
 fn metrics(out: &Path) -> Vec<serde_json::Value> {
