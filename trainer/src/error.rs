@@ -27,6 +27,10 @@ pub enum Error {
     /// the ranks).
     #[error("process group: {0}")]
     Group(String),
+    /// A data-parallel worker (`who`: "drafter worker 1", "drafter workers [0, 2]") failed or
+    /// went silent.
+    #[error("{who}: {message}")]
+    Worker { who: String, message: String },
     /// The run stopped on non-finite losses or gradients.
     #[error("{0}")]
     NonFinite(String),
@@ -47,6 +51,11 @@ impl Error {
     /// An option `name` with a bad value.
     pub fn option(name: impl Into<String>, message: impl Into<String>) -> Self {
         Error::Option { name: name.into(), message: message.into() }
+    }
+
+    /// Worker `who` failed with `message`.
+    pub fn worker(who: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::Worker { who: who.into(), message: message.into() }
     }
 
     /// An I/O error on `file`.

@@ -255,7 +255,7 @@ impl DataParallel {
 
     fn send(&self, k: usize, command: Command) -> Result<()> {
         if let Some(why) = self.broken.borrow().as_ref() {
-            return Err(Error::option("drafter workers", format!("stopped after an earlier error: {why}")));
+            return Err(Error::worker("drafter workers", format!("stopped after an earlier error: {why}")));
         }
         self.workers[k].commands.send(command).map_err(|_| worker_error(k, "stopped".into()))
     }
@@ -273,13 +273,13 @@ impl DataParallel {
                 Ok((k, Err(message))) => worker_error(k, message),
                 Err(RecvTimeoutError::Timeout) => {
                     let silent: Vec<usize> = (0..got.len()).filter(|&k| got[k].is_none()).collect();
-                    Error::option(
+                    Error::worker(
                         format!("drafter workers {silent:?}"),
                         format!("no answer within {} s (a stuck device or collective)", WORKER_TIMEOUT.as_secs()),
                     )
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    Error::option("drafter workers", "stopped without a reply (their threads ended)")
+                    Error::worker("drafter workers", "stopped without a reply (their threads ended)")
                 }
             };
             return Err(self.stop(failure));
@@ -327,7 +327,7 @@ impl DataParallel {
 }
 
 fn worker_error(k: usize, message: String) -> Error {
-    Error::option(format!("drafter worker {k}"), message)
+    Error::worker(format!("drafter worker {k}"), message)
 }
 
 /// A worker's loop: makes its engine, then answers commands until the engine is dropped.

@@ -93,7 +93,7 @@ impl HostRank {
     /// Deposits `mine`; once every rank has, `combine` (the parts in rank order) gives the
     /// round's result, which every rank gets.
     fn exchange(&self, mine: Vec<u8>, combine: impl FnOnce(Vec<Vec<u8>>) -> Result<Vec<u8>>) -> Result<Arc<Vec<u8>>> {
-        let fail = |m: &str| Error::option(format!("drafter worker {}", self.rank), m.to_string());
+        let fail = |m: &str| Error::worker(format!("drafter worker {}", self.rank), m.to_string());
         let g = &self.group;
         let mut round = g.round.lock().map_err(|_| fail("the reduction group is poisoned"))?;
         if round.aborted {
@@ -142,7 +142,7 @@ impl GradReduce for HostRank {
             let mut sum = vec![0f32; count];
             for part in parts {
                 if part.len() != count * 4 {
-                    return Err(Error::option(format!("drafter worker {rank}"), "ranks reduce different sizes"));
+                    return Err(Error::worker(format!("drafter worker {rank}"), "ranks reduce different sizes"));
                 }
                 part.chunks_exact(4)
                     .zip(sum.iter_mut())
@@ -162,7 +162,7 @@ impl GradReduce for HostRank {
         let all = self.exchange(mine.to_vec(), |parts| Ok(parts.concat()))?;
         let end = shards.last().map_or(0, |s| s.1) * elem;
         if all.len() != end {
-            return Err(Error::option(format!("drafter worker {}", self.rank), "shards that do not tile the weights"));
+            return Err(Error::worker(format!("drafter worker {}", self.rank), "shards that do not tile the weights"));
         }
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(all.as_ptr(), addr as *mut u8, end) };
