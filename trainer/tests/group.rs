@@ -1,7 +1,7 @@
 //! Several processes joined through the TCP rendezvous (`dist::group`), threads standing for the
 //! processes on 127.0.0.1: the all-reduce sums in rank order (every rank holds the local sum's
 //! bits, also through `GradReduce` over host memory), a step's shares are summed with the
-//! failing rank named; a fingerprint mismatch, a duplicate rank or another world size is refused
+//! failing rank named; another run (the options that differ named), a duplicate rank or another world size is refused
 //! on both sides naming the ranks; a rank that never arrives times out naming it; a peer that
 //! drops, aborts or falls silent stops the others with an error naming it, within seconds. The
 //! launch comes from the options or the torchrun variables, a bad value named.
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use dflash_reference::eval::BlockStats;
 use dflash_trainer::config::{RunConfig, StepKind};
-use dflash_trainer::dist::group::{fingerprint, Launch, ProcessGroup, Timeouts, DEFAULT_MASTER_PORT};
+use dflash_trainer::dist::group::{fingerprint, Launch, ProcessGroup, RunPrint, Timeouts, DEFAULT_MASTER_PORT};
 use dflash_trainer::dist::reduce::GradReduce;
 use dflash_trainer::engine::Share;
 use rand::Rng;
@@ -42,18 +42,25 @@ fn rank_thread<T: Send + 'static>(
     rank: usize,
     world: usize,
     port: u16,
-    print: [u8; 32],
+    print: &RunPrint,
     t: Timeouts,
     body: impl FnOnce(ProcessGroup) -> T + Send + 'static,
 ) -> JoinHandle<Result<T, String>> {
+    let print = print.clone();
     std::thread::spawn(move || {
-        let group = ProcessGroup::join_with(&launch(rank, world, port), print, t).map_err(|e| e.to_string())?;
+        let group = ProcessGroup::join_with(&launch(rank, world, port), &print, t).map_err(|e| e.to_string())?;
         Ok(body(group))
     })
 }
 
-fn random_print() -> [u8; 32] {
-    rand::rng().random()
+/// A run's print of a random learning rate, rows and start.
+fn random_print() -> RunPrint {
+    let mut rng = rand::rng();
+    RunPrint {
+        config: format!("lr = {}\nseed = {}\n", rng.random::<f64>(), rng.random::<u32>()),
+        rows: format!("{:064x}", rng.random::<u128>()),
+        first_step: rng.random_range(0..1000),
+    }
 }
 
 /// Every rank's values (random lengths and magnitudes) summed by the group equal, bitwise, the
@@ -77,7 +84,7 @@ fn the_all_reduce_sums_in_rank_order_on_every_rank() {
     let threads: Vec<_> = (0..world)
         .map(|r| {
             let (mut mine, mut mine64) = (values[r].clone(), doubles[r].clone());
-            rank_thread(r, world, port, print, Timeouts::default(), move |g| {
+            rank_thread(r, world, port, &print, Timeouts::default(), move |g| {
                 g.all_reduce_sum_f32(&mut mine).unwrap();
                 g.all_reduce_sum_f64(&mut mine64).unwrap();
                 // As an engine's accumulator on the CPU twins: twice the sum, summed again.
@@ -131,7 +138,7 @@ fn a_step_s_shares_are_summed_and_a_failing_rank_named_on_every_rank() {
     let threads: Vec<_> = (0..world)
         .map(|r| {
             let share = shares[r].clone();
-            rank_thread(r, world, port, print, Timeouts::default(), move |g| g.sum_shares(share).unwrap())
+            rank_thread(r, world, port, &print, Timeouts::default(), move |g| g.sum_shares(share).unwrap())
         })
         .collect();
     for (r, t) in threads.into_iter().enumerate() {
@@ -151,36 +158,42 @@ fn a_step_s_shares_are_summed_and_a_failing_rank_named_on_every_rank() {
     }
 }
 
-/// A rank whose run differs (another fingerprint), a rank that joins twice, and a rank with
+/// A rank whose run differs (its options, rows or step, each named), a rank that joins twice, and a rank with
 /// another world size are refused on both sides, the errors naming the ranks.
 #[test]
 fn a_mismatch_or_a_duplicate_rank_is_refused_on_both_sides() {
     let quick = timeouts(Duration::from_secs(20), LONG);
-    // Another fingerprint.
+    // Another run: each difference named, with both values.
     let (port, print) = (free_port(), random_print());
-    let mut other = print;
-    other[rand::rng().random_range(0..32)] ^= 1 << rand::rng().random_range(0..8);
-    let zero = rank_thread(0, 2, port, print, quick, |_| ());
-    let one = rank_thread(1, 2, port, other, quick, |_| ());
+    let mut other = print.clone();
+    other.config = other.config.replace("lr = ", "lr = 2");
+    other.first_step += 1;
+    let zero = rank_thread(0, 2, port, &print, quick, |_| ());
+    let one = rank_thread(1, 2, port, &other, quick, |_| ());
     let (zero, one) = (zero.join().unwrap().unwrap_err(), one.join().unwrap().unwrap_err());
     for e in [&zero, &one] {
-        assert!(e.contains("rank 1 runs another run than rank 0") && e.contains("fingerprint"), "{e}");
+        assert!(e.contains("rank 1 runs another run than rank 0: option `lr`: 2"), "{e}");
+        assert!(
+            e.contains(&format!("the resumed step: {} on rank 1, {} on rank 0", other.first_step, print.first_step)),
+            "{e}"
+        );
+        assert!(!e.contains("seed") && !e.contains("training rows"), "only what differs: {e}");
     }
     assert!(one.contains("rank 0 refused rank 1"), "{one}");
     // Rank 1 twice, in a world of 3.
     let (port, print) = (free_port(), random_print());
-    let zero = rank_thread(0, 3, port, print, quick, |_| ());
-    let first = rank_thread(1, 3, port, print, quick, |_| ());
+    let zero = rank_thread(0, 3, port, &print, quick, |_| ());
+    let first = rank_thread(1, 3, port, &print, quick, |_| ());
     std::thread::sleep(Duration::from_millis(300));
-    let second = rank_thread(1, 3, port, print, quick, |_| ());
+    let second = rank_thread(1, 3, port, &print, quick, |_| ());
     let errors: Vec<String> = [zero, first, second].into_iter().map(|t| t.join().unwrap().unwrap_err()).collect();
     for e in &errors {
         assert!(e.contains("rank 1 joined twice"), "{e}");
     }
     // Another world size.
     let (port, print) = (free_port(), random_print());
-    let zero = rank_thread(0, 2, port, print, quick, |_| ());
-    let one = rank_thread(1, 3, port, print, quick, |_| ());
+    let zero = rank_thread(0, 2, port, &print, quick, |_| ());
+    let one = rank_thread(1, 3, port, &print, quick, |_| ());
     for e in [zero.join().unwrap().unwrap_err(), one.join().unwrap().unwrap_err()] {
         assert!(e.contains("rank 1 has a world of 3 processes, rank 0 has 2"), "{e}");
     }
@@ -193,8 +206,8 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
     let wait = Duration::from_millis(rand::rng().random_range(300..900));
     let (port, print) = (free_port(), random_print());
     let started = Instant::now();
-    let zero = rank_thread(0, 3, port, print, timeouts(wait, LONG), |_| ());
-    let one = rank_thread(1, 3, port, print, timeouts(wait, LONG), |_| ());
+    let zero = rank_thread(0, 3, port, &print, timeouts(wait, LONG), |_| ());
+    let one = rank_thread(1, 3, port, &print, timeouts(wait, LONG), |_| ());
     let (zero, one) = (zero.join().unwrap().unwrap_err(), one.join().unwrap().unwrap_err());
     let took = started.elapsed();
     assert!(zero.contains("ranks [2] did not join within"), "{zero}");
@@ -202,7 +215,7 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
     assert!(took >= wait && took < wait + STOPS_WITHIN, "{took:?} for a timeout of {wait:?}");
     // A rank whose rank 0 never comes names it too.
     let port = free_port();
-    let alone = rank_thread(1, 2, port, print, timeouts(wait, LONG), |_| ()).join().unwrap().unwrap_err();
+    let alone = rank_thread(1, 2, port, &print, timeouts(wait, LONG), |_| ()).join().unwrap().unwrap_err();
     assert!(alone.contains("rank 1: rank 0 did not answer"), "{alone}");
 }
 
@@ -214,18 +227,18 @@ fn a_rank_that_leaves_the_rendezvous_may_be_restarted_and_is_named() {
     let impatient =
         Timeouts { rendezvous: Duration::from_millis(300), hello: Duration::from_millis(200), collective: LONG };
     let (port, print) = (free_port(), random_print());
-    let zero = rank_thread(0, 3, port, print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
-    let gave_up = rank_thread(1, 3, port, print, impatient, |_| ()).join().unwrap().unwrap_err();
+    let zero = rank_thread(0, 3, port, &print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
+    let gave_up = rank_thread(1, 3, port, &print, impatient, |_| ()).join().unwrap().unwrap_err();
     assert!(gave_up.contains("rank 1"), "{gave_up}");
     std::thread::sleep(Duration::from_millis(100));
-    let again = rank_thread(1, 3, port, print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
-    let two = rank_thread(2, 3, port, print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
+    let again = rank_thread(1, 3, port, &print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
+    let two = rank_thread(2, 3, port, &print, timeouts(Duration::from_secs(20), LONG), |g| g.world());
     for t in [zero, again, two] {
         assert_eq!(t.join().unwrap(), Ok(3), "the restarted rank 1 joins");
     }
     let (port, print) = (free_port(), random_print());
-    let zero = rank_thread(0, 3, port, print, timeouts(Duration::from_millis(1500), LONG), |_| ());
-    rank_thread(1, 3, port, print, impatient, |_| ()).join().unwrap().unwrap_err();
+    let zero = rank_thread(0, 3, port, &print, timeouts(Duration::from_millis(1500), LONG), |_| ());
+    rank_thread(1, 3, port, &print, impatient, |_| ()).join().unwrap().unwrap_err();
     let err = zero.join().unwrap().unwrap_err();
     assert!(
         err.contains("ranks [1, 2] did not join") && err.contains("[1] joined, then closed their connection"),
@@ -245,7 +258,7 @@ fn a_peer_that_drops_stops_the_others_within_seconds() {
     let (port, print) = (free_port(), random_print());
     let threads: Vec<_> = (0..3)
         .map(|r| {
-            rank_thread(r, 3, port, print, timeouts(LONG, LONG), move |g| {
+            rank_thread(r, 3, port, &print, timeouts(LONG, LONG), move |g| {
                 let mut v = vec![r as f32; 64];
                 g.all_reduce_sum_f32(&mut v).expect("the first all-reduce");
                 if r == dropper {
@@ -273,7 +286,7 @@ fn a_peer_that_drops_stops_the_others_within_seconds() {
     let (port, print) = (free_port(), random_print());
     let threads: Vec<_> = (0..3)
         .map(|r| {
-            rank_thread(r, 3, port, print, timeouts(LONG, LONG), move |g| {
+            rank_thread(r, 3, port, &print, timeouts(LONG, LONG), move |g| {
                 let started = Instant::now();
                 if r == aborter {
                     std::thread::sleep(Duration::from_millis(200));
@@ -303,7 +316,7 @@ fn a_peer_that_drops_stops_the_others_within_seconds() {
     let (port, print) = (free_port(), random_print());
     let threads: Vec<_> = (0..3)
         .map(|r| {
-            rank_thread(r, 3, port, print, timeouts(LONG, wait), move |g| {
+            rank_thread(r, 3, port, &print, timeouts(LONG, wait), move |g| {
                 if r == silent {
                     std::thread::sleep(wait * 3);
                     return None;

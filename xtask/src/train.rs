@@ -318,7 +318,7 @@ fn join_processes(
     let (rank, world, addr, port) = (launch.rank, launch.world_size, &launch.master_addr, launch.master_port);
     println!("process rank {rank} of {world}: joining the others through rank 0 at {addr}:{port} ...");
     JOIN_STARTED.store(true, Ordering::SeqCst);
-    let joined = ProcessGroup::join(launch, fingerprint).map_err(err)?;
+    let joined = ProcessGroup::join(launch, &fingerprint).map_err(err)?;
     println!("process rank {rank} of {world}: joined");
     Ok(Some(Arc::new(joined)))
 }

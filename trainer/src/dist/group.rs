@@ -2,7 +2,7 @@
 //! binary on each node, joined through a small TCP rendezvous on rank 0. [`Launch`] says which
 //! process this is (the run's options, or the variables torchrun sets); [`ProcessGroup::join`]
 //! connects the ranks (rank 0 listens, the others connect) and refuses a rank whose run differs
-//! (its [`fingerprint`]) or that joins twice, on both sides. Then a collective sends every
+//! (its [`RunPrint`], naming what differs) or that joins twice, on both sides. Then a collective sends every
 //! rank's values to rank 0, which combines them in rank order (a fixed order: the same bits on
 //! every rank at every run) and sends the result back.
 //!
@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use dflash_optimized::device::nccl::{self, UniqueId};
 use dflash_reference::eval::BlockStats;
-use sha2::{Digest, Sha256};
 
 use super::reduce::{Abort, GradReduce, HostGroup, HostRank};
 use crate::config::{RunConfig, StepKind, LAUNCH_OPTIONS};
@@ -45,7 +44,9 @@ const GATHER_LIMIT: usize = 1 << 16;
 pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// A hello's first bytes: this protocol, version 1.
-const MAGIC: &[u8; 12] = b"DFLASH-PG/1\n";
+const MAGIC: &[u8; 12] = b"DFLASH-PG/2\n";
+/// The longest hello accepted: the magic, rank, world and a [`RunPrint`] (a config of a few KB).
+const HELLO_LIMIT: usize = 1 << 20;
 
 /// The most processes a run joins: rank 0 keeps one connection per process (and sums the host
 /// step's gradients through them).
@@ -167,22 +168,76 @@ fn socket_addr(addr: &str, port: u16) -> std::result::Result<SocketAddr, String>
     all.next().ok_or_else(|| "resolves to no address".to_string())
 }
 
-/// The run every rank must share: sha256 of the config without the per-process options (the
+/// The run every rank must share: the config without the per-process options (the
 /// [`LAUNCH_OPTIONS`], and where this node keeps its files and its GPUs: `out`, `data_cache`,
-/// `gpus`), of the training rows' hash (`RowSource::sha256`) and of the step the run starts at
-/// (0, or the resumed checkpoint's).
-pub fn fingerprint(config: &RunConfig, rows_sha256: &str, first_step: usize) -> Result<[u8; 32]> {
+/// `gpus`) as TOML, the training rows' hash (`RowSource::sha256`) and the step the run starts at
+/// (0, or the resumed checkpoint's). Ranks compare all three, and name what differs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunPrint {
+    pub config: String,
+    pub rows: String,
+    pub first_step: u64,
+}
+
+impl RunPrint {
+    /// In a hello: the step, the rows' hash (length-prefixed), the config.
+    fn encode(&self) -> Vec<u8> {
+        let mut b = self.first_step.to_le_bytes().to_vec();
+        b.extend((self.rows.len() as u64).to_le_bytes());
+        b.extend(self.rows.as_bytes());
+        b.extend(self.config.as_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<RunPrint> {
+        let word = |at: usize| Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?));
+        let (first_step, n) = (word(0)?, usize::try_from(word(8)?).ok()?);
+        let rows = std::str::from_utf8(b.get(16..16usize.checked_add(n)?)?).ok()?.to_string();
+        let config = std::str::from_utf8(&b[16 + n..]).ok()?.to_string();
+        Some(RunPrint { config, rows, first_step })
+    }
+
+    /// What differs between rank `rank`'s run (`theirs`) and rank 0's (`self`): the options by
+    /// name with both values, the training rows, the resumed step.
+    fn differences(&self, theirs: &RunPrint, rank: usize) -> String {
+        let mut what = Vec::new();
+        let table = |t: &str| t.parse::<toml::Table>().unwrap_or_default();
+        let (ours, other) = (table(&self.config), table(&theirs.config));
+        let mut keys: Vec<&String> = ours.keys().chain(other.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        let show = |v: Option<&toml::Value>| v.map_or("(not set)".to_string(), |v| v.to_string());
+        for k in keys {
+            if ours.get(k) != other.get(k) {
+                what.push(format!(
+                    "option `{k}`: {} on rank {rank}, {} on rank 0",
+                    show(other.get(k)),
+                    show(ours.get(k))
+                ));
+            }
+        }
+        if self.rows != theirs.rows {
+            what.push(format!(
+                "the training rows (sha256 {} on rank {rank}, {} on rank 0: the data files' contents, their tokenization or the features)",
+                &theirs.rows[..theirs.rows.len().min(12)],
+                &self.rows[..self.rows.len().min(12)]
+            ));
+        }
+        if self.first_step != theirs.first_step {
+            what.push(format!("the resumed step: {} on rank {rank}, {} on rank 0", theirs.first_step, self.first_step));
+        }
+        what.join("; ")
+    }
+}
+
+/// The [`RunPrint`] of `config` over rows of hash `rows_sha256`, starting at step `first_step`.
+pub fn fingerprint(config: &RunConfig, rows_sha256: &str, first_step: usize) -> Result<RunPrint> {
     let mut table = config.to_table()?;
     for key in LAUNCH_OPTIONS.iter().chain(&["out", "data_cache", "gpus"]) {
         table.remove(*key);
     }
     let text = toml::to_string(&table).map_err(|e| Error::option("config", e.to_string()))?;
-    let mut h = Sha256::new();
-    h.update((text.len() as u64).to_le_bytes());
-    h.update(text.as_bytes());
-    h.update(rows_sha256.as_bytes());
-    h.update((first_step as u64).to_le_bytes());
-    Ok(h.finalize().into())
+    Ok(RunPrint { config: text, rows: rows_sha256.to_string(), first_step: first_step as u64 })
 }
 
 /// The group's waits ([`Timeouts::default`]: the named constants; tests make them short).
@@ -258,24 +313,20 @@ fn recv(mut stream: &TcpStream, limit: usize) -> std::io::Result<Vec<u8>> {
     Ok(body)
 }
 
-/// A rank's hello: the magic, its rank and world size, its run's fingerprint.
-fn hello(rank: usize, world: usize, fingerprint: &[u8; 32]) -> Vec<u8> {
+/// A rank's hello: the magic, its rank and world size, its run's print.
+fn hello(rank: usize, world: usize, print: &RunPrint) -> Vec<u8> {
     let mut h = MAGIC.to_vec();
     h.extend((rank as u64).to_le_bytes());
     h.extend((world as u64).to_le_bytes());
-    h.extend(fingerprint);
+    h.extend(print.encode());
     h
 }
 
-/// `(rank, world, fingerprint)` of a hello; `None` when it is not one.
-fn parse_hello(h: &[u8]) -> Option<(usize, usize, [u8; 32])> {
-    let rest = h.strip_prefix(MAGIC.as_slice()).filter(|r| r.len() == 48)?;
+/// `(rank, world, print)` of a hello; `None` when it is not one.
+fn parse_hello(h: &[u8]) -> Option<(usize, usize, RunPrint)> {
+    let rest = h.strip_prefix(MAGIC.as_slice()).filter(|r| r.len() >= 16)?;
     let word = |i: usize| u64::from_le_bytes(rest[i..i + 8].try_into().expect("8 bytes")) as usize;
-    Some((word(0), word(8), rest[16..].try_into().expect("32 bytes")))
-}
-
-fn short(fingerprint: &[u8; 32]) -> String {
-    fingerprint[..6].iter().map(|b| format!("{b:02x}")).collect()
+    Some((word(0), word(8), RunPrint::decode(&rest[16..])?))
 }
 
 /// Rank 0's note that it stopped the group, and why.
@@ -317,12 +368,12 @@ fn peer_error(rank: usize, e: &std::io::Error, what: &str, timeout: Duration) ->
 impl ProcessGroup {
     /// Joins the processes of `launch` running the run of `fingerprint`, with the default
     /// [`Timeouts`]. Every rank returns once all have joined, or with an error naming the ranks.
-    pub fn join(launch: &Launch, fingerprint: [u8; 32]) -> Result<ProcessGroup> {
-        Self::join_with(launch, fingerprint, Timeouts::default())
+    pub fn join(launch: &Launch, print: &RunPrint) -> Result<ProcessGroup> {
+        Self::join_with(launch, print, Timeouts::default())
     }
 
     /// [`ProcessGroup::join`] with the waits of `timeouts`.
-    pub fn join_with(launch: &Launch, fingerprint: [u8; 32], timeouts: Timeouts) -> Result<ProcessGroup> {
+    pub fn join_with(launch: &Launch, print: &RunPrint, timeouts: Timeouts) -> Result<ProcessGroup> {
         let (rank, world) = (launch.rank, launch.world_size);
         if rank >= world {
             return Err(Error::option("rank", format!("{rank}: must be below the world size, {world}")));
@@ -330,8 +381,8 @@ impl ProcessGroup {
         let addr = socket_addr(&launch.master_addr, launch.master_port)
             .map_err(|why| Error::option("master_addr", format!("{}: {why}", launch.master_addr)))?;
         let links = match rank {
-            0 => Self::host(addr, world, &fingerprint, timeouts)?,
-            _ => vec![Self::connect(addr, rank, world, &fingerprint, timeouts)?],
+            0 => Self::host(addr, world, print, timeouts)?,
+            _ => vec![Self::connect(addr, rank, world, print, timeouts)?],
         };
         for link in &links {
             let set = link
@@ -353,7 +404,7 @@ impl ProcessGroup {
     /// Rank 0: listens on `addr` until every other rank said a valid hello (within
     /// `timeouts.rendezvous`), then tells them all; a refusal goes to the rank at fault and to
     /// those already joined, and is rank 0's error.
-    fn host(addr: SocketAddr, world: usize, fingerprint: &[u8; 32], timeouts: Timeouts) -> Result<Vec<Link>> {
+    fn host(addr: SocketAddr, world: usize, print: &RunPrint, timeouts: Timeouts) -> Result<Vec<Link>> {
         let listener = TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|e| Error::Group(format!("rank 0 cannot listen on {addr} (`master_addr`, `master_port`): {e}")))?;
@@ -396,7 +447,7 @@ impl ProcessGroup {
             let said = stream
                 .set_nonblocking(false)
                 .and_then(|()| stream.set_read_timeout(Some(timeouts.hello)))
-                .and_then(|()| recv(&stream, MAGIC.len() + 48));
+                .and_then(|()| recv(&stream, HELLO_LIMIT));
             let Some((rank, their_world, theirs)) = said.ok().as_deref().and_then(parse_hello) else {
                 refuse(&stream, "not a hello of this trainer's process group");
                 continue;
@@ -407,12 +458,8 @@ impl ProcessGroup {
                 Some(format!("a process says rank {rank}: ranks 1 to {} join rank 0", world - 1))
             } else if joined[rank].as_ref().is_some_and(still_connected) {
                 Some(format!("rank {rank} joined twice (two processes with the same `rank` or RANK)"))
-            } else if &theirs != fingerprint {
-                Some(format!(
-                    "rank {rank} runs another run than rank 0 (fingerprint {} vs {}: the config less the per-process options, the training rows or the resumed step differ)",
-                    short(&theirs),
-                    short(fingerprint)
-                ))
+            } else if &theirs != print {
+                Some(format!("rank {rank} runs another run than rank 0: {}", print.differences(&theirs, rank)))
             } else {
                 None
             };
@@ -458,7 +505,7 @@ impl ProcessGroup {
                     let said = stream
                         .set_nonblocking(false)
                         .and_then(|()| stream.set_read_timeout(Some(timeouts.hello)))
-                        .and_then(|()| recv(&stream, MAGIC.len() + 48));
+                        .and_then(|()| recv(&stream, HELLO_LIMIT));
                     if let Some((rank, _, _)) = said.ok().as_deref().and_then(parse_hello) {
                         if send(&stream, &[&[REFUSED], note.as_bytes()]).is_ok() && (1..=others).contains(&rank) {
                             told.insert(rank);
@@ -474,7 +521,7 @@ impl ProcessGroup {
 
     /// Rank `rank` > 0: connects to rank 0 (retrying until `timeouts.rendezvous`), says its
     /// hello and waits for rank 0's answer.
-    fn connect(addr: SocketAddr, rank: usize, world: usize, fingerprint: &[u8; 32], t: Timeouts) -> Result<Link> {
+    fn connect(addr: SocketAddr, rank: usize, world: usize, print: &RunPrint, t: Timeouts) -> Result<Link> {
         let deadline = Instant::now() + t.rendezvous;
         let stream = loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -493,7 +540,7 @@ impl ProcessGroup {
         let left = t.rendezvous + t.hello;
         let answer = stream
             .set_read_timeout(Some(left))
-            .and_then(|()| send(&stream, &[&hello(rank, world, fingerprint)]))
+            .and_then(|()| send(&stream, &[&hello(rank, world, print)]))
             .and_then(|()| recv(&stream, GATHER_LIMIT));
         match answer {
             Ok(a) if a.first() == Some(&READY) => Ok(Link { rank: 0, stream }),
