@@ -316,7 +316,10 @@ fn join_processes(
     let first_step = resume.as_ref().map_or(0, |(found, _)| found.state.step);
     let fingerprint = group::fingerprint(config, &rows.sha256().map_err(err)?, first_step).map_err(err)?;
     let (rank, world, addr, port) = (launch.rank, launch.world_size, &launch.master_addr, launch.master_port);
-    println!("process rank {rank} of {world}: joining the others through rank 0 at {addr}:{port} ...");
+    println!(
+        "process rank {rank} of {world}: joining the others through rank 0 at {addr}:{port} (waiting up to {} s) ...",
+        group::RENDEZVOUS_TIMEOUT.as_secs()
+    );
     JOIN_STARTED.store(true, Ordering::SeqCst);
     let joined = ProcessGroup::join(launch, &fingerprint).map_err(err)?;
     println!("process rank {rank} of {world}: joined");
