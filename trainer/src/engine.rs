@@ -15,7 +15,7 @@ use dflash_optimized::memory::step::{
 use dflash_optimized::model::drafter_step::{grad_buckets, DrafterStep};
 use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
-use dflash_optimized::ops::{bytes_of, stored, Elem, Real};
+use dflash_optimized::ops::{bytes_of, stored, with_stored, Elem, Real};
 use dflash_optimized::train::adamw::DeviceAdamW;
 use dflash_optimized::train::gradients::HostGradients;
 use dflash_reference::config::DraftConfig;
@@ -679,7 +679,7 @@ impl<B: Backend> DeviceEngine<B> {
                             format!("shape {:?}, the step expects [{}, {}]", row.features.dims(), z.s, z.fw),
                         ))
                     }
-                    None => step.backend().upload(features, bytes_of(&stored::<B::Elem>(&row.features)?))?,
+                    None => with_stored::<B::Elem, _>(&row.features, |v| step.backend().upload(features, bytes_of(v)))?,
                 }
                 step.set_input_after_features(embed, &p.input, &p.targets)?;
                 // The slot goes back here, its features copied (and waited for).

@@ -39,7 +39,7 @@ use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::{ElementwiseOps, Heads};
 use crate::ops::gdn::{groups, one_segment, segment_table, DeltaBuffers, DeltaScratch, GateInputs, GdnShape, Segments};
-use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
+use crate::ops::{arithmetic, bytes_of, with_stored, Elem, Real};
 use crate::{Error, Result};
 
 /// HF weight names (suffixes) of the zero-centred norms: loaded as `1 + w`.
@@ -200,7 +200,7 @@ impl<B: Backend> HybridForward<B> {
             } else {
                 t
             };
-            self.dev.upload(self.at(*region), bytes_of(&stored::<B::Elem>(&t)?))?;
+            with_stored::<B::Elem, _>(&t, |v| self.dev.upload(self.at(*region), bytes_of(v)))?;
         }
         Ok(())
     }

@@ -122,6 +122,30 @@ macro_rules! impl_elem_float {
 impl_elem_float!(f32);
 impl_elem_float!(f64);
 
+/// `f` of `t`'s values as stored values `E` ([`stored`]), borrowed from `t` without a copy when
+/// it already holds them contiguously as `E` (a bf16 tensor for bf16 storage, an f32 one for
+/// f32: a row's features uploaded per step, 126 MB at S=3072 for the Qwen3-8B drafter).
+pub fn with_stored<E: Elem, R>(t: &candle_core::Tensor, f: impl FnOnce(&[E]) -> crate::Result<R>) -> crate::Result<R> {
+    use candle_core::{CpuStorage, Storage};
+    use std::any::TypeId;
+    let (storage, layout) = t.storage_and_layout();
+    if let (Storage::Cpu(cpu), Some((from, to))) = (&*storage, layout.contiguous_offsets()) {
+        // The values' address and count when their type is E's.
+        let held = match cpu {
+            CpuStorage::BF16(v) if TypeId::of::<E>() == TypeId::of::<half::bf16>() => Some(v[from..to].as_ptr().cast()),
+            CpuStorage::F32(v) if TypeId::of::<E>() == TypeId::of::<f32>() => Some(v[from..to].as_ptr().cast()),
+            _ => None,
+        };
+        if let Some(ptr) = held {
+            // SAFETY: `ptr` points at `to - from` values of E's own type (checked by TypeId),
+            // borrowed from `storage`, which outlives the call.
+            return f(unsafe { std::slice::from_raw_parts::<E>(ptr, to - from) });
+        }
+    }
+    drop(storage);
+    f(&stored::<E>(t)?)
+}
+
 /// `t`'s values as stored values `E`: a bf16 tensor into bf16 storage is taken as it is (no
 /// rounding, no detour through f64); otherwise each value through f64.
 pub fn stored<E: Elem>(t: &candle_core::Tensor) -> crate::Result<Vec<E>> {
@@ -152,4 +176,30 @@ pub fn arithmetic<E: Elem>(t: candle_core::Tensor) -> crate::Result<Vec<E::Acc>>
         .into_iter()
         .map(E::Acc::from_f64)
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Tensor};
+    use rand::{Rng, SeedableRng};
+
+    /// Borrowed or converted, the values are [`stored`]'s: contiguous bf16 and f32 tensors (at an
+    /// offset, narrowed), non-contiguous ones (transposed), and a dtype other than the storage's.
+    #[test]
+    fn with_stored_gives_the_stored_values() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
+        let (r, c) = (rng.random_range(2..40), rng.random_range(2..40));
+        let values: Vec<f32> = (0..r * c).map(|_| rng.random_range(-4.0..4.0)).collect();
+        let f32s = Tensor::from_vec(values, (r, c), &Device::Cpu).unwrap();
+        let bf16s = f32s.to_dtype(DType::BF16).unwrap();
+        for base in [f32s, bf16s] {
+            for t in [base.clone(), base.narrow(0, 1, r - 1).unwrap(), base.t().unwrap()] {
+                let got: Vec<half::bf16> = with_stored(&t, |v: &[half::bf16]| Ok(v.to_vec())).unwrap();
+                assert_eq!(got, stored::<half::bf16>(&t).unwrap(), "bf16 of {:?} {:?}", t.dtype(), t.dims());
+                let got: Vec<f32> = with_stored(&t, |v: &[f32]| Ok(v.to_vec())).unwrap();
+                assert_eq!(got, stored::<f32>(&t).unwrap(), "f32 of {:?} {:?}", t.dtype(), t.dims());
+            }
+        }
+    }
 }
