@@ -139,8 +139,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
     match outcome {
         // Rank 0 stopped before the others joined it: they would wait out the rendezvous
-        // timeout; each is told why as it arrives.
-        Err(e) if launch.rank == 0 && launch.world_size > 1 && !JOIN_STARTED.load(Ordering::SeqCst) => {
+        // timeout; each is told why as it arrives. Under torchrun (which sets
+        // TORCHELASTIC_RUN_ID) the agent stops the others at once when a process fails.
+        Err(e)
+            if launch.rank == 0
+                && launch.world_size > 1
+                && !JOIN_STARTED.load(Ordering::SeqCst)
+                && std::env::var_os("TORCHELASTIC_RUN_ID").is_none() =>
+        {
             let others = launch.world_size - 1;
             eprintln!("error: {e}");
             eprintln!(
