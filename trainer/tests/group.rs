@@ -180,6 +180,15 @@ fn a_mismatch_or_a_duplicate_rank_is_refused_on_both_sides() {
         assert!(!e.contains("seed") && !e.contains("training rows"), "only what differs: {e}");
     }
     assert!(one.contains("rank 0 refused rank 1"), "{one}");
+    // Rows of another run, whatever the peer sends (here characters of several bytes), are
+    // named without reading past a character.
+    let (port, print) = (free_port(), random_print());
+    let other = RunPrint { rows: "a€€€€€€€€€€€€".into(), ..print.clone() };
+    let zero = rank_thread(0, 2, port, &print, quick, |_| ());
+    let one = rank_thread(1, 2, port, &other, quick, |_| ());
+    for e in [zero.join().unwrap().unwrap_err(), one.join().unwrap().unwrap_err()] {
+        assert!(e.contains("the training rows (sha256 a€€€€€€€€€€€ on rank 1"), "{e}");
+    }
     // Rank 1 twice, in a world of 3.
     let (port, print) = (free_port(), random_print());
     let zero = rank_thread(0, 3, port, &print, quick, |_| ());

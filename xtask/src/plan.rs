@@ -139,6 +139,8 @@ fn plan_target(
     if let Some(draft) = &draft {
         kind.check_drafter(draft)
             .map_err(|e| format!("option `--config`: the drafter does not fit the target: {e}"))?;
+        dflash_reference::config::check_feature_layers(&draft.target_layer_ids, kind.num_layers())
+            .map_err(|why| format!("option `--config`: dflash_config.target_layer_ids: {why}"))?;
     }
     let target = match kind {
         TargetKind::Hybrid(config) => {

@@ -75,14 +75,16 @@ Unknown keys are errors.
   --resume OUT               continue the run in OUT from its latest complete checkpoint, with
                              losses identical to an uninterrupted run (its config is loaded;
                              only options that do not change the run may differ, e.g. --steps)
-  --overwrite                a real run: replace the finished run in --out (the built-in
-                             default always replaces its own)
+  --overwrite                a real run: replace the finished run in --out, or the remains
+                             of one with no complete checkpoint (the built-in default always
+                             replaces its own)
 
 The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
 model.safetensors in bf16; training.safetensors, run.toml, state.json), latest, metrics.jsonl
 (one JSON object per line), training.svg, and drafter/ (the final servable drafter). A fresh
 run refuses a folder holding an unfinished run (--resume continues it), and one holding a
-finished real run unless --overwrite; the built-in default replaces its finished run. The
+finished real run (or one with no complete checkpoint) unless --overwrite; the built-in default
+replaces these. The
 input paths (target, data, features, data cache, a held-out file) are saved absolute, so a run
 resumes from any folder.
 
@@ -144,6 +146,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         Err(e)
             if launch.rank == 0
                 && launch.world_size > 1
+                && !cli.plan
                 && !JOIN_STARTED.load(Ordering::SeqCst)
                 && std::env::var_os("TORCHELASTIC_RUN_ID").is_none() =>
         {

@@ -102,6 +102,15 @@ fn short_training_run_saves_a_loadable_drafter() {
     let stderr = text(&refused.stderr);
     assert!(stderr.contains("unfinished run") && stderr.contains("--resume"), "{stderr}");
     assert!(dir.join("checkpoint-4/state.json").exists(), "nothing of the unfinished run is deleted");
+    // A folder in `latest`'s place does not make the unfinished run replaceable.
+    std::fs::remove_file(dir.join("latest")).unwrap();
+    std::fs::create_dir(dir.join("latest")).unwrap();
+    let refused = xtask(&args);
+    let stderr = text(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("`latest` is a folder"), "{stderr}");
+    assert!(dir.join("checkpoint-4/state.json").exists(), "nothing of the unfinished run is deleted");
+    std::fs::remove_dir(dir.join("latest")).unwrap();
+    std::fs::write(dir.join("latest"), "checkpoint-6\n").unwrap();
     // With no complete checkpoint left (`latest` naming a lost one), nothing can be resumed: the
     // resume says so and how to go on, and a fresh run replaces the remains.
     for (_, checkpoint) in dflash_trainer::checkpoint::list_checkpoints(&dir).unwrap() {

@@ -43,7 +43,7 @@ const GATHER_LIMIT: usize = 1 << 16;
 /// rank 0's address and port when neither the option nor the variable gives one.
 pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-/// A hello's first bytes: this protocol, version 1.
+/// A hello's first bytes: this protocol, version 2 (a hello of version 1 is refused as not one).
 const MAGIC: &[u8; 12] = b"DFLASH-PG/2\n";
 /// The longest hello accepted: the magic, rank, world and a [`RunPrint`] (a config of a few KB).
 const HELLO_LIMIT: usize = 1 << 20;
@@ -206,7 +206,12 @@ impl RunPrint {
         let mut keys: Vec<&String> = ours.keys().chain(other.keys()).collect();
         keys.sort();
         keys.dedup();
-        let show = |v: Option<&toml::Value>| v.map_or("(not set)".to_string(), |v| v.to_string());
+        // A value as TOML, at most 200 characters of it (a list of many data files).
+        let show = |v: Option<&toml::Value>| match v.map(|v| v.to_string()) {
+            None => "(not set)".to_string(),
+            Some(t) if t.chars().count() > 200 => format!("{}...", t.chars().take(200).collect::<String>()),
+            Some(t) => t,
+        };
         for k in keys {
             if ours.get(k) != other.get(k) {
                 what.push(format!(
@@ -219,8 +224,8 @@ impl RunPrint {
         if self.rows != theirs.rows {
             what.push(format!(
                 "the training rows (sha256 {} on rank {rank}, {} on rank 0: the data files' contents, their tokenization or the features)",
-                &theirs.rows[..theirs.rows.len().min(12)],
-                &self.rows[..self.rows.len().min(12)]
+                theirs.rows.chars().take(12).collect::<String>(),
+                self.rows.chars().take(12).collect::<String>()
             ));
         }
         if self.first_step != theirs.first_step {
@@ -541,7 +546,7 @@ impl ProcessGroup {
         let answer = stream
             .set_read_timeout(Some(left))
             .and_then(|()| send(&stream, &[&hello(rank, world, print)]))
-            .and_then(|()| recv(&stream, GATHER_LIMIT));
+            .and_then(|()| recv(&stream, HELLO_LIMIT));
         match answer {
             Ok(a) if a.first() == Some(&READY) => Ok(Link { rank: 0, stream }),
             Ok(a) if a.first() == Some(&REFUSED) => {
