@@ -196,6 +196,8 @@ pub struct CpuEngine {
     head: FrozenHead,
     adamw: AdamW,
     source: Source,
+    /// The host step's checkpointing policy (none for the reference step).
+    policy: Option<Checkpointing>,
 }
 
 impl CpuEngine {
@@ -208,7 +210,18 @@ impl CpuEngine {
                 return Err(Error::option("step", "`gpu` runs on the device engine (DeviceEngine), not on the CPU"))
             }
         };
-        Ok(CpuEngine { drafter, head, adamw, source })
+        let policy = (kind == StepKind::Host).then_some(Checkpointing::PerLayer);
+        Ok(CpuEngine { drafter, head, adamw, source, policy })
+    }
+
+    /// The host step under checkpointing `policy` (per-layer unless set; the same gradients
+    /// under every policy); the reference step is left as it is.
+    pub fn with_checkpointing(mut self, policy: Checkpointing) -> Self {
+        if let Source::Host(_) = self.source {
+            self.source = Source::Host(HostGradients::new(policy, 256));
+            self.policy = Some(policy);
+        }
+        self
     }
 
     /// Loss, weight and gradients of one micro-batch (and its block stats when asked).
@@ -271,6 +284,10 @@ impl StepEngine for CpuEngine {
             Source::Reference => "reference".into(),
             Source::Host(_) => "host".into(),
         }
+    }
+
+    fn checkpointing(&self) -> Option<Checkpointing> {
+        self.policy
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {

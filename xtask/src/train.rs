@@ -460,7 +460,12 @@ fn builtin_run(
                 config.shard_optimizer,
             )?)
         }
-        kind => Box::new(CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind).map_err(err)?),
+        // The CPU has the memory: the fastest of the run's policies.
+        kind => Box::new(
+            CpuEngine::new(drafter, head.clone(), builtin::adamw_config(&config), kind)
+                .map_err(err)?
+                .with_checkpointing(config.checkpointing.policies()[0]),
+        ),
     };
     let tau = |d: &Drafter| mean_tau(setup.target.as_ref(), d, &setup.prompts, config.tau_tokens);
     let inputs = RunInputs {

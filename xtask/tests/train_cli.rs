@@ -139,6 +139,18 @@ fn short_training_run_saves_a_loadable_drafter() {
     assert!(result.status.success(), "{}", text(&result.stderr));
     assert!(!text(&result.stdout).contains("greedy speculative decoding"), "{}", text(&result.stdout));
     assert!(metrics(&no_tau).iter().filter(|v| v["kind"] == "eval").all(|v| v["tau"].is_null()));
+    // The host step takes --checkpointing (read, not ignored), with the same losses each way.
+    let policy_losses = |policy: &str| {
+        let out = tmp.path().join(format!("host-{policy}"));
+        let mut args = vec!["train"];
+        args.extend(TINY);
+        args.extend(["--steps", "3", "--step", "host", "--checkpointing", policy, "--out", out.to_str().unwrap()]);
+        let result = xtask(&args);
+        assert!(result.status.success(), "{}", text(&result.stderr));
+        assert!(text(&result.stdout).contains(&format!("checkpointing: {policy}")), "{}", text(&result.stdout));
+        losses(&out)
+    };
+    assert_eq!(policy_losses("none"), policy_losses("per-layer"));
 }
 
 fn metrics(out: &Path) -> Vec<serde_json::Value> {
