@@ -41,11 +41,14 @@ impl KeyBuilder {
         self
     }
 
-    /// Adds a data file by path, size and modification time.
+    /// Adds a data file by its canonical path (the same file however it is named: `features`
+    /// given a relative path and `train` the absolute one share the key), size and
+    /// modification time.
     pub fn add_file(&mut self, file: &Path) -> Result<&mut Self> {
         let meta = std::fs::metadata(file).map_err(|e| Error::io(file, e))?;
         let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
-        let stamp = format!("{} {} {:?}", file.display(), meta.len(), mtime);
+        let path = std::fs::canonicalize(file).map_err(|e| Error::io(file, e))?;
+        let stamp = format!("{} {} {:?}", path.display(), meta.len(), mtime);
         Ok(self.add("file", stamp.as_bytes()))
     }
 
@@ -303,6 +306,35 @@ mod tests {
         for (i, d) in docs.iter().enumerate() {
             assert_eq!(cache.document(i).unwrap().tokens, d.tokens);
         }
+    }
+
+    /// A data file's part of a key is the file's, whatever path names it (relative, absolute,
+    /// through `..`).
+    #[test]
+    fn a_file_keys_the_same_by_any_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("d");
+        std::fs::create_dir(&dir).unwrap();
+        let file = dir.join("data.jsonl");
+        std::fs::write(&file, format!("{}\n", rand::rng().random::<u64>())).unwrap();
+        let key = |p: &Path| KeyBuilder::default().add_file(p).unwrap().finish();
+        let cwd = std::env::current_dir().unwrap();
+        let relative = pathdiff(&file, &cwd);
+        assert_eq!(key(&file), key(&dir.join("../d/data.jsonl")));
+        assert_eq!(key(&file), key(&relative), "{}", relative.display());
+        let other = dir.join("other.jsonl");
+        std::fs::copy(&file, &other).unwrap();
+        assert_ne!(key(&file), key(&other), "another file");
+    }
+
+    /// `to` relative to `from` (both absolute): `..` up to their common prefix, then down.
+    fn pathdiff(to: &Path, from: &Path) -> PathBuf {
+        let (to, from): (Vec<_>, Vec<_>) = (to.components().collect(), from.components().collect());
+        let common = to.iter().zip(&from).take_while(|(a, b)| a == b).count();
+        let mut p = PathBuf::new();
+        (common..from.len()).for_each(|_| p.push(".."));
+        to[common..].iter().for_each(|c| p.push(c));
+        p
     }
 
     /// A cache whose bytes changed after it was written (a token, the index or the stats; the
