@@ -11,7 +11,7 @@ const HELP: &str = "usage: cargo xtask demo-target --out DIR [--seed N]
 
 Writes a random Qwen3 target in HF format (3 layers, hidden 32, heads of 8, vocab 768;
 config.json, model.safetensors) with the fixture Qwen tokenizer and chat template into DIR, a new
-or empty folder. Then, for example (the CPU twins of the GPU step, a minute):
+or empty folder. Then, for example (the CPU twins of the GPU step, seconds):
 
   cargo xtask train --target DIR --data fixtures/data/conversations.jsonl --step host \\
       --max-len 256 --anchors 8 --steps 40 --out runs/demo

@@ -27,7 +27,7 @@ const HELP: &str = "usage: cargo xtask features --target DIR --data FILE... --ou
 Runs the target over every document of the data set (the tokenized, masked documents of `cargo
 xtask data`, training and held-out) and writes their features (the outputs of the layers
 --layer-ids, concatenated per token, bf16) to CACHE: safetensors shards of about --shard-gb
-each and index.json with the provenance (hashes of the target's config and weights index, the
+each and index.json with the provenance (hashes of the target's config and weight files, the
 tokenizer, template, data files and options, the layer ids). Prints the size first and refuses
 when the disk cannot hold it. A killed run continues where it stopped when rerun with the same
 arguments; a cache made from anything else is refused. Train from it with `train --features CACHE`.
