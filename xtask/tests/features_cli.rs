@@ -167,8 +167,9 @@ fn bad_options_are_refused_before_any_work() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
     write_target_folder(&target, 3).unwrap();
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--layer-ids", "9"], "layer 9 is out of range for the target's 3 layers"),
+        (&["--max-len", "100000"], "option `--max-len`: rows of 100000 tokens exceed the target's 4096 positions"),
         (&["--layer-ids", "1,x"], "`x` is not a layer number"),
         (&["--shard-gb", "0"], "option `--shard-gb`"),
         (&["--device", "tpu"], "option `--device`: `tpu`"),
@@ -199,4 +200,23 @@ fn bad_options_are_refused_before_any_work() {
     c.args(["features", "--target", target.to_str().unwrap(), "--data", "x.jsonl"]);
     let stderr = String::from_utf8_lossy(&run(c).stderr).into_owned();
     assert!(stderr.contains("--out CACHE is required"), "{stderr}");
+    // A checkpoint without one of its weights: named before the data is read or a cache begun.
+    let damaged = tmp.path().join("damaged");
+    write_target_folder(&damaged, 3).unwrap();
+    let weights = damaged.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    let name = "model.layers.1.mlp.up_proj.weight";
+    tensors.remove(name).unwrap();
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    let refused = run(command(&damaged, &out, &data, &[]));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains(name), "{stderr}");
+    assert!(!out.exists() && !data.exists(), "work was done before the error");
+    // A cache begun with no shard (its run failed at once) is begun again by another run.
+    std::fs::create_dir_all(&out).unwrap();
+    let begun = serde_json::json!({"format": dflash_data::features::FORMAT, "provenance": {"target_weights": "other"},
+        "hidden_size": 1, "layer_ids": [0], "shard_bytes": 1, "documents": 1, "tokens": 1, "shards": []});
+    std::fs::write(out.join("index.json"), begun.to_string()).unwrap();
+    let again = run(command(&target, &out, &data, &[]));
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
 }
