@@ -324,6 +324,18 @@ impl FeatureWriter {
                 ),
             ));
         }
+        // bf16 with every exponent bit set: NaN or Inf (a target's non-finite weight).
+        if let Some(at) = e.features.iter().position(|&b| b & 0x7f80 == 0x7f80) {
+            return Err(Error::field(
+                &self.dir,
+                format!("document {}", self.next_doc()),
+                format!(
+                    "the target's features hold NaN or Inf (token {}, value {}): its weights or config",
+                    at / fw,
+                    at % fw
+                ),
+            ));
+        }
         self.features.extend_from_slice(e.features);
         self.tokens.extend_from_slice(e.tokens);
         self.mask.extend(e.loss_mask.iter().map(|&m| u8::from(m)));

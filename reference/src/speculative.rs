@@ -66,9 +66,23 @@ impl Acceptance {
     }
 }
 
-/// The argmax token of every row of `logits` `[R, V]`.
+/// The argmax token of every row of `logits` `[R, V]`, which must be finite (a NaN's argmax
+/// would be token 0 on both sides: garbage decoded as full acceptance).
 pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    check_finite(logits)?;
     Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}
+
+/// Refuses logits holding NaN or Inf, naming the likely cause.
+fn check_finite(logits: &Tensor) -> Result<()> {
+    let sum = logits.to_dtype(candle_core::DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    match sum.is_finite() {
+        true => Ok(()),
+        false => Err(Error::invalid(
+            "logits",
+            "NaN or Inf: a model's weights hold non-finite values, or its config is wrong",
+        )),
+    }
 }
 
 /// How the target picks each token (spec section 4): its argmax, or a seeded sample at a
@@ -125,6 +139,7 @@ impl Sampling {
         match self {
             Sampling::Greedy => argmax_rows(logits),
             Sampling::Temperature { .. } => {
+                check_finite(logits)?;
                 let rows = logits.to_dtype(candle_core::DType::F64)?.to_vec2::<f64>()?;
                 Ok(rows.iter().enumerate().map(|(i, row)| self.choose(row, first + i)).collect())
             }
@@ -244,5 +259,30 @@ mod tests {
         a.add(&SpecOutput { tokens: vec![], accept_lengths: vec![4] });
         assert_eq!(a.tau_over_steps(), 14.0 / 6.0);
         assert_eq!(a.tau_over_prompts(), 8.0 / 3.0);
+    }
+
+    /// Logits holding a NaN or an Inf anywhere are refused (their argmax, token 0, would decode a
+    /// broken model as full acceptance); finite ones give the first largest score's index.
+    #[test]
+    fn non_finite_logits_are_refused() {
+        use rand::Rng;
+        let mut rng = rand::rng();
+        let (r, v) = (rng.random_range(1..5), rng.random_range(2..50));
+        let mut values: Vec<f32> = (0..r * v).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let t = |values: &[f32]| Tensor::from_vec(values.to_vec(), (r, v), &candle_core::Device::Cpu).unwrap();
+        let want: Vec<u32> = values
+            .chunks(v)
+            .map(|row| row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b }) as u32)
+            .collect();
+        assert_eq!(argmax_rows(&t(&values)).unwrap(), want);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let at = rng.random_range(0..r * v);
+            let kept = std::mem::replace(&mut values[at], bad);
+            let err = argmax_rows(&t(&values)).expect_err("non-finite logits").to_string();
+            assert!(err.contains("NaN or Inf"), "{err}");
+            let sampled = Sampling::Temperature { temperature: 1.0, seed: 1 }.choose_rows(&t(&values), 0);
+            assert!(sampled.is_err(), "sampling from non-finite logits");
+            values[at] = kept;
+        }
     }
 }

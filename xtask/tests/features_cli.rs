@@ -212,6 +212,23 @@ fn bad_options_are_refused_before_any_work() {
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && stderr.contains(name), "{stderr}");
     assert!(!out.exists() && !data.exists(), "work was done before the error");
+    // A target with a non-finite weight: its features are refused, not cached.
+    let broken = tmp.path().join("broken");
+    write_target_folder(&broken, 3).unwrap();
+    let weights = broken.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    let w = &tensors["model.layers.0.mlp.up_proj.weight"];
+    let (dims, dtype) = (w.dims().to_vec(), w.dtype());
+    let mut values = w.flatten_all().unwrap().to_dtype(candle_core::DType::F32).unwrap().to_vec1::<f32>().unwrap();
+    values[0] = f32::NAN;
+    let w = Tensor::from_vec(values, dims, &candle_core::Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+    tensors.insert("model.layers.0.mlp.up_proj.weight".into(), w);
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    let nan_out = tmp.path().join("nan-cache");
+    let refused = run(command(&broken, &nan_out, &data, &[]));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("NaN or Inf"), "{stderr}");
+
     // A cache begun with no shard (its run failed at once) is begun again by another run.
     std::fs::create_dir_all(&out).unwrap();
     let begun = serde_json::json!({"format": dflash_data::features::FORMAT, "provenance": {"target_weights": "other"},
