@@ -33,8 +33,16 @@ impl TargetKind {
         let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
         let value: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::invalid(file.display().to_string(), format!("not JSON: {e}")))?;
+        // A Qwen3.5/3.6 hybrid by any of its marks: the multimodal wrapper, its model type, its
+        // architecture, or GatedDeltaNet layers.
         let hybrid = value.get("text_config").is_some()
-            || value["model_type"].as_str().is_some_and(|m| m.starts_with("qwen3_5"));
+            || value["model_type"].as_str().is_some_and(|m| m.starts_with("qwen3_5"))
+            || value["architectures"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x.as_str().is_some_and(|x| x.starts_with("Qwen3_5"))))
+            || value["layer_types"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|x| x.as_str() == Some("linear_attention")));
         Ok(match hybrid {
             true => TargetKind::Hybrid(HybridConfig::from_value(file, &value)?),
             false => TargetKind::Dense(TargetConfig::from_file(file)?),

@@ -149,7 +149,8 @@ fn plan_target(
             let recipe = (layers, block, features.min(config.num_layers()));
             let draft = match draft {
                 Some(draft) => draft,
-                None => hybrid_drafter(&config, recipe, (config.vocab_size - 1) as u32).map_err(|e| e.to_string())?,
+                None => hybrid_drafter(&config, recipe, (config.vocab_size - 1) as u32)
+                    .map_err(|e| format!("{}: its published drafter: {e}", file.display()))?,
             };
             print_hybrid_plan(&file.display().to_string(), &config, &draft, &every_policy(shape, device_bytes))?;
             return Ok(());
@@ -353,14 +354,19 @@ pub fn print_hybrid_plan(
         shape.context_len
     );
     print!("{}", plan.render());
+    use dflash_reference::config::AttnKind;
+    let kinds = &draft.dims.layer_kinds;
+    let full = kinds.iter().filter(|k| **k == AttnKind::Full).count();
+    let layers = match kinds.iter().find_map(|k| match k {
+        AttnKind::Sliding { window } => Some(*window),
+        AttnKind::Full => None,
+    }) {
+        Some(window) => format!("{} sliding layers (window {window}) + {full} full", kinds.len() - full),
+        None => format!("{full} full layers"),
+    };
     println!(
-        "-- its drafter (spec sections 1 and 10): {} sliding layers (window 2048) + 1 full, {}/{} heads of {}, rope theta {:.0e}, block {}",
-        draft.dims.num_layers() - 1,
-        draft.dims.num_heads,
-        draft.dims.num_kv_heads,
-        draft.dims.head_dim,
-        draft.dims.rope_theta,
-        draft.block_size
+        "-- its drafter: {layers}, {}/{} heads of {}, rope theta {:.0e}, block {}",
+        draft.dims.num_heads, draft.dims.num_kv_heads, draft.dims.head_dim, draft.dims.rope_theta, draft.block_size
     );
     let mut chosen = None;
     for &policy in policies {

@@ -161,6 +161,33 @@ fn wrapper_checkpoint_loads_the_language_model() {
     assert!(err.contains("tensor `model.layers.0.linear_attn.in_proj_qkvz.weight`"), "{err}");
 }
 
+/// A hybrid's config is read as one by any of its marks (its model type, architecture or
+/// GatedDeltaNet layer types), not refused as an unsupported dense architecture; a dense model
+/// type on a hybrid's layers is named.
+#[test]
+fn a_hybrid_is_known_without_its_model_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.json");
+    let base = tiny_config();
+    let mut no_type = base.clone();
+    no_type.as_object_mut().unwrap().remove("model_type");
+    let mut dense_type = base.clone();
+    dense_type["model_type"] = json!("qwen3");
+    let mut by_architecture = no_type.clone();
+    by_architecture.as_object_mut().unwrap().remove("layer_types");
+    by_architecture["full_attention_interval"] = json!(4);
+    by_architecture["architectures"] = json!(["Qwen3_5ForCausalLM"]);
+    for config in [no_type, by_architecture] {
+        std::fs::write(&file, config.to_string()).unwrap();
+        let kind = crate::target::TargetKind::from_file(&file).unwrap();
+        assert!(matches!(kind, crate::target::TargetKind::Hybrid(_)), "{config}");
+    }
+    // A dense model type on a hybrid's layers: the model type is named.
+    std::fs::write(&file, dense_type.to_string()).unwrap();
+    let err = crate::target::TargetKind::from_file(&file).err().expect("qwen3 on hybrid layers").to_string();
+    assert!(err.contains("model_type") && err.contains("qwen3_5_text"), "{err}");
+}
+
 /// Tied embeddings: no `lm_head.weight`, the logits use the embedding table.
 #[test]
 fn tied_head_uses_the_embedding() {
