@@ -184,7 +184,7 @@ fn a_hybrid_is_known_without_its_model_type() {
     }
     // A dense model type on a hybrid's layers: the model type is named.
     std::fs::write(&file, dense_type.to_string()).unwrap();
-    let err = crate::target::TargetKind::from_file(&file).err().expect("qwen3 on hybrid layers").to_string();
+    let err = crate::target::TargetKind::from_file(&file).expect_err("qwen3 on hybrid layers").to_string();
     assert!(err.contains("model_type") && err.contains("qwen3_5_text"), "{err}");
 }
 
