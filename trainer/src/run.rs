@@ -248,7 +248,10 @@ impl<'a> Trainer<'a> {
         if s.data_sha256 != self.data_sha256 {
             return Err(Error::checkpoint(
                 &found.dir,
-                format!("its training rows (sha256 {}) are not this run's ({})", s.data_sha256, self.data_sha256),
+                format!(
+                    "its training rows (sha256 {}) are not this run's ({}): the data files' contents, their tokenization, or the target whose features they carry (its config or weights) changed",
+                    s.data_sha256, self.data_sha256
+                ),
             ));
         }
         let mut seen = vec![false; self.inputs.data.len()];
