@@ -66,14 +66,14 @@ impl Acceptance {
     }
 }
 
-/// The argmax token of every row of `logits` `[R, V]`, which must be finite (a NaN's argmax
-/// would be token 0 on both sides: garbage decoded as full acceptance).
+/// The argmax token of every row of `logits` `[R, V]` (the kernels' semantics, NaN and Inf
+/// included: the decoders refuse such logits first, [`check_finite`]).
 pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
-    check_finite(logits)?;
     Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
 }
 
-/// Refuses logits holding NaN or Inf, naming the likely cause.
+/// Refuses logits holding NaN or Inf, naming the likely cause: a decoder's argmax of them would
+/// be token 0 on both sides, garbage decoded as full acceptance.
 fn check_finite(logits: &Tensor) -> Result<()> {
     let sum = logits.to_dtype(candle_core::DType::F64)?.sum_all()?.to_scalar::<f64>()?;
     match sum.is_finite() {
@@ -136,10 +136,10 @@ impl Sampling {
 
     /// The tokens at positions `first..first + R` from the rows of `logits` `[R, V]`.
     pub fn choose_rows(&self, logits: &Tensor, first: usize) -> Result<Vec<u32>> {
+        check_finite(logits)?;
         match self {
             Sampling::Greedy => argmax_rows(logits),
             Sampling::Temperature { .. } => {
-                check_finite(logits)?;
                 let rows = logits.to_dtype(candle_core::DType::F64)?.to_vec2::<f64>()?;
                 Ok(rows.iter().enumerate().map(|(i, row)| self.choose(row, first + i)).collect())
             }
@@ -220,7 +220,9 @@ pub fn speculative_decode_with(
     while out.tokens.len() < max_new {
         let n = seq.len();
         let draft_logits = drafter.forward(&head, &DraftInput::inference(features, bonus, b)?)?;
-        let drafts = argmax_rows(&draft_logits.narrow(0, 1, b - 1)?)?; // d_1..d_{B-1}
+        let draft_logits = draft_logits.narrow(0, 1, b - 1)?;
+        check_finite(&draft_logits)?;
+        let drafts = argmax_rows(&draft_logits)?; // d_1..d_{B-1}
         let mut verify = seq.clone();
         verify.push(bonus);
         verify.extend(&drafts);
@@ -261,8 +263,9 @@ mod tests {
         assert_eq!(a.tau_over_prompts(), 8.0 / 3.0);
     }
 
-    /// Logits holding a NaN or an Inf anywhere are refused (their argmax, token 0, would decode a
-    /// broken model as full acceptance); finite ones give the first largest score's index.
+    /// A decoder's choice refuses logits holding a NaN or an Inf anywhere (their argmax, token 0,
+    /// would decode a broken model as full acceptance); finite ones give the first largest
+    /// score's index.
     #[test]
     fn non_finite_logits_are_refused() {
         use rand::Rng;
@@ -274,11 +277,11 @@ mod tests {
             .chunks(v)
             .map(|row| row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b }) as u32)
             .collect();
-        assert_eq!(argmax_rows(&t(&values)).unwrap(), want);
+        assert_eq!(Sampling::Greedy.choose_rows(&t(&values), 0).unwrap(), want);
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let at = rng.random_range(0..r * v);
             let kept = std::mem::replace(&mut values[at], bad);
-            let err = argmax_rows(&t(&values)).expect_err("non-finite logits").to_string();
+            let err = Sampling::Greedy.choose_rows(&t(&values), 0).expect_err("non-finite logits").to_string();
             assert!(err.contains("NaN or Inf"), "{err}");
             let sampled = Sampling::Temperature { temperature: 1.0, seed: 1 }.choose_rows(&t(&values), 0);
             assert!(sampled.is_err(), "sampling from non-finite logits");
