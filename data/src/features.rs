@@ -269,10 +269,12 @@ impl FeatureWriter {
         let file = dir.join("index.json");
         index.format = FORMAT.to_string();
         index.shards.clear();
+        let old = match file.exists() {
+            true => Some(FeatureIndex::read(&file)?),
+            false => None,
+        };
         // A cache begun with no shard written holds nothing to keep: begun again for this run.
-        let empty = file.exists() && FeatureIndex::read(&file).is_ok_and(|old| old.shards.is_empty());
-        if file.exists() && !empty {
-            let old = FeatureIndex::read(&file)?;
+        if let Some(old) = old.filter(|old| !old.shards.is_empty()) {
             if let Some(mismatch) = old.provenance_mismatch(&index.provenance, &file, "; choose another --out") {
                 return Err(mismatch);
             }

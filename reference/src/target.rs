@@ -49,6 +49,19 @@ impl TargetKind {
         })
     }
 
+    /// Whether rows of `tokens` tokens fit the target's positions; else why, naming `file`
+    /// (the config read).
+    pub fn check_row_len(&self, tokens: usize, file: &Path) -> std::result::Result<(), String> {
+        match tokens <= self.max_positions() {
+            true => Ok(()),
+            false => Err(format!(
+                "rows of {tokens} tokens exceed the target's {} positions (max_position_embeddings of {})",
+                self.max_positions(),
+                file.display()
+            )),
+        }
+    }
+
     pub fn num_layers(&self) -> usize {
         match self {
             TargetKind::Dense(c) => c.dims.num_layers(),

@@ -312,18 +312,23 @@ pub struct Found {
     pub notes: Vec<String>,
 }
 
+/// Refuses a folder in `OUT/latest`'s place: the next checkpoint could not replace it, and its
+/// checkpoints may be complete (neither resumed past nor replaced).
+pub fn check_latest(out: &Path) -> Result<()> {
+    match out.join("latest").is_dir() {
+        true => {
+            Err(Error::checkpoint(out, "`latest` is a folder, not the file naming the newest checkpoint: remove it"))
+        }
+        false => Ok(()),
+    }
+}
+
 /// The checkpoint `OUT/latest` names if it is complete; otherwise the newest complete one (the
 /// notes say why). Leftover `.tmp` folders are never considered.
 pub fn find_resumable(out: &Path) -> Result<Found> {
     let mut notes = Vec::new();
     let latest = out.join("latest");
-    if latest.is_dir() {
-        // It could not be replaced by the next checkpoint's `latest`: refused before any work.
-        return Err(Error::checkpoint(
-            out,
-            "`latest` is a folder, not the file naming the newest checkpoint: remove it",
-        ));
-    }
+    check_latest(out)?;
     match std::fs::read_to_string(&latest) {
         Ok(text) => {
             let name = text.trim();

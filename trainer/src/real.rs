@@ -75,17 +75,7 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
     let config_file = target_dir.join("config.json");
     let target_config = TargetKind::from_file(&config_file)?;
     let layers = target_config.num_layers();
-    if c.max_len > target_config.max_positions() {
-        return Err(Error::option(
-            "max_len",
-            format!(
-                "rows of {} tokens exceed the target's {} positions (max_position_embeddings of {})",
-                c.max_len,
-                target_config.max_positions(),
-                config_file.display()
-            ),
-        ));
-    }
+    target_config.check_row_len(c.max_len, &config_file).map_err(|why| Error::option("max_len", why))?;
     let mut notes = Vec::new();
     let unused = target_config.check_checkpoint(&target_dir)?;
     if !unused.is_empty() {

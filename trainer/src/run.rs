@@ -129,13 +129,7 @@ pub fn check_fresh_out(out: &std::path::Path, replace: bool) -> Result<Option<St
     if !out.join("latest").exists() && checkpoints.is_empty() {
         return Ok(None);
     }
-    if out.join("latest").is_dir() {
-        // Not the remains of a run: its checkpoints may be complete (refused, not replaced).
-        return Err(Error::option(
-            "out",
-            format!("{}: `latest` is a folder, not the file naming the newest checkpoint: remove it", out.display()),
-        ));
-    }
+    checkpoint::check_latest(out)?;
     let held = match checkpoint::find_resumable(out) {
         Err(e) => format!("the remains of a run with no complete checkpoint ({e})"),
         Ok(found) => {

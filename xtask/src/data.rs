@@ -109,14 +109,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     // this project reads: `data` also serves targets only transformers runs).
     let config = target_dir.join("config.json");
     if let Ok(kind) = dflash_reference::target::TargetKind::from_file(&config) {
-        if data_opts.max_len > kind.max_positions() {
-            return Err(format!(
-                "option `--max-len`: rows of {} tokens exceed the target's {} positions ({})",
-                data_opts.max_len,
-                kind.max_positions(),
-                config.display()
-            ));
-        }
+        kind.check_row_len(data_opts.max_len, &config).map_err(|why| format!("option `--max-len`: {why}"))?;
     }
     let data = Dataset::prepare(&target, &files, &data_opts).map_err(err)?;
     let how = if data.tokenized { "tokenized" } else { "opened the cache" };

@@ -104,15 +104,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         .map_err(|e| format!("option `--layer-ids`: {e} ({})", target_dir.join("config.json").display()))?;
     // As `train` checks them: rows within the target's positions, every weight there with its
     // shape (before the data is read or a cache is begun).
-    let config_file = target_dir.join("config.json");
-    if data_opts.max_len > config.max_positions() {
-        return Err(format!(
-            "option `--max-len`: rows of {} tokens exceed the target's {} positions ({})",
-            data_opts.max_len,
-            config.max_positions(),
-            config_file.display()
-        ));
-    }
+    config
+        .check_row_len(data_opts.max_len, &target_dir.join("config.json"))
+        .map_err(|why| format!("option `--max-len`: {why}"))?;
     config.check_checkpoint(&target_dir).map_err(|e| e.to_string())?;
     let launch_tokens: usize = opts.get("launch-tokens", data_opts.max_len)?;
     if launch_tokens < data_opts.max_len {

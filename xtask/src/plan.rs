@@ -128,14 +128,7 @@ fn plan_target(
 ) -> Result<(), String> {
     let file = dir.join("config.json");
     let kind = TargetKind::from_file(&file).map_err(|e| e.to_string())?;
-    if shape.context_len > kind.max_positions() {
-        return Err(format!(
-            "option `--seq`: rows of {} tokens exceed the target's {} positions ({})",
-            shape.context_len,
-            kind.max_positions(),
-            file.display()
-        ));
-    }
+    kind.check_row_len(shape.context_len, &file).map_err(|why| format!("option `--seq`: {why}"))?;
     if let Some(draft) = &draft {
         kind.check_drafter(draft)
             .map_err(|e| format!("option `--config`: the drafter does not fit the target: {e}"))?;

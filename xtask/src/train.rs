@@ -84,9 +84,8 @@ model.safetensors in bf16; training.safetensors, run.toml, state.json), latest, 
 (one JSON object per line), training.svg, and drafter/ (the final servable drafter). A fresh
 run refuses a folder holding an unfinished run (--resume continues it), and one holding a
 finished real run (or one with no complete checkpoint) unless --overwrite; the built-in default
-replaces these. The
-input paths (target, data, features, data cache, a held-out file) are saved absolute, so a run
-resumes from any folder.
+replaces these. The input paths (target, data, features, data cache, a held-out file) are saved
+absolute, so a run resumes from any folder.
 
 options (built-in defaults; real runs start from the recipe):";
 

@@ -2,9 +2,9 @@
 //! binary on each node, joined through a small TCP rendezvous on rank 0. [`Launch`] says which
 //! process this is (the run's options, or the variables torchrun sets); [`ProcessGroup::join`]
 //! connects the ranks (rank 0 listens, the others connect) and refuses a rank whose run differs
-//! (its [`RunPrint`], naming what differs) or that joins twice, on both sides. Then a collective sends every
-//! rank's values to rank 0, which combines them in rank order (a fixed order: the same bits on
-//! every rank at every run) and sends the result back.
+//! (its [`RunPrint`], naming what differs) or that joins twice, on both sides. Then a
+//! collective sends every rank's values to rank 0, which combines them in rank order (a fixed
+//! order: the same bits on every rank at every run) and sends the result back.
 //!
 //! Plain `std::net` TCP with length-prefixed messages: the transport of the CPU twin's
 //! gradients ([`WorkerRank`], the `host` step) and the channel of the NCCL unique id
@@ -334,6 +334,15 @@ fn parse_hello(h: &[u8]) -> Option<(usize, usize, RunPrint)> {
     Some((word(0), word(8), RunPrint::decode(&rest[16..])?))
 }
 
+/// The hello an accepted connection says within `timeout`; `None` when it says none.
+fn read_hello(stream: &TcpStream, timeout: Duration) -> Option<(usize, usize, RunPrint)> {
+    let said = stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_read_timeout(Some(timeout)))
+        .and_then(|()| recv(stream, HELLO_LIMIT));
+    said.ok().as_deref().and_then(parse_hello)
+}
+
 /// Rank 0's note that it stopped the group, and why.
 fn stopped_by_0(note: &[u8]) -> String {
     format!("rank 0 stopped the group: {}", String::from_utf8_lossy(&note[1..]))
@@ -371,7 +380,7 @@ fn peer_error(rank: usize, e: &std::io::Error, what: &str, timeout: Duration) ->
 }
 
 impl ProcessGroup {
-    /// Joins the processes of `launch` running the run of `fingerprint`, with the default
+    /// Joins the processes of `launch` running the run of `print`, with the default
     /// [`Timeouts`]. Every rank returns once all have joined, or with an error naming the ranks.
     pub fn join(launch: &Launch, print: &RunPrint) -> Result<ProcessGroup> {
         Self::join_with(launch, print, Timeouts::default())
@@ -449,11 +458,7 @@ impl ProcessGroup {
                 Err(e) => break Err(format!("rank 0 listening on {addr}: {e}")),
             };
             // A connection that says no valid hello in time is not a rank: it is dropped.
-            let said = stream
-                .set_nonblocking(false)
-                .and_then(|()| stream.set_read_timeout(Some(timeouts.hello)))
-                .and_then(|()| recv(&stream, HELLO_LIMIT));
-            let Some((rank, their_world, theirs)) = said.ok().as_deref().and_then(parse_hello) else {
+            let Some((rank, their_world, theirs)) = read_hello(&stream, timeouts.hello) else {
                 refuse(&stream, "not a hello of this trainer's process group");
                 continue;
             };
@@ -507,11 +512,7 @@ impl ProcessGroup {
         while told.len() < others && Instant::now() < deadline {
             match listener.accept() {
                 Ok((stream, _)) => {
-                    let said = stream
-                        .set_nonblocking(false)
-                        .and_then(|()| stream.set_read_timeout(Some(timeouts.hello)))
-                        .and_then(|()| recv(&stream, HELLO_LIMIT));
-                    if let Some((rank, _, _)) = said.ok().as_deref().and_then(parse_hello) {
+                    if let Some((rank, _, _)) = read_hello(&stream, timeouts.hello) {
                         if send(&stream, &[&[REFUSED], note.as_bytes()]).is_ok() && (1..=others).contains(&rank) {
                             told.insert(rank);
                         }
