@@ -108,7 +108,7 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
-    let cases: [(&[&str], &str); 29] = [
+    let cases: [(&[&str], &str); 30] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
@@ -119,6 +119,7 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "train", "--shapes", "768x0"], "0 anchors do not fit"),
         (&["bench", "train", "--iters", "0"], "--iters must be at least 1"),
         (&["bench", "train", "--torch", "maybe"], "option `--torch`"),
+        (&["bench", "train", "--profile", "maybe"], "option `--profile`"),
         (&["bench", "eval", "--new-tokens", "0"], "--new-tokens"),
         (&["bench", "eval", "--prompt-tokens", "0"], "--prompt-tokens"),
         (&["bench", "eval", "--iters", "0"], "--iters"),
