@@ -733,12 +733,9 @@ impl RunConfig {
             return Err(Error::option("temperature", format!("{}: must be at least 0 (0 = greedy)", self.temperature)));
         }
         // Options of the other kind of run are refused, not ignored (both presets leave them at
-        // the recipe's values).
+        // the recipe's values; [`RunConfig::check_given`] refuses one given at that value).
         let (set, recipe) = (self.to_table()?, RunConfig::default().to_table()?);
-        let (others, why) = match self.target {
-            None => (REAL_ONLY, "applies to real runs (`--target`) only"),
-            Some(_) => (BUILTIN_ONLY, "applies to the built-in default only (a real run's rows come from `--data`)"),
-        };
+        let (others, why) = self.other_kind();
         if let Some(name) = others.iter().find(|&&name| set.get(name) != recipe.get(name)) {
             return Err(Error::option(*name, why));
         }
@@ -793,6 +790,25 @@ impl RunConfig {
             return Err(Error::option("seed", format!("{}: must be at most {}", self.seed, i64::MAX)));
         }
         Ok(())
+    }
+
+    /// The options only the other kind of run reads (a real run's with the built-in default and
+    /// the reverse), and why they do not apply to this one.
+    fn other_kind(&self) -> (&'static [&'static str], &'static str) {
+        match self.target {
+            None => (REAL_ONLY, "applies to real runs (`--target`) only"),
+            Some(_) => (BUILTIN_ONLY, "applies to the built-in default only (a real run's rows come from `--data`)"),
+        }
+    }
+
+    /// Refuses an option of the other kind of run among `given` (keys, `_` spelt), even one
+    /// given at its default value.
+    pub fn check_given(&self, given: &[String]) -> Result<()> {
+        let (others, why) = self.other_kind();
+        match given.iter().find(|key| others.contains(&key.as_str())) {
+            Some(name) => Err(Error::option(name, why)),
+            None => Ok(()),
+        }
     }
 
     /// Checks that `out` is a folder this process can write (creating it if needed): an

@@ -127,7 +127,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             ));
         }
     }
-    config.validate().map_err(err)?;
+    config.validate().and_then(|()| config.check_given(&cli.given())).map_err(err)?;
     // An option that would change a resumed run, before the data is read (checked again, with
     // the notes, once `epochs` is resolved to steps).
     if let Some((_, saved)) = &resume {
@@ -1089,6 +1089,13 @@ impl Cli {
         let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
         let table: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
         Ok(table.contains_key("target"))
+    }
+
+    /// The options given on the command line (`_` spelt; a config file's are not: a
+    /// checkpoint's `run.toml` holds every option, those of the other kind of run at their
+    /// defaults).
+    fn given(&self) -> Vec<String> {
+        self.overrides.iter().map(|(k, _)| k.replace('-', "_")).collect()
     }
 }
 

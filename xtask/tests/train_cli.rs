@@ -198,6 +198,8 @@ fn bad_options_are_named_before_any_work() {
         // A real run's option on the built-in default: refused, not ignored.
         (vec!["--max-len", "100"], "option `max_len`: applies to real runs (`--target`) only".into()),
         (vec!["--block-size", "4"], "option `block_size`: applies to real runs".into()),
+        // ... also at its default value (the recipe's 16; the built-in drafter's blocks are 8).
+        (vec!["--block-size", "16"], "option `block_size`: applies to real runs".into()),
     ];
     let mut all = cases;
     all.push((vec!["--out", a_file.to_str().unwrap()], "option `out`".into()));
@@ -233,7 +235,9 @@ fn plan_prints_the_resolved_config_without_training() {
     let file = tmp.path().join("run.toml");
     let mut rng = rand::rng();
     let (file_anchors, cli_anchors) = (rng.random_range(1..40), rng.random_range(1..40));
-    std::fs::write(&file, format!("anchors = {file_anchors}\nlr = 0.001\nepochs = 2\n")).unwrap();
+    // `block_size` at the recipe's value, as a built-in run's saved `run.toml` holds it: a config
+    // file's real-run option at its default is accepted (on the command line it is refused).
+    std::fs::write(&file, format!("anchors = {file_anchors}\nlr = 0.001\nepochs = 2\nblock_size = 16\n")).unwrap();
     let out = tmp.path().join("run");
     let plan = |extra: &[&str]| {
         let mut args = vec!["train", "--plan", "--config", file.to_str().unwrap(), "--out", out.to_str().unwrap()];
