@@ -140,9 +140,14 @@ fn random_configs_round_trip() -> TestResult {
 }
 
 /// The spec's default `target_layer_ids`: `round(1 + i*(L-4)/(n-1))` (Qwen3-8B: 36 layers, 5
-/// features -> [1, 9, 17, 25, 33]), and `[L/2]` for one feature.
+/// features -> [1, 9, 17, 25, 33]), halves to even as the upstream Python helper (`int(round(..))`,
+/// values from it: 22, 30, 34 and 42 layers hit halves), and `[L/2]` for one feature.
 #[rstest]
 #[case::qwen3_8b(36, 5, vec![1, 9, 17, 25, 33])]
+#[case::halves_22(22, 5, vec![1, 6, 10, 14, 19])]
+#[case::halves_30(30, 5, vec![1, 8, 14, 20, 27])]
+#[case::halves_34(34, 5, vec![1, 8, 16, 24, 31])]
+#[case::halves_42(42, 5, vec![1, 10, 20, 30, 39])]
 #[case::target_64(64, 5, vec![1, 16, 31, 46, 61])]
 #[case::target_28(28, 3, vec![1, 13, 25])]
 #[case::target_32(32, 4, vec![1, 10, 20, 29])]
@@ -157,7 +162,7 @@ fn default_layer_ids(#[case] layers: usize, #[case] n: usize, #[case] want: Vec<
 
 /// A new drafter's feature layers: the spec's rule wherever it gives increasing layers below the
 /// last (every published target); on targets of a few layers, where the rule repeats layers (3
-/// layers: [1, 1, 0]; 6: [1, 2, 2, 3, 3]), layers spread evenly from the first to the one below
+/// layers: [1, 0, 0]; 6: [1, 2, 2, 2, 3]), layers spread evenly from the first to the one below
 /// the last, as many as there are.
 #[rstest]
 #[case::qwen3_8b(36, 5, vec![1, 9, 17, 25, 33])]

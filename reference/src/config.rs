@@ -391,13 +391,15 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
 }
 
 /// The spec's default `target_layer_ids` for `num_target_layers` layers and `n` features:
-/// `n == 1 -> [L/2]`, else `round(1 + i*(L-4)/(n-1))` (halves round away from zero).
+/// `n == 1 -> [L/2]`, else `round(1 + i*(L-4)/(n-1))`, halves to even as Python's `round` in the
+/// upstream helper that serving engines run when a drafter's config omits the ids (34 layers:
+/// [1, 8, 16, 24, 31]; away from zero would tap layer 9 where they feed layer 8).
 pub fn default_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<usize> {
     if n == 1 {
         return vec![num_target_layers / 2];
     }
     let span = num_target_layers as f64 - 4.0;
-    (0..n).map(|i| (1.0 + i as f64 * span / (n - 1) as f64).round().max(0.0) as usize).collect()
+    (0..n).map(|i| (1.0 + i as f64 * span / (n - 1) as f64).round_ties_even().max(0.0) as usize).collect()
 }
 
 /// The feature layers a drafter may tap in a target of `num_target_layers` layers: below its last

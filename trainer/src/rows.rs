@@ -5,16 +5,43 @@
 
 use std::collections::BTreeMap;
 
+use std::ops::Range;
+
 use candle_core::{DType, Device, Tensor};
 use dflash_data::features::FeatureCache;
 use dflash_data::rows::{Packing, RowBuilder};
 use dflash_data::Dataset;
 use dflash_reference::data::{document_runs, Row, TrainRow};
 use dflash_reference::target::Target;
+use half::slice::HalfBitsSliceExt;
 use sha2::{Digest, Sha256};
 
 use crate::checkpoint::data_sha256;
 use crate::error::{Error, Result};
+
+/// A row's features `[S, F*H]` (bf16) from the cache, for a row of `tokens` (`S`) holding each of
+/// `docs` (its token range in the row, its document in the cache) in order from the row's start;
+/// the padding after the last is zero. A document whose tokens differ from the row's is refused
+/// (a cache of other data).
+pub fn cached_features(cache: &FeatureCache, tokens: &[u32], docs: &[(Range<usize>, usize)]) -> Result<Tensor> {
+    let (s, width) = (tokens.len(), cache.index.feature_width());
+    let mut values: Vec<half::bf16> = Vec::with_capacity(s * width);
+    for (run, d) in docs {
+        let doc = cache.doc(*d).map_err(|e| Error::option("features", e.to_string()))?;
+        if run.start * width != values.len() || tokens.get(run.clone()) != Some(&doc.tokens[..]) {
+            return Err(Error::option(
+                "features",
+                format!(
+                    "{}: document {d} holds other tokens than the data's (the cache was made from other data)",
+                    cache.dir.display()
+                ),
+            ));
+        }
+        values.extend_from_slice(doc.features.reinterpret_cast());
+    }
+    values.resize(s * width, half::bf16::ZERO);
+    Ok(Tensor::from_vec(values, (s, width), &Device::Cpu)?)
+}
 
 /// The rows of a run, by index.
 pub trait RowSource {
@@ -142,23 +169,8 @@ impl RowSource for DataRows<'_> {
             RowFeatures::Online => Tensor::zeros((s, 0), DType::F32, &Device::Cpu)?,
             RowFeatures::Reference(target, layer_ids) => target.row_features(&row, layer_ids)?,
             RowFeatures::Cache(cache, dtype) => {
-                let width = cache.index.feature_width();
-                let mut bits = vec![0u16; s * width];
-                for (run, &d) in document_runs(&row.doc_ids).into_iter().zip(&self.rows[i]) {
-                    let doc = cache.doc(d).map_err(|e| Error::option("features", e.to_string()))?;
-                    if doc.tokens[..] != row.tokens[run.clone()] {
-                        return Err(Error::option(
-                            "features",
-                            format!(
-                                "{}: document {d} holds other tokens than the data's (the cache was made from other data)",
-                                cache.dir.display()
-                            ),
-                        ));
-                    }
-                    bits[run.start * width..run.end * width].copy_from_slice(doc.features);
-                }
-                let values: Vec<half::bf16> = bits.into_iter().map(half::bf16::from_bits).collect();
-                Tensor::from_vec(values, (s, width), &Device::Cpu)?.to_dtype(*dtype)?
+                let docs: Vec<_> = document_runs(&row.doc_ids).into_iter().zip(self.rows[i].iter().copied()).collect();
+                cached_features(cache, &row.tokens, &docs)?.to_dtype(*dtype)?
             }
         };
         Ok(TrainRow::from_row(row, features)?)
@@ -184,5 +196,64 @@ impl RowSource for DataRows<'_> {
             RowFeatures::Reference(..) => h.update(b"reference"),
         }
         Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_data::features::{Entry, FeatureIndex, FeatureWriter};
+    use rand::{Rng, SeedableRng};
+
+    /// A row's features from the cache: each document's in its token range, zeros after the last;
+    /// a document whose tokens are not the row's, or out of the row's order, is refused.
+    #[test]
+    fn cached_features_place_each_document_and_refuse_other_tokens() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
+        let (h, layers) = (rng.random_range(2..9), vec![0, 2]);
+        let width = h * layers.len();
+        let lens: Vec<usize> = (0..3).map(|_| rng.random_range(1..20)).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let index = FeatureIndex {
+            format: String::new(),
+            provenance: BTreeMap::new(),
+            hidden_size: h,
+            layer_ids: layers,
+            shard_bytes: 64,
+            documents: lens.len(),
+            tokens: lens.iter().sum::<usize>() as u64,
+            shards: vec![],
+        };
+        let mut writer = FeatureWriter::open(dir.path(), index).unwrap();
+        let mut docs = Vec::new();
+        for &n in &lens {
+            let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..1000)).collect();
+            let features: Vec<u16> =
+                (0..n * width).map(|_| half::bf16::from_f32(rng.random_range(-4.0..4.0)).to_bits()).collect();
+            writer.push(Entry { tokens: &tokens, loss_mask: &vec![true; n], features: &features }).unwrap();
+            docs.push((tokens, features));
+        }
+        writer.finish().unwrap();
+        let cache = FeatureCache::open(dir.path(), None).unwrap();
+
+        // Documents 2 then 0 packed into a row of S tokens, padded.
+        let (a, b) = (lens[2], lens[0]);
+        let s = a + b + rng.random_range(0..5);
+        let mut tokens = [docs[2].0.clone(), docs[0].0.clone()].concat();
+        tokens.resize(s, 0);
+        let got = cached_features(&cache, &tokens, &[(0..a, 2), (a..a + b, 0)]).unwrap();
+        assert_eq!(got.dims(), [s, width]);
+        let got: Vec<u16> =
+            got.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap().iter().map(|v| v.to_bits()).collect();
+        let mut want = [docs[2].1.clone(), docs[0].1.clone()].concat();
+        want.resize(s * width, 0);
+        assert_eq!(got, want);
+
+        let mut other = tokens.clone();
+        other[rng.random_range(0..a + b)] += 1;
+        let err = cached_features(&cache, &other, &[(0..a, 2), (a..a + b, 0)]).unwrap_err().to_string();
+        assert!(err.contains("holds other tokens than the data's"), "{err}");
+        let err = cached_features(&cache, &tokens, &[(a..a + b, 0)]).unwrap_err().to_string();
+        assert!(err.contains("document 0 holds other tokens"), "{err}");
     }
 }

@@ -54,7 +54,7 @@ def text_config(config):
 
 def default_layer_ids(num_layers, n=5):
     """As `training_target_layer_ids` in reference/src/config.rs: spec section 1's rule (n == 1 ->
-    [L/2]; else round(1 + i*(L-4)/(n-1)), halves away from zero) where it gives n increasing
+    [L/2]; else round(1 + i*(L-4)/(n-1)), halves to even as the upstream helper) where it gives n increasing
     layers up to L-2; else n layers spread evenly from 0 to L-2, each once (the last layer's
     output is not tapped: engines serve it after the final norm)."""
     top = num_layers - 2
@@ -62,7 +62,7 @@ def default_layer_ids(num_layers, n=5):
     if n == 1:
         rule = [num_layers // 2]
     else:
-        rule = [int(math.floor(1 + i * (num_layers - 4) / (n - 1) + 0.5)) for i in range(n)]
+        rule = [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
     if all(a < b for a, b in zip(rule, rule[1:])) and all(0 <= l <= top for l in rule):
         return rule
     return [int(math.floor(i * top / max(n - 1, 1) + 0.5)) for i in range(n)]
