@@ -221,3 +221,47 @@ fn a_cut_cache_is_an_error_naming_it() {
     let err = expect_error(Dataset::prepare(&tok, &[file], &opts));
     assert_names(&err, &["tokenized.bin", "cache"]);
 }
+
+/// A folder whose `eos_token` is not the turn's end (a base model's `<|endoftext|>`): each turn is
+/// supervised through its render's end (the newline after `<|im_end|>` too) and counted; with
+/// `generation_config.json` naming `<|im_end|>` in its `eos_token_id` list (as real checkpoints
+/// do) the mask is the one `eos_token = <|im_end|>` gives. Each change of the special tokens or
+/// the end ids is a new cache key: the cache is tokenized again, never reused.
+#[test]
+fn turns_end_at_the_end_ids_and_those_key_the_cache() {
+    let dir = copy_tokenizer("tokenizer-qwen");
+    let data = write(dir.path(), "d.jsonl", format!("{GOOD}\n").as_bytes());
+    let config_file = dir.path().join("tokenizer_config.json");
+    let config = std::fs::read_to_string(&config_file).unwrap();
+    let prepare = || {
+        let tok = TargetTokenizer::load(dir.path()).expect("loads");
+        let data = Dataset::prepare(&tok, std::slice::from_ref(&data), &options(dir.path())).expect("prepares");
+        let doc = data.cache.document(0).expect("a document");
+        (tok.end_ids.clone(), doc.tokens, doc.loss_mask, data.cache.stats.unended_turns, data.tokenized)
+    };
+    let (ids, tokens, mask, unended, tokenized) = prepare();
+    assert_eq!((ids, unended, tokenized), (vec![2], 0, true), "eos_token <|im_end|> (id 2)");
+    let last = mask.iter().rposition(|&m| m).unwrap();
+    assert_eq!(tokens[last], 2, "the supervised span ends at <|im_end|>");
+    assert!(last + 1 < tokens.len(), "the template writes a newline after the turn");
+    assert!(!prepare().4, "the same folder reuses its cache");
+
+    std::fs::write(&config_file, config.replace(r#""eos_token": "<|im_end|>""#, r#""eos_token": "<|endoftext|>""#))
+        .unwrap();
+    let (ids, _, unended_mask, unended, tokenized) = prepare();
+    assert_eq!((ids, unended, tokenized), (vec![0], 1, true), "eos_token <|endoftext|>: a new key, one unended turn");
+    assert!(unended_mask[last + 1..].iter().all(|&m| m), "supervised through the render's end");
+
+    write(dir.path(), "generation_config.json", br#"{"eos_token_id": [2, 0]}"#);
+    let (ids, _, end_mask, unended, tokenized) = prepare();
+    assert_eq!((ids, unended, tokenized), (vec![0, 2], 0, true), "generation_config's ids: a new key");
+    assert_eq!(end_mask, mask, "the mask of eos_token <|im_end|>");
+
+    for (content, names) in [
+        (&br#"{"eos_token_id": "<|im_end|>"}"#[..], &["generation_config.json", "eos_token_id"][..]),
+        (br#"{"eos_token_id": [2, 99999]}"#, &["generation_config.json", "eos_token_id", "99999"]),
+    ] {
+        write(dir.path(), "generation_config.json", content);
+        assert_names(&expect_error(TargetTokenizer::load(dir.path())), names);
+    }
+}

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use dflash_conformance::fixtures_dir;
 use dflash_data::format::{parse_record, prepare_messages, role, Record};
-use dflash_data::mask::{documents, Layout, RenderOptions};
+use dflash_data::mask::{documents, Layout, RenderOptions, Rendered};
 use dflash_data::target::TargetTokenizer;
 use serde_json::Value;
 
@@ -96,7 +96,9 @@ fn pipeline_equals_transformers_token_for_token() {
         let record = parse_record(&lines[g.conversation]).expect("golden line parses");
         let texts = rendered(tok, &record, g.layout, g.thinking);
         let opts = RenderOptions { thinking: g.thinking, system_prompt: None };
-        let (layout, docs) = documents(tok, record, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let Rendered { layout, docs, unended_turns } =
+            documents(tok, record, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(unended_turns, 0, "{name}: every assistant turn ends with an end-of-turn token");
         assert_eq!(layout, g.layout, "{name}: layout");
         assert_eq!(docs.len(), g.rows.len(), "{name}: rows");
         for (k, ((text, ids, mask), doc)) in g.rows.iter().zip(&docs).enumerate() {

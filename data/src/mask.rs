@@ -1,7 +1,9 @@
 //! Records to documents with their loss mask (spec section 6). A conversation is rendered up to
 //! each assistant turn with the generation prompt, then with the turn; the turn's tokens after
-//! the generation prompt's, through its last end-of-turn (`eos_token`) token, are supervised (a
-//! turn whose render does not start with the prompt's tokens is skipped, counted).
+//! the generation prompt's, through its last end-of-turn token (`TargetTokenizer::end_ids`), are
+//! supervised (a conversation with a turn whose render does not start with the prompt's tokens
+//! is skipped, counted; a turn with no end-of-turn token is supervised through its render's end,
+//! counted).
 //! When each such render is a token prefix of the whole conversation's render, the
 //! conversation is one document supervised on all its assistant turns ([`Layout::Whole`]).
 //! Templates that rewrite earlier turns (Qwen3 drops earlier reasoning and adds a `<think>`
@@ -33,6 +35,21 @@ pub enum Layout {
     PerTurn,
 }
 
+/// What one record became.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rendered {
+    pub layout: Layout,
+    pub docs: Vec<Document>,
+    /// Assistant turns with no end-of-turn token, supervised through the end of their render.
+    pub unended_turns: usize,
+}
+
+impl Rendered {
+    fn whole(doc: Document) -> Self {
+        Rendered { layout: Layout::Whole, docs: vec![doc], unended_turns: 0 }
+    }
+}
+
 /// How records are rendered.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct RenderOptions {
@@ -47,12 +64,12 @@ fn template_error(message: String) -> Skip {
 }
 
 /// The documents of one record.
-pub fn documents(tok: &TargetTokenizer, record: Record, opts: &RenderOptions) -> Result<(Layout, Vec<Document>), Skip> {
+pub fn documents(tok: &TargetTokenizer, record: Record, opts: &RenderOptions) -> Result<Rendered, Skip> {
     match record {
         Record::Text(text) => {
             let tokens = tok.encode(&text).map_err(template_error)?;
             let loss_mask = vec![true; tokens.len()];
-            Ok((Layout::Whole, vec![Document { tokens, loss_mask }]))
+            Ok(Rendered::whole(Document { tokens, loss_mask }))
         }
         Record::Tokens { ids, loss_mask } => {
             if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= tok.vocab_size) {
@@ -61,7 +78,7 @@ pub fn documents(tok: &TargetTokenizer, record: Record, opts: &RenderOptions) ->
                     format!("field `input_ids[{i}]`: {id} >= vocab size {}", tok.vocab_size),
                 ));
             }
-            Ok((Layout::Whole, vec![Document { tokens: ids, loss_mask }]))
+            Ok(Rendered::whole(Document { tokens: ids, loss_mask }))
         }
         Record::Chat { messages, tools } => chat_documents(tok, &messages, tools.as_ref(), opts),
     }
@@ -77,7 +94,7 @@ fn chat_documents(
     messages: &[Value],
     tools: Option<&Value>,
     opts: &RenderOptions,
-) -> Result<(Layout, Vec<Document>), Skip> {
+) -> Result<Rendered, Skip> {
     if messages.is_empty() {
         return Err(Skip::new(SkipReason::EmptyConversation, "field `messages`: no messages"));
     }
@@ -97,7 +114,7 @@ fn chat_documents(
     };
     let whole = encode_render(messages.len(), false)?;
     let mut per_turn = Vec::with_capacity(turns.len());
-    let mut is_prefix = true;
+    let (mut is_prefix, mut unended_turns) = (true, 0);
     for (n, &i) in turns.iter().enumerate() {
         let prompt = encode_render(i, true)?;
         let full = encode_render(i + 1, false)?;
@@ -115,10 +132,13 @@ fn chat_documents(
         }
         let start = prompt.len();
         // Through the turn's end-of-turn token: what the template writes after it is never drafted.
-        let end = tok
-            .eos_id
-            .and_then(|eos| full[start..].iter().rposition(|&t| t == eos))
-            .map_or(full.len(), |p| start + p + 1);
+        let end = match full[start..].iter().rposition(|t| tok.end_ids.contains(t)) {
+            Some(p) => start + p + 1,
+            None => {
+                unended_turns += 1;
+                full.len()
+            }
+        };
         is_prefix &= whole.len() >= full.len() && whole[..full.len()] == full[..];
         per_turn.push((full, start, end));
     }
@@ -127,7 +147,11 @@ fn chat_documents(
         for (_, start, end) in &per_turn {
             loss_mask[*start..*end].fill(true);
         }
-        return Ok((Layout::Whole, vec![Document { tokens: whole, loss_mask }]));
+        return Ok(Rendered {
+            layout: Layout::Whole,
+            docs: vec![Document { tokens: whole, loss_mask }],
+            unended_turns,
+        });
     }
     let docs = per_turn
         .into_iter()
@@ -136,5 +160,5 @@ fn chat_documents(
             Document { tokens, loss_mask }
         })
         .collect();
-    Ok((Layout::PerTurn, docs))
+    Ok(Rendered { layout: Layout::PerTurn, docs, unended_turns })
 }

@@ -17,7 +17,7 @@ use crate::cache::{Cache, CacheWriter, KeyBuilder};
 use crate::epoch::{epoch_order, split};
 use crate::error::{Error, Result, Skip, SkipReason};
 use crate::format::parse_record;
-use crate::mask::{documents, Document, Layout, RenderOptions};
+use crate::mask::{documents, Layout, RenderOptions, Rendered};
 use crate::rows::{has_anchor_candidate, truncate, Packing, RowBuilder};
 use crate::source::{Line, Lines};
 use crate::stats::{RowCounts, Stats};
@@ -221,6 +221,8 @@ fn cache_key(target: &TargetTokenizer, files: &[PathBuf], opts: &DataOptions) ->
         .add("tokenizer", &target.tokenizer_hash)
         .add("template", target.template.as_ref().map_or(&b""[..], |t| t.source.as_bytes()))
         .add("vocab", &(target.vocab_size as u64).to_le_bytes())
+        .add("special tokens", serde_json::json!(target.special_tokens).to_string().as_bytes())
+        .add("end ids", &target.end_ids.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>())
         .add("thinking", &[u8::from(opts.render.thinking)])
         .add("system", opts.render.system_prompt.as_deref().unwrap_or("\0none").as_bytes())
         .add("max_len", &(opts.max_len as u64).to_le_bytes());
@@ -231,7 +233,7 @@ fn cache_key(target: &TargetTokenizer, files: &[PathBuf], opts: &DataOptions) ->
 }
 
 /// What one line became.
-type LineResult = std::result::Result<(Layout, Vec<Document>), Skip>;
+type LineResult = std::result::Result<Rendered, Skip>;
 
 fn process(target: &TargetTokenizer, line: &Line, opts: &RenderOptions) -> LineResult {
     let text = line.text.as_ref().map_err(|e| Skip::new(SkipReason::MalformedLine, e.clone()))?;
@@ -264,7 +266,7 @@ fn tokenize_all(
                 stats.lines += 1;
                 match result {
                     Err(skip) => stats.skip(&name, line.number, &skip),
-                    Ok((layout, docs)) => {
+                    Ok(Rendered { layout, docs, unended_turns }) => {
                         let conversation = stats.conversations as u32;
                         let mut kept = false;
                         for mut doc in docs {
@@ -283,6 +285,7 @@ fn tokenize_all(
                         }
                         stats.conversations += usize::from(kept);
                         stats.per_turn_conversations += usize::from(kept && layout == Layout::PerTurn);
+                        stats.unended_turns += unended_turns;
                     }
                 }
             }

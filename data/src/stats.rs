@@ -20,6 +20,10 @@ pub struct Stats {
     pub conversations: usize,
     /// Conversations whose template rewrote earlier turns (one document per assistant turn).
     pub per_turn_conversations: usize,
+    /// Assistant turns with no end-of-turn token (`eos_token` and `generation_config.json`'s
+    /// `eos_token_id` name none of their tokens), supervised through the end of their render.
+    #[serde(default)]
+    pub unended_turns: usize,
     /// Documents kept (after the filter).
     pub documents: usize,
     /// Documents cut at the maximum length.
@@ -67,6 +71,13 @@ impl fmt::Display for Stats {
         let pct = 100.0 * self.supervised_tokens as f64 / self.tokens.max(1) as f64;
         writeln!(f, "supervised tokens:  {} ({pct:.1}%)", self.supervised_tokens)?;
         writeln!(f, "truncated:          {}", self.truncated)?;
+        if self.unended_turns > 0 {
+            writeln!(
+                f,
+                "assistant turns without an end-of-turn token: {} (supervised through the end of their render, the template's text after the turn included; eos_token and generation_config.json's eos_token_id name none of their tokens)",
+                self.unended_turns
+            )?;
+        }
         write!(f, "skipped or filtered: {}", self.total_skipped())?;
         for (reason, n) in &self.skipped {
             write!(f, "\n  {n:>8}  {}", reason.describe())?;

@@ -25,8 +25,13 @@ pub struct TargetTokenizer {
     pub vocab_size: usize,
     /// The id padding tokens get in packed rows: `pad_token`, else `eos_token`, else 0.
     pub pad_id: u32,
-    /// `eos_token`'s id: the end-of-turn token a supervised assistant turn ends with.
-    pub eos_id: Option<u32>,
+    /// The end-of-turn ids a supervised assistant turn ends with: `eos_token`'s and those of
+    /// `generation_config.json`'s `eos_token_id` (an id or a list; Gemma's `<end_of_turn>`, Llama
+    /// 3.1's `<|eom_id|>`), when the folder has them.
+    pub end_ids: Vec<u32>,
+    /// `tokenizer_config.json`'s special tokens as `(name, text)`: the template renders them and
+    /// they give `pad_id` (part of the cache key, with `end_ids`).
+    pub special_tokens: Vec<(String, String)>,
     /// `tokenizer.json`'s bytes hash (part of the cache key).
     pub tokenizer_hash: [u8; 32],
     splitter: Option<Splitter>,
@@ -64,6 +69,25 @@ impl Splitter {
 
 fn read(file: &Path) -> Result<Vec<u8>> {
     std::fs::read(file).map_err(|e| Error::io(file, e))
+}
+
+/// The ids of `generation_config.json`'s `eos_token_id` (absent: none), each inside the vocab.
+fn generation_eos_ids(file: &Path, config: &Json, vocab_size: usize) -> Result<Vec<u32>> {
+    let ids = match config.get("eos_token_id") {
+        None | Some(Json::Null) => return Ok(Vec::new()),
+        Some(Json::Array(ids)) => ids.iter().collect(),
+        Some(one) => vec![one],
+    };
+    ids.into_iter()
+        .map(|id| match id.as_u64().and_then(|id| u32::try_from(id).ok()) {
+            Some(id) if (id as usize) < vocab_size => Ok(id),
+            _ => Err(Error::field(
+                file,
+                "eos_token_id",
+                format!("{id}: not a token id below the vocab size {vocab_size}"),
+            )),
+        })
+        .collect()
 }
 
 fn read_json(file: &Path) -> Result<Json> {
@@ -142,7 +166,15 @@ impl TargetTokenizer {
         let id_of =
             |name: &str| special_tokens.iter().find(|(n, _)| n == name).and_then(|(_, t)| tokenizer.token_to_id(t));
         let pad_id = id_of("pad_token").or_else(|| id_of("eos_token")).unwrap_or(0);
-        let eos_id = id_of("eos_token");
+        let mut end_ids: Vec<u32> = id_of("eos_token").into_iter().collect();
+        let gen_file = dir.join("generation_config.json");
+        if gen_file.exists() {
+            for id in generation_eos_ids(&gen_file, &read_json(&gen_file)?, vocab_size)? {
+                if !end_ids.contains(&id) {
+                    end_ids.push(id);
+                }
+            }
+        }
         let json: Json = serde_json::from_slice(&bytes).map_err(|e| Error::field(&tok_file, "JSON", e.to_string()))?;
         let splitter = Splitter::new(&tokenizer, &json);
         Ok(TargetTokenizer {
@@ -150,7 +182,8 @@ impl TargetTokenizer {
             template,
             vocab_size,
             pad_id,
-            eos_id,
+            end_ids,
+            special_tokens,
             tokenizer_hash: crate::cache::sha256(&bytes),
             splitter,
         })
