@@ -196,13 +196,13 @@ fn tojson_and_printing_follow_python() {
                   {{ '  a b '.strip().split(' ') | tojson }}";
     let template = ChatTemplate::new(source.into(), std::path::Path::new("test"), vec![]).expect("template");
     let message = parse_json(
-        r#"{"x": {"z": 1.5e-07, "b": [1, 2.0, "é<&>'\"\n\u0001"], "c": {}, "d": [], "e": null, "f": true, "g": 1e16, "h": 123456789012, "i": 0.1}}"#,
+        r#"{"x": {"z": 1.5e-07, "b": [1, 2.0, "é<&>'\"\n\u0001"], "c": {}, "d": [], "e": null, "f": true, "g": 1e16, "h": 123456789012, "i": 0.1, "j": 12345678901234567890, "k": -9223372036854775808}}"#,
     )
     .expect("JSON");
     let got = template.render(&[message], None, false, false).expect("render");
-    let compact = r#"{"z": 1.5e-07, "b": [1, 2.0, "é<&>'\"\n\u0001"], "c": {}, "d": [], "e": null, "f": true, "g": 1e+16, "h": 123456789012, "i": 0.1}"#;
+    let compact = r#"{"z": 1.5e-07, "b": [1, 2.0, "é<&>'\"\n\u0001"], "c": {}, "d": [], "e": null, "f": true, "g": 1e+16, "h": 123456789012, "i": 0.1, "j": 12345678901234567890, "k": -9223372036854775808}"#;
     let indented = "{\n  \"z\": 1.5e-07,\n  \"b\": [\n    1,\n    2.0,\n    \"é<&>'\\\"\\n\\u0001\"\n  ],\n  \"c\": {},\n  \"d\": [],\n  \
-                    \"e\": null,\n  \"f\": true,\n  \"g\": 1e+16,\n  \"h\": 123456789012,\n  \"i\": 0.1\n}";
+                    \"e\": null,\n  \"f\": true,\n  \"g\": 1e+16,\n  \"h\": 123456789012,\n  \"i\": 0.1,\n  \"j\": 12345678901234567890,\n  \"k\": -9223372036854775808\n}";
     assert_eq!(got, format!("{compact}|{indented}|True None [\"a\", \"b\"]"));
 }
 

@@ -106,7 +106,8 @@ fn dumps(
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
-        ValueKind::Number => match i64::try_from(v.clone()) {
+        // Integers of any JSON size (u64 above i64::MAX too) as integers, as Python's.
+        ValueKind::Number => match i128::try_from(v.clone()) {
             Ok(i) if v.is_integer() => {
                 write!(out, "{i}").map_err(|e| minijinja::Error::new(ErrorKind::WriteFailure, e.to_string()))?
             }

@@ -43,8 +43,9 @@ pub fn cached_features(cache: &FeatureCache, tokens: &[u32], docs: &[(Range<usiz
     Ok(Tensor::from_vec(values, (s, width), &Device::Cpu)?)
 }
 
-/// The rows of a run, by index.
-pub trait RowSource {
+/// The rows of a run, by index (read from several threads: the run reads the next step's rows
+/// while a step runs).
+pub trait RowSource: Sync {
     /// Number of rows.
     fn len(&self) -> usize;
     /// Whether there is no row.
@@ -55,6 +56,47 @@ pub trait RowSource {
     fn row(&self, i: usize) -> Result<TrainRow>;
     /// A sha256 naming the rows (a checkpoint of other rows is refused on resume).
     fn sha256(&self) -> Result<String>;
+}
+
+/// A step's rows, by micro-batch.
+pub type StepRows = Vec<Vec<TrainRow>>;
+
+/// The rows of `ids` (micro-batches of row ids) from `data`.
+pub fn fetch_rows(data: &dyn RowSource, ids: &[Vec<usize>]) -> Result<StepRows> {
+    ids.iter().map(|m| m.iter().map(|&i| data.row(i)).collect()).collect()
+}
+
+/// A step's rows read ahead, on a thread of a [`std::thread::scope`] while the step before runs
+/// (a cached row's features read from the cache's files, a reference target's forward).
+#[derive(Default)]
+pub struct ReadAhead<'scope> {
+    /// The ids being read, and their reading.
+    pending: Option<(Vec<Vec<usize>>, Reading<'scope>)>,
+}
+
+type Reading<'scope> = std::thread::ScopedJoinHandle<'scope, Result<StepRows>>;
+
+impl<'scope> ReadAhead<'scope> {
+    /// The rows of `ids`: those read ahead when they are these, else read now.
+    pub fn rows(&mut self, data: &dyn RowSource, ids: &[Vec<usize>]) -> Result<StepRows> {
+        match self.pending.take() {
+            Some((ahead, reading)) if ahead == ids => {
+                reading.join().map_err(|_| Error::option("data", "the thread reading rows ahead panicked"))?
+            }
+            _ => fetch_rows(data, ids),
+        }
+    }
+
+    /// Starts reading the rows of `ids` on a thread of `scope`.
+    pub fn start<'env>(
+        &mut self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        data: &'env dyn RowSource,
+        ids: Vec<Vec<usize>>,
+    ) {
+        let read = ids.clone();
+        self.pending = Some((ids, scope.spawn(move || fetch_rows(data, &read))));
+    }
 }
 
 impl RowSource for Vec<TrainRow> {

@@ -12,6 +12,7 @@ use dflash_reference::train::{train_with, Autograd, TrainOptions};
 use dflash_trainer::checkpoint::{self, find_resumable, RngState};
 use dflash_trainer::config::StepKind;
 use dflash_trainer::engine::StepEngine;
+use dflash_trainer::rows::RowSource;
 use dflash_trainer::run::Trainer;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -310,4 +311,62 @@ fn resume_refuses_other_data() {
     let mut t = Trainer::new(inputs(&c, &other)).unwrap();
     let message = t.resume(&mut e, &find_resumable(dir.path()).unwrap()).expect_err("refused").to_string();
     assert!(message.contains("training rows (sha256"), "{message}");
+}
+
+/// Counts the rows read and the threads that read them.
+struct Counted<'a> {
+    rows: &'a dyn RowSource,
+    reads: std::sync::Mutex<Vec<std::thread::ThreadId>>,
+}
+
+impl RowSource for Counted<'_> {
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+    fn row(&self, i: usize) -> dflash_trainer::Result<dflash_reference::data::TrainRow> {
+        self.reads.lock().unwrap().push(std::thread::current().id());
+        self.rows.row(i)
+    }
+    fn sha256(&self) -> dflash_trainer::Result<String> {
+        self.rows.sha256()
+    }
+}
+
+/// Reading the next step's rows ahead (on another thread, while a step runs) gives bitwise the
+/// losses and weights of reading them in step, epoch ends mid-step included (7 rows, 2 x 2 per
+/// step: the generator shuffles there, so those steps read in step); each row is read once.
+#[test]
+fn rows_read_ahead_train_as_rows_read_in_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = fresh_seed();
+    let steps = 9;
+    let mut c = tiny_config(dir.path(), seed, steps);
+    (c.rows, c.grad_accum) = (7, 2);
+    let s = setup(&c);
+    let mut outcomes = Vec::new();
+    for read_ahead in [false, true] {
+        let out = dir.path().join(format!("ahead-{read_ahead}"));
+        std::fs::create_dir_all(&out).unwrap();
+        let c = dflash_trainer::config::RunConfig { out: out.clone(), ..c.clone() };
+        let counted = Counted { rows: &s.data, reads: Default::default() };
+        let mut e = engine(&c, &s, StepKind::Reference);
+        let inputs = dflash_trainer::run::RunInputs { data: &counted, read_ahead, ..inputs(&c, &s) };
+        Trainer::new(inputs).unwrap().run(&mut e).unwrap();
+        let reads = counted.reads.into_inner().unwrap();
+        assert_eq!(reads.len(), steps * 4, "seed {seed}, read ahead {read_ahead}: each row read once");
+        let elsewhere = reads.iter().filter(|&&t| t != std::thread::current().id()).count();
+        assert_eq!(elsewhere > 0, read_ahead, "seed {seed}: rows read on another thread: {elsewhere}");
+        let weights: Vec<Vec<u32>> = e
+            .drafter()
+            .unwrap()
+            .named_params()
+            .iter()
+            .map(|(_, p)| {
+                p.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+            })
+            .collect();
+        outcomes.push((losses(&out), weights));
+    }
+    assert_eq!(outcomes[0].0.len(), steps, "seed {seed}");
+    assert!(outcomes[0] == outcomes[1], "seed {seed}: reading ahead changed the run");
 }

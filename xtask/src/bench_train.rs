@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use dflash_data::features::{Entry, FeatureCache, FeatureIndex, FeatureWriter};
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::memory::named::named_configs;
@@ -20,6 +21,7 @@ use dflash_reference::io::WeightSet;
 use dflash_reference::loss::default_gamma;
 use dflash_reference::optim::AdamWConfig;
 use dflash_trainer::engine::{DeviceEngine, Frozen, StepBatch, StepEngine};
+use dflash_trainer::rows::{cached_features, ReadAhead, RowSource};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
@@ -36,8 +38,9 @@ Qwen3-8B-shaped checkpoint, bf16; made there by `bench target`'s script when mis
 features where the drafter's step reads them, the step (5 layers, block 16, per-layer
 checkpointing) and AdamW on the device; rows of S random tokens, every token supervised, N
 anchors re-drawn every step. Median of CUDA-event timings after warm-up of whole optimizer steps.
-Offline: the same steps with the features already on the host (as read from a feature cache; the
-disk read is not timed) uploaded per step. The PyTorch pipeline (xtask/bench/train_torch.py:
+Offline: the same steps with each row's features read from a feature cache on disk (written
+first to the temporary folder, so read from the page cache, as a warm cache) by the trainer's
+reader, the next row read while a step runs, as `train --features` on the GPU reads them. The PyTorch pipeline (xtask/bench/train_torch.py:
 transformers' forward with hidden states, the step of step_torch.py, fused AdamW) runs in the
 same command. Writes one JSON object per shape and prints a table last.
 
@@ -244,51 +247,106 @@ fn random_rows(s: usize, count: usize, draft: &DraftConfig, rng: &mut ChaCha8Rng
         .collect()
 }
 
-/// Times `engine`'s optimizer steps over `rows` (one row per step, cycling), CUDA events after
+/// Times `engine`'s optimizer steps over `rows` (one row per step, cycling; the next step's row
+/// read on another thread while a step runs, as a GPU run reads them), CUDA events after
 /// warm-up; the pool's high-water mark above `before` is the peak. With `profile`, one more step
 /// is profiled per operation.
 fn time_engine(
     gpu: &Gpu,
     engine: &mut dyn StepEngine,
-    rows: &[TrainRow],
+    rows: &dyn RowSource,
     n: usize,
     (warmup, iters, seed): (usize, usize, u64),
     before: u64,
     profile: Option<&str>,
 ) -> Result<Measured, String> {
     let err = |e: dflash_optimized::Error| e.to_string();
+    let step_err = |e: dflash_trainer::Error| dflash_optimized::Error::invalid("step", e.to_string());
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut losses = Vec::new();
     let mut k = 0;
     gpu.reset_pool_high().map_err(err)?;
     let gamma = default_gamma(16);
-    let mut step = |engine: &mut dyn StepEngine| {
-        let row = &rows[k % rows.len()];
-        k += 1;
-        let batch = StepBatch {
-            step: k,
-            micro_batches: vec![vec![row]],
-            anchors: n,
-            gamma,
-            lr: 6e-4,
-            clip_norm: 1.0,
-            want_stats: false,
+    std::thread::scope(|scope| {
+        let mut ahead = ReadAhead::default();
+        let mut step = |engine: &mut dyn StepEngine| {
+            let row = ahead.rows(rows, &[vec![k % rows.len()]]).map_err(step_err)?;
+            k += 1;
+            ahead.start(scope, rows, vec![vec![k % rows.len()]]);
+            let batch = StepBatch {
+                step: k,
+                micro_batches: vec![vec![&row[0][0]]],
+                anchors: n,
+                gamma,
+                lr: 6e-4,
+                clip_norm: 1.0,
+                want_stats: false,
+            };
+            let outcome = engine.step(&batch, &mut rng).map_err(step_err)?;
+            losses.push(outcome.loss);
+            Ok(())
         };
-        let outcome =
-            engine.step(&batch, &mut rng).map_err(|e| dflash_optimized::Error::invalid("step", e.to_string()))?;
-        losses.push(outcome.loss);
-        Ok(())
-    };
-    let ms = gpu.time_ms(warmup, iters, || step(&mut *engine)).map_err(err)?;
-    let peak = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
-    if let Some(what) = profile {
-        crate::bench::profile_once(what, || step(&mut *engine))?;
-        losses.pop(); // the timed steps' losses only
+        let ms = gpu.time_ms(warmup, iters, || step(&mut *engine)).map_err(err)?;
+        let peak = gpu.pool_used_high().map_err(err)?.saturating_sub(before);
+        if let Some(what) = profile {
+            crate::bench::profile_once(what, || step(&mut *engine))?;
+            losses.pop(); // the timed steps' losses only
+        }
+        if losses.iter().any(|l| !l.is_finite()) {
+            return Err(format!("non-finite losses {losses:?}"));
+        }
+        Ok(Measured { ms, peak_bytes: peak, losses })
+    })
+}
+
+/// Rows whose features an offline run would read: a feature cache on disk (`xtask features`'
+/// format, one document per row), read per row by the trainer's reader ([`cached_features`]).
+struct CachedRows {
+    cache: FeatureCache,
+    rows: Vec<Row>,
+}
+
+impl CachedRows {
+    /// Writes `rows` with their `features` (bf16 bits `[S, F*H]` each) into a cache at `dir`.
+    fn write(dir: &Path, rows: Vec<Row>, features: &[Vec<u16>], draft: &DraftConfig, h: usize) -> Result<Self, String> {
+        let err = |e: dflash_data::Error| e.to_string();
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        let index = FeatureIndex {
+            format: String::new(),
+            provenance: Default::default(),
+            hidden_size: h,
+            layer_ids: draft.target_layer_ids.clone(),
+            shard_bytes: 4 << 30,
+            documents: rows.len(),
+            tokens: rows.iter().map(|r| r.tokens.len() as u64).sum(),
+            shards: vec![],
+        };
+        let mut writer = FeatureWriter::open(dir, index).map_err(err)?;
+        for (row, features) in rows.iter().zip(features) {
+            writer.push(Entry { tokens: &row.tokens, loss_mask: &row.loss_mask, features }).map_err(err)?;
+        }
+        writer.finish().map_err(err)?;
+        Ok(CachedRows { cache: FeatureCache::open(dir, None).map_err(err)?, rows })
     }
-    if losses.iter().any(|l| !l.is_finite()) {
-        return Err(format!("non-finite losses {losses:?}"));
+}
+
+impl RowSource for CachedRows {
+    fn len(&self) -> usize {
+        self.rows.len()
     }
-    Ok(Measured { ms, peak_bytes: peak, losses })
+
+    fn row(&self, i: usize) -> dflash_trainer::Result<TrainRow> {
+        let row = self.rows[i].clone();
+        let features = cached_features(&self.cache, &row.tokens, &[(0..row.tokens.len(), i)])?;
+        Ok(TrainRow::from_row(row, features)?)
+    }
+
+    /// Nothing resumes a benchmark's steps.
+    fn sha256(&self) -> dflash_trainer::Result<String> {
+        Err(dflash_trainer::Error::option("rows", "a benchmark's rows are not hashed"))
+    }
 }
 
 /// Online (the target's forward in the engine) and offline (features from the host) per shape.
@@ -341,6 +399,7 @@ fn measure_ours(
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut frozen = Frozen::Target(Box::new(forward));
     let (mut online, mut offline_rows) = (Vec::new(), Vec::new());
+    let cache_dir = |s: usize| std::env::temp_dir().join(format!("dflash-bench-train-cache-{s}"));
     for &(s, n) in shapes {
         let rows = random_rows(s, warmup + iters, draft, &mut rng);
         let train: Vec<TrainRow> = rows
@@ -354,19 +413,28 @@ fn measure_ours(
         println!("ours online S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
         online.push(m);
         frozen = engine.into_frozen();
-        // The same rows' features on the host, as an offline run reads them from its cache.
+        // The same rows' features in a cache on disk, as an offline run reads them.
         let Frozen::Target(forward) = &mut frozen else { unreachable!("the forward was given") };
-        let mut with_features = Vec::new();
-        for (row, r) in rows.iter().zip(&train) {
+        let mut features = Vec::new();
+        for row in &rows {
             forward.run(&[row]).map_err(err)?;
             // bf16-exact values: the conversion back is exact.
-            let values: Vec<half::bf16> =
-                forward.features_to_host().map_err(err)?.into_iter().map(half::bf16::from_f64).collect();
-            let fw = draft.num_features() * h;
-            let features = Tensor::from_vec(values, (s, fw), &Device::Cpu).map_err(|e| e.to_string())?;
-            with_features.push(TrainRow { features, ..r.clone() });
+            features.push(
+                forward
+                    .features_to_host()
+                    .map_err(err)?
+                    .into_iter()
+                    .map(|v| half::bf16::from_f64(v).to_bits())
+                    .collect(),
+            );
         }
-        offline_rows.push(with_features);
+        let started = std::time::Instant::now();
+        offline_rows.push(CachedRows::write(&cache_dir(s), rows, &features, draft, h)?);
+        println!(
+            "wrote the features of S={s} to {} in {:.1}s",
+            cache_dir(s).display(),
+            started.elapsed().as_secs_f64()
+        );
     }
     drop(frozen);
     let head = FrozenHead { embed, lm_head };
@@ -378,6 +446,50 @@ fn measure_ours(
         let m = time_engine(gpu, &mut engine, rows, n, (warmup, iters, seed), before, profile.then_some(&*what))?;
         println!("ours offline S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
         offline.push(m);
+        std::fs::remove_dir_all(cache_dir(s)).map_err(|e| format!("{}: {e}", cache_dir(s).display()))?;
     }
     Ok((online, offline))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The offline rows read back from their cache: each row's tokens, mask and features as
+    /// written (a small drafter config's width), read ahead or not.
+    #[test]
+    fn cached_rows_read_back_as_written() {
+        let mut rng = ChaCha8Rng::seed_from_u64(rand::rng().random());
+        let mut draft = named_configs().into_iter().next().expect("a drafter").config;
+        draft.dims.vocab_size = 500;
+        draft.mask_token_id = 499;
+        let (h, s) = (rng.random_range(2..6), rng.random_range(20..40));
+        let fw = draft.target_layer_ids.len() * h;
+        let rows = random_rows(s, 3, &draft, &mut rng);
+        let features: Vec<Vec<u16>> = (0..3)
+            .map(|_| (0..s * fw).map(|_| half::bf16::from_f32(rng.random_range(-3.0..3.0)).to_bits()).collect())
+            .collect();
+        let dir = std::env::temp_dir().join(format!("dflash-cached-rows-test-{}", rng.random::<u64>()));
+        let cached = CachedRows::write(&dir, rows.clone(), &features, &draft, h).unwrap();
+        std::thread::scope(|scope| {
+            let mut ahead = ReadAhead::default();
+            ahead.start(scope, &cached, vec![vec![2]]);
+            for i in [2, 0, 1] {
+                let row = &ahead.rows(&cached, &[vec![i]]).unwrap()[0][0];
+                assert_eq!((&row.tokens, &row.loss_mask), (&rows[i].tokens, &rows[i].loss_mask), "row {i}");
+                let got: Vec<u16> = row
+                    .features
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<half::bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(row.features.dims(), [s, fw], "row {i}");
+                assert_eq!(got, features[i], "row {i}");
+            }
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -475,6 +475,7 @@ fn builtin_run(
         tau: with_tau.then_some(&tau),
         quiet: false,
         devices: devices(&config, launch),
+        read_ahead: config.step == StepKind::Gpu,
     };
     let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
     if launch.rank > 0 {
@@ -834,8 +835,16 @@ fn real_run(
     let tau: Option<TauProbe> = with_tau.then_some(&measure_tau);
     let tau_before = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
     let devices = devices(&config, launch);
-    let inputs =
-        RunInputs { config: &config, draft_config: d, data: &train_rows, held_out: held, tau, quiet: false, devices };
+    let inputs = RunInputs {
+        config: &config,
+        draft_config: d,
+        data: &train_rows,
+        held_out: held,
+        tau,
+        quiet: false,
+        devices,
+        read_ahead: config.step == StepKind::Gpu,
+    };
     let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
     if launch.rank > 0 {
         return follower_end(launch, &summary, started);

@@ -58,6 +58,7 @@ pub fn inputs<'a>(c: &'a RunConfig, s: &'a BuiltinSetup) -> RunInputs<'a> {
         tau: None,
         quiet: true,
         devices: 1,
+        read_ahead: false,
     }
 }
 
