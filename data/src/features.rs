@@ -206,7 +206,7 @@ impl FeatureIndex {
                 "target_config" => "the target's config.json",
                 "target_weights" => "the target's weight files",
                 "data" => {
-                    "the tokenized data: the data files, tokenizer, chat template, thinking, system prompt and max_len"
+                    "the tokenized data: the data files, tokenizer, chat template, special tokens and end-of-turn ids, thinking, system prompt, max_len and the version of the data pipeline's key"
                 }
                 "layer_ids" => "the target layers tapped",
                 _ => "an entry this version does not know",

@@ -268,6 +268,26 @@ impl<'a> Trainer<'a> {
                 format!("state.json: its data order is not an order of this run's {} rows", seen.len()),
             ));
         }
+        // Where `step` steps of the run's rows leave the order: a shuffle when an epoch's rows
+        // are used up, so after `used` rows the epoch is ceil(used / rows), the cursor the rest.
+        let (rows, used) = (seen.len(), s.step.checked_mul(self.inputs.config.rows_per_update()));
+        let expected = used.map(|used| match used {
+            0 => (0, rows),
+            _ => ((used - 1) / rows + 1, (used - 1) % rows + 1),
+        });
+        if expected != Some((s.epoch, s.cursor)) {
+            return Err(Error::checkpoint(
+                &found.dir,
+                format!(
+                    "state.json: epoch {} at row {} of its order is not where {} steps of {} rows end{}",
+                    s.epoch,
+                    s.cursor,
+                    s.step,
+                    self.inputs.config.rows_per_update(),
+                    expected.map_or(String::new(), |(e, c)| format!(" (epoch {e}, row {c})"))
+                ),
+            ));
+        }
         if s.step > self.total_steps {
             return Err(Error::checkpoint(
                 &found.dir,

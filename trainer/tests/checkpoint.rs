@@ -166,7 +166,8 @@ fn incomplete_checkpoints_are_never_loaded() {
 }
 
 /// A checkpoint whose data order is not an order of the run's rows (a row twice, or one past
-/// the last) is refused naming the checkpoint and state.json, before any step.
+/// the last), or whose epoch or cursor is not where its steps leave the order, is refused naming
+/// the checkpoint and state.json, before any step; an untouched one resumes.
 #[test]
 fn a_checkpoint_with_a_bad_data_order_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -174,13 +175,24 @@ fn a_checkpoint_with_a_bad_data_order_is_refused() {
     c.checkpoint_every = 2;
     let s = setup(&c);
     run_to_end(&c, &s, StepKind::Reference);
-    for (i, tamper) in [|o: &mut Vec<usize>| o[1] = o[0], |o: &mut Vec<usize>| o[0] = o.len()].into_iter().enumerate() {
+    type Tamper = fn(&mut checkpoint::TrainState);
+    let tampers: [(Tamper, &str); 5] = [
+        (|t| t.order[1] = t.order[0], "order"),
+        (|t| t.order[0] = t.order.len(), "order"),
+        (|t| t.epoch += 1, "is not where 3 steps of 2 rows end (epoch 2, row 2)"),
+        (|t| t.epoch = usize::MAX, "epoch 18446744073709551615"),
+        (|t| t.cursor -= 1, "at row 1 of its order"),
+    ];
+    for (i, (tamper, says)) in tampers.into_iter().enumerate() {
         let mut found = find_resumable(dir.path()).unwrap();
-        tamper(&mut found.state.order);
+        assert_eq!((found.state.step, found.state.epoch, found.state.cursor), (3, 2, 2), "4 rows, 2 per step");
+        tamper(&mut found.state);
         let mut e = engine(&c, &s, StepKind::Reference);
         let err = Trainer::new(inputs(&c, &s)).unwrap().resume(&mut e, &found).expect_err("refused").to_string();
-        assert!(err.contains("checkpoint-3") && err.contains("state.json") && err.contains("order"), "case {i}: {err}");
+        assert!(err.contains("checkpoint-3") && err.contains("state.json") && err.contains(says), "case {i}: {err}");
     }
+    let mut e = engine(&c, &s, StepKind::Reference);
+    Trainer::new(inputs(&c, &s)).unwrap().resume(&mut e, &find_resumable(dir.path()).unwrap()).expect("resumes");
 }
 
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
