@@ -1,7 +1,9 @@
 //! Checkpoints: `OUT/checkpoint-<step>/` holds the servable drafter (spec section 8:
 //! `config.json` + `model.safetensors` in bf16 with the spec's key names) and the training
-//! state of exact resumption: `training.safetensors` (fp32 master weights `master.NAME`, AdamW
-//! moments `adam_m.NAME` / `adam_v.NAME`), `run.toml` (the resolved config) and `state.json`
+//! state of exact resumption: `training/training.safetensors` (fp32 master weights
+//! `master.NAME`, AdamW moments `adam_m.NAME` / `adam_v.NAME`; in a folder of its own, since
+//! vLLM and MLX load every `*.safetensors` beside `config.json` and refuse names they do not
+//! know), `run.toml` (the resolved config) and `state.json`
 //! (step, AdamW's step count, the data order, the RNG state, counters, provenance hashes and the
 //! sha256 of every other file). `state.json` is written last and is the completion marker: a
 //! folder without it, or whose files do not match its hashes, is never loaded.
@@ -27,8 +29,17 @@ use crate::config::RunConfig;
 use crate::engine::EngineState;
 use crate::error::{Error, Result};
 
-/// Version of the checkpoint layout.
-pub const FORMAT: u32 = 1;
+/// Version of the checkpoint layout written (format 1, read too, held the training state
+/// beside the servable files).
+pub const FORMAT: u32 = 2;
+
+/// The training state's file in a checkpoint of `format` (1 or 2), relative to its folder.
+pub fn training_file(format: u32) -> &'static str {
+    match format {
+        1 => "training.safetensors",
+        _ => "training/training.safetensors",
+    }
+}
 
 /// Test-only hook: when set to a number of milliseconds, checkpoint writing sleeps that long
 /// between files, so that a test can kill the process while a checkpoint is half-written.
@@ -202,15 +213,19 @@ pub fn write_checkpoint(
         tensors.insert(format!("adam_m.{n}"), engine.m[i].to_dtype(DType::F32)?);
         tensors.insert(format!("adam_v.{n}"), engine.v[i].to_dtype(DType::F32)?);
     }
-    let training = tmp.join("training.safetensors");
+    let training = tmp.join(training_file(FORMAT));
+    let training_dir = training.parent().unwrap_or(&tmp);
+    std::fs::create_dir_all(training_dir).map_err(|e| Error::io(training_dir, e))?;
     save_safetensors(&training, &tensors)?;
     sync_path(&training)?;
+    sync_path(training_dir)?;
     pause();
     let toml = config.to_toml();
     write_atomically(&tmp.join("run.toml"), |f| f.write_all(toml.as_bytes()))?;
     pause();
+    state.format = FORMAT;
     state.files.clear();
-    for file in ["config.json", "model.safetensors", "training.safetensors", "run.toml"] {
+    for file in ["config.json", "model.safetensors", training_file(FORMAT), "run.toml"] {
         state.files.insert(file.into(), file_sha256(&tmp.join(file))?);
     }
     let json = serde_json::to_string_pretty(&state).map_err(|e| Error::checkpoint(&tmp, e.to_string()))?;
@@ -278,10 +293,10 @@ pub fn verify(dir: &Path) -> Result<TrainState> {
         .map_err(|_| Error::checkpoint(dir, "no state.json (the checkpoint was not completed)"))?;
     let state: TrainState = serde_json::from_str(&text)
         .map_err(|e| Error::checkpoint(dir, format!("state.json is not a valid checkpoint state: {e}")))?;
-    if state.format != FORMAT {
-        return Err(Error::checkpoint(dir, format!("format {} (this trainer reads {FORMAT})", state.format)));
+    if !(1..=FORMAT).contains(&state.format) {
+        return Err(Error::checkpoint(dir, format!("format {} (this trainer reads 1 to {FORMAT})", state.format)));
     }
-    for file in ["config.json", "model.safetensors", "training.safetensors", "run.toml"] {
+    for file in ["config.json", "model.safetensors", training_file(state.format), "run.toml"] {
         let expected =
             state.files.get(file).ok_or_else(|| Error::checkpoint(dir, format!("state.json lists no {file}")))?;
         let path = dir.join(file);
@@ -372,15 +387,17 @@ pub fn load_config(dir: &Path) -> Result<RunConfig> {
     toml::from_str(&text).map_err(|e| Error::ConfigFile { file, message: e.to_string() })
 }
 
-/// The engine state of a checkpoint: master weights and moments of `names`, and `adam_t`.
-pub fn load_engine_state(dir: &Path, names: &[String], adam_t: i32) -> Result<EngineState> {
-    let file = dir.join("training.safetensors");
-    let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
-        .map_err(|e| Error::checkpoint(dir, format!("training.safetensors: {e}")))?;
+/// The engine state of the checkpoint `found`: master weights and moments of `names`, and its
+/// `adam_t`.
+pub fn load_engine_state(found: &Found, names: &[String]) -> Result<EngineState> {
+    let (dir, name) = (&found.dir, training_file(found.state.format));
+    let tensors = candle_core::safetensors::load(dir.join(name), &Device::Cpu)
+        .map_err(|e| Error::checkpoint(dir, format!("{name}: {e}")))?;
     let get = |key: String| -> Result<Tensor> {
-        tensors.get(&key).cloned().ok_or_else(|| Error::checkpoint(dir, format!("training.safetensors has no `{key}`")))
+        tensors.get(&key).cloned().ok_or_else(|| Error::checkpoint(dir, format!("{name} has no `{key}`")))
     };
-    let mut state = EngineState { names: names.to_vec(), params: Vec::new(), m: Vec::new(), v: Vec::new(), t: adam_t };
+    let t = found.state.adam_t;
+    let mut state = EngineState { names: names.to_vec(), params: Vec::new(), m: Vec::new(), v: Vec::new(), t };
     for n in names {
         state.params.push(get(format!("master.{n}"))?);
         state.m.push(get(format!("adam_m.{n}"))?);

@@ -295,7 +295,7 @@ impl<'a> Trainer<'a> {
             ));
         }
         let names: Vec<String> = engine.drafter()?.named_params().iter().map(|(n, _)| n.clone()).collect();
-        let engine_state = checkpoint::load_engine_state(&found.dir, &names, s.adam_t)?;
+        let engine_state = checkpoint::load_engine_state(found, &names)?;
         engine.restore(&engine_state)?;
         let rng = s.rng.restore().map_err(|m| Error::checkpoint(&found.dir, m))?;
         self.state = LoopState {
@@ -451,7 +451,7 @@ impl<'a> Trainer<'a> {
                         &c.without_launch(),
                         c.keep_checkpoints,
                     )?;
-                    let bytes: u64 = ["model.safetensors", "training.safetensors"]
+                    let bytes: u64 = ["model.safetensors", checkpoint::training_file(checkpoint::FORMAT)]
                         .iter()
                         .filter_map(|f| std::fs::metadata(dir.join(f)).ok())
                         .map(|m| m.len())

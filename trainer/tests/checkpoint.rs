@@ -82,6 +82,39 @@ fn resume_is_exact_for_both_engines() {
     }
 }
 
+/// A checkpoint of format 1 (the training state beside the servable files) resumes as one of
+/// the current format: bitwise the same next losses.
+#[test]
+fn a_format_1_checkpoint_resumes() {
+    let seed = fresh_seed();
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(dir.path(), seed, 6);
+    c.checkpoint_every = 3;
+    let s = setup(&c);
+    let whole = run_to_end(&c, &s, StepKind::Reference);
+    let old = dir.path().join("checkpoint-3");
+    let (now, then) = (checkpoint::training_file(checkpoint::FORMAT), checkpoint::training_file(1));
+    std::fs::rename(old.join(now), old.join(then)).unwrap();
+    std::fs::remove_dir(old.join(now).parent().unwrap()).unwrap();
+    let state_file = old.join("state.json");
+    let mut state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
+    state["format"] = 1.into();
+    let hash = state["files"].as_object_mut().unwrap().remove(now).unwrap();
+    state["files"][then] = hash;
+    std::fs::write(&state_file, state.to_string()).unwrap();
+    std::fs::remove_dir_all(dir.path().join("checkpoint-6")).unwrap();
+    std::fs::write(dir.path().join("latest"), "checkpoint-3\n").unwrap();
+
+    let found = find_resumable(dir.path()).unwrap();
+    assert_eq!((found.state.step, found.state.format), (3, 1), "{:?}", found.notes);
+    let mut e = engine(&c, &s, StepKind::Reference);
+    let mut t = Trainer::new(inputs(&c, &s)).unwrap();
+    t.resume(&mut e, &found).unwrap();
+    t.run(&mut e).unwrap();
+    assert_eq!(losses(dir.path()), whole, "seed {seed}");
+    checkpoint::verify(&dir.path().join("checkpoint-6")).expect("written in the current format");
+}
+
 /// The RNG state restores the generator exactly, at any position in its stream.
 #[test]
 fn rng_state_roundtrips() {
@@ -115,7 +148,7 @@ fn incomplete_checkpoints_are_never_loaded() {
     // A complete-looking copy under a temporary name (a checkpoint whose rename never happened).
     copy_dir(&out.join("checkpoint-6"), &out.join(".checkpoint-8.tmp"));
     // The newest: one byte of its optimizer state flipped.
-    let training = out.join("checkpoint-6/training.safetensors");
+    let training = out.join("checkpoint-6").join(checkpoint::training_file(checkpoint::FORMAT));
     let mut bytes = std::fs::read(&training).unwrap();
     let at = rand::rng().random_range(bytes.len() / 2..bytes.len());
     bytes[at] ^= 0x40;
@@ -199,7 +232,10 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        match entry.path().is_dir() {
+            true => copy_dir(&entry.path(), &to.join(entry.file_name())),
+            false => _ = std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap(),
+        }
     }
 }
 
@@ -234,7 +270,15 @@ fn checkpoint_holds_the_servable_drafter() {
     let mode =
         |f: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(folder.join(f)).unwrap().permissions());
     assert_eq!(mode("model.safetensors"), mode("config.json"), "model.safetensors' permissions");
-    assert_eq!(mode("training.safetensors"), mode("config.json"), "training.safetensors' permissions");
+    let training = checkpoint::training_file(checkpoint::FORMAT);
+    assert_eq!(mode(training), mode("config.json"), "{training}'s permissions");
+    // vLLM and MLX load every `*.safetensors` beside `config.json`: the model's only.
+    let beside: Vec<String> = std::fs::read_dir(&folder)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert_eq!(beside, ["model.safetensors"]);
     // transformers before 4.48.2 loads only a file whose header metadata says `"format": "pt"`.
     let bytes = std::fs::read(folder.join("model.safetensors")).unwrap();
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;

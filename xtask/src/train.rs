@@ -80,8 +80,9 @@ Unknown keys are errors.
                              replaces its own)
 
 The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
-model.safetensors in bf16; training.safetensors, run.toml, state.json), latest, metrics.jsonl
-(one JSON object per line), training.svg, and drafter/ (the final servable drafter). A fresh
+model.safetensors in bf16; training/training.safetensors, run.toml, state.json), latest,
+metrics.jsonl (one JSON object per line), training.svg, and drafter/ (the final servable
+drafter). A fresh
 run refuses a folder holding an unfinished run (--resume continues it), and one holding a
 finished real run (or one with no complete checkpoint) unless --overwrite; the built-in default
 replaces these. The input paths (target, data, features, data cache, a held-out file) are saved
