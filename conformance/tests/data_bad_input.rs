@@ -237,7 +237,9 @@ fn turns_end_at_the_end_ids_and_those_key_the_cache() {
         let tok = TargetTokenizer::load(dir.path()).expect("loads");
         let data = Dataset::prepare(&tok, std::slice::from_ref(&data), &options(dir.path())).expect("prepares");
         let doc = data.cache.document(0).expect("a document");
-        (tok.end_ids.clone(), doc.tokens, doc.loss_mask, data.cache.stats.unended_turns, data.tokenized)
+        let unended = data.cache.stats.unended_turns;
+        assert_eq!(data.stats().unended_warning().is_some(), unended > 0, "the summary warns of unended turns");
+        (tok.end_ids.clone(), doc.tokens, doc.loss_mask, unended, data.tokenized)
     };
     let (ids, tokens, mask, unended, tokenized) = prepare();
     assert_eq!((ids, unended, tokenized), (vec![2], 0, true), "eos_token <|im_end|> (id 2)");

@@ -275,7 +275,9 @@ impl FeatureWriter {
         };
         // A cache begun with no shard written holds nothing to keep: begun again for this run.
         if let Some(old) = old.filter(|old| !old.shards.is_empty()) {
-            if let Some(mismatch) = old.provenance_mismatch(&index.provenance, &file, "; choose another --out") {
+            if let Some(mismatch) =
+                old.provenance_mismatch(&index.provenance, &file, "; choose another --out, or delete this cache")
+            {
                 return Err(mismatch);
             }
             let same = (old.hidden_size, &old.layer_ids, old.shard_bytes, old.documents, old.tokens)
@@ -510,7 +512,8 @@ impl FeatureCache {
     pub fn open(dir: &Path, want: Option<&BTreeMap<String, String>>) -> Result<Self> {
         let file = dir.join("index.json");
         let index = FeatureIndex::read(&file)?;
-        if let Some(mismatch) = want.and_then(|w| index.provenance_mismatch(w, &file, "")) {
+        let advice = "; make this run's cache with `cargo xtask features` (to another --out, or delete this one)";
+        if let Some(mismatch) = want.and_then(|w| index.provenance_mismatch(w, &file, advice)) {
             return Err(mismatch);
         }
         if !index.complete() {

@@ -51,6 +51,16 @@ impl Stats {
         self.skipped.values().sum()
     }
 
+    /// What the turns without an end-of-turn token mean, when there are any.
+    pub fn unended_warning(&self) -> Option<String> {
+        (self.unended_turns > 0).then(|| {
+            format!(
+                "warning: {} assistant turns have no end-of-turn token (eos_token and generation_config.json's eos_token_id name none of their tokens): each is supervised through the end of its render, the template's text after the turn included",
+                self.unended_turns
+            )
+        })
+    }
+
     /// `reason: count` for each reason that happened.
     pub fn skip_summary(&self) -> String {
         let parts: Vec<String> = self.skipped.iter().map(|(r, n)| format!("{}: {n}", r.describe())).collect();
@@ -71,12 +81,8 @@ impl fmt::Display for Stats {
         let pct = 100.0 * self.supervised_tokens as f64 / self.tokens.max(1) as f64;
         writeln!(f, "supervised tokens:  {} ({pct:.1}%)", self.supervised_tokens)?;
         writeln!(f, "truncated:          {}", self.truncated)?;
-        if self.unended_turns > 0 {
-            writeln!(
-                f,
-                "assistant turns without an end-of-turn token: {} (supervised through the end of their render, the template's text after the turn included; eos_token and generation_config.json's eos_token_id name none of their tokens)",
-                self.unended_turns
-            )?;
+        if let Some(warning) = self.unended_warning() {
+            writeln!(f, "{warning}")?;
         }
         write!(f, "skipped or filtered: {}", self.total_skipped())?;
         for (reason, n) in &self.skipped {

@@ -80,9 +80,7 @@ impl<'scope> ReadAhead<'scope> {
     /// The rows of `ids`: those read ahead when they are these, else read now.
     pub fn rows(&mut self, data: &dyn RowSource, ids: &[Vec<usize>]) -> Result<StepRows> {
         match self.pending.take() {
-            Some((ahead, reading)) if ahead == ids => {
-                reading.join().map_err(|_| Error::option("data", "the thread reading rows ahead panicked"))?
-            }
+            Some((ahead, reading)) if ahead == ids => reading.join().map_err(panicked)?,
             _ => fetch_rows(data, ids),
         }
     }
@@ -97,6 +95,26 @@ impl<'scope> ReadAhead<'scope> {
         let read = ids.clone();
         self.pending = Some((ids, scope.spawn(move || fetch_rows(data, &read))));
     }
+}
+
+/// Joins a reading left pending (a run that stops with an error), so that a panic there does not
+/// become the scope's panic in place of that error.
+impl Drop for ReadAhead<'_> {
+    fn drop(&mut self) {
+        if let Some((_, reading)) = self.pending.take() {
+            _ = reading.join();
+        }
+    }
+}
+
+/// The error of a reading thread that panicked, with its message.
+fn panicked(payload: Box<dyn std::any::Any + Send>) -> Error {
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|m| m.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    Error::option("data", format!("the thread reading rows ahead panicked: {message}"))
 }
 
 impl RowSource for Vec<TrainRow> {

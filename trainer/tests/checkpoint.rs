@@ -369,10 +369,11 @@ fn resume_refuses_other_data() {
     assert!(message.contains("training rows (sha256"), "{message}");
 }
 
-/// Counts the rows read and the threads that read them.
+/// Counts the rows read (their ids and threads); row `fails` (if any) is an error or a panic.
 struct Counted<'a> {
     rows: &'a dyn RowSource,
-    reads: std::sync::Mutex<Vec<std::thread::ThreadId>>,
+    reads: std::sync::Mutex<Vec<(usize, std::thread::ThreadId)>>,
+    fails: Option<(usize, bool)>,
 }
 
 impl RowSource for Counted<'_> {
@@ -380,8 +381,12 @@ impl RowSource for Counted<'_> {
         self.rows.len()
     }
     fn row(&self, i: usize) -> dflash_trainer::Result<dflash_reference::data::TrainRow> {
-        self.reads.lock().unwrap().push(std::thread::current().id());
-        self.rows.row(i)
+        self.reads.lock().unwrap().push((i, std::thread::current().id()));
+        match self.fails {
+            Some((bad, true)) if bad == i => panic!("row {i} unreadable"),
+            Some((bad, false)) if bad == i => Err(dflash_trainer::Error::option("data", format!("row {i} unreadable"))),
+            _ => self.rows.row(i),
+        }
     }
     fn sha256(&self) -> dflash_trainer::Result<String> {
         self.rows.sha256()
@@ -404,13 +409,13 @@ fn rows_read_ahead_train_as_rows_read_in_step() {
         let out = dir.path().join(format!("ahead-{read_ahead}"));
         std::fs::create_dir_all(&out).unwrap();
         let c = dflash_trainer::config::RunConfig { out: out.clone(), ..c.clone() };
-        let counted = Counted { rows: &s.data, reads: Default::default() };
+        let counted = Counted { rows: &s.data, reads: Default::default(), fails: None };
         let mut e = engine(&c, &s, StepKind::Reference);
         let inputs = dflash_trainer::run::RunInputs { data: &counted, read_ahead, ..inputs(&c, &s) };
         Trainer::new(inputs).unwrap().run(&mut e).unwrap();
         let reads = counted.reads.into_inner().unwrap();
         assert_eq!(reads.len(), steps * 4, "seed {seed}, read ahead {read_ahead}: each row read once");
-        let elsewhere = reads.iter().filter(|&&t| t != std::thread::current().id()).count();
+        let elsewhere = reads.iter().filter(|&&(_, t)| t != std::thread::current().id()).count();
         assert_eq!(elsewhere > 0, read_ahead, "seed {seed}: rows read on another thread: {elsewhere}");
         let weights: Vec<Vec<u32>> = e
             .drafter()
@@ -425,4 +430,48 @@ fn rows_read_ahead_train_as_rows_read_in_step() {
     }
     assert_eq!(outcomes[0].0.len(), steps, "seed {seed}");
     assert!(outcomes[0] == outcomes[1], "seed {seed}: reading ahead changed the run");
+}
+
+/// A row that cannot be read ahead (an error, or a panic on the reading thread) stops the run
+/// with its error at the step that needs it, after the checkpoints of the steps before.
+#[test]
+fn a_row_read_ahead_that_fails_stops_the_run_at_its_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = fresh_seed();
+    let mut c = tiny_config(dir.path(), seed, 9);
+    (c.rows, c.grad_accum, c.checkpoint_every) = (12, 2, 1);
+    let s = setup(&c);
+    // Which rows each step reads, and which of them are first read ahead (on another thread:
+    // steps 1 and 2 of the first epoch's 3).
+    let out = dir.path().join("whole");
+    std::fs::create_dir_all(&out).unwrap();
+    let whole = dflash_trainer::config::RunConfig { out: out.clone(), ..c.clone() };
+    let counted = Counted { rows: &s.data, reads: Default::default(), fails: None };
+    let mut e = engine(&whole, &s, StepKind::Reference);
+    Trainer::new(dflash_trainer::run::RunInputs { data: &counted, read_ahead: true, ..inputs(&whole, &s) })
+        .unwrap()
+        .run(&mut e)
+        .unwrap();
+    let reads = counted.reads.into_inner().unwrap();
+    let first = |id: usize| reads.iter().position(|&(i, _)| i == id).expect("every row read");
+    let ahead: Vec<usize> = (0..c.rows).filter(|&id| reads[first(id)].1 != std::thread::current().id()).collect();
+    assert_eq!(ahead.len(), 8, "seed {seed}");
+    let bad = ahead[rand::rng().random_range(0..ahead.len())];
+    let failing_step = first(bad) / 4;
+    for panics in [false, true] {
+        let out = dir.path().join(format!("fails-{panics}"));
+        std::fs::create_dir_all(&out).unwrap();
+        let c = dflash_trainer::config::RunConfig { out: out.clone(), ..c.clone() };
+        let failing = Counted { rows: &s.data, reads: Default::default(), fails: Some((bad, panics)) };
+        let mut e = engine(&c, &s, StepKind::Reference);
+        let err = Trainer::new(dflash_trainer::run::RunInputs { data: &failing, read_ahead: true, ..inputs(&c, &s) })
+            .unwrap()
+            .run(&mut e)
+            .expect_err("the row fails")
+            .to_string();
+        assert!(err.contains(&format!("row {bad} unreadable")), "seed {seed}, panics {panics}: {err}");
+        assert_eq!(panics, err.contains("panicked"), "seed {seed}: {err}");
+        assert_eq!(losses(&out).len(), failing_step, "seed {seed}, panics {panics}: the steps before it ran");
+        assert_eq!(find_resumable(&out).unwrap().state.step, failing_step, "seed {seed}: and were checkpointed");
+    }
 }

@@ -300,7 +300,8 @@ fn time_engine(
 }
 
 /// Rows whose features an offline run would read: a feature cache on disk (`xtask features`'
-/// format, one document per row), read per row by the trainer's reader ([`cached_features`]).
+/// format, one document per row), read per row by the trainer's reader ([`cached_features`]);
+/// its folder is removed when dropped.
 struct CachedRows {
     cache: FeatureCache,
     rows: Vec<Row>,
@@ -332,6 +333,12 @@ impl CachedRows {
     }
 }
 
+impl Drop for CachedRows {
+    fn drop(&mut self) {
+        _ = std::fs::remove_dir_all(&self.cache.dir);
+    }
+}
+
 impl RowSource for CachedRows {
     fn len(&self) -> usize {
         self.rows.len()
@@ -349,7 +356,8 @@ impl RowSource for CachedRows {
     }
 }
 
-/// Online (the target's forward in the engine) and offline (features from the host) per shape.
+/// Online (the target's forward in the engine) and offline (features read from a cache on disk)
+/// per shape.
 fn measure_ours(
     gpu: &Arc<Gpu>,
     dir: &Path,
@@ -399,8 +407,9 @@ fn measure_ours(
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut frozen = Frozen::Target(Box::new(forward));
     let (mut online, mut offline_rows) = (Vec::new(), Vec::new());
-    let cache_dir = |s: usize| std::env::temp_dir().join(format!("dflash-bench-train-cache-{s}"));
-    for &(s, n) in shapes {
+    let cache_dir =
+        |i: usize| std::env::temp_dir().join(format!("dflash-bench-train-cache-{}-{i}", std::process::id()));
+    for (i, &(s, n)) in shapes.iter().enumerate() {
         let rows = random_rows(s, warmup + iters, draft, &mut rng);
         let train: Vec<TrainRow> = rows
             .iter()
@@ -429,10 +438,10 @@ fn measure_ours(
             );
         }
         let started = std::time::Instant::now();
-        offline_rows.push(CachedRows::write(&cache_dir(s), rows, &features, draft, h)?);
+        offline_rows.push(CachedRows::write(&cache_dir(i), rows, &features, draft, h)?);
         println!(
             "wrote the features of S={s} to {} in {:.1}s",
-            cache_dir(s).display(),
+            cache_dir(i).display(),
             started.elapsed().as_secs_f64()
         );
     }
@@ -446,7 +455,6 @@ fn measure_ours(
         let m = time_engine(gpu, &mut engine, rows, n, (warmup, iters, seed), before, profile.then_some(&*what))?;
         println!("ours offline S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
         offline.push(m);
-        std::fs::remove_dir_all(cache_dir(s)).map_err(|e| format!("{}: {e}", cache_dir(s).display()))?;
     }
     Ok((online, offline))
 }
@@ -490,6 +498,7 @@ mod tests {
                 assert_eq!(got, features[i], "row {i}");
             }
         });
-        std::fs::remove_dir_all(&dir).unwrap();
+        drop(cached);
+        assert!(!dir.exists(), "the cache's folder goes with the rows");
     }
 }

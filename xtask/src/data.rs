@@ -16,12 +16,14 @@ const HELP: &str = "usage: cargo xtask data --target DIR --data FILE... [options
 
 Reads jsonl conversations (plain or gzip; OpenAI `messages`, ShareGPT `conversations`, `text`,
 or `input_ids` + `loss_mask`), renders them with the target's chat template, tokenizes them
-with its tokenizer.json, masks the assistant turns, packs rows, and prints the statistics and
-sample rows. The tokenized form is cached (reused while the tokenizer, template, options and
-files are unchanged).
+with its tokenizer.json, masks the assistant turns (through their end-of-turn token:
+eos_token or an id of generation_config.json's eos_token_id), packs rows, and prints the
+statistics and sample rows. The tokenized form is cached (reused while the tokenizer, template,
+special tokens, end-of-turn ids, options and files are unchanged).
 
 options:
   --target DIR         target folder: tokenizer.json, tokenizer_config.json, chat template
+                       (and generation_config.json when there is one)
   --data FILE...       one or several jsonl files
   --show N             sample rows to print                           (default 2)
   --max-len N          tokens per document and per packed row          (default 3072)

@@ -28,9 +28,10 @@ Runs the target over every document of the data set (the tokenized, masked docum
 xtask data`, training and held-out) and writes their features (the outputs of the layers
 --layer-ids, concatenated per token, bf16) to CACHE: safetensors shards of about --shard-gb
 each and index.json with the provenance (hashes of the target's config and weight files, the
-tokenizer, template, data files and options, the layer ids). Prints the size first and refuses
-when the disk cannot hold it. A killed run continues where it stopped when rerun with the same
-arguments; a cache made from anything else is refused. Train from it with `train --features CACHE`.
+tokenizer, template, special tokens, end-of-turn ids, data files and options, the layer ids).
+Prints the size first and refuses when the disk cannot hold it. A killed run continues where
+it stopped when rerun with the same arguments; a cache made from anything else is refused
+(write a new one to another --out, or delete it). Train from it with `train --features CACHE`.
 
 options:
   --target DIR         HF folder: config.json, safetensors weights, tokenizer, chat template
@@ -123,6 +124,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let started = Instant::now();
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
     let data = Dataset::prepare(&tokenizer, &files, &data_opts).map_err(|e| e.to_string())?;
+    if let Some(warning) = data.stats().unended_warning() {
+        println!("data: {warning}");
+    }
     let docs = data.cache.len();
     let tokens: u64 = (0..docs).map(|i| data.cache.doc_len(i) as u64).sum();
     let width = layer_ids.len() * config.hidden_size();

@@ -539,6 +539,9 @@ fn real_run(
             println!("  e.g. {example}");
         }
     }
+    if let Some(warning) = stats.unended_warning() {
+        println!("data: {warning}");
+    }
     let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
     // The reference target on the CPU: the reference engine's features, and its real tau.
     let reference_features = config.step == StepKind::Reference && setup.cache.is_none();
