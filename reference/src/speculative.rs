@@ -12,8 +12,10 @@ use crate::target::Target;
 pub struct SpecOutput {
     /// The generated tokens (prompt excluded), exactly `max_new` of them.
     pub tokens: Vec<u32>,
-    /// `A + 1` for every verify step (accepted drafts plus the bonus token), in `[1, B]`; the last
-    /// step's only up to `max_new`, so that they sum to the tokens generated.
+    /// `A + 1` for every verify step (accepted drafts plus the bonus token), in `[1, B]`, the last
+    /// step's too where `max_new` cuts its tokens (spec section 4's tau, as the published taus
+    /// count it: the drafter's acceptance, not the budget's cut), so they sum to at least the
+    /// tokens generated.
     pub accept_lengths: Vec<usize>,
 }
 
@@ -232,8 +234,7 @@ pub fn speculative_decode_with(
         let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
         seq.push(bonus);
         seq.extend(&drafts[..accepted]);
-        // The last step counts only the tokens emitted (up to `max_new`).
-        out.accept_lengths.push((accepted + 1).min(max_new - out.tokens.len()));
+        out.accept_lengths.push(accepted + 1);
         out.tokens.push(bonus);
         out.tokens.extend(&drafts[..accepted]);
         bonus = chosen[accepted];

@@ -384,8 +384,7 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
             self.target.keep(accepted + 1)?;
             pending = Some((n, accepted + 1));
-            // The last step counts only the tokens emitted (up to `max_new`).
-            out.accept_lengths.push((accepted + 1).min(max_new - out.tokens.len()));
+            out.accept_lengths.push(accepted + 1);
             out.tokens.push(bonus);
             out.tokens.extend(&drafts[..accepted]);
             n += accepted + 1;
