@@ -57,7 +57,8 @@ one, RoPE theta 1e7) with the spec's recipe (5 layers, block 16, 5 feature layer
 warmup 4% + cosine, clip 1, 6 epochs, S 3072, 512 anchors). The target runs on the GPU in the same process (online features; `--step host`: the
 CPU twins, for small targets), or `--features CACHE` reads the features `cargo xtask features`
 wrote. Everything (options, files, the drafter against the target, the mask token, the cache's
-provenance, the memory plan) is checked before the device is touched.
+provenance, the least memory the run needs on its drafter device) is checked before the target
+is loaded or the step laid out.
 
 Several processes (one per node, or per GPU) train as one: `--world-size N --rank R
 --master-addr A --master-port P` on each, or the torchrun variables (WORLD_SIZE, RANK,
@@ -647,6 +648,9 @@ fn real_run(
         println!("steps: {steps}\nepochs: {epochs:.2}\ntokens: {tokens:.0}\nestimated time {estimate}");
         return Ok(());
     }
+    let tau_decoders =
+        (config.tau_prompts > 0 && !prompts.is_empty()).then(|| tau_context(&prompts, config.tau_tokens));
+    check_fits(&config, launch, &setup, shape, tau_decoders)?;
     prepare_out(&config, launch, &resume, overwrite)?;
     let processes = join_processes(launch, &config, &train_rows, &resume)?;
 
@@ -1110,6 +1114,77 @@ impl Cli {
     fn given(&self) -> Vec<String> {
         self.overrides.iter().map(|(k, _)| k.replace('-', "_")).collect()
     }
+}
+
+/// Refuses, before the target is loaded or anything allocated, a run whose least memory on its
+/// drafter device exceeds what the device has free: the target's forward (online) or the
+/// embedding table (offline), the step under its most frugal policy, and the real tau's
+/// decoders, in the step's storage. A lower bound of what the engine then lays out (which picks
+/// the fastest policy that fits); runs with target workers or a sharded optimizer are checked by
+/// the engine alone.
+fn check_fits(
+    config: &RunConfig,
+    launch: &Launch,
+    setup: &RealSetup,
+    shape: StepShape,
+    tau_context: Option<usize>,
+) -> Result<(), String> {
+    use dflash_optimized::memory::step::{OptimizerShape, StepDims};
+    use dflash_optimized::memory::{hybrid::HybridTargetPlan, step::StepLayout, target::TargetLayout};
+    if config.target_workers > 0 || config.shard_optimizer || config.step == StepKind::Reference {
+        return Ok(());
+    }
+    let err = |e: dflash_optimized::Error| e.to_string();
+    let (t, d) = (&setup.target_config, &setup.draft_config);
+    let widths = match config.step {
+        StepKind::Gpu => (2, 4),
+        _ => (4, 4),
+    };
+    let online = setup.cache.is_none();
+    let (s, ids) = (shape.context_len, &d.target_layer_ids);
+    let (fixed_name, fixed) = match (online, t) {
+        (true, TargetKind::Dense(t)) => (
+            "the target's forward",
+            TargetLayout::new(t, ids, s, widths, true, true).and_then(|l| l.total_bytes()).map_err(err)?,
+        ),
+        (true, TargetKind::Hybrid(t)) => {
+            ("the target's forward", HybridTargetPlan::new(t, ids, s, widths).map_err(err)?.bytes)
+        }
+        (false, _) => (
+            "the embedding table",
+            (d.dims.vocab_size as u64).saturating_mul(d.dims.hidden_size as u64).saturating_mul(widths.0),
+        ),
+    };
+    let policy = *config.checkpointing.policies().last().expect("a policy");
+    let optimizer = OptimizerShape::whole(StepDims::new(d, shape).map_err(err)?.params, config.accumulates_gradients());
+    let step = StepLayout::with_head(d, shape, policy, Some(optimizer), widths, !online).map_err(err)?.total_bytes();
+    let decoders = match tau_context.filter(|_| launch.rank == 0) {
+        Some(context) => dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths).map_err(err)?,
+        None => 0,
+    };
+    let need = fixed.saturating_add(step).saturating_add(decoders);
+    let (device, free) = match config.step {
+        StepKind::Gpu => {
+            let gpu = crate::gpu_conformance::open_gpu_at(launch.topology(config).1[0])?;
+            (gpu.name().to_string(), gpu.available_bytes().map_err(err)?)
+        }
+        _ => ("the CPU".to_string(), dflash_optimized::backend::host::host_available_bytes().unwrap_or(u64::MAX)),
+    };
+    if need <= free {
+        return Ok(());
+    }
+    let size = metrics::size_text;
+    Err(format!(
+        "memory: the run needs at least {} on {device}, which has {} free: {fixed_name} {}, the step under its most frugal policy ({}) {}{}; lower --max-len or --anchors{}{}",
+        size(need),
+        size(free),
+        size(fixed),
+        policy.name(),
+        size(step),
+        if decoders > 0 { format!(", the real tau's decoders {}", size(decoders)) } else { String::new() },
+        if decoders > 0 { ", or --tau-prompts 0" } else { "" },
+        if policy != Checkpointing::PerLayer { ", or --checkpointing per-layer" } else { "" },
+    ))
 }
 
 /// The devices a run's model FLOPs run on: every process's distinct GPUs with the `gpu` step,

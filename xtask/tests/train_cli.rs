@@ -1225,3 +1225,33 @@ fn processes_joined_through_the_rendezvous_train_like_one() {
     assert!(stderr1.contains("rank 0 stopped before the rendezvous") && stderr1.contains("finished run"), "{stderr1}");
     assert!(started.elapsed() < Duration::from_secs(120), "{:?}", started.elapsed());
 }
+
+/// A run whose least memory (the target's forward, the step under per-layer checkpointing) is
+/// above what the device has free is refused naming both, before the drafter is initialized or
+/// the target loaded, and nothing is written to its folder (the CPU twins: host memory).
+#[test]
+fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    write_target_folder(&target, rand::rng().random()).unwrap();
+    // Positions for rows of 2^25 tokens: a step of about half a terabyte.
+    let config_file = target.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_file).unwrap()).unwrap();
+    config["max_position_embeddings"] = (1u64 << 25).into();
+    std::fs::write(&config_file, config.to_string()).unwrap();
+    let (cache, out) = (tmp.path().join("cache"), tmp.path().join("run"));
+    let mut args = real_args(&target, &cache, &out, &["--step", "host", "--steps", "1"]);
+    for (flag, value) in [("--max-len", (1u64 << 25).to_string()), ("--anchors", "4000000".to_string())] {
+        let at = args.iter().position(|a| a == flag).unwrap();
+        args[at + 1] = value;
+    }
+    let started = Instant::now();
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+    let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
+    assert!(!result.status.success(), "{stdout}");
+    assert!(stderr.contains("memory: the run needs at least") && stderr.contains("on the CPU, which has"), "{stderr}");
+    assert!(stderr.contains("the target's forward") && stderr.contains("(per-layer)"), "{stderr}");
+    assert!(!stdout.contains("trainable parameters") && !stdout.contains("target forward"), "work began:\n{stdout}");
+    assert!(!out.join("metrics.jsonl").exists(), "the run folder was written");
+    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
+}
