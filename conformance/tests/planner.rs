@@ -339,3 +339,30 @@ fn one_row_per_update_plans_a_chunk_instead_of_the_accumulator() {
         }
     }
 }
+
+/// A hybrid target's absurd config is refused naming the field (each width at most
+/// `MAX_WIDTH`), and a launch of absurdly many tokens with an error, never a wrapped size: the
+/// 27B's config with one key changed, and its plan at a length past the address space.
+#[rstest]
+#[case::key_head_dim_2_pow_63("linear_key_head_dim", 1u64 << 63, "linear_num_key_heads x linear_key_head_dim overflows")]
+#[case::key_head_dim_2_pow_30("linear_key_head_dim", 1 << 30, "linear_num_key_heads x linear_key_head_dim is")]
+#[case::heads_2_pow_59("num_attention_heads", 1 << 59, "num_attention_heads x head_dim x 2")]
+#[case::intermediate_2_pow_40("intermediate_size", 1 << 40, "intermediate_size is")]
+fn absurd_hybrid_configs_are_clear_errors(#[case] key: &str, #[case] value: u64, #[case] needle: &str) {
+    use dflash_reference::hybrid::HybridConfig;
+    let mut config = dflash_optimized::memory::named::qwen3_5_27b_target().to_value();
+    config[key] = value.into();
+    let err = HybridConfig::from_value(std::path::Path::new("config.json"), &config).expect_err(key).to_string();
+    assert!(err.contains(needle) && err.contains("config.json"), "{key}: `{needle}` missing from: {err}");
+}
+
+#[test]
+fn a_hybrid_plan_past_the_address_space_is_an_error() {
+    use dflash_optimized::memory::hybrid::{hybrid_drafter, HybridTargetPlan, HYBRID_DRAFTER_RECIPE};
+    let config = dflash_optimized::memory::named::qwen3_5_27b_target();
+    let draft = hybrid_drafter(&config, HYBRID_DRAFTER_RECIPE, 248319).expect("drafter");
+    for tokens in [1usize << 60, usize::MAX / 2, usize::MAX] {
+        let plan = HybridTargetPlan::new(&config, &draft.target_layer_ids, tokens, (BF16, F32));
+        assert!(plan.is_err(), "{tokens} tokens planned");
+    }
+}

@@ -16,6 +16,16 @@ pub fn key_ranges_bytes(blocks: usize, keys: usize) -> Result<u64> {
     super::add("key ranges", groups, tiles)
 }
 
+/// Bytes of a target's causal key ranges for launches of `t` tokens with row groups of
+/// `group_rows` query rows: the causal plan of each document length, at most one row group and
+/// one KV tile more per document than one plan of `t` (documents <= `t`).
+pub fn causal_plans_bytes(t: usize, group_rows: usize) -> Result<u64> {
+    let too_many = || crate::Error::invalid("key ranges", format!("{t} tokens per launch exceed the address space"));
+    let blocks = t.div_ceil(group_rows).checked_add(t).ok_or_else(too_many)?;
+    let keys = t.div_ceil(TILE_K).checked_add(t).and_then(|n| n.checked_mul(TILE_K)).ok_or_else(too_many)?;
+    key_ranges_bytes(blocks, keys)
+}
+
 /// What one forward + backward allocates on the GPU beyond its inputs: out and dq
 /// (`[Q, nh, d]` bf16), dk and dv (`[K, nkv, d]` bf16), lse and dsum (`[nh, Q]` f32). The
 /// kernels allocate nothing else: no score matrix, no mask, no expanded K/V.

@@ -16,10 +16,9 @@ use std::collections::HashMap;
 use dflash_reference::config::{training_target_layer_ids, AttnKind, DraftConfig, ModelDims};
 use dflash_reference::hybrid::{hybrid_param_shapes, HybridConfig, HybridLayerKind};
 
-use super::attention::key_ranges_bytes;
+use super::attention::causal_plans_bytes;
 use super::{add, check_fits, gb, Arena, Item, Lifetime, Region};
 use crate::ops::attention::ranges::KeyRanges;
-use crate::ops::constants::TILE_K;
 use crate::ops::gdn::{segment_table_len, GdnShape};
 use crate::{Error, Result};
 
@@ -333,18 +332,18 @@ impl HybridLayout {
         let feature_rows = (0..f).map(|_| ar.take(INPUTS, Saved, "feature rows", &[t], 4)).collect::<Result<_>>()?;
         let (d, nh, nkv) = (config.head_dim, config.num_heads, config.num_kv_heads);
         if kinds.contains(&HybridLayerKind::Full) {
-            // Beside the allocation: the causal plan of each document length, at most one row
-            // group and one KV tile more per document than one plan of T (documents <= T).
+            // Beside the allocation: the causal plans.
             let group_rows = KeyRanges::causal_group_rows(nh / nkv);
-            let plans = key_ranges_bytes(t.div_ceil(group_rows) + t, TILE_K * (t.div_ceil(TILE_K) + t))?;
+            let plans = causal_plans_bytes(t, group_rows)?;
             ar.count("target attention key ranges", Input, plans);
         }
         const RESIDUAL: &str = "target residual stream and normed input";
         let x = ar.take(RESIDUAL, Saved, "x", &[t, h], e)?;
         let xn = ar.take(RESIDUAL, Saved, "xn", &[t, h], e)?;
         let inv = ar.take(RESIDUAL, Saved, "inv", &[t], a)?;
-        let features = ar.take("target features", Saved, "features", &[t, f * h], e)?;
+        let features = ar.take("target features", Saved, "features", &[t, f, h], e)?;
         let g = GdnShape::new(&config.gdn, t);
+        g.check()?;
         // Decoding's conv runs over the window's K-1 rows, then the launch's.
         let conv_rows = t + if decode.is_some() { g.conv_kernel - 1 } else { 0 };
         let ((gdn, attn), mlp) = ar.overlay(
@@ -379,11 +378,11 @@ impl HybridLayout {
                         const ATT: &str = "target gated attention scratch (one layer)";
                         let mut s = |what: &str, dims: &[usize], w: u64| ar.take(ATT, Layer, what, dims, w);
                         Ok(Some(GatedAttnScratch {
-                            q: s("q", &[t, nh * d], e)?,
-                            gate: s("gate", &[t, nh * d], e)?,
-                            k: s("k", &[t, nkv * d], e)?,
-                            v: s("v", &[t, nkv * d], e)?,
-                            out: s("attention out", &[t, nh * d], e)?,
+                            q: s("q", &[t, nh, d], e)?,
+                            gate: s("gate", &[t, nh, d], e)?,
+                            k: s("k", &[t, nkv, d], e)?,
+                            v: s("v", &[t, nkv, d], e)?,
+                            out: s("attention out", &[t, nh, d], e)?,
                             lse: s("lse", &[nh, t], a)?,
                             inv_q: s("inv_q", &[t, nh], a)?,
                             inv_k: s("inv_k", &[t, nkv], a)?,
@@ -394,7 +393,7 @@ impl HybridLayout {
             |ar| {
                 let mut s =
                     |what: &str, dims: &[usize]| ar.take("target MLP scratch (one layer)", Layer, what, dims, e);
-                Ok(HybridMlpScratch { gate_up: s("gate_up", &[t, 2 * i])?, h: s("h", &[t, i])? })
+                Ok(HybridMlpScratch { gate_up: s("gate_up", &[t, 2, i])?, h: s("h", &[t, i])? })
             },
         )?;
         let decode = match decode {

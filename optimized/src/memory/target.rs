@@ -11,10 +11,9 @@
 
 use dflash_reference::config::{TargetArch, TargetConfig};
 
-use super::attention::key_ranges_bytes;
+use super::attention::causal_plans_bytes;
 use super::{add, bytes_of, check_fits, gb, mul_usize, Arena, Item, Lifetime, Region};
 use crate::ops::attention::ranges::KeyRanges;
-use crate::ops::constants::TILE_K;
 use crate::{Error, Result};
 
 /// Sizes of one target launch, checked: every product below fits in `usize`.
@@ -276,11 +275,10 @@ impl TargetLayout {
         let cos = ar.take(INPUTS, Saved, "cos", &[t, z.d], a)?;
         let sin = ar.take(INPUTS, Saved, "sin", &[t, z.d], a)?;
         let feature_rows = (0..z.f).map(|_| ar.take(INPUTS, Saved, "feature rows", &[t], 4)).collect::<Result<_>>()?;
-        // Beside the allocation: the causal plan of each document length and layer kind, at most
-        // one row group and one KV tile more per document than one plan of T (documents <= T).
+        // Beside the allocation: the causal plans of each layer kind.
         let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);
         let kinds: std::collections::HashSet<_> = c.layer_kinds[..z.layers].iter().collect();
-        let plans = key_ranges_bytes(t.div_ceil(group_rows) + t, TILE_K * (t.div_ceil(TILE_K) + t))?;
+        let plans = causal_plans_bytes(t, group_rows)?;
         ar.count("target attention key ranges", Input, bytes_of("key ranges", &[kinds.len()], plans)?);
         let x = ar.take("target residual stream", Saved, "x", &[t, z.h], e)?;
         let xn = ar.take("target normed input", Saved, "xn", &[t, z.h], e)?;

@@ -58,6 +58,11 @@ impl HybridLayout {
     }
 }
 
+/// The widest a hybrid layer's dimension (or product of head count and head size) may be: 2^24
+/// values (the published hybrids' widest is the vocab, 248320), so that a weight's size, the
+/// product of two, stays far inside 64 bits; sizes with a launch's tokens are checked products.
+pub const MAX_WIDTH: usize = 1 << 24;
+
 /// Dimensions of the GatedDeltaNet layers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GdnDims {
@@ -236,11 +241,31 @@ impl HybridConfig {
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
             return Err(f.error("rms_norm_eps", format!("{rms_norm_eps} must be positive and finite")));
         }
+        let (intermediate_size, vocab_size) = (f.positive("intermediate_size")?, f.positive("vocab_size")?);
+        // Every width a layer's weights are made of, bounded (their products are plain ones).
+        let (gdn_k, gdn_v) =
+            (gdn.num_key_heads.checked_mul(gdn.key_head_dim), gdn.num_value_heads.checked_mul(gdn.value_head_dim));
+        let widths = [
+            ("hidden_size", Some(hidden_size)),
+            ("intermediate_size", Some(intermediate_size)),
+            ("vocab_size", Some(vocab_size)),
+            ("num_attention_heads x head_dim x 2 (the gated query)", num_heads.checked_mul(head_dim).and_then(|w| w.checked_mul(2))),
+            ("num_key_value_heads x head_dim", num_kv_heads.checked_mul(head_dim)),
+            ("linear_num_key_heads x linear_key_head_dim", gdn_k),
+            ("linear_num_value_heads x linear_value_head_dim", gdn_v),
+            ("2 x linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x linear_value_head_dim (the conv's channels)", gdn_k.and_then(|k| k.checked_mul(2)).zip(gdn_v).and_then(|(k, v)| k.checked_add(v))),
+            ("linear_conv_kernel_dim", Some(gdn.conv_kernel)),
+        ];
+        if let Some((name, width)) = widths.iter().find(|(_, w)| w.is_none_or(|w| w > MAX_WIDTH)) {
+            let is = width.map_or("overflows 64 bits".to_string(), |w| format!("is {w}"));
+            let field = name.split(' ').next().unwrap_or(name);
+            return Err(f.error(field, format!("{name} {is}: a layer's widths may be at most {MAX_WIDTH} values")));
+        }
         Ok(HybridConfig {
             layout,
             hidden_size,
-            intermediate_size: f.positive("intermediate_size")?,
-            vocab_size: f.positive("vocab_size")?,
+            intermediate_size,
+            vocab_size,
             layer_kinds: parse_layer_kinds(f)?,
             gdn,
             head_dim,

@@ -74,7 +74,8 @@ impl GdnShape {
         }
     }
 
-    /// Refuses empty sizes and `H_v` not a multiple of `H_k`.
+    /// Refuses empty sizes, `H_v` not a multiple of `H_k`, and sizes whose scratch
+    /// ([`GdnShape::scratch_values`]) or conv channels exceed the address space.
     pub fn check(&self) -> Result<()> {
         let sizes =
             [self.tokens, self.key_heads, self.value_heads, self.key_head_dim, self.value_head_dim, self.conv_kernel];
@@ -85,6 +86,22 @@ impl GdnShape {
             return Err(Error::invalid(
                 "GdnShape",
                 format!("{} value heads are not a multiple of {} key heads", self.value_heads, self.key_heads),
+            ));
+        }
+        let (hv, t, dk, dv) = (self.value_heads, self.tokens, self.key_head_dim, self.value_head_dim);
+        let products = [
+            hv.checked_mul(t).and_then(|n| n.checked_mul(dk.max(dv))),
+            hv.checked_mul(self.state_slots()).and_then(|n| n.checked_mul(dk)).and_then(|n| n.checked_mul(dv)),
+            self.key_heads
+                .checked_mul(dk)
+                .and_then(|k| k.checked_mul(2))
+                .zip(hv.checked_mul(dv))
+                .and_then(|(k, v)| k.checked_add(v)),
+        ];
+        if products.contains(&None) {
+            return Err(Error::invalid(
+                "GdnShape",
+                format!("{self:?}: the delta rule's buffers exceed the address space"),
             ));
         }
         Ok(())
