@@ -316,7 +316,50 @@ pub fn print_target_plan(
         shape.context_len
     );
     print!("{}", layout.render());
-    print_steps(config, run, target_bytes, true, "target + drafter step")
+    let chosen = print_steps(config, run, target_bytes, true, "target + drafter step")?;
+    print_topology(config, run, chosen, target_bytes, &format!("the target ({} with one launch)", gb(target_bytes)))?;
+    Ok(chosen)
+}
+
+/// The topology a target of `target_bytes` on the device (`what`) and its drafter call for, given
+/// the policy `chosen` for both on one device: one GPU for both; target workers on GPUs of their
+/// own (or an offline cache) when the target fits alone; an offline cache when it does not; and
+/// whether the drafter's step (its own LM head and the embedding table beside it, the most
+/// frugal policy of `run`) fits a GPU on its own at all.
+fn print_topology(
+    draft: &DraftConfig,
+    run: &PlanFor,
+    chosen: Option<Checkpointing>,
+    target_bytes: u64,
+    what: &str,
+) -> Result<(), String> {
+    let frugal = *run.policies.last().expect("a policy");
+    let step = plan_step(draft, run.shape, frugal, false, run.accumulate).map_err(|e| e.to_string())?.peak;
+    let tables = (draft.dims.vocab_size as u64)
+        .saturating_mul(draft.dims.hidden_size as u64)
+        .saturating_mul(dflash_optimized::memory::BF16);
+    let drafter_alone = step.saturating_add(tables).saturating_add(POLICY_HEADROOM) <= run.device_bytes;
+    if chosen.is_some() {
+        println!("topology: one GPU holds both (the single-GPU trainer); more GPUs add data-parallel pairs");
+    } else if !drafter_alone {
+        println!(
+            "topology: the drafter's step alone ({} under the {} policy, with its own LM head and the embedding table {}) does not fit one GPU at S={} N={}, whatever holds the target: lower --max-len or --anchors",
+            gb(step),
+            frugal.name(),
+            gb(tables),
+            run.shape.context_len,
+            run.shape.num_anchors
+        );
+    } else if target_bytes.saturating_add(POLICY_HEADROOM) <= run.device_bytes {
+        println!(
+            "topology: {what} does not share a GPU with the drafter: target workers on GPUs of their own, each a whole replica, and drafter workers on others, their features copied peer to peer (`train --target-workers T --drafter-workers D --gpus LIST`, target GPUs first); or its features cached offline first (`xtask features`)"
+        );
+    } else {
+        println!(
+            "topology: {what} does not fit one GPU, and a target worker holds a whole replica: cache its features offline first (`xtask features`)"
+        );
+    }
+    Ok(())
 }
 
 /// A Qwen3.5/3.6 hybrid target (spec section 10) `name` and the step of its drafter `draft`
@@ -379,20 +422,7 @@ pub fn print_hybrid_plan(
         );
     }
     let weights = plan.weight_bytes().map_err(err)?;
-    if chosen.is_some() {
-        println!("topology: one GPU holds both (the single-GPU trainer); more GPUs add data-parallel pairs");
-    } else if plan.bytes.saturating_add(POLICY_HEADROOM) <= device_bytes {
-        println!(
-            "topology: the target ({} of weights, {} with one launch) does not share a GPU with the drafter: target workers on GPUs of their own, each a whole replica, and drafter workers on others, their features copied peer to peer (`train --target-workers T --drafter-workers D --gpus LIST`, target GPUs first); or its features cached offline first (`xtask features`)",
-            gb(weights),
-            gb(plan.bytes)
-        );
-    } else {
-        println!(
-            "topology: the target ({} of weights, {} with one launch) does not fit one GPU, and a target worker holds a whole replica: cache its features offline first (`xtask features`)",
-            gb(weights),
-            gb(plan.bytes)
-        );
-    }
+    let what = format!("the target ({} of weights, {} with one launch)", gb(weights), gb(plan.bytes));
+    print_topology(draft, run, chosen, plan.bytes, &what)?;
     Ok(chosen)
 }

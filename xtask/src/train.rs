@@ -626,6 +626,15 @@ fn real_run(
                 if policies != [Checkpointing::PerLayer] { ", or --checkpointing per-layer" } else { "" }
             ),
         }
+        match config.step {
+            StepKind::Gpu => {}
+            StepKind::Host => println!(
+                "(the plan above is the GPU step's, bf16 storage on one H200; `--step host` lays the same step out with f32 storage, more bytes, in this machine's free memory, which the run checks before it loads the target)"
+            ),
+            StepKind::Reference => println!(
+                "(the plan above is the GPU step's, bf16 storage on one H200; `--step reference` runs candle's autograd on the CPU, which it does not describe)"
+            ),
+        }
         if config.shard_optimizer {
             print_sharded_optimizer(d, shape, config.drafter_workers)?;
         }

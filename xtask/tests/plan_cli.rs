@@ -65,6 +65,7 @@ fn plan_target_and_bench_target_options() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("target LM head") && stdout.contains("target + drafter step"), "{stdout}");
+    assert!(stdout.contains("topology: one GPU holds both"), "{stdout}");
     // --config's drafter is planned against the target (read, not ignored: this one does not
     // fit it), and rows beyond the target's positions are refused as `train` refuses them.
     let drafter = fixture.join("../drafter/config.json");
@@ -108,6 +109,18 @@ fn plan_target_and_bench_target_options() {
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
+    // The 27B hybrid at S=262144, N=32768: its drafter's step alone does not fit one GPU, so no
+    // topology is offered but shorter rows.
+    let big = tmp.path().join("27b");
+    std::fs::create_dir_all(&big).unwrap();
+    let config = dflash_optimized::memory::named::qwen3_5_27b_target().to_value();
+    std::fs::write(big.join("config.json"), config.to_string()).unwrap();
+    let out = std::process::Command::new(xtask)
+        .args(["plan", "--target", big.to_str().unwrap(), "--seq", "262144", "--anchors", "32768"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("topology: the drafter's step alone") && stdout.contains("lower --max-len"), "{stdout}");
     let cases: [(&[&str], &str); 30] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
