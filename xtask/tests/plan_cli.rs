@@ -100,12 +100,16 @@ fn plan_target_and_bench_target_options() {
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
     });
     std::fs::write(hybrid.join("config.json"), config.to_string()).unwrap();
-    let out = std::process::Command::new(xtask)
-        .args(["plan", "--target", hybrid.to_str().unwrap(), "--seq", "256", "--anchors", "16"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // `plan --target DIR --seq S --anchors N`: its stdout, after it succeeded.
+    let plan_target = |dir: &std::path::Path, seq: &str, anchors: &str| {
+        let out = std::process::Command::new(xtask)
+            .args(["plan", "--target", dir.to_str().unwrap(), "--seq", seq, "--anchors", anchors])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let stdout = plan_target(&hybrid, "256", "16");
     for needle in ["hybrid target", "GatedDeltaNet scratch", "gated attention weights", "fits", "topology: one GPU"] {
         assert!(stdout.contains(needle), "no `{needle}` in {stdout}");
     }
@@ -115,11 +119,7 @@ fn plan_target_and_bench_target_options() {
     std::fs::create_dir_all(&big).unwrap();
     let config = dflash_optimized::memory::named::qwen3_5_27b_target().to_value();
     std::fs::write(big.join("config.json"), config.to_string()).unwrap();
-    let out = std::process::Command::new(xtask)
-        .args(["plan", "--target", big.to_str().unwrap(), "--seq", "262144", "--anchors", "32768"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = plan_target(&big, "262144", "32768");
     assert!(stdout.contains("topology: the drafter's step alone") && stdout.contains("lower --max-len"), "{stdout}");
     let cases: [(&[&str], &str); 30] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
