@@ -84,6 +84,7 @@ fn edit_safetensors(dir: &Path, file: &str, edit: impl FnOnce(&mut HashMap<Strin
 #[case::missing_hidden_size("target-qwen3", "/hidden_size", None, "hidden_size")]
 #[case::missing_vocab_size("drafter", "/vocab_size", None, "vocab_size")]
 #[case::layers_as_string("target-qwen3", "/num_hidden_layers", Some(json!("3")), "num_hidden_layers")]
+#[case::layers_1e15("target-qwen3", "/num_hidden_layers", Some(json!(1_000_000_000_000_000u64)), "num_hidden_layers")]
 #[case::negative_heads("target-llama", "/num_attention_heads", Some(json!(-4)), "num_attention_heads")]
 #[case::eps_as_string("target-llama", "/rms_norm_eps", Some(json!("small")), "rms_norm_eps")]
 #[case::tie_as_string("target-qwen3", "/tie_word_embeddings", Some(json!("yes")), "tie_word_embeddings")]

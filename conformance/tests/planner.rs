@@ -348,6 +348,8 @@ fn one_row_per_update_plans_a_chunk_instead_of_the_accumulator() {
 #[case::key_head_dim_2_pow_30("linear_key_head_dim", 1 << 30, "linear_num_key_heads x linear_key_head_dim is")]
 #[case::heads_2_pow_59("num_attention_heads", 1 << 59, "num_attention_heads x head_dim x 2")]
 #[case::intermediate_2_pow_40("intermediate_size", 1 << 40, "intermediate_size is")]
+#[case::conv_channels("linear_key_head_dim", 1 << 19, "field `linear_num_key_heads`: 2 x linear_num_key_heads")]
+#[case::layers_1e15("num_hidden_layers", 1_000_000_000_000_000, "above the 4096 layers")]
 fn absurd_hybrid_configs_are_clear_errors(#[case] key: &str, #[case] value: u64, #[case] needle: &str) {
     use dflash_reference::hybrid::HybridConfig;
     let mut config = dflash_optimized::memory::named::qwen3_5_27b_target().to_value();

@@ -48,7 +48,7 @@ impl ModelDims {
 
     fn parse(f: &Fields) -> Result<Self> {
         let hidden_size = f.positive("hidden_size")?;
-        let num_layers = f.positive("num_hidden_layers")?;
+        let num_layers = num_layers(f)?;
         let num_heads = f.positive("num_attention_heads")?;
         let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
@@ -388,6 +388,19 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
             other => Err(f.error(&format!("layer_types[{i}]"), format!("unknown layer type `{other}`"))),
         })
         .collect()
+}
+
+/// The most layers a config may have: 4096, 32 times the deepest published model's (Llama 3.1
+/// 405B: 126), so that an absurd count is an error naming it, not an allocation abort.
+pub const MAX_LAYERS: usize = 1 << 12;
+
+/// `num_hidden_layers`, at least 1 and at most [`MAX_LAYERS`].
+pub(crate) fn num_layers(f: &Fields) -> Result<usize> {
+    let n = f.positive("num_hidden_layers")?;
+    if n > MAX_LAYERS {
+        return Err(f.error("num_hidden_layers", format!("{n} is above the {MAX_LAYERS} layers a config may have")));
+    }
+    Ok(n)
 }
 
 /// The spec's default `target_layer_ids` for `num_target_layers` layers and `n` features:

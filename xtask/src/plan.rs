@@ -334,16 +334,24 @@ fn print_topology(
     what: &str,
 ) -> Result<(), String> {
     let frugal = *run.policies.last().expect("a policy");
-    let step = plan_step(draft, run.shape, frugal, false, run.accumulate).map_err(|e| e.to_string())?.peak;
+    // A drafter worker beside target workers keeps the gradient accumulator.
+    let step = plan_step(draft, run.shape, frugal, false, true).map_err(|e| e.to_string())?.peak;
     let tables = (draft.dims.vocab_size as u64)
         .saturating_mul(draft.dims.hidden_size as u64)
         .saturating_mul(dflash_optimized::memory::BF16);
     let drafter_alone = step.saturating_add(tables).saturating_add(POLICY_HEADROOM) <= run.device_bytes;
+    let shared = plan_step(draft, run.shape, frugal, true, run.accumulate).map_err(|e| e.to_string())?.peak;
+    let without_decoders = target_bytes.saturating_add(shared).saturating_add(POLICY_HEADROOM) <= run.device_bytes;
     if chosen.is_some() {
         println!("topology: one GPU holds both (the single-GPU trainer); more GPUs add data-parallel pairs");
+    } else if run.beside > 0 && without_decoders {
+        println!(
+            "topology: one GPU holds both without the real tau's decoders ({}): `--tau-prompts 0`, or shorter rows or fewer anchors",
+            gb(run.beside)
+        );
     } else if !drafter_alone {
         println!(
-            "topology: the drafter's step alone ({} under the {} policy, with its own LM head and the embedding table {}) does not fit one GPU at S={} N={}, whatever holds the target: lower --max-len or --anchors",
+            "topology: the drafter's step alone ({} under the {} policy, with its own LM head and the embedding table {}) does not fit one GPU at S={} N={}, whatever holds the target: shorter rows or fewer anchors",
             gb(step),
             frugal.name(),
             gb(tables),

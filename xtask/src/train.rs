@@ -1183,6 +1183,13 @@ fn check_fits(
         return Ok(());
     }
     let size = metrics::size_text;
+    if online && fixed > free {
+        return Err(format!(
+            "memory: the target's forward alone needs {} on {device}, which has {} free: its features cached offline first (`cargo xtask features`, then `--features CACHE`), or target workers on GPUs of their own (`--target-workers`, `--gpus`)",
+            size(fixed),
+            size(free)
+        ));
+    }
     Err(format!(
         "memory: the run needs at least {} on {device}, which has {} free: {fixed_name} {}, the step under its most frugal policy ({}) {}{}; lower --max-len or --anchors{}{}",
         size(need),
@@ -1209,7 +1216,7 @@ fn devices(config: &RunConfig, launch: &Launch) -> usize {
 
 /// The positions the real tau's decoders hold: the longest prompt and `new_tokens` after it.
 fn tau_context(prompts: &[Vec<u32>], new_tokens: usize) -> usize {
-    prompts.iter().map(Vec::len).max().unwrap_or(0) + new_tokens
+    prompts.iter().map(Vec::len).max().unwrap_or(0).saturating_add(new_tokens)
 }
 
 /// The tau of `drafter` over `prompts` (`new_tokens` each) with the cached decoders (its weights

@@ -1227,31 +1227,55 @@ fn processes_joined_through_the_rendezvous_train_like_one() {
 }
 
 /// A run whose least memory (the target's forward, the step under per-layer checkpointing) is
-/// above what the device has free is refused naming both, before the drafter is initialized or
-/// the target loaded, and nothing is written to its folder (the CPU twins: host memory).
+/// above what the device has free (here 8 GB: the CPU twins, with the host's memory set by the
+/// test hook) is refused naming the parts, before the drafter is initialized or the target loaded,
+/// and nothing is written to its folder; a target whose forward alone is above it is told to
+/// cache its features offline or give the target GPUs of its own.
 #[test]
 fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
     write_target_folder(&target, rand::rng().random()).unwrap();
-    // Positions for rows of 2^25 tokens: a step of about half a terabyte.
     let config_file = target.join("config.json");
     let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_file).unwrap()).unwrap();
     config["max_position_embeddings"] = (1u64 << 25).into();
     std::fs::write(&config_file, config.to_string()).unwrap();
-    let (cache, out) = (tmp.path().join("cache"), tmp.path().join("run"));
-    let mut args = real_args(&target, &cache, &out, &["--step", "host", "--steps", "1"]);
-    for (flag, value) in [("--max-len", (1u64 << 25).to_string()), ("--anchors", "4000000".to_string())] {
-        let at = args.iter().position(|a| a == flag).unwrap();
-        args[at + 1] = value;
+    // Rows of 2^20 tokens with 10^6 anchors: a forward of about 1.4 GB, a step of about 54 GB;
+    // rows of 2^23 tokens: a forward of about 11 GB.
+    let cases = [
+        (
+            (1u64 << 20).to_string(),
+            "1000000",
+            &["memory: the run needs at least", "the target's forward", "(per-layer)"][..],
+        ),
+        ((1u64 << 23).to_string(), "8", &["memory: the target's forward alone needs", "cargo xtask features"][..]),
+    ];
+    for (seq, anchors, needles) in cases {
+        let (cache, out) = (tmp.path().join("cache"), tmp.path().join(format!("run-{seq}")));
+        let mut args = real_args(&target, &cache, &out, &["--step", "host", "--steps", "1"]);
+        for (flag, value) in [("--max-len", seq.as_str()), ("--anchors", anchors)] {
+            let at = args.iter().position(|a| a == flag).unwrap();
+            args[at + 1] = value.to_string();
+        }
+        let started = Instant::now();
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(&args)
+            .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, (8u64 << 30).to_string())
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
+        assert!(!result.status.success(), "{stdout}");
+        for needle in needles {
+            assert!(
+                stderr.contains(needle) && stderr.contains("on the CPU, which has 8.59 GB free"),
+                "`{needle}`: {stderr}"
+            );
+        }
+        assert!(
+            !stdout.contains("trainable parameters") && !stdout.contains("target forward"),
+            "work began:\n{stdout}"
+        );
+        assert!(!out.join("metrics.jsonl").exists(), "the run folder was written");
+        assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
     }
-    let started = Instant::now();
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
-    let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
-    assert!(!result.status.success(), "{stdout}");
-    assert!(stderr.contains("memory: the run needs at least") && stderr.contains("on the CPU, which has"), "{stderr}");
-    assert!(stderr.contains("the target's forward") && stderr.contains("(per-layer)"), "{stderr}");
-    assert!(!stdout.contains("trainable parameters") && !stdout.contains("target forward"), "work began:\n{stdout}");
-    assert!(!out.join("metrics.jsonl").exists(), "the run folder was written");
-    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
 }

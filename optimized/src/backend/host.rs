@@ -65,9 +65,16 @@ impl<E> Default for Host<E> {
     }
 }
 
+/// Test-only hook: bytes [`host_available_bytes`] reports instead of the host's (so that a test
+/// of a refusal for memory gives the same outcome on any machine).
+pub const HOST_AVAILABLE_ENV: &str = "DFLASH_TEST_HOST_AVAILABLE";
+
 /// The memory the host can give new allocations without swapping: `MemAvailable` of
-/// `/proc/meminfo` (`None` where it cannot be read).
+/// `/proc/meminfo` (`None` where it cannot be read), or [`HOST_AVAILABLE_ENV`] where set.
 pub fn host_available_bytes() -> Option<u64> {
+    if let Some(bytes) = std::env::var(HOST_AVAILABLE_ENV).ok().and_then(|v| v.parse().ok()) {
+        return Some(bytes);
+    }
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kb = text.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?;
     kb.trim().parse::<u64>().ok()?.checked_mul(1024)

@@ -258,7 +258,7 @@ impl HybridConfig {
         ];
         if let Some((name, width)) = widths.iter().find(|(_, w)| w.is_none_or(|w| w > MAX_WIDTH)) {
             let is = width.map_or("overflows 64 bits".to_string(), |w| format!("is {w}"));
-            let field = name.split(' ').next().unwrap_or(name);
+            let field = name.split(' ').find(|w| w.contains('_')).unwrap_or(name);
             return Err(f.error(field, format!("{name} {is}: a layer's widths may be at most {MAX_WIDTH} values")));
         }
         Ok(HybridConfig {
@@ -376,7 +376,7 @@ fn check_names(f: &Fields, model_type: &str, architecture: &str) -> Result<()> {
 
 /// `layer_types`, or else `full_attention_interval` (default 4). When both are given they must agree.
 fn parse_layer_kinds(f: &Fields) -> Result<Vec<HybridLayerKind>> {
-    let num_layers = f.positive("num_hidden_layers")?;
+    let num_layers = crate::config::num_layers(f)?;
     let interval = f.opt_usize("full_attention_interval")?;
     if interval == Some(0) {
         return Err(f.error("full_attention_interval", "must be at least 1"));
