@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use dflash_optimized::memory::failure::failure_modes;
-use dflash_optimized::memory::gb;
 use dflash_optimized::memory::named::{named_configs, DEFAULT_LM_CHUNK_ROWS};
 use dflash_optimized::memory::step::{plan_step, Checkpointing, StepShape, POLICY_HEADROOM};
+use dflash_optimized::memory::{gb, table_bytes};
 use dflash_reference::config::DraftConfig;
 use dflash_reference::target::TargetKind;
 
@@ -181,7 +181,7 @@ pub struct PlanFor<'a> {
 /// spare (what `DeviceEngine` picks).
 pub fn print_offline_plan(config: &DraftConfig, run: &PlanFor) -> Result<Option<Checkpointing>, String> {
     let c = &config.dims;
-    let tables = (c.vocab_size * c.hidden_size) as u64 * dflash_optimized::memory::BF16;
+    let tables = table_bytes(c, dflash_optimized::memory::BF16);
     println!("== offline (features from the cache; no target on the device): embedding table {}", gb(tables));
     print_steps(config, run, tables, false, "drafter step + embedding table")
 }
@@ -245,7 +245,7 @@ pub fn print_workers_plan(
         );
     }
     let beside = drafter_gpus.iter().map(|&g| on(g)).max().unwrap_or(0);
-    let tables = (draft.dims.vocab_size * draft.dims.hidden_size) as u64 * BF16;
+    let tables = table_bytes(&draft.dims, BF16);
     println!(
         "== a drafter worker's GPU: the embedding table {} and {beside} target worker(s) beside it {}",
         gb(tables),
@@ -336,9 +336,7 @@ fn print_topology(
     let frugal = *run.policies.last().expect("a policy");
     // A drafter worker beside target workers keeps the gradient accumulator.
     let step = plan_step(draft, run.shape, frugal, false, true).map_err(|e| e.to_string())?.peak;
-    let tables = (draft.dims.vocab_size as u64)
-        .saturating_mul(draft.dims.hidden_size as u64)
-        .saturating_mul(dflash_optimized::memory::BF16);
+    let tables = table_bytes(&draft.dims, dflash_optimized::memory::BF16);
     let drafter_alone = step.saturating_add(tables).saturating_add(POLICY_HEADROOM) <= run.device_bytes;
     let shared = plan_step(draft, run.shape, frugal, true, run.accumulate).map_err(|e| e.to_string())?.peak;
     let without_decoders = target_bytes.saturating_add(shared).saturating_add(POLICY_HEADROOM) <= run.device_bytes;

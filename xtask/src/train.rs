@@ -586,7 +586,7 @@ fn real_run(
         let mut decoders = 0;
         if config.tau_prompts > 0 && config.step != StepKind::Reference {
             let context = tau_context(&prompts, config.tau_tokens);
-            let widths = if config.step == StepKind::Gpu { (2, 4) } else { (4, 4) };
+            let widths = storage_widths(config.step);
             decoders = dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths)
                 .map_err(|e| e.to_string())?;
             println!(
@@ -1125,6 +1125,15 @@ impl Cli {
     }
 }
 
+/// Bytes per value (stored, arithmetic) of a step of `step`'s kind: bf16 and fp32 on the GPU,
+/// f32 on the CPU twins.
+fn storage_widths(step: StepKind) -> (u64, u64) {
+    match step {
+        StepKind::Gpu => (2, 4),
+        _ => (4, 4),
+    }
+}
+
 /// Refuses, before the target is loaded or anything allocated, a run whose least memory on its
 /// drafter device exceeds what the device has free: the target's forward (online) or the
 /// embedding table (offline), the step under its most frugal policy, and the real tau's
@@ -1145,10 +1154,7 @@ fn check_fits(
     }
     let err = |e: dflash_optimized::Error| e.to_string();
     let (t, d) = (&setup.target_config, &setup.draft_config);
-    let widths = match config.step {
-        StepKind::Gpu => (2, 4),
-        _ => (4, 4),
-    };
+    let widths = storage_widths(config.step);
     let online = setup.cache.is_none();
     let (s, ids) = (shape.context_len, &d.target_layer_ids);
     let (fixed_name, fixed) = match (online, t) {
@@ -1159,10 +1165,7 @@ fn check_fits(
         (true, TargetKind::Hybrid(t)) => {
             ("the target's forward", HybridTargetPlan::new(t, ids, s, widths).map_err(err)?.bytes)
         }
-        (false, _) => (
-            "the embedding table",
-            (d.dims.vocab_size as u64).saturating_mul(d.dims.hidden_size as u64).saturating_mul(widths.0),
-        ),
+        (false, _) => ("the embedding table", dflash_optimized::memory::table_bytes(&d.dims, widths.0)),
     };
     let policy = *config.checkpointing.policies().last().expect("a policy");
     let optimizer = OptimizerShape::whole(StepDims::new(d, shape).map_err(err)?.params, config.accumulates_gradients());

@@ -41,6 +41,12 @@ pub fn mul_usize(what: &str, a: usize, b: usize) -> Result<usize> {
     a.checked_mul(b).ok_or_else(|| Error::invalid(what, format!("{a} x {b} does not fit in {} bits", usize::BITS)))
 }
 
+/// Bytes of a model's `[V, H]` table (the embedding table, or an LM head) stored at `width`
+/// bytes per value (saturating: a size past 64 bits reads as never fitting).
+pub fn table_bytes(dims: &dflash_reference::config::ModelDims, width: u64) -> u64 {
+    (dims.vocab_size as u64).saturating_mul(dims.hidden_size as u64).saturating_mul(width)
+}
+
 /// Renders `bytes` as GB (1e9 bytes) with 3 decimals.
 pub fn gb(bytes: u64) -> String {
     format!("{:.3} GB", bytes as f64 / 1e9)
