@@ -200,9 +200,9 @@ impl Cache {
         }
         let word = |i: usize| u64::from_le_bytes(footer[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         let (index_offset, n_docs, stats_offset, stats_len) = (word(0), word(1), word(2), word(3));
-        if index_offset.checked_add(n_docs * ENTRY as u64) != Some(stats_offset)
-            || stats_offset + stats_len + FOOTER as u64 != len
-        {
+        let entries = n_docs.checked_mul(ENTRY as u64).and_then(|b| index_offset.checked_add(b));
+        let end = stats_offset.checked_add(stats_len).and_then(|b| b.checked_add(FOOTER as u64));
+        if entries != Some(stats_offset) || end != Some(len) {
             return Err(corrupt("inconsistent footer"));
         }
         // Every byte between the key and the footer against the sha256 the writer recorded.

@@ -11,10 +11,11 @@
 //! - `index.json`: the format, the provenance (hashes of what the features depend on), the
 //!   feature width, and each complete shard (documents, tokens, bytes).
 //!
-//! Nothing half-written is ever listed: a shard is written under `.tmp`, synced and renamed,
-//! then the index is rewritten the same way. A killed writer resumes after the last listed shard
-//! (shard boundaries are a function of the documents and the shard size); a listed shard whose
-//! size differs from the index is reported by name.
+//! Nothing half-written is ever listed: a shard is written under `.tmp`, synced, renamed and its
+//! folder synced, then the index is rewritten the same way. A killed writer resumes after the
+//! last listed shard (shard boundaries are a function of the documents and the shard size),
+//! writing again a listed shard whose size differs from the index and those after it; the
+//! reader refuses such a shard by name.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -96,17 +97,18 @@ pub fn provenance(target: &Path, layer_ids: &[usize], data_key: &[u8; 32]) -> Re
 /// `{"input_ids": [...], "loss_mask": [0|1, ...]}` per document, in order. Returns (N, T).
 pub fn export_documents(cache: &crate::cache::Cache, file: &Path) -> Result<(usize, u64)> {
     let tokens: u64 = (0..cache.len()).map(|i| cache.doc_len(i) as u64).sum();
-    let mut text =
-        serde_json::json!({"dflash_documents": 1, "data": hex(&cache.key), "documents": cache.len(), "tokens": tokens})
-            .to_string();
-    text.push('\n');
-    for i in 0..cache.len() {
-        let doc = cache.document(i)?;
-        let mask: Vec<u8> = doc.loss_mask.iter().map(|&m| u8::from(m)).collect();
-        text.push_str(&serde_json::json!({"input_ids": doc.tokens, "loss_mask": mask}).to_string());
-        text.push('\n');
-    }
-    write_synced(file, text.as_bytes())?;
+    // Streamed, one document at a time: a data set of a billion tokens is gigabytes of text.
+    write_synced(file, |w| {
+        let header = serde_json::json!({"dflash_documents": 1, "data": hex(&cache.key), "documents": cache.len(), "tokens": tokens});
+        writeln!(w, "{header}").map_err(|e| Error::io(file, e))?;
+        for i in 0..cache.len() {
+            let doc = cache.document(i)?;
+            let mask: Vec<u8> = doc.loss_mask.iter().map(|&m| u8::from(m)).collect();
+            let line = serde_json::json!({"input_ids": doc.tokens, "loss_mask": mask});
+            writeln!(w, "{line}").map_err(|e| Error::io(file, e))?;
+        }
+        Ok(())
+    })?;
     Ok((cache.len(), tokens))
 }
 
@@ -192,7 +194,8 @@ impl FeatureIndex {
 
     fn write(&self, dir: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self).map_err(|e| Error::field(dir, "index", e.to_string()))?;
-        write_synced(&dir.join("index.json"), text.as_bytes())
+        let file = dir.join("index.json");
+        write_synced(&file, |w| w.write_all(text.as_bytes()).map_err(|e| Error::io(&file, e)))
     }
 
     /// The first provenance entry that differs from `want`, as an error on `file` naming the
@@ -222,16 +225,22 @@ impl FeatureIndex {
     }
 }
 
-/// Writes `bytes` to `file` under a temporary name, syncs, renames, and syncs the folder.
-fn write_synced(file: &Path, bytes: &[u8]) -> Result<()> {
+/// Writes `file` through `fill` under a temporary name, syncs, renames, and syncs the folder.
+fn write_synced(file: &Path, fill: impl FnOnce(&mut std::io::BufWriter<File>) -> Result<()>) -> Result<()> {
     let tmp = tmp_name(file);
-    let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| Error::io(&tmp, e))?;
+    let mut w = std::io::BufWriter::new(File::create(&tmp).map_err(|e| Error::io(&tmp, e))?);
+    fill(&mut w)?;
+    let f = w.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
+    f.sync_all().map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, file).map_err(|e| Error::io(file, e))?;
-    if let Some(dir) = file.parent() {
-        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, e))?;
-    }
-    Ok(())
+    sync_folder(file)
+}
+
+/// Syncs the folder holding `file` (a rename is durable only once its folder is): the current
+/// folder for a bare file name.
+fn sync_folder(file: &Path) -> Result<()> {
+    let dir = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, e))
 }
 
 fn tmp_name(file: &Path) -> PathBuf {
@@ -257,13 +266,16 @@ pub struct FeatureWriter {
     tokens: Vec<u32>,
     mask: Vec<u8>,
     doc_offsets: Vec<i64>,
+    /// Why a listed shard is written again (lost or cut short), to tell the user.
+    pub rewritten: Option<String>,
 }
 
 impl FeatureWriter {
     /// Opens `dir` for `index` (whose `shards` is ignored): a new cache, or the one there when its
-    /// provenance, width and shard size match, continuing after its last complete shard. Fails,
-    /// naming the differing entry, when a cache of other provenance is there; leftover temporary
-    /// files are removed.
+    /// provenance, width and shard size match, continuing after its last complete shard (a listed
+    /// shard missing or of another size is written again, with those after it: `rewritten` says
+    /// why). Fails, naming the differing entry, when a cache of other provenance is there;
+    /// leftover temporary files are removed.
     pub fn open(dir: &Path, mut index: FeatureIndex) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let file = dir.join("index.json");
@@ -273,6 +285,7 @@ impl FeatureWriter {
             true => Some(FeatureIndex::read(&file)?),
             false => None,
         };
+        let mut rewritten = None;
         // A cache begun with no shard written holds nothing to keep: begun again for this run.
         if let Some(old) = old.filter(|old| !old.shards.is_empty()) {
             if let Some(mismatch) =
@@ -285,10 +298,23 @@ impl FeatureWriter {
             if !same {
                 return Err(Error::field(&file, "index", "width, shard size or documents differ from this run's"));
             }
-            for shard in &old.shards {
-                check_shard_size(dir, shard)?;
-            }
             index.shards = old.shards;
+            // A shard lost or cut short (a crash before the file system kept it, a copy that
+            // stopped): it and the shards after it are written again (their contents are a
+            // function of the documents and the shard size).
+            if let Some(k) = index.shards.iter().position(|s| shard_size_mismatch(dir, s).is_some()) {
+                let why = shard_size_mismatch(dir, &index.shards[k]).expect("a mismatch");
+                let name = dir.join(&index.shards[k].file);
+                for shard in index.shards.drain(k..) {
+                    let path = dir.join(&shard.file);
+                    match std::fs::remove_file(&path) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&path, e)),
+                        _ => {}
+                    }
+                }
+                let from = index.next_doc();
+                rewritten = Some(format!("{}: {why}; writing it again from document {from}", name.display()));
+            }
         }
         for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
             let path = entry.map_err(|e| Error::io(dir, e))?.path();
@@ -306,6 +332,7 @@ impl FeatureWriter {
             tokens: vec![],
             mask: vec![],
             doc_offsets: vec![0],
+            rewritten,
         })
     }
 
@@ -444,6 +471,7 @@ fn write_safetensors(path: &Path, tensors: &[(&str, &str, Vec<usize>, &[u8])], m
     let f = f.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
     f.sync_all().map_err(io)?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+    sync_folder(path)?;
     Ok((8 + text.len() + offset) as u64)
 }
 
@@ -464,20 +492,26 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
     Ok(s.f_bavail as u64 * s.f_frsize as u64)
 }
 
-fn check_shard_size(dir: &Path, shard: &ShardEntry) -> Result<()> {
-    let path = dir.join(&shard.file);
-    let len = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?.len();
-    if len != shard.bytes {
-        return Err(Error::field(
-            &path,
-            "size",
-            format!(
-                "{len} bytes but the index lists {} (truncated or rewritten); delete the cache and rerun",
-                shard.bytes
-            ),
-        ));
+/// Why `shard`'s file is not the one the index lists: missing, or of another size.
+fn shard_size_mismatch(dir: &Path, shard: &ShardEntry) -> Option<String> {
+    match std::fs::metadata(dir.join(&shard.file)) {
+        Err(e) => Some(format!("cannot be read ({e})")),
+        Ok(m) if m.len() != shard.bytes => {
+            Some(format!("{} bytes but the index lists {} (truncated or rewritten)", m.len(), shard.bytes))
+        }
+        Ok(_) => None,
     }
-    Ok(())
+}
+
+fn check_shard_size(dir: &Path, shard: &ShardEntry) -> Result<()> {
+    match shard_size_mismatch(dir, shard) {
+        Some(why) => Err(Error::field(
+            dir.join(&shard.file),
+            "size",
+            format!("{why}; rerun `cargo xtask features` with this cache's options to write it again"),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// One shard, memory-mapped, with its tensors located.
@@ -573,9 +607,8 @@ fn open_shard(dir: &Path, entry: &ShardEntry, fw: usize) -> Result<Shard> {
     let bad = |m: String| Error::field(&path, "header", m);
     let n = u64::from_le_bytes(map.get(..8).ok_or_else(|| bad("shorter than 8 bytes".into()))?.try_into().expect("8"))
         as usize;
-    let header: serde_json::Value = serde_json::from_slice(map.get(8..8 + n).ok_or_else(|| bad("truncated".into()))?)
-        .map_err(|e| bad(e.to_string()))?;
-    let data = 8 + n;
+    let data = n.checked_add(8).filter(|&d| d <= map.len()).ok_or_else(|| bad("truncated".into()))?;
+    let header: serde_json::Value = serde_json::from_slice(&map[8..data]).map_err(|e| bad(e.to_string()))?;
     // A tensor's byte range: inside the file and exactly its shape's size in its dtype.
     let locate = |name: &str, dtype: &str, width: usize, shape: &[usize]| -> Result<(usize, usize)> {
         let t = &header[name];

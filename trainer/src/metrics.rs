@@ -111,6 +111,8 @@ pub struct Reporter {
     jsonl: Option<File>,
     bar: Option<ProgressBar>,
     total_steps: usize,
+    /// The step this process started at (0, or the resumed checkpoint's): the ETA's pace.
+    first_step: usize,
     since: Instant,
     tokens: u64,
     samples: u64,
@@ -142,11 +144,11 @@ impl Reporter {
         });
         if bar.is_none() && !quiet {
             println!(
-                "{:>6} {:>9} {:>8} {:>10} {:>10} {:>9} {:>9}",
-                "step", "loss", "tau_hat", "lr", "grad norm", "tok/s", "elapsed"
+                "{:>6} {:>9} {:>8} {:>10} {:>10} {:>9} {:>9} {:>9}",
+                "step", "loss", "tau_hat", "lr", "grad norm", "tok/s", "elapsed", "ETA"
             );
         }
-        Ok(Reporter { file, jsonl: Some(jsonl), bar, quiet, ..Reporter::silent(total_steps) })
+        Ok(Reporter { file, jsonl: Some(jsonl), bar, quiet, first_step, ..Reporter::silent(total_steps) })
     }
 
     /// A reporter that writes nothing and prints only skipped steps (on stderr): a rank other
@@ -158,6 +160,7 @@ impl Reporter {
             jsonl: None,
             bar: None,
             total_steps,
+            first_step: 0,
             since: now,
             tokens: 0,
             samples: 0,
@@ -247,10 +250,14 @@ impl Reporter {
         let tau = tau_hat.map_or("-".to_string(), |t| format!("{t:.3}"));
         match &self.bar {
             Some(bar) => bar.set_message(format!("loss {loss:.4} tau_hat {tau} lr {lr:.2e}")),
-            None if !self.quiet => println!(
-                "{step:>6} {loss:>9.4} {tau:>8} {lr:>10.3e} {grad_norm:>10.3} {tokens_per_s:>9.0} {:>8.1}s",
-                self.started.elapsed().as_secs_f64()
-            ),
+            None if !self.quiet => {
+                let elapsed = self.started.elapsed().as_secs_f64();
+                let left =
+                    eta(elapsed, (step + 1).saturating_sub(self.first_step), self.total_steps.saturating_sub(step + 1));
+                println!(
+                    "{step:>6} {loss:>9.4} {tau:>8} {lr:>10.3e} {grad_norm:>10.3} {tokens_per_s:>9.0} {elapsed:>8.1}s {left:>9}"
+                )
+            }
             None => {}
         }
         Ok(())
@@ -297,6 +304,20 @@ impl Reporter {
 
     pub fn total_steps(&self) -> usize {
         self.total_steps
+    }
+}
+
+/// The time `left` more units take at the pace of `done` units in `elapsed` seconds, as
+/// `1h02m` / `3m05s` / `42s` (`-` before the first unit).
+pub fn eta(elapsed: f64, done: usize, left: usize) -> String {
+    if done == 0 {
+        return "-".into();
+    }
+    let s = (elapsed / done as f64 * left as f64).round() as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
     }
 }
 

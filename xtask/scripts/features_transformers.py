@@ -11,8 +11,10 @@ usage:
 The documents (tokens and loss masks, in the data set's order, with the data's provenance in the
 first line) come from the Rust pipeline, so both writers cache the same tokens. Each document runs
 alone (positions from 0); layer id l is the output of decoder layer l (a forward hook on it, never
-the final-norm output). Shards are written under a temporary name and renamed, then index.json;
-a rerun continues after the last listed shard.
+the final-norm output). The cache's size is printed first and a disk too small refused. Shards
+are written under a temporary name, synced and renamed (and their folder synced), then index.json;
+a rerun continues after the last listed shard, writing again a listed shard that is missing or of
+another size (and those after it). Non-finite features are refused, naming the document.
 """
 import argparse
 import hashlib
@@ -20,12 +22,16 @@ import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import torch
 import transformers
 
 FORMAT = "dflash-features-1"
+# Bytes of metadata per token in a shard: token u32, mask u8, document i64, position u32
+# (META_BYTES_PER_TOKEN in data/src/features.rs).
+META_BYTES_PER_TOKEN = 4 + 1 + 8 + 4
 
 
 def sha256_files(paths):
@@ -76,6 +82,13 @@ def decoder_layers(model, num_layers):
     raise SystemExit(f"error: no decoder-layer list of {num_layers} layers in {type(model).__name__}")
 
 
+def sync_folder(path):
+    """Syncs the folder holding `path` (a rename is durable only once its folder is)."""
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
 def write_synced(path, data):
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
@@ -83,9 +96,51 @@ def write_synced(path, data):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    sync_folder(path)
+
+
+class Documents:
+    """The export's documents, read one at a time (a data set of a billion tokens does not fit in
+    Python lists): the byte offset of each line is kept, the line parsed when asked for."""
+
+    def __init__(self, path):
+        self.file = open(path, "rb")
+        self.header = json.loads(self.file.readline())
+        if self.header.get("dflash_documents") != 1:
+            raise SystemExit(f"error: {path}: not an export of `cargo xtask features --export-documents`")
+        self.offsets = []
+        while True:
+            at = self.file.tell()
+            line = self.file.readline()
+            if not line:
+                break
+            if line.strip():
+                self.offsets.append(at)
+        if len(self.offsets) != self.header["documents"]:
+            raise SystemExit(f"error: {path}: {len(self.offsets)} documents, the header says {self.header['documents']}")
+
+    def __len__(self):
+        return len(self.offsets)
+
+    def __getitem__(self, i):
+        self.file.seek(self.offsets[i])
+        return json.loads(self.file.readline())
+
+
+def gb(n):
+    return f"{n / 1e9:.2f} GB"
+
+
+def eta(elapsed, done, left):
+    """As `eta` in trainer/src/metrics.rs."""
+    if done == 0:
+        return "-"
+    s = round(elapsed / done * left)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def main():
@@ -99,13 +154,12 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = p.parse_args()
 
-    with open(a.documents) as f:
-        header = json.loads(f.readline())
-        if header.get("dflash_documents") != 1:
-            raise SystemExit(f"error: {a.documents}: not an export of `cargo xtask features --export-documents`")
-        docs = [json.loads(line) for line in f if line.strip()]
-    if len(docs) != header["documents"]:
-        raise SystemExit(f"error: {a.documents}: {len(docs)} documents, the header says {header['documents']}")
+    if not (math.isfinite(a.shard_gb) and a.shard_gb > 0):
+        raise SystemExit(f"error: --shard-gb {a.shard_gb}: a positive size expected")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise SystemExit(f"error: --out {a.out}: exists and is not a folder")
+    docs = Documents(a.documents)
+    header = docs.header
 
     config = transformers.AutoConfig.from_pretrained(a.target)
     tc = text_config(config)
@@ -131,10 +185,33 @@ def main():
         if not same:
             raise SystemExit(f"error: {index_path}: a cache of other provenance or options; choose another --out")
         index["shards"] = old["shards"]
+    # A listed shard lost or cut short: it and those after it are written again (their contents
+    # are a function of the documents and the shard size).
+    for k, shard in enumerate(index["shards"]):
+        path = os.path.join(a.out, shard["file"])
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size != shard["bytes"]:
+            why = "cannot be read" if size is None else f"{size} bytes but the index lists {shard['bytes']}"
+            for later in index["shards"][k:]:
+                if os.path.isfile(os.path.join(a.out, later["file"])):
+                    os.remove(os.path.join(a.out, later["file"]))
+            index["shards"] = index["shards"][:k]
+            print(f"{path}: {why}; writing it again from document {shard['first_doc']}", file=sys.stderr)
+            break
     for name in os.listdir(a.out):
         if name.endswith(".tmp"):
             os.remove(os.path.join(a.out, name))
     write_synced(index_path, json.dumps(index, indent=2).encode())
+    width = len(ids) * hidden
+    total = header["tokens"] * (2 * width + META_BYTES_PER_TOKEN)
+    needed = max(total - sum(s["bytes"] for s in index["shards"]), 0)
+    st = os.statvfs(a.out)
+    free = st.f_bavail * st.f_frsize
+    print(f"{len(docs)} documents, {header['tokens']} tokens; features of layers {ids} ({width} values per token, "
+          f"bf16): {gb(total)} in all, {gb(needed)} still to write, {gb(free)} free at {a.out}", file=sys.stderr)
+    if needed > free:
+        raise SystemExit(f"error: {a.out}: the cache needs {gb(needed)} more but the disk has {gb(free)} free; "
+                         f"free space or choose another --out")
 
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(a.device).eval()
@@ -152,12 +229,18 @@ def main():
         print(f"continuing after document {first} ({len(index['shards'])} complete shards)", file=sys.stderr)
     buf = {"features": [], "tokens": [], "loss_mask": [], "doc_ids": [], "positions": [], "offsets": [0]}
     shard_first = first
+    started = time.monotonic()
     for i in range(first, len(docs)):
         d = docs[i]
         ids_t = torch.tensor([d["input_ids"]], device=a.device)
         with torch.no_grad():
             model(input_ids=ids_t, use_cache=False)
         feats = torch.cat([captured[l] for l in ids], dim=-1).to(torch.bfloat16).cpu()
+        finite = torch.isfinite(feats).all(dim=-1)
+        if not bool(finite.all()):
+            token = int((~finite).nonzero()[0][0])
+            raise SystemExit(f"error: document {i}: the target's features hold NaN or Inf (token {token}): "
+                             f"its weights or config")
         n = len(d["input_ids"])
         buf["features"].append(feats.view(torch.int16).numpy().view(np.uint16))
         buf["tokens"].append(np.array(d["input_ids"], dtype=np.uint32))
@@ -184,7 +267,10 @@ def main():
             index["shards"].append({"file": name, "first_doc": shard_first, "docs": docs_in,
                                     "tokens": int(buf["offsets"][-1]), "bytes": os.path.getsize(path)})
             write_synced(index_path, json.dumps(index, indent=2).encode())
-            print(f"shard {len(index['shards'])}: documents {shard_first}..{shard_first + docs_in}", file=sys.stderr)
+            elapsed = time.monotonic() - started
+            print(f"shard {len(index['shards'])}: documents {shard_first}..{shard_first + docs_in} of {len(docs)}, "
+                  f"{(i + 1 - first) / max(elapsed, 1e-9):.1f} documents/s, ETA {eta(elapsed, i + 1 - first, len(docs) - i - 1)}",
+                  file=sys.stderr)
             shard_first += docs_in
             buf = {"features": [], "tokens": [], "loss_mask": [], "doc_ids": [], "positions": [], "offsets": [0]}
     for h in handles:
@@ -210,6 +296,7 @@ def write_safetensors(path, tensors, metadata):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    sync_folder(path)
 
 
 if __name__ == "__main__":

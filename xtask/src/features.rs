@@ -4,7 +4,7 @@
 //! stopped.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use dflash_data::features::{export_documents, free_bytes, provenance, Entry, FeatureIndex, FeatureWriter};
@@ -18,6 +18,7 @@ use dflash_optimized::model::TargetFeatures;
 use dflash_reference::config::training_target_layer_ids;
 use dflash_reference::data::Row;
 use dflash_reference::target::TargetKind;
+use dflash_trainer::metrics::eta;
 use dflash_trainer::real::load_forward;
 
 use crate::data::{data_options, parse_data_args};
@@ -69,9 +70,20 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let Some((files, opts)) = parse_data_args(args, OPTIONS, HELP)? else { return Ok(()) };
     let export: PathBuf = opts.get("export-documents", PathBuf::new())?;
     if !export.as_os_str().is_empty() {
+        // Before the data is read: the file's folder must be there, the file not a folder.
+        let folder = export.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if export.is_dir() || !folder.is_dir() {
+            return Err(format!(
+                "option `--export-documents`: {} is a folder, or its folder is missing",
+                export.display()
+            ));
+        }
         let (target_dir, data_opts) = data_options(&opts)?;
         let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
         let data = Dataset::prepare(&tokenizer, &files, &data_opts).map_err(|e| e.to_string())?;
+        if let Some(warning) = data.stats().unended_warning() {
+            println!("data: {warning}");
+        }
         let (docs, tokens) = export_documents(&data.cache, &export).map_err(|e| e.to_string())?;
         println!("wrote {docs} documents ({tokens} tokens) to {}", export.display());
         return Ok(());
@@ -160,6 +172,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             gb(needed),
             gb(free)
         ));
+    }
+    if let Some(why) = &writer.rewritten {
+        println!("{why}");
     }
     if writer.next_doc() > 0 {
         println!("continuing after document {} ({} complete shards)", writer.next_doc(), writer.index.shards.len());
@@ -262,8 +277,13 @@ fn write_all<B: Backend>(
         if let Some(bar) = &bar {
             bar.set_position((next - first) as u64);
         } else if writer.index.shards.len() > shards {
-            let rate = (next - first) as f64 / started.elapsed().as_secs_f64().max(1e-9);
-            println!("shard {} complete: {next}/{docs} documents, {rate:.1} documents/s", writer.index.shards.len());
+            let elapsed = started.elapsed().as_secs_f64();
+            let rate = (next - first) as f64 / elapsed.max(1e-9);
+            let left = eta(elapsed, next - first, docs - next);
+            println!(
+                "shard {} complete: {next}/{docs} documents, {rate:.1} documents/s, ETA {left}",
+                writer.index.shards.len()
+            );
         }
         shards = writer.index.shards.len();
     }

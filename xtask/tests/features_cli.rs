@@ -1,7 +1,8 @@
 //! `cargo xtask features` through the binary, on the CPU twins: a small random Qwen3 target with
 //! the fixture tokenizer over the fixture conversations. The cache holds every document with the
 //! reference's features; a run killed with SIGKILL and rerun gives the same bytes as one that was
-//! not; a truncated shard and a cache of other provenance are refused by name.
+//! not, as does a rerun over a truncated or lost shard; a cache of other provenance is refused by
+//! name. The documents export for the transformers writer holds the cache's documents.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -56,6 +57,7 @@ fn the_cache_holds_every_document_with_the_reference_features() {
     let model = write_target_folder(&target, 1).unwrap();
     let stdout = ok(&run(command(&target, &out, &data, &[])));
     assert!(stdout.contains("documents,") && stdout.contains("free at"), "size estimate missing:\n{stdout}");
+    assert!(stdout.contains("documents/s, ETA "), "progress lines (stdout is not a terminal) missing:\n{stdout}");
     let cache = FeatureCache::open(&out, None).unwrap();
     assert!(cache.index.shards.len() > 2, "several shards expected, got {}", cache.index.shards.len());
     assert_eq!(cache.index.layer_ids, vec![0, 1]);
@@ -74,6 +76,28 @@ fn the_cache_holds_every_document_with_the_reference_features() {
         assert!(err <= GPU_KERNEL_BF16.rel, "document {i}: features off by {err:.2e}");
     }
     assert_eq!(total as u64, cache.index.tokens);
+
+    // The documents export for the transformers writer, to a bare file name (in the current
+    // folder): the header's data key and counts, then each cached document's tokens and mask.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    c.current_dir(tmp.path()).arg("features").args(["--target", target.to_str().unwrap()]);
+    c.args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()]);
+    c.args(["--cache", data.to_str().unwrap(), "--max-len", "512", "--export-documents", "docs.jsonl"]);
+    ok(&run(c));
+    let text = std::fs::read_to_string(tmp.path().join("docs.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0]["data"].as_str(), Some(cache.index.provenance["data"].as_str()));
+    assert_eq!(
+        (lines[0]["documents"].as_u64(), lines[0]["tokens"].as_u64()),
+        (Some(cache.len() as u64), Some(total as u64))
+    );
+    assert_eq!(lines.len(), cache.len() + 1);
+    for (i, line) in lines[1..].iter().enumerate() {
+        let doc = cache.doc(i).unwrap();
+        let mask: Vec<bool> = line["loss_mask"].as_array().unwrap().iter().map(|m| m == 1).collect();
+        assert_eq!(line["input_ids"], serde_json::json!(doc.tokens), "document {i}");
+        assert_eq!(mask, doc.loss_mask, "document {i}");
+    }
 }
 
 /// Waits until `out/index.json` lists a shard, then SIGKILLs `child` (the writer pauses after
@@ -111,15 +135,20 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("provenance.layer_ids"), "{stderr}");
 
-    // A truncated shard is named, by the reader and by a rerun.
+    // A truncated shard is named by the reader; a rerun writes it (and those after it) again,
+    // saying so, to the same bytes. A lost shard file is the same case.
     let shard = resumed.join("shard-00001.safetensors");
     let bytes = std::fs::read(&shard).unwrap();
     std::fs::write(&shard, &bytes[..bytes.len() - 10]).unwrap();
     let err = FeatureCache::open(&resumed, None).err().expect("a truncated shard must not open").to_string();
     assert!(err.contains("shard-00001.safetensors") && err.contains("truncated"), "{err}");
-    let out = run(command(&target, &resumed, &data, &[]));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("shard-00001.safetensors"), "{stderr}");
+    let stdout = ok(&run(command(&target, &resumed, &data, &[])));
+    assert!(stdout.contains("shard-00001.safetensors") && stdout.contains("writing it again"), "{stdout}");
+    assert_eq!(files(&whole), files(&resumed), "a repaired cache differs from an uninterrupted one");
+    std::fs::remove_file(resumed.join("shard-00000.safetensors")).unwrap();
+    let stdout = ok(&run(command(&target, &resumed, &data, &[])));
+    assert!(stdout.contains("shard-00000.safetensors: cannot be read"), "{stdout}");
+    assert_eq!(files(&whole), files(&resumed), "a repaired cache differs from an uninterrupted one");
 
     // An index whose shards are not consecutive documents of files in its folder is named.
     let index_file = whole.join("index.json");
