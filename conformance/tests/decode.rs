@@ -270,3 +270,57 @@ fn bad_temperatures_are_errors() {
     }
     assert_eq!(Sampling::new(0.0, 3).expect("greedy"), Sampling::Greedy);
 }
+
+/// Proves the stop at an end-of-sequence id in the cached decoder on the f64 twins: with a stop
+/// set holding an id of the unstopped greedy output (at a random index, past the first read-back
+/// of the plain decode at times) and one absent from it, its speculative decode equals the
+/// reference's, tokens and every accept length, and its plain decode equals the reference's and
+/// ends at the first stop id; for fresh random pairs, the trained built-in pair, a hybrid, and
+/// under seeded sampling. An empty stop set decodes `max_new` tokens.
+#[test]
+fn cached_decoding_stops_as_the_reference() {
+    use dflash_conformance::decode_cases::{pair_decoder, DecodedTarget};
+    use dflash_reference::speculative::{plain_decode_until, speculative_decode_until};
+    fn check<T: DecodedTarget>(pair: &Pair<T>, prompt: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> bool {
+        let max_new = rng.random_range(1..=40);
+        let mut decoder = pair_decoder(pair, host, prompt.len() + max_new).expect("decoder");
+        let free = decoder.plain_decode_until(prompt, max_new, sampling, &[]).expect("plain");
+        assert_eq!(free.len(), max_new, "{}: an empty stop set", pair.name);
+        let id = free[rng.random_range(0..max_new)];
+        let first = free.iter().position(|&t| t == id).expect("taken from it");
+        let absent = (0..pair.target.vocab_size() as u32).find(|t| !free.contains(t));
+        let stop: Vec<u32> = absent.into_iter().chain([id]).collect();
+        let plain = decoder.plain_decode_until(prompt, max_new, sampling, &stop).expect("plain");
+        let want_plain = plain_decode_until(&pair.target, prompt, max_new, sampling, &stop).expect("reference plain");
+        assert_eq!((&plain, &want_plain[..]), (&want_plain, &free[..=first]), "{}: stop {stop:?}", pair.name);
+        let (ours, _) = decoder.speculative_decode_until(prompt, max_new, sampling, &stop).expect("speculative");
+        let want = speculative_decode_until(&pair.target, &pair.drafter, prompt, max_new, sampling, &stop)
+            .expect("reference speculative");
+        assert_eq!(ours, want, "{}: stop {stop:?}", pair.name);
+        assert_eq!(ours.tokens, want_plain, "{}: stop {stop:?}", pair.name);
+        ours.accept_lengths.iter().sum::<usize>() > ours.tokens.len()
+    }
+    // Fresh inputs each run; the root seed reproduces them.
+    let root: u64 = rand::rng().random();
+    eprintln!("root seed {root}");
+    let mut rng = ChaCha8Rng::seed_from_u64(root);
+    let mut cut_inside = 0;
+    for _ in 0..12 {
+        let pair = random_pair(rng.random(), rng.random_range(2..=6));
+        let prompt = random_prompt(rng.random_range(1..=9), pair.target.config.dims.vocab_size, &mut rng);
+        cut_inside += usize::from(check(&pair, &prompt, &Sampling::Greedy, &mut rng));
+    }
+    let pair = builtin_pair(candle_core::DType::F64);
+    for i in 0..4 {
+        let prompt = random_prompt(16, pair.target.config.dims.vocab_size, &mut rng);
+        let sampling = match i {
+            3 => Sampling::new(1.0, rng.random()).expect("sampling"),
+            _ => Sampling::Greedy,
+        };
+        cut_inside += usize::from(check(&pair, &prompt, &sampling, &mut rng));
+    }
+    let hybrid = &hybrid_pairs(rng.random(), 4, candle_core::DType::F64)[0];
+    let prompt = random_prompt(9, hybrid.target.config.vocab_size, &mut rng);
+    check(hybrid, &prompt, &Sampling::Greedy, &mut rng);
+    assert!(cut_inside > 0, "root seed {root}: no stop fell inside a verify step");
+}

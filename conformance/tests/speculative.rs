@@ -1,6 +1,6 @@
 //! Greedy speculative decoding (spec section 4) against plain greedy decoding: lossless output,
-//! accept lengths that are the longest agreeing draft prefixes, tau in `[1, B]`, and errors
-//! (not panics) on a mismatched drafter or an empty prompt.
+//! accept lengths that are the longest agreeing draft prefixes, tau in `[1, B]`, the stop at an
+//! end-of-sequence id, and errors (not panics) on a mismatched drafter or an empty prompt.
 
 use std::cell::Cell;
 
@@ -11,7 +11,9 @@ use dflash_conformance::decode_cases::{
 use dflash_conformance::setups::random_target_config;
 use dflash_reference::config::AttnKind;
 use dflash_reference::drafter::DraftInput;
-use dflash_reference::speculative::{argmax_rows, greedy_decode, speculative_decode, SpecOutput};
+use dflash_reference::speculative::{
+    argmax_rows, greedy_decode, plain_decode_until, speculative_decode, speculative_decode_until, Sampling, SpecOutput,
+};
 use dflash_reference::target::Target;
 use dflash_reference::target::TargetModel;
 use proptest::prelude::*;
@@ -198,4 +200,82 @@ fn a_hybrid_target_decodes_losslessly() {
     let other = Drafter::init(deeper, 4, DType::F32).expect("drafter");
     let err = speculative_decode(&target, &other, &[1, 2, 3], 4).expect_err("another depth").to_string();
     assert!(err.contains("num_target_layers 9 but the target's is 8"), "{err}");
+}
+
+/// One stop check: `pair` on `prompt`, with a stop set holding an id of the unstopped greedy
+/// output (at a random index: the set cannot be vacuous) and an id that is no token of it (or
+/// none). The stopped speculative decode equals the stopped greedy decode, and both are the
+/// unstopped greedy output through the first occurrence of the stop id; the accept lengths are
+/// those of a decode cut at that many tokens (the last step's `A + 1` counted whole). Returns
+/// whether the stop cut tokens off its verify step.
+fn check_stop(pair: &Pair, prompt: &[u32], max_new: usize, rng: &mut impl Rng) -> Result<bool, String> {
+    let b = pair.drafter.config.block_size;
+    let greedy = greedy_decode(&pair.target, prompt, max_new + b - 1).map_err(|e| format!("greedy_decode: {e}"))?;
+    let id = greedy[rng.random_range(0..max_new)];
+    let first = greedy.iter().position(|&t| t == id).expect("taken from it");
+    let absent = (0..pair.target.config.dims.vocab_size as u32).find(|t| !greedy[..=first].contains(t));
+    let mut stop: Vec<u32> = absent.into_iter().chain([id]).collect();
+    if rng.random_bool(0.5) {
+        stop.reverse();
+    }
+    let want = &greedy[..=first];
+    let plain = plain_decode_until(&pair.target, prompt, max_new, &Sampling::Greedy, &stop)
+        .map_err(|e| format!("plain_decode_until: {e}"))?;
+    if plain != want {
+        return Err(format!("stop {stop:?}: greedy {plain:?}, the unstopped greedy through {id} is {want:?}"));
+    }
+    let out = speculative_decode_until(&pair.target, &pair.drafter, prompt, max_new, &Sampling::Greedy, &stop)
+        .map_err(|e| format!("speculative_decode_until: {e}"))?;
+    if out.tokens != want {
+        return Err(format!("stop {stop:?}: speculative {:?}, greedy {want:?}", out.tokens));
+    }
+    let lengths = expected_accept_lengths(pair, prompt, &greedy, first + 1);
+    if out.accept_lengths != lengths {
+        return Err(format!("stop {stop:?}: accept lengths {:?}, want {lengths:?}", out.accept_lengths));
+    }
+    Ok(out.accept_lengths.iter().sum::<usize>() > out.tokens.len())
+}
+
+/// Proves the stop at an end-of-sequence id on fresh random tiny targets, drafters (block 2-6)
+/// and prompts, and on the trained built-in pair (drafts accepted several at a time, so the stop
+/// often falls inside a verify step): greedy and speculative decoding with the same stop set end
+/// at its first id in the output, token for token, with the accept lengths of a decode cut there;
+/// under seeded sampling the two stopped decodes agree too; an empty stop set decodes `max_new`.
+#[test]
+fn speculative_and_greedy_decoding_stop_at_the_same_end_id() {
+    // Fresh inputs each run; the root seed in every failure reproduces them.
+    let root: u64 = rand::rng().random();
+    let mut rng = ChaCha8Rng::seed_from_u64(root);
+    let mut cut_inside = 0;
+    for case in 0..30 {
+        let seed: u64 = rng.random();
+        let b = rng.random_range(2..=6);
+        let pair = random_pair(seed, b);
+        let prompt = random_prompt(rng.random_range(1..=8), pair.target.config.dims.vocab_size, &mut rng);
+        let max_new = rng.random_range(1..=20);
+        let cut = check_stop(&pair, &prompt, max_new, &mut rng)
+            .unwrap_or_else(|e| panic!("root seed {root}, case {case} (block {b}, {max_new} new): {e}"));
+        cut_inside += usize::from(cut);
+    }
+    let pair = dflash_conformance::decode_cases::builtin_pair(DType::F64);
+    let vocab = pair.target.config.dims.vocab_size;
+    for case in 0..6 {
+        let prompt = random_prompt(16, vocab, &mut rng);
+        let cut = check_stop(&pair, &prompt, 32, &mut rng)
+            .unwrap_or_else(|e| panic!("root seed {root}, built-in pair, case {case}: {e}"));
+        cut_inside += usize::from(cut);
+    }
+    assert!(cut_inside > 0, "root seed {root}: no stop fell inside a verify step: the cut of a step never ran");
+
+    // Seeded sampling: speculative and plain sampling stop at the same place.
+    let prompt = random_prompt(16, vocab, &mut rng);
+    let sampling = Sampling::new(1.0, rng.random()).unwrap();
+    let free = plain_decode_until(&pair.target, &prompt, 24, &sampling, &[]).unwrap();
+    assert_eq!(free.len(), 24, "an empty stop set decodes max_new tokens");
+    let stop = [free[rng.random_range(0..24)]];
+    let first = free.iter().position(|t| *t == stop[0]).unwrap();
+    let plain = plain_decode_until(&pair.target, &prompt, 24, &sampling, &stop).unwrap();
+    let spec = speculative_decode_until(&pair.target, &pair.drafter, &prompt, 24, &sampling, &stop).unwrap();
+    let want = &free[..=first];
+    assert_eq!((&plain[..], &spec.tokens[..]), (want, want), "root seed {root}: sampled, stop {stop:?}");
 }

@@ -117,6 +117,17 @@ fn field(map: &Value, name: &str) -> Option<Value> {
 
 /// Parses one line (already stripped of its newline) into a [`Record`].
 pub fn parse_record(line: &str) -> Result<Record, Skip> {
+    parse_line(line, true)
+}
+
+/// [`parse_record`] for a prompt: pre-tokenized `input_ids` may come without `loss_mask` (then
+/// the mask is all false: nothing supervised, the ids a prompt as given). Training data
+/// ([`parse_record`]) still needs the mask.
+pub fn parse_prompt_record(line: &str) -> Result<Record, Skip> {
+    parse_line(line, false)
+}
+
+fn parse_line(line: &str, mask_required: bool) -> Result<Record, Skip> {
     let value = parse_json(line).map_err(|e| malformed(format!("invalid JSON at column {}: {e}", e.column())))?;
     if value.kind() != minijinja::value::ValueKind::Map {
         return Err(malformed("not a JSON object"));
@@ -133,7 +144,7 @@ pub fn parse_record(line: &str) -> Result<Record, Skip> {
         return Ok(Record::Text(text.to_owned()));
     }
     if let Some(ids) = field(&value, "input_ids") {
-        return tokens_record(&ids, field(&value, "loss_mask"));
+        return tokens_record(&ids, field(&value, "loss_mask"), mask_required);
     }
     Err(Skip::new(SkipReason::UnknownFormat, "no `messages`, `conversations`, `text` or `input_ids` field"))
 }
@@ -145,7 +156,7 @@ fn list(value: &Value, what: &str) -> Result<Vec<Value>, Skip> {
     Ok(value.try_iter().map(|it| it.collect()).unwrap_or_default())
 }
 
-fn tokens_record(ids: &Value, mask: Option<Value>) -> Result<Record, Skip> {
+fn tokens_record(ids: &Value, mask: Option<Value>, mask_required: bool) -> Result<Record, Skip> {
     let ids = list(ids, "input_ids")?
         .iter()
         .enumerate()
@@ -157,7 +168,11 @@ fn tokens_record(ids: &Value, mask: Option<Value>) -> Result<Record, Skip> {
                 .ok_or_else(|| malformed(format!("field `input_ids[{i}]`: `{v}` is not a token id")))
         })
         .collect::<Result<Vec<u32>, Skip>>()?;
-    let mask = mask.ok_or_else(|| malformed("field `loss_mask`: missing next to `input_ids`"))?;
+    let mask = match mask {
+        Some(mask) => mask,
+        None if !mask_required => return Ok(Record::Tokens { loss_mask: vec![false; ids.len()], ids }),
+        None => return Err(malformed("field `loss_mask`: missing next to `input_ids`")),
+    };
     let loss_mask = list(&mask, "loss_mask")?
         .iter()
         .enumerate()

@@ -10,12 +10,13 @@ use crate::target::Target;
 /// The result of a speculative decode.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SpecOutput {
-    /// The generated tokens (prompt excluded), exactly `max_new` of them.
+    /// The generated tokens (prompt excluded): `max_new` of them, or fewer where a stop id came
+    /// first (then it is the last token, as engines return it). Those the plain decode emits.
     pub tokens: Vec<u32>,
     /// `A + 1` for every verify step (accepted drafts plus the bonus token), in `[1, B]`, the last
-    /// step's too where `max_new` cuts its tokens (spec section 4's tau, as the published taus
-    /// count it: the drafter's acceptance, not the budget's cut), so they sum to at least the
-    /// tokens generated.
+    /// step's too where `max_new` or a stop id cuts its tokens (spec section 4's tau, as the
+    /// published taus count it: the drafter's acceptance, not the budget's or the stop's cut), so
+    /// they sum to at least the tokens generated.
     pub accept_lengths: Vec<usize>,
 }
 
@@ -24,6 +25,24 @@ impl SpecOutput {
     pub fn tau(&self) -> f64 {
         self.accept_lengths.iter().sum::<usize>() as f64 / self.accept_lengths.len().max(1) as f64
     }
+
+    /// Adds one verify step that emits `emitted` (the bonus and the `A` accepted drafts): its
+    /// `A + 1` whole, and its tokens up to the first of two cuts, `max_new` tokens in all or the
+    /// first id of `stop` (kept as the last token); true when decoding ends here (either cut
+    /// reached). Both decoders' one rule for cutting the last step.
+    pub fn push_step(&mut self, emitted: &[u32], max_new: usize, stop: &[u32]) -> bool {
+        self.accept_lengths.push(emitted.len());
+        let room = max_new.saturating_sub(self.tokens.len());
+        let upto = stop_len(emitted, stop);
+        self.tokens.extend(&emitted[..upto.min(room)]);
+        upto < emitted.len() || emitted.last().is_some_and(|t| stop.contains(t)) || self.tokens.len() >= max_new
+    }
+}
+
+/// The length of `tokens` through their first id in `stop` (all of them when none is; an empty
+/// `stop` never stops).
+pub fn stop_len(tokens: &[u32], stop: &[u32]) -> usize {
+    tokens.iter().position(|t| stop.contains(t)).map_or(tokens.len(), |i| i + 1)
 }
 
 /// The acceptance of many speculative decodes with blocks of `B`.
@@ -176,12 +195,28 @@ pub fn greedy_decode(target: &dyn Target, prompt: &[u32], max_new: usize) -> Res
 
 /// Plain decoding: `max_new` tokens, each the target's choice under `sampling` after all before.
 pub fn plain_decode(target: &dyn Target, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>> {
+    plain_decode_until(target, prompt, max_new, sampling, &[])
+}
+
+/// [`plain_decode`] that ends after the first token in `stop` (the target's end-of-sequence ids;
+/// the stop id is the last token returned, as engines return it) or at `max_new` tokens,
+/// whichever comes first; an empty `stop` decodes `max_new` tokens.
+pub fn plain_decode_until(
+    target: &dyn Target,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: &Sampling,
+    stop: &[u32],
+) -> Result<Vec<u32>> {
     check_prompt(prompt)?;
     let mut seq = prompt.to_vec();
     for _ in 0..max_new {
         let logits = target.forward(&seq, &[])?.logits;
         let next = sampling.choose_rows(&logits.narrow(0, seq.len() - 1, 1)?, seq.len())?[0];
         seq.push(next);
+        if stop.contains(&next) {
+            break;
+        }
     }
     Ok(seq.split_off(prompt.len()))
 }
@@ -209,6 +244,21 @@ pub fn speculative_decode_with(
     max_new: usize,
     sampling: &Sampling,
 ) -> Result<SpecOutput> {
+    speculative_decode_until(target, drafter, prompt, max_new, sampling, &[])
+}
+
+/// [`speculative_decode_with`] that ends after the first token in `stop` (the target's
+/// end-of-sequence ids) or at `max_new` tokens: the last verify step's tokens after the first cut
+/// are dropped, its `A + 1` counted whole ([`SpecOutput::push_step`]); the output equals
+/// [`plain_decode_until`]'s with the same `stop`. An empty `stop` decodes `max_new` tokens.
+pub fn speculative_decode_until(
+    target: &dyn Target,
+    drafter: &Drafter,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: &Sampling,
+    stop: &[u32],
+) -> Result<SpecOutput> {
     check_prompt(prompt)?;
     target.check_drafter(&drafter.config)?;
     let layer_ids = &drafter.config.target_layer_ids;
@@ -219,7 +269,8 @@ pub fn speculative_decode_with(
     let mut bonus = sampling.choose_rows(&prefill.logits.narrow(0, prompt.len() - 1, 1)?, prompt.len())?[0];
     let mut seq = prompt.to_vec();
     let mut out = SpecOutput { tokens: Vec::new(), accept_lengths: Vec::new() };
-    while out.tokens.len() < max_new {
+    let mut done = max_new == 0;
+    while !done {
         let n = seq.len();
         let draft_logits = drafter.forward(&head, &DraftInput::inference(features, bonus, b)?)?;
         let draft_logits = draft_logits.narrow(0, 1, b - 1)?;
@@ -234,13 +285,10 @@ pub fn speculative_decode_with(
         let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
         seq.push(bonus);
         seq.extend(&drafts[..accepted]);
-        out.accept_lengths.push(accepted + 1);
-        out.tokens.push(bonus);
-        out.tokens.extend(&drafts[..accepted]);
+        done = out.push_step(&seq[n..], max_new, stop);
         bonus = chosen[accepted];
         features = Tensor::cat(&checked.hidden, 1)?.narrow(0, 0, seq.len())?;
     }
-    out.tokens.truncate(max_new);
     Ok(out)
 }
 
@@ -262,6 +310,25 @@ mod tests {
         a.add(&SpecOutput { tokens: vec![], accept_lengths: vec![4] });
         assert_eq!(a.tau_over_steps(), 14.0 / 6.0);
         assert_eq!(a.tau_over_prompts(), 8.0 / 3.0);
+    }
+
+    /// One rule cuts the last verify step: at `max_new` tokens or after the first stop id,
+    /// whichever comes first, its `A + 1` counted whole either way; an empty stop set never stops.
+    #[test]
+    fn a_step_is_cut_at_max_new_or_after_the_first_stop_id() {
+        let step = |emitted: &[u32], max_new, stop: &[u32]| {
+            let mut out = SpecOutput { tokens: vec![9], accept_lengths: vec![1] };
+            let done = out.push_step(emitted, max_new, stop);
+            (out.tokens, out.accept_lengths, done)
+        };
+        assert_eq!(step(&[1, 2, 3], 10, &[]), (vec![9, 1, 2, 3], vec![1, 3], false));
+        assert_eq!(step(&[1, 2, 3], 3, &[]), (vec![9, 1, 2], vec![1, 3], true));
+        assert_eq!(step(&[1, 2, 3], 10, &[7, 2]), (vec![9, 1, 2], vec![1, 3], true));
+        assert_eq!(step(&[1, 2, 3], 10, &[3]), (vec![9, 1, 2, 3], vec![1, 3], true));
+        assert_eq!(step(&[1, 2, 3], 2, &[3]), (vec![9, 1], vec![1, 3], true));
+        assert_eq!(step(&[1, 2, 3], 10, &[9]), (vec![9, 1, 2, 3], vec![1, 3], false));
+        assert_eq!(stop_len(&[4, 5, 4], &[4]), 1);
+        assert_eq!(stop_len(&[4, 5, 4], &[]), 3);
     }
 
     /// A decoder's choice refuses logits holding a NaN or an Inf anywhere (their argmax, token 0,

@@ -13,7 +13,7 @@ use dflash_reference::data::TrainRow;
 use dflash_reference::drafter::{param_shapes, Drafter};
 use dflash_reference::hybrid::hybrid_param_shapes;
 use dflash_reference::optim::AdamWConfig;
-use dflash_reference::speculative::{greedy_decode, speculative_decode, Acceptance};
+use dflash_reference::speculative::{plain_decode_until, speculative_decode_until, Acceptance, Sampling};
 use dflash_reference::target::Target;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -116,14 +116,21 @@ pub fn adamw_config(c: &RunConfig) -> AdamWConfig {
     AdamWConfig { lr: c.lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, weight_decay: c.weight_decay }
 }
 
-/// The tau of greedy speculative decoding over `prompts` (`new_tokens` each) as spec section 4
-/// defines it: the mean of `A + 1` over all verify steps of all prompts; checks that the output
-/// is identical to plain greedy decoding.
-pub fn mean_tau(target: &dyn Target, drafter: &Drafter, prompts: &[Vec<u32>], new_tokens: usize) -> Result<f64> {
+/// The tau of greedy speculative decoding over `prompts` (up to `new_tokens` each, ending after
+/// an id of `stop`: the target's end-of-turn ids) as spec section 4 defines it: the mean of
+/// `A + 1` over all verify steps of all prompts; checks that the output is identical to plain
+/// greedy decoding.
+pub fn mean_tau(
+    target: &dyn Target,
+    drafter: &Drafter,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+    stop: &[u32],
+) -> Result<f64> {
     let mut acceptance = Acceptance::new(drafter.config.block_size);
     for prompt in prompts {
-        let spec = speculative_decode(target, drafter, prompt, new_tokens)?;
-        let greedy = greedy_decode(target, prompt, new_tokens)?;
+        let spec = speculative_decode_until(target, drafter, prompt, new_tokens, &Sampling::Greedy, stop)?;
+        let greedy = plain_decode_until(target, prompt, new_tokens, &Sampling::Greedy, stop)?;
         if spec.tokens != greedy {
             return Err(Error::option("speculative decoding", "output differs from plain greedy decoding"));
         }

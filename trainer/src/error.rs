@@ -68,3 +68,12 @@ impl Error {
         Error::Checkpoint { dir: dir.into(), message: message.into() }
     }
 }
+
+/// The message a panic carried (a thread's, caught so that it becomes the run's error).
+pub fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|m| m.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}

@@ -77,16 +77,7 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
     let layers = target_config.num_layers();
     target_config.check_row_len(c.max_len, &config_file).map_err(|why| Error::option("max_len", why))?;
     let mut notes = Vec::new();
-    let unused = target_config.check_checkpoint(&target_dir)?;
-    if !unused.is_empty() {
-        let shown: Vec<&str> = unused.iter().take(3).map(String::as_str).collect();
-        notes.push(format!(
-            "target: {} checkpoint tensors the text model does not use are left out ({}{})",
-            unused.len(),
-            shown.join(", "),
-            if unused.len() > 3 { ", ..." } else { "" }
-        ));
-    }
+    notes.extend(unused_note(&target_config.check_checkpoint(&target_dir)?));
 
     let cache_index = match &c.features {
         Some(dir) => Some(
@@ -212,7 +203,8 @@ impl RealSetup {
 
     /// Up to `n` prompts for the real tau: held-out documents up to their first supervised token
     /// (what the target was asked before the answer the drafter learns to draft); each with
-    /// `new_tokens` and a block must fit the target's positions.
+    /// `new_tokens` and the `B - 1` positions a last verify block reaches past them must fit the
+    /// target's positions.
     pub fn tau_prompts(&self, n: usize, new_tokens: usize) -> Result<Vec<Vec<u32>>> {
         let (max, b) = (self.target_config.max_positions(), self.draft_config.block_size);
         let mut prompts = Vec::new();
@@ -222,13 +214,15 @@ impl RealSetup {
             }
             let doc = self.dataset.cache.document(d).map_err(data_error)?;
             let first = doc.loss_mask.iter().position(|&m| m).unwrap_or(doc.tokens.len());
-            // A verify step may run up to B - 1 positions past the last token kept.
-            if first + new_tokens + b > max {
+            // The last verify step starts at most at first + new_tokens - 1 and its block covers B
+            // positions from there: first + new_tokens + B - 1 positions in all.
+            if first.saturating_add(new_tokens).saturating_add(b - 1) > max {
                 return Err(Error::option(
                     "tau_tokens",
                     format!(
-                        "held-out prompt {} of {first} tokens + {new_tokens} new + a block of {b} exceed the target's {max} positions",
-                        prompts.len()
+                        "held-out prompt {} of {first} tokens + {new_tokens} new + the {} more positions a verify block of {b} reaches exceed the target's {max} positions",
+                        prompts.len(),
+                        b - 1
                     ),
                 ));
             }
@@ -252,6 +246,20 @@ impl RealSetup {
 /// The target's forward on `dev` (dense or hybrid, as `target` says) for launches of up to
 /// `max_len` tokens, tapping `layer_ids`, its weights read from `dir` as `dtype`. A dense forward
 /// holds the LM head only `with_lm_head` (the step shares it); a hybrid's layout always holds it.
+/// The note that a checkpoint's tensors the text model does not use (`check_checkpoint`'s: a
+/// Qwen3.5's multi-token-prediction head and vision tower) are left out, naming a few.
+pub fn unused_note(unused: &[String]) -> Option<String> {
+    let shown: Vec<&str> = unused.iter().take(3).map(String::as_str).collect();
+    (!unused.is_empty()).then(|| {
+        format!(
+            "target: {} checkpoint tensors the text model does not use are left out ({}{})",
+            unused.len(),
+            shown.join(", "),
+            if unused.len() > 3 { ", ..." } else { "" }
+        )
+    })
+}
+
 pub fn load_forward<B: Backend + 'static>(
     dev: B,
     target: &TargetKind,

@@ -17,7 +17,7 @@ use half::slice::HalfBitsSliceExt;
 use sha2::{Digest, Sha256};
 
 use crate::checkpoint::data_sha256;
-use crate::error::{Error, Result};
+use crate::error::{panic_message, Error, Result};
 
 /// A row's features `[S, F*H]` (bf16) from the cache, for a row of `tokens` (`S`) holding each of
 /// `docs` (its token range in the row, its document in the cache) in order from the row's start;
@@ -109,12 +109,7 @@ impl Drop for ReadAhead<'_> {
 
 /// The error of a reading thread that panicked, with its message.
 fn panicked(payload: Box<dyn std::any::Any + Send>) -> Error {
-    let message = payload
-        .downcast_ref::<&str>()
-        .map(|m| m.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_default();
-    Error::option("data", format!("the thread reading rows ahead panicked: {message}"))
+    Error::option("data", format!("the thread reading rows ahead panicked: {}", panic_message(payload)))
 }
 
 impl RowSource for Vec<TrainRow> {

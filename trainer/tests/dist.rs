@@ -7,6 +7,7 @@
 //! while the others wait in the all-reduce.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use dflash_optimized::backend::host::Host;
 use dflash_optimized::backend::{Allocation, Backend};
@@ -22,7 +23,7 @@ use dflash_trainer::dist::reduce::{Abort, GradReduce, HostGroup};
 use dflash_trainer::dist::{DataParallel, MakeReplica, Replica};
 use dflash_trainer::engine::{DeviceEngine, EngineState, Frozen, Share, StepBatch, StepEngine};
 use dflash_trainer::rows::RowSource;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// The workers' f32 accumulators are summed per worker, then across workers: the same terms in
@@ -194,11 +195,12 @@ fn a_two_worker_checkpoint_resumes_on_one_and_three_workers() {
     }
 }
 
-/// A replica that fails at its `fail_at`-th accumulation.
+/// A replica that fails at its `fail_at`-th accumulation (with an error, or a panic).
 struct Failing {
     inner: DeviceEngine<Host<f32>>,
     calls: usize,
     fail_at: usize,
+    panics: bool,
 }
 
 impl Replica for Failing {
@@ -209,6 +211,9 @@ impl Replica for Failing {
         want: bool,
     ) -> dflash_trainer::Result<Share> {
         self.calls += 1;
+        if self.calls == self.fail_at && self.panics {
+            panic!("index out of bounds (injected)");
+        }
         if self.calls == self.fail_at {
             return Err(dflash_trainer::Error::option("device", "out of memory (injected)"));
         }
@@ -257,7 +262,7 @@ fn a_failing_worker_stops_the_run_with_its_error() {
     let make: Arc<MakeReplica> = Arc::new(move |k| {
         let inner = engine(&setup2, &c2);
         Ok(match k {
-            1 => Box::new(Failing { inner, calls: 0, fail_at: 3 }) as Box<dyn Replica>,
+            1 => Box::new(Failing { inner, calls: 0, fail_at: 3, panics: false }) as Box<dyn Replica>,
             _ => Box::new(inner),
         })
     });
@@ -438,8 +443,19 @@ fn workers_fed_from_other_devices_train_like_the_rows_own_features() {
 
 /// A drafter worker that fails while the others wait in the group's all-reduce: the run stops
 /// at once with its error (the others' reductions aborted, no hang).
+/// A worker that fails (with an error, or a panic) while the others wait in their group's
+/// reduction stops the step at once, with its message.
 #[test]
 fn a_failing_worker_stops_the_group_at_once() {
+    a_failing_worker_stops_the_group(false);
+}
+
+#[test]
+fn a_panicking_worker_stops_the_group_at_once() {
+    a_failing_worker_stops_the_group(true);
+}
+
+fn a_failing_worker_stops_the_group(panics: bool) {
     let c = config();
     let setup = Arc::new(builtin::setup(&c).expect("setup"));
     let ranks = std::sync::Mutex::new(HostGroup::ranks(3).into_iter().map(Some).collect::<Vec<_>>());
@@ -448,7 +464,7 @@ fn a_failing_worker_stops_the_group_at_once() {
         let rank = ranks.lock().unwrap()[k].take().expect("one rank per worker");
         let inner = engine(&setup2, &c2).with_reduce(Box::new(rank));
         Ok(match k {
-            2 => Box::new(Failing { inner, calls: 0, fail_at: 2 }) as Box<dyn Replica>,
+            2 => Box::new(Failing { inner, calls: 0, fail_at: 2, panics }) as Box<dyn Replica>,
             _ => Box::new(inner),
         })
     });
@@ -457,7 +473,11 @@ fn a_failing_worker_stops_the_group_at_once() {
     dp.step(&batch(&setup, 0, &c), &mut rng).expect("the first step runs");
     let started = std::time::Instant::now();
     let message = dp.step(&batch(&setup, 1, &c), &mut rng).unwrap_err().to_string();
-    assert!(message.contains("drafter worker 2") && message.contains("out of memory (injected)"), "{message}");
+    let injected = match panics {
+        true => "panicked: index out of bounds (injected)",
+        false => "out of memory (injected)",
+    };
+    assert!(message.contains("drafter worker 2") && message.contains(injected), "{message}");
     assert!(started.elapsed().as_secs() < 10, "stopped after {:?}", started.elapsed());
     // Nothing more is sent to workers that may be mid-command.
     let again = dp.step(&batch(&setup, 2, &c), &mut rng).unwrap_err().to_string();
@@ -492,6 +512,45 @@ fn a_failing_target_worker_stops_the_run_with_its_error() {
     });
     let message = FeedPool::new(&[0, 0], &[0], make).err().expect("refused").to_string();
     assert!(message.contains("target worker 1") && message.contains("no such GPU"), "{message}");
+}
+
+/// A target worker that panics stops the step with its message; one stuck on its device (its
+/// forward never returns) stops it at the drafters' timeout, naming them, and the engine is
+/// dropped without waiting for the stuck thread.
+#[test]
+fn a_panicking_or_stuck_target_worker_stops_the_run() {
+    struct Panics;
+    impl SlotFill for Panics {
+        fn fill(&mut self, _: usize, _: &dflash_reference::data::Row) -> dflash_trainer::Result<(u64, f64)> {
+            panic!("the kernel's index out of bounds (injected)")
+        }
+    }
+    struct Stuck;
+    impl SlotFill for Stuck {
+        fn fill(&mut self, _: usize, _: &dflash_reference::data::Row) -> dflash_trainer::Result<(u64, f64)> {
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    let make: Arc<MakeSlotFill> = Arc::new(|_, _| Ok(Box::new(Panics) as _));
+    let (pool, ends) = FeedPool::new(&[0], &[0, 0], make).unwrap();
+    let mut dp = grouped(2, &setup, &c, ends).with_feed(pool);
+    let message = dp.step(&batch(&setup, 0, &c), &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
+    assert!(message.contains("target worker 0") && message.contains("panicked: the kernel's index"), "{message}");
+
+    let timeout = Duration::from_millis(rand::rng().random_range(500..1500));
+    let make: Arc<MakeSlotFill> = Arc::new(|_, _| Ok(Box::new(Stuck) as _));
+    let (pool, ends) = FeedPool::new(&[0], &[0, 0], make).unwrap();
+    let mut dp = grouped(2, &setup, &c, ends).with_feed(pool).with_timeout(timeout);
+    let started = std::time::Instant::now();
+    let message = dp.step(&batch(&setup, 0, &c), &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
+    assert!(message.contains("drafter workers [0, 1]") && message.contains("no answer within"), "{message}");
+    drop(dp);
+    let took = started.elapsed();
+    assert!(took >= timeout && took < timeout + Duration::from_secs(5), "{took:?} for a timeout of {timeout:?}");
 }
 
 /// The pipeline's balance from its waits: 1 target worker and 2 drafter workers over 10 s, the

@@ -3,8 +3,10 @@
 //! bits, also through `GradReduce` over host memory), a step's shares are summed with the
 //! failing rank named; another run (the options that differ named), a duplicate rank or another world size is refused
 //! on both sides naming the ranks; a rank that never arrives times out naming it; a peer that
-//! drops, aborts or falls silent stops the others with an error naming it, within seconds. The
-//! launch comes from the options or the torchrun variables, a bad value named.
+//! drops, aborts or falls silent stops the others with an error naming it, within seconds, and
+//! one gone between collectives is seen at once; a rank that stops before joining stops the
+//! rendezvous with its reason. The launch comes from the options or the torchrun variables, a
+//! bad value named.
 
 use std::collections::HashMap;
 use std::net::TcpListener;
@@ -48,7 +50,8 @@ fn rank_thread<T: Send + 'static>(
 ) -> JoinHandle<Result<T, String>> {
     let print = print.clone();
     std::thread::spawn(move || {
-        let group = ProcessGroup::join_with(&launch(rank, world, port), &print, t).map_err(|e| e.to_string())?;
+        let group = ProcessGroup::join_with(&launch(rank, world, port), &print, t, &mut Default::default())
+            .map_err(|e| e.to_string())?;
         Ok(body(group))
     })
 }
@@ -226,6 +229,76 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
     let port = free_port();
     let alone = rank_thread(1, 2, port, &print, timeouts(wait, LONG), |_| ()).join().unwrap().unwrap_err();
     assert!(alone.contains("rank 1: rank 0 did not answer"), "{alone}");
+}
+
+/// A rank that stops before joining (its data missing, say) tells rank 0, which stops the
+/// rendezvous at once with that reason (its timeout is a minute) and refuses the rank already
+/// joined with it; rank 0 stopped before the rendezvous tells each rank that arrives, and
+/// counts a rank that reports its own failure as told.
+#[test]
+fn a_rank_that_stops_before_joining_stops_the_rendezvous_with_its_reason() {
+    let (port, print) = (free_port(), random_print());
+    let why = format!("data file {}.jsonl: not found", rand::rng().random::<u32>());
+    let started = Instant::now();
+    let zero = rank_thread(0, 3, port, &print, timeouts(LONG, LONG), |_| ());
+    let two = rank_thread(2, 3, port, &print, timeouts(LONG, LONG), |_| ());
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(ProcessGroup::report_failure(&launch(1, 3, port), &why, timeouts(LONG, LONG)), "rank 0 told");
+    let (zero, two) = (zero.join().unwrap().unwrap_err(), two.join().unwrap().unwrap_err());
+    assert!(started.elapsed() < STOPS_WITHIN, "{:?}", started.elapsed());
+    let named = format!("rank 1 stopped before joining: {why}");
+    assert!(zero.contains(&named), "rank 0: {zero}");
+    assert!(two.contains("rank 0 refused rank 2") && two.contains(&named), "rank 2: {two}");
+
+    // Rank 0 stopped before the rendezvous: rank 1 arrives and is told why; rank 2 reports its
+    // own failure; so rank 0 is done without waiting out its minute.
+    let port = free_port();
+    let refusing = std::thread::spawn(move || {
+        let none_told = Default::default();
+        ProcessGroup::refuse_joiners(
+            &launch(0, 3, port),
+            "the target folder is missing",
+            timeouts(LONG, LONG),
+            &none_told,
+        )
+    });
+    let one = rank_thread(1, 3, port, &print, timeouts(LONG, LONG), |_| ()).join().unwrap().unwrap_err();
+    assert!(one.contains("rank 0 stopped before the rendezvous: the target folder is missing"), "{one}");
+    assert!(ProcessGroup::report_failure(&launch(2, 3, port), "out of memory", timeouts(LONG, LONG)));
+    assert_eq!(refusing.join().unwrap(), 2, "both ranks counted as told");
+    assert!(started.elapsed() < 2 * STOPS_WITHIN, "{:?}", started.elapsed());
+}
+
+/// Between collectives, a peer that closed its connection is seen at once on both sides
+/// (`peer_gone`: the coordinator's watch while its workers reduce on their devices); while every
+/// peer is there, nothing is.
+#[test]
+fn a_peer_gone_between_collectives_is_seen() {
+    for gone in [0, 1] {
+        let (port, print) = (free_port(), random_print());
+        // The leaving rank stays until the other saw it there.
+        let (seen, wait_seen) = std::sync::mpsc::channel::<()>();
+        let stays = rank_thread(1 - gone, 2, port, &print, timeouts(LONG, LONG), move |g| {
+            g.all_reduce_sum_f32(&mut [1.0; 4]).expect("a collective");
+            assert_eq!(g.peer_gone(), None, "both are there");
+            seen.send(()).unwrap();
+            let deadline = Instant::now() + STOPS_WITHIN;
+            loop {
+                if let Some(why) = g.peer_gone() {
+                    return why;
+                }
+                assert!(Instant::now() < deadline, "no peer seen gone");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let leaves = rank_thread(gone, 2, port, &print, timeouts(LONG, LONG), move |g| {
+            g.all_reduce_sum_f32(&mut [1.0; 4]).expect("a collective");
+            wait_seen.recv().unwrap();
+        });
+        leaves.join().unwrap().unwrap();
+        let why = stays.join().unwrap().unwrap();
+        assert!(why.contains(&format!("rank {gone} closed its connection")), "{why}");
+    }
 }
 
 /// A rank that joins and then dies (here: gives up waiting and closes its connection) frees its

@@ -269,6 +269,8 @@ struct Timing<'a> {
     new_tokens: usize,
 }
 
+// Both decodes run `new_tokens` tokens with no stop (the decoders' entry points without a stop
+// set): fixed-length decoding, as transformers' `generate` runs it here (`eos_token_id=None`).
 impl Timing<'_> {
     fn plain<T: DecodeTarget>(&self, decoder: &mut SpecDecoder<T>, prompt: &[u32]) -> Result<(f64, Vec<u32>), String> {
         let mut tokens = Vec::new();

@@ -1,7 +1,8 @@
 //! `cargo xtask eval`: a drafter measured by greedy speculative decoding with its target (spec
-//! section 4) on prompts in the data formats: per prompt tau, the tokens and whether they equal
-//! the target's own greedy decode; in total tau two ways, acceptance per block position and the
-//! decode speeds. On the GPU the cached decoders (`dflash_optimized::model::speculative`, bf16);
+//! section 4) on prompts in the data formats, each decode ending at the target's end-of-sequence
+//! ids (or not: `--ignore-eos`): per prompt tau, the tokens and whether they equal the target's
+//! own plain decode; in total tau two ways, acceptance per block position and the decode speeds.
+//! On the GPU the cached decoders (`dflash_optimized::model::speculative`, bf16);
 //! on the CPU the reference decoders (f32, every step recomputed: small targets).
 
 use std::path::PathBuf;
@@ -17,7 +18,7 @@ use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
 use dflash_reference::config::DraftConfig;
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
-use dflash_reference::speculative::{plain_decode, speculative_decode_with, Acceptance, Sampling, SpecOutput};
+use dflash_reference::speculative::{plain_decode_until, speculative_decode_until, Acceptance, Sampling, SpecOutput};
 use dflash_reference::target::{Target, TargetKind};
 use serde_json::{json, Value};
 
@@ -30,14 +31,18 @@ const HELP: &str = "usage: cargo xtask eval --target DIR --drafter DIR --prompts
 Speculative decoding of every prompt with the target and the drafter, and plain decoding with
 the target alone, greedy or (--temperature) seeded sampling; checks that both give the same
 tokens (on the CPU an error when not; on the GPU in bf16 a note, as a near-tie of two logits may
-round either way). Prompts are jsonl lines in the data formats: a conversation up to its first
-assistant turn, rendered with the target's chat template and the generation prompt; `text` as it
-is; `input_ids` as given.
+round either way). Both end after the target's end-of-sequence ids (the tokenizer's eos_token
+and generation_config.json's eos_token_id; kept as the last token) or at --max-new-tokens;
+--ignore-eos yes decodes --max-new-tokens always. Prompts are jsonl lines in the data formats: a
+conversation up to its first assistant turn, rendered with the target's chat template and the
+generation prompt; `text` as it is; `input_ids` as given, or up to the first supervised token
+when a `loss_mask` comes with them (a training row without its answer).
 
-Prints a line per prompt (tau, tokens/s, identical or not) and the totals: tau as the mean of
-A+1 over all verify steps, and as the mean of the prompts' own taus (engines report one or the
-other), the acceptance of each block position, decode tokens/s with and without the drafter,
-and the speed-up. Writes the same as JSON.
+Prints a line per prompt (tokens generated, tau, tokens/s, identical to the plain decode or not)
+and the totals: tau as the mean of A+1 over all verify steps, and as the mean of the prompts'
+own taus (engines report one or the other), the acceptance of each block position, decode
+tokens/s (tokens generated over the time) with and without the drafter, and the speed-up.
+Writes the same as JSON.
 
 On the GPU (--device gpu) the target and the drafter decode in bf16 with K/V caches: the
 target's cache rolled back to the accepted length after each verify (a Qwen3.5 hybrid's
@@ -50,7 +55,9 @@ options:
   --target DIR          the target's HF folder (config.json, weights, tokenizer, chat template)
   --drafter DIR         the drafter folder a training run saved (config.json, model.safetensors)
   --prompts FILE...     jsonl prompt files
-  --max-new-tokens N    tokens generated per prompt                     (default 128)
+  --max-new-tokens N    tokens generated per prompt at most             (default 128)
+  --ignore-eos yes|no   yes: no stop at the end-of-sequence ids, always --max-new-tokens
+                        tokens (fixed-length decoding)                   (default no)
   --max-prompts N       prompts used, in file order                     (default all)
   --thinking yes|no     the chat template's enable_thinking             (default no)
   --system-prompt T     system message for conversations without one    (default none)
@@ -64,6 +71,7 @@ const OPTIONS: &[&str] = &[
     "target",
     "drafter",
     "max-new-tokens",
+    "ignore-eos",
     "max-prompts",
     "thinking",
     "system-prompt",
@@ -94,6 +102,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err("--prompts FILE... is required".into());
     }
     let max_new: usize = opts.get("max-new-tokens", 128)?;
+    let ignore_eos = opts.yes_no("ignore-eos", false)?;
     let max_prompts: usize = opts.get("max-prompts", usize::MAX)?;
     if max_new == 0 || max_prompts == 0 {
         return Err("--max-new-tokens and --max-prompts must be at least 1".into());
@@ -134,19 +143,29 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                 draft_config.target_layer_ids
             )
         })?;
+    // Every weight there with its shape, before the prompts are read.
+    let unused = target_config.check_checkpoint(&target_dir).map_err(err)?;
+    if let Some(note) = dflash_trainer::real::unused_note(&unused) {
+        println!("{note}");
+    }
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
     let prompts = read_prompts(&tokenizer, &files, &render, max_prompts).map_err(|e| e.to_string())?;
+    // Decoding ends after the first of these (none with --ignore-eos).
+    let stop: Vec<u32> = if ignore_eos { Vec::new() } else { tokenizer.end_ids.clone() };
     let b = draft_config.block_size;
     let context = target_config.max_positions();
     for p in &prompts {
-        // A verify step may run up to B - 1 positions past the last token kept.
-        let need = p.tokens.len().checked_add(max_new).and_then(|n| n.checked_add(b));
+        // The last verify step starts at most at P + max_new - 1 (a token still to emit) and its
+        // block (the target's verify and the drafter's) covers B positions from there: up to
+        // P + max_new + B - 2, so P + max_new + B - 1 positions.
+        let need = p.tokens.len().checked_add(max_new).and_then(|n| n.checked_add(b - 1));
         if need.is_none_or(|need| need > context) {
             return Err(format!(
-                "{} line {}: {} prompt tokens + {max_new} new + a block of {b} exceed the target's {context} positions",
+                "{} line {}: {} prompt tokens + {max_new} new + the {} more positions a verify block of {b} reaches exceed the target's {context} positions",
                 p.file.display(),
                 p.line,
-                p.tokens.len()
+                p.tokens.len(),
+                b - 1
             ));
         }
         if p.tokens.contains(&draft_config.mask_token_id) {
@@ -168,8 +187,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
 
     println!(
-        "{} prompts x {max_new} new tokens, {}; drafter {} (block {b}, layers {:?} of the target)",
+        "{} prompts x up to {max_new} new tokens ({}), {}; drafter {} (block {b}, layers {:?} of the target)",
         prompts.len(),
+        match stop.is_empty() {
+            true if ignore_eos => "--ignore-eos: no stop".to_string(),
+            true => "the tokenizer names no end-of-sequence id: no stop".to_string(),
+            false => format!("stop after end-of-sequence ids {stop:?}"),
+        },
         match sampling {
             Sampling::Greedy => "greedy".to_string(),
             Sampling::Temperature { temperature, seed } =>
@@ -179,49 +203,58 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         draft_config.target_layer_ids
     );
     println!("decoders: {}", decoders.describe());
-    println!("{:>5} {:>7} {:>7} {:>11} {:>11} {:>9}", "#", "prompt", "tau", "spec tok/s", "plain tok/s", "identical");
+    println!(
+        "{:>5} {:>7} {:>9} {:>7} {:>11} {:>11} {:>9}",
+        "#", "prompt", "generated", "tau", "spec tok/s", "plain tok/s", "identical"
+    );
     if on_gpu {
         // One untimed decode: the first launches load kernels and cuBLAS's heuristics.
-        decoders.speculative(&prompts[0].tokens, 2.min(max_new), &sampling)?;
+        decoders.speculative(&prompts[0].tokens, 2.min(max_new), &sampling, &stop)?;
     }
     let mut acceptance = Acceptance::new(b);
     let (mut spec_secs, mut plain_secs) = (0.0, 0.0);
+    let (mut spec_tokens, mut plain_tokens) = (0, 0);
     let mut per_prompt = Vec::new();
     let mut parted = 0;
     for (i, p) in prompts.iter().enumerate() {
         let started = Instant::now();
-        let spec = decoders.speculative(&p.tokens, max_new, &sampling)?;
+        let spec = decoders.speculative(&p.tokens, max_new, &sampling, &stop)?;
         let s = started.elapsed().as_secs_f64();
         let started = Instant::now();
-        let plain = decoders.plain(&p.tokens, max_new, &sampling)?;
+        let plain = decoders.plain(&p.tokens, max_new, &sampling, &stop)?;
         let g = started.elapsed().as_secs_f64();
         let identical = spec.tokens == plain;
         parted += usize::from(!identical);
         (spec_secs, plain_secs) = (spec_secs + s, plain_secs + g);
+        (spec_tokens, plain_tokens) = (spec_tokens + spec.tokens.len(), plain_tokens + plain.len());
         acceptance.add(&spec);
+        let (spec_rate, plain_rate) = (spec.tokens.len() as f64 / s, plain.len() as f64 / g);
         println!(
-            "{i:>5} {:>7} {:>7.3} {:>11.1} {:>11.1} {:>9}",
+            "{i:>5} {:>7} {:>9} {:>7.3} {:>11.1} {:>11.1} {:>9}",
             p.tokens.len(),
+            spec.tokens.len(),
             spec.tau(),
-            max_new as f64 / s,
-            max_new as f64 / g,
+            spec_rate,
+            plain_rate,
             if identical { "yes" } else { "NO" }
         );
         per_prompt.push(json!({
-            "file": p.file, "line": p.line, "prompt_tokens": p.tokens.len(), "tau": spec.tau(),
-            "accept_lengths": spec.accept_lengths, "tokens": spec.tokens, "identical_to_greedy": identical,
-            "spec_tokens_per_s": max_new as f64 / s, "plain_tokens_per_s": max_new as f64 / g,
+            "file": p.file, "line": p.line, "prompt_tokens": p.tokens.len(),
+            "generated_tokens": spec.tokens.len(), "plain_generated_tokens": plain.len(), "tau": spec.tau(),
+            "accept_lengths": spec.accept_lengths, "tokens": spec.tokens, "identical_to_plain": identical,
+            "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate,
         }));
     }
-    let tokens = (prompts.len() * max_new) as f64;
-    let (spec_rate, plain_rate) = (tokens / spec_secs, tokens / plain_secs);
+    let (spec_rate, plain_rate) = (spec_tokens as f64 / spec_secs, plain_tokens as f64 / plain_secs);
     let report = json!({
         "target": target_dir, "drafter": drafter_dir, "device": decoders.describe(),
-        "prompts": prompts.len(), "max_new_tokens": max_new, "block_size": b, "sampling": sampling_json(&sampling),
+        "prompts": prompts.len(), "max_new_tokens": max_new, "stop_ids": stop, "ignore_eos": ignore_eos,
+        "generated_tokens": spec_tokens, "plain_generated_tokens": plain_tokens,
+        "block_size": b, "sampling": sampling_json(&sampling),
         "tau_over_steps": acceptance.tau_over_steps(), "tau_over_prompts": acceptance.tau_over_prompts(),
         "acceptance_per_position": acceptance.per_position(),
         "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate,
-        "all_identical_to_greedy": parted == 0, "per_prompt": Value::Array(per_prompt), "date": utc_now(),
+        "all_identical_to_plain": parted == 0, "per_prompt": Value::Array(per_prompt), "date": utc_now(),
     });
     write_json(&out, &report)?;
     println!(
@@ -233,7 +266,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let positions: Vec<String> = acceptance.per_position().iter().map(|a| format!("{:.0}", a * 100.0)).collect();
     println!("accepted % at block positions 1..{}: [{}]", b - 1, positions.join(" "));
     println!(
-        "decode: {spec_rate:.1} tokens/s speculative, {plain_rate:.1} tokens/s plain ({:.2}x; {})",
+        "decode: {spec_rate:.1} tokens/s speculative, {plain_rate:.1} tokens/s plain ({:.2}x; {spec_tokens} tokens generated; {})",
         spec_rate / plain_rate,
         decoders.describe()
     );
@@ -247,7 +280,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                 prompts.len()
             );
         } else {
-            return Err("speculative decoding changed the output of some prompt (see `identical`)".into());
+            return Err(
+                "speculative decoding changed the output of some prompt: it differs from the plain decode (see `identical`)"
+                    .into(),
+            );
         }
     }
     Ok(())
@@ -276,13 +312,23 @@ pub trait CachedDecoder {
         &mut self,
         get: &dyn Fn(&str, &[usize]) -> dflash_reference::Result<Tensor>,
     ) -> dflash_optimized::Result<()>;
-    fn speculative(
+    /// Speculative decoding of up to `max_new` tokens, ending after the first id in `stop` (none:
+    /// `max_new` tokens).
+    fn speculative_until(
         &mut self,
         prompt: &[u32],
         max_new: usize,
         sampling: &Sampling,
+        stop: &[u32],
     ) -> dflash_optimized::Result<SpecOutput>;
-    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> dflash_optimized::Result<Vec<u32>>;
+    /// Plain decoding of up to `max_new` tokens, ending after the first id in `stop`.
+    fn plain_until(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+    ) -> dflash_optimized::Result<Vec<u32>>;
 }
 
 impl<T: DecodeTarget> CachedDecoder for SpecDecoder<T> {
@@ -295,16 +341,23 @@ impl<T: DecodeTarget> CachedDecoder for SpecDecoder<T> {
     ) -> dflash_optimized::Result<()> {
         self.drafter.as_mut().expect("built with a drafter").load_weights(get)
     }
-    fn speculative(
+    fn speculative_until(
         &mut self,
         prompt: &[u32],
         max_new: usize,
         sampling: &Sampling,
+        stop: &[u32],
     ) -> dflash_optimized::Result<SpecOutput> {
-        Ok(self.speculative_decode_traced(prompt, max_new, sampling)?.0)
+        Ok(self.speculative_decode_until(prompt, max_new, sampling, stop)?.0)
     }
-    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> dflash_optimized::Result<Vec<u32>> {
-        self.plain_decode(prompt, max_new, sampling)
+    fn plain_until(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+    ) -> dflash_optimized::Result<Vec<u32>> {
+        self.plain_decode_until(prompt, max_new, sampling, stop)
     }
 }
 
@@ -358,20 +411,27 @@ impl Decoders {
         }
     }
 
-    fn speculative(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<SpecOutput, String> {
+    fn speculative(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+    ) -> Result<SpecOutput, String> {
         match self {
-            Decoders::Gpu(d) => d.speculative(prompt, max_new, sampling).map_err(|e| e.to_string()),
+            Decoders::Gpu(d) => d.speculative_until(prompt, max_new, sampling, stop).map_err(|e| e.to_string()),
             Decoders::Reference { target, drafter } => {
-                speculative_decode_with(target.as_ref(), drafter, prompt, max_new, sampling).map_err(|e| e.to_string())
+                speculative_decode_until(target.as_ref(), drafter, prompt, max_new, sampling, stop)
+                    .map_err(|e| e.to_string())
             }
         }
     }
 
-    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>, String> {
+    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling, stop: &[u32]) -> Result<Vec<u32>, String> {
         match self {
-            Decoders::Gpu(d) => d.plain(prompt, max_new, sampling).map_err(|e| e.to_string()),
+            Decoders::Gpu(d) => d.plain_until(prompt, max_new, sampling, stop).map_err(|e| e.to_string()),
             Decoders::Reference { target, .. } => {
-                plain_decode(target.as_ref(), prompt, max_new, sampling).map_err(|e| e.to_string())
+                plain_decode_until(target.as_ref(), prompt, max_new, sampling, stop).map_err(|e| e.to_string())
             }
         }
     }

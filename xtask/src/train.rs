@@ -6,9 +6,9 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::DType;
 use dflash_optimized::backend::cuda::Cuda;
@@ -95,12 +95,25 @@ options (built-in defaults; real runs start from the recipe):";
 const PLANNED_MFU: f64 = 0.5;
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
-    let err = |e: dflash_trainer::Error| e.to_string();
     let Some(cli) = Cli::parse(args)? else {
         println!("{HELP_HEAD}\n{}", options_help());
         return Ok(());
     };
+    let mut launch = None;
+    let outcome = run_cli(&cli, &mut launch);
+    let Err(e) = outcome else { return Ok(()) };
+    // The run's launch; when the run failed before it was resolved (a bad config, a missing
+    // checkpoint), the launch of the command line and the torchrun variables alone.
+    let env = |name: &str| std::env::var(name).ok();
+    let launch =
+        launch.or_else(|| Launch::resolve(&RunConfig::default().with_overrides(&cli.overrides).ok()?, &env).ok());
+    let Some(launch) = launch else { return Err(e) };
+    tell_the_others(&cli, launch, e)
+}
 
+/// The run `cli` asks for; `launch` is set once resolved.
+fn run_cli(cli: &Cli, launch: &mut Option<Launch>) -> Result<(), String> {
+    let err = |e: dflash_trainer::Error| e.to_string();
     // The config: preset (or the checkpoint's), file, command line; then validation.
     let mut resume_notes = Vec::new();
     let (mut config, resume) = match &cli.resume {
@@ -135,38 +148,66 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     if let Some((_, saved)) = &resume {
         check_resume_config(&config, saved).map_err(err)?;
     }
-    let launch = Launch::resolve(&config, &|name| std::env::var(name).ok()).map_err(err)?;
-    let outcome = match config.target.is_some() {
-        true => real_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
-        false => builtin_run(config, &launch, cli.plan, resume, resume_notes),
-    };
-    match outcome {
-        // Rank 0 stopped before the others joined it: they would wait out the rendezvous
-        // timeout; each is told why as it arrives. Under torchrun (which sets
-        // TORCHELASTIC_RUN_ID) the agent stops the others at once when a process fails.
-        Err(e)
-            if launch.rank == 0
-                && launch.world_size > 1
-                && !cli.plan
-                && !JOIN_STARTED.load(Ordering::SeqCst)
-                && std::env::var_os("TORCHELASTIC_RUN_ID").is_none() =>
-        {
-            let others = launch.world_size - 1;
-            eprintln!("error: {e}");
-            eprintln!(
-                "rank 0 stopped before the rendezvous: telling the other {others} ranks as they arrive (up to {} s) ...",
-                group::RENDEZVOUS_TIMEOUT.as_secs()
-            );
-            let told = ProcessGroup::refuse_joiners(&launch, &e, group::Timeouts::default());
-            Err(format!("rank 0 stopped before the rendezvous (the error above); {told} of {others} ranks told"))
-        }
-        outcome => outcome,
+    let resolved = Launch::resolve(&config, &|name| std::env::var(name).ok()).map_err(err)?;
+    let launch = launch.insert(resolved);
+    match config.target.is_some() {
+        true => real_run(config, launch, (cli.plan, cli.overwrite), resume, resume_notes),
+        false => builtin_run(config, launch, cli.plan, resume, resume_notes),
     }
 }
 
-/// Whether this process began joining the others (after which a failure reaches them through
-/// the group, not through [`ProcessGroup::refuse_joiners`]).
-static JOIN_STARTED: AtomicBool = AtomicBool::new(false);
+/// After this process stopped with `e`: when it did so before joining the others, tells them,
+/// so that none waits out the rendezvous timeout. Under torchrun (which sets
+/// TORCHELASTIC_RUN_ID) the agent stops the others at once when a process fails. Returns `e`.
+fn tell_the_others(cli: &Cli, launch: Launch, e: String) -> Result<(), String> {
+    let tell = launch.world_size > 1 && !cli.plan && std::env::var_os("TORCHELASTIC_RUN_ID").is_none();
+    let joining = JOINING.load(Ordering::SeqCst);
+    if tell && launch.rank == 0 && joining != JOINED {
+        // Each rank is told why as it arrives, until the rendezvous's deadline (none after it
+        // timed out).
+        let others = launch.world_size - 1;
+        let spent = RENDEZVOUS_BEGAN.get().map_or(Duration::ZERO, Instant::elapsed);
+        let rendezvous = group::RENDEZVOUS_TIMEOUT.saturating_sub(spent);
+        let told_before = TOLD_AT_RENDEZVOUS.get().cloned().unwrap_or_default();
+        eprintln!("error: {e}");
+        if told_before.len() < others {
+            eprintln!(
+                "rank 0 stopped before the rendezvous: telling the other {} ranks as they arrive (up to {} s) ...",
+                others - told_before.len(),
+                rendezvous.as_secs()
+            );
+        }
+        let timeouts = group::Timeouts { rendezvous, ..group::Timeouts::default() };
+        let told = ProcessGroup::refuse_joiners(&launch, &e, timeouts, &told_before);
+        return Err(format!("rank 0 stopped before the rendezvous (the error above); {told} of {others} ranks told"));
+    }
+    if tell && launch.rank > 0 && joining == NOT_JOINING {
+        eprintln!("error: {e}");
+        eprintln!(
+            "rank {} stopped before the rendezvous: telling rank 0 (up to {} s) ...",
+            launch.rank,
+            group::RENDEZVOUS_TIMEOUT.as_secs()
+        );
+        let told = match ProcessGroup::report_failure(&launch, &e, group::Timeouts::default()) {
+            true => "rank 0 told",
+            false => "rank 0 could not be reached",
+        };
+        return Err(format!("rank {} stopped before the rendezvous (the error above); {told}", launch.rank));
+    }
+    Err(e)
+}
+
+/// How far this process got in joining the others: [`NOT_JOINING`], [`IN_RENDEZVOUS`] (a failure of
+/// the rendezvous itself is told by the group) or [`JOINED`] (a failure reaches the others
+/// through the group).
+static JOINING: AtomicU8 = AtomicU8::new(NOT_JOINING);
+const NOT_JOINING: u8 = 0;
+const IN_RENDEZVOUS: u8 = 1;
+const JOINED: u8 = 2;
+/// When this process began the rendezvous (rank 0 stopped in it tells latecomers until its end).
+static RENDEZVOUS_BEGAN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+/// The ranks rank 0's failed rendezvous told why (refused, or stopped themselves).
+static TOLD_AT_RENDEZVOUS: std::sync::OnceLock<std::collections::BTreeSet<usize>> = std::sync::OnceLock::new();
 
 /// The checkpoint to resume from and the config it was saved with.
 type Resume = Option<(Found, RunConfig)>;
@@ -330,8 +371,13 @@ fn join_processes(
         "process rank {rank} of {world}: joining the others through rank 0 at {addr}:{port} (waiting up to {} s) ...",
         group::RENDEZVOUS_TIMEOUT.as_secs()
     );
-    JOIN_STARTED.store(true, Ordering::SeqCst);
-    let joined = ProcessGroup::join(launch, &fingerprint).map_err(err)?;
+    let _ = RENDEZVOUS_BEGAN.set(Instant::now());
+    JOINING.store(IN_RENDEZVOUS, Ordering::SeqCst);
+    let mut told = std::collections::BTreeSet::new();
+    let joined = ProcessGroup::join(launch, &fingerprint, &mut told);
+    let _ = TOLD_AT_RENDEZVOUS.set(told);
+    let joined = joined.map_err(err)?;
+    JOINING.store(JOINED, Ordering::SeqCst);
     println!("process rank {rank} of {world}: joined");
     Ok(Some(Arc::new(joined)))
 }
@@ -396,7 +442,7 @@ fn builtin_run(
     // The real tau before and after (none with `--tau-prompts 0`).
     let with_tau = !setup.prompts.is_empty();
     let tau_before = match with_tau {
-        true => Some(mean_tau(setup.target.as_ref(), &drafter, &setup.prompts, config.tau_tokens).map_err(err)?),
+        true => Some(mean_tau(setup.target.as_ref(), &drafter, &setup.prompts, config.tau_tokens, &[]).map_err(err)?),
         false => None,
     };
     let eval_before =
@@ -468,7 +514,7 @@ fn builtin_run(
                 .with_checkpointing(config.checkpointing.policies()[0]),
         ),
     };
-    let tau = |d: &Drafter| mean_tau(setup.target.as_ref(), d, &setup.prompts, config.tau_tokens);
+    let tau = |d: &Drafter| mean_tau(setup.target.as_ref(), d, &setup.prompts, config.tau_tokens, &[]);
     let inputs = RunInputs {
         config: &config,
         draft_config: &setup.draft_config,
@@ -486,7 +532,7 @@ fn builtin_run(
 
     let drafter = engine.drafter().map_err(err)?;
     let tau_after = match with_tau {
-        true => Some(mean_tau(setup.target.as_ref(), drafter, &setup.prompts, config.tau_tokens).map_err(err)?),
+        true => Some(mean_tau(setup.target.as_ref(), drafter, &setup.prompts, config.tau_tokens, &[]).map_err(err)?),
         false => None,
     };
     let eval_after =
@@ -838,15 +884,17 @@ fn real_run(
     let eval_before = eval(engine.as_mut())?;
     let cached = cached.map(std::cell::RefCell::new);
     let parted = std::cell::Cell::new(0usize);
+    // The target's answers end at its end-of-turn ids, as served.
+    let stop: &[u32] = &setup.tokenizer.end_ids;
     let measure_tau = |drafter: &Drafter| match &cached {
         Some(decoder) => {
-            let (tau, parts) = cached_tau(&mut **decoder.borrow_mut(), drafter, &prompts, config.tau_tokens)?;
+            let (tau, parts) = cached_tau(&mut **decoder.borrow_mut(), drafter, &prompts, config.tau_tokens, stop)?;
             parted.set(parted.get() + parts);
             Ok(tau)
         }
         None => {
             let target = reference_target.as_ref().expect("loaded for the reference step's tau");
-            mean_tau(target.as_ref(), drafter, &prompts, config.tau_tokens)
+            mean_tau(target.as_ref(), drafter, &prompts, config.tau_tokens, stop)
         }
     };
     let tau: Option<TauProbe> = with_tau.then_some(&measure_tau);
@@ -1222,21 +1270,22 @@ fn tau_context(prompts: &[Vec<u32>], new_tokens: usize) -> usize {
     prompts.iter().map(Vec::len).max().unwrap_or(0).saturating_add(new_tokens)
 }
 
-/// The tau of `drafter` over `prompts` (`new_tokens` each) with the cached decoders (its weights
-/// loaded first), the mean of `A + 1` over all verify steps as `mean_tau`; and how many
-/// speculative decodes parted from plain greedy decoding (none in exact arithmetic; in bf16 a
-/// verify step and a plain step may round a near-tie apart).
+/// The tau of `drafter` over `prompts` (up to `new_tokens` each, ending after an id of `stop`)
+/// with the cached decoders (its weights loaded first), the mean of `A + 1` over all verify steps
+/// as `mean_tau`; and how many speculative decodes parted from plain greedy decoding (none in
+/// exact arithmetic; in bf16 a verify step and a plain step may round a near-tie apart).
 fn cached_tau(
     decoder: &mut dyn CachedDecoder,
     drafter: &Drafter,
     prompts: &[Vec<u32>],
     new_tokens: usize,
+    stop: &[u32],
 ) -> dflash_trainer::Result<(f64, usize)> {
     decoder.load_drafter(&|name, _| Ok(drafter.param(name).clone()))?;
     let (mut acceptance, mut parted) = (Acceptance::new(drafter.config.block_size), 0);
     for prompt in prompts {
-        let spec = decoder.speculative(prompt, new_tokens, &Sampling::Greedy)?;
-        parted += usize::from(spec.tokens != decoder.plain(prompt, new_tokens, &Sampling::Greedy)?);
+        let spec = decoder.speculative_until(prompt, new_tokens, &Sampling::Greedy, stop)?;
+        parted += usize::from(spec.tokens != decoder.plain_until(prompt, new_tokens, &Sampling::Greedy, stop)?);
         acceptance.add(&spec);
     }
     Ok((acceptance.tau_over_steps(), parted))
@@ -1246,7 +1295,7 @@ fn cached_tau(
 mod tests {
     use super::*;
     use dflash_conformance::decode_cases::{builtin_pair, hybrid_pairs, random_prompt};
-    use rand::SeedableRng;
+    use rand::{Rng, SeedableRng};
 
     /// The real tau a run measures with the step's cached decoders (here on the f64 twins) is
     /// exactly the reference decoders' (`mean_tau`) on the same target folder, drafter and
@@ -1264,8 +1313,8 @@ mod tests {
             let prompts: Vec<Vec<u32>> = (0..3).map(|_| random_prompt(16, mask + 1, &mut rng)).collect();
             let host = |_| Ok(Host::<f64>::default());
             let mut decoders = cached_decoders(host, (dir.path(), &kind), &drafter.config, 40, DType::F64).unwrap();
-            let (tau, parted) = cached_tau(&mut *decoders, drafter, &prompts, 24).unwrap();
-            let want = mean_tau(target.as_ref(), drafter, &prompts, 24).unwrap();
+            let (tau, parted) = cached_tau(&mut *decoders, drafter, &prompts, 24, &[]).unwrap();
+            let want = mean_tau(target.as_ref(), drafter, &prompts, 24, &[]).unwrap();
             assert_eq!((tau, parted), (want, 0));
             // Spec section 4's tau: A + 1 (`accept_lengths`) summed over every verify step of every prompt, over the
             // steps' count (not the mean of the prompts' taus).
@@ -1276,6 +1325,10 @@ mod tests {
             let accepted: usize = outs.iter().flat_map(|o| o.accept_lengths.iter()).sum();
             let steps: usize = outs.iter().map(|o| o.accept_lengths.len()).sum();
             assert_eq!(tau, accepted as f64 / steps as f64);
+            // Ending at a stop id (one the first decode emits, so the cut happens): the same.
+            let stop = [outs[0].tokens[rng.random_range(1..outs[0].tokens.len())]];
+            let (stopped, parted) = cached_tau(&mut *decoders, drafter, &prompts, 24, &stop).unwrap();
+            assert_eq!((stopped, parted), (mean_tau(target.as_ref(), drafter, &prompts, 24, &stop).unwrap(), 0));
             tau
         };
         let dense = builtin_pair(DType::F64);

@@ -28,6 +28,10 @@ use crate::{Error, Result};
 /// Tokens per prefill launch unless the block is longer: long prompts run in chunks of this.
 pub const PREFILL_CHUNK: usize = 512;
 
+/// With a stop set, plain greedy decoding reads its tokens back every this many tokens to look
+/// for a stop id (a host round trip each time; without a stop set, once at the end).
+pub const STOP_CHECK: usize = 8;
+
 /// A target laid out for decoding (spec section 4): the dense [`TargetForward`] or the hybrid
 /// [`HybridForward`]. Launches of new tokens after cached positions write their features and the
 /// argmax of their last rows' logits; a kept launch extends the cache, a verify launch keeps only
@@ -298,11 +302,24 @@ impl<T: DecodeTarget> SpecDecoder<T> {
     /// Plain greedy decoding: `max_new` tokens, each the target's argmax after all before it
     /// (every step's token fed back on the device; read back once at the end).
     pub fn greedy_decode(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        self.greedy_decode_until(prompt, max_new, &[])
+    }
+
+    /// [`SpecDecoder::greedy_decode`] that ends after the first token in `stop` (kept as the last
+    /// token) or at `max_new` tokens (the reference's `plain_decode_until` twin). The tokens stay
+    /// on the device: with a `stop`, they are read back every [`STOP_CHECK`] tokens to look for
+    /// one, so up to `STOP_CHECK - 1` tokens after it are decoded and dropped; an empty `stop`
+    /// reads them once at the end.
+    pub fn greedy_decode_until(&mut self, prompt: &[u32], max_new: usize, stop: &[u32]) -> Result<Vec<u32>> {
         self.check_prompt(prompt, max_new)?;
         if max_new == 0 {
             return Ok(Vec::new());
         }
         let first = self.prefill(prompt, &Sampling::Greedy)?;
+        let mut out = vec![first]; // the tokens read back so far
+        if stop.contains(&first) {
+            return Ok(out);
+        }
         let dev = self.target.backend();
         if self.history.as_ref().is_none_or(|(_, len)| *len < max_new) {
             self.history = Some((dev.alloc("decoded tokens", max_new * 4)?, max_new));
@@ -314,22 +331,44 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             dev.copy(self.target.tokens_addr(), history + (i as u64 - 1) * 4, 4)?;
             self.target.decode(1, prompt.len() + i - 1, 1)?;
             self.target.backend().copy(history + i as u64 * 4, self.target.next_addr()?, 4)?;
+            let written = i + 1;
+            if written == max_new || (!stop.is_empty() && written % STOP_CHECK == 0) {
+                let read = out.len();
+                let at = history + read as u64 * 4;
+                out.extend(download::<u32, T::Backend>(self.target.backend(), at, written - read)?);
+                if let Some(s) = out[read..].iter().position(|t| stop.contains(t)) {
+                    out.truncate(read + s + 1);
+                    break;
+                }
+            }
         }
-        download::<u32, T::Backend>(self.target.backend(), history, max_new)
+        Ok(out)
     }
 
     /// Plain decoding under `sampling` (greedy: [`SpecDecoder::greedy_decode`]; sampled: each
     /// token chosen on the host from its logits, the reference's `plain_decode` twin).
     pub fn plain_decode(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>> {
+        self.plain_decode_until(prompt, max_new, sampling, &[])
+    }
+
+    /// [`SpecDecoder::plain_decode`] that ends after the first token in `stop` (kept as the last
+    /// token) or at `max_new` tokens (the reference's `plain_decode_until` twin).
+    pub fn plain_decode_until(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+    ) -> Result<Vec<u32>> {
         if let Sampling::Greedy = sampling {
-            return self.greedy_decode(prompt, max_new);
+            return self.greedy_decode_until(prompt, max_new, stop);
         }
         self.check_prompt(prompt, max_new)?;
         let mut out = Vec::with_capacity(max_new);
         if max_new > 0 {
             out.push(self.prefill(prompt, sampling)?);
         }
-        while out.len() < max_new {
+        while out.len() < max_new && !stop.contains(out.last().expect("one token at least")) {
             let last = *out.last().expect("one token at least");
             self.target.backend().upload(self.target.tokens_addr(), bytes_of(&[last]))?;
             self.target.decode(1, prompt.len() + out.len() - 1, 1)?;
@@ -352,6 +391,19 @@ impl<T: DecodeTarget> SpecDecoder<T> {
         max_new: usize,
         sampling: &Sampling,
     ) -> Result<(SpecOutput, Vec<Vec<u32>>)> {
+        self.speculative_decode_until(prompt, max_new, sampling, &[])
+    }
+
+    /// [`SpecDecoder::speculative_decode_traced`] that ends after the first token in `stop` or at
+    /// `max_new` tokens, the last step's tokens after the first cut dropped and its `A + 1`
+    /// counted whole (`SpecOutput::push_step`, the reference's `speculative_decode_until` twin).
+    pub fn speculative_decode_until(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+    ) -> Result<(SpecOutput, Vec<Vec<u32>>)> {
         self.check_prompt(prompt, max_new)?;
         let Some(drafter) = &self.drafter else {
             return Err(Error::invalid("drafter", "this decoder was built without a drafter"));
@@ -368,7 +420,8 @@ impl<T: DecodeTarget> SpecDecoder<T> {
         // The bonus's id on the device: the target's next token `accepted` of the last launch.
         let mut bonus_at = self.target.next_addr()?;
         let mut pending = None; // the context rows of the last verify step, not yet appended
-        while out.tokens.len() < max_new {
+        let mut done = false;
+        while !done {
             let drafter = self.drafter.as_ref().expect("checked above");
             // The step's plans first (their uploads wait for the queued work), then its work.
             let (draft_plans, verify_plans) = (drafter.plans(n)?, self.target.decode_plans(n, b)?);
@@ -384,15 +437,13 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
             self.target.keep(accepted + 1)?;
             pending = Some((n, accepted + 1));
-            out.accept_lengths.push(accepted + 1);
-            out.tokens.push(bonus);
-            out.tokens.extend(&drafts[..accepted]);
+            let emitted: Vec<u32> = std::iter::once(bonus).chain(drafts[..accepted].iter().copied()).collect();
+            done = out.push_step(&emitted, max_new, stop);
             n += accepted + 1;
             bonus = chosen[accepted];
             bonus_at = self.target.next_addr()? + 4 * accepted as u64;
             proposals.push(drafts);
         }
-        out.tokens.truncate(max_new);
         Ok((out, proposals))
     }
 }

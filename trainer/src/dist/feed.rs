@@ -23,7 +23,7 @@ use dflash_optimized::model::TargetFeatures;
 use dflash_optimized::ops::Elem;
 use dflash_reference::data::Row;
 
-use crate::error::{Error, Result};
+use crate::error::{panic_message, Error, Result};
 
 /// A row's features in a target worker's slot (filled and waited for); dropping it gives the
 /// slot back.
@@ -236,7 +236,12 @@ impl FeedPool {
                         let started = Instant::now();
                         let slot = freed.recv().expect("this thread holds a sender");
                         waited_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                        let fed = fill.fill(slot, &row).map(|(addr, flops)| FedFeatures {
+                        // A panic is the worker's error, told to the drafters as any other.
+                        let filled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill.fill(slot, &row)));
+                        let filled = filled.unwrap_or_else(|p| {
+                            Err(Error::option(format!("target worker {t}"), format!("panicked: {}", panic_message(p))))
+                        });
+                        let fed = filled.map(|(addr, flops)| FedFeatures {
                             addr,
                             tokens: row.tokens,
                             flops,
@@ -273,12 +278,40 @@ impl FeedPool {
         self.workers.len()
     }
 
-    /// Queues `row` for drafter worker `k` (blocks while its target worker's queue is full);
-    /// an error when that target worker has stopped (its drafter then reports why).
-    pub fn queue(&mut self, k: usize, row: Row) -> Result<()> {
-        let t = self.cursors[k] % self.workers.len();
-        self.cursors[k] += 1;
-        self.workers[t].rows.send((row, k)).map_err(|_| Error::option(format!("target worker {t}"), "stopped"))
+    /// Queues `rows[k]` for drafter worker `k`, interleaved (row 0 of each worker, then row 1,
+    /// ...) so that the workers step side by side, from a thread of its own: the queues are
+    /// bounded, and the caller waits for the drafters (with a timeout) instead. A stopped target
+    /// worker ends the queueing (the drafter worker waiting for it reports why).
+    pub fn queue_rows(&mut self, rows: Vec<Vec<Row>>) {
+        let mut order = Vec::new();
+        let mut queues: Vec<std::vec::IntoIter<Row>> = rows.into_iter().map(Vec::into_iter).collect();
+        while queues.iter().any(|q| q.len() > 0) {
+            for (k, q) in queues.iter_mut().enumerate() {
+                if let Some(row) = q.next() {
+                    let t = self.cursors[k] % self.workers.len();
+                    self.cursors[k] += 1;
+                    order.push((t, row, k));
+                }
+            }
+        }
+        if order.is_empty() {
+            return;
+        }
+        let senders: Vec<SyncSender<(Row, usize)>> = self.workers.iter().map(|w| w.rows.clone()).collect();
+        // Its handle is dropped: it ends once its rows are queued, or at the process's exit.
+        let _ = std::thread::Builder::new().name("feed-queue".into()).spawn(move || {
+            for (t, row, k) in order {
+                if senders[t].send((row, k)).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Leaves the target workers' threads running at drop instead of joining them (after a
+    /// failure, one may be stuck on its device): the process's exit ends them.
+    pub fn detach(&mut self) {
+        self.workers.iter_mut().for_each(|w| drop(w.thread.take()));
     }
 
     /// The seconds the target workers waited for free slots since the last call.

@@ -12,8 +12,13 @@
 //!
 //! A peer that closes its connection, or sends nothing for [`COLLECTIVE_TIMEOUT`], fails the
 //! collective with an error naming its rank, and the group is aborted: its sockets are closed
-//! (rank 0 first tells the others why), so every other rank fails at once instead of waiting.
+//! (when a collective failed on rank 0, it first tells the others why), so every other rank
+//! fails at once instead of waiting; between collectives, [`ProcessGroup::peer_gone`] notices.
+//! A rank that stops before the rendezvous tells rank 0 ([`ProcessGroup::report_failure`]), and
+//! rank 0 stopped before it answers the others with its reason
+//! ([`ProcessGroup::refuse_joiners`]).
 
+use std::collections::BTreeSet;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,6 +50,10 @@ pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// A hello's first bytes: this protocol, version 2 (a hello of version 1 is refused as not one).
 const MAGIC: &[u8; 12] = b"DFLASH-PG/2\n";
+/// The first bytes of a rank's note that it stopped before joining ([`ProcessGroup::report_failure`]).
+const FAILED_MAGIC: &[u8; 12] = b"DFLASH-PG/2!";
+/// The most bytes of a failed rank's reason sent to rank 0.
+const FAILED_WHY_LIMIT: usize = 4096;
 /// The longest hello accepted: the magic, rank, world and a [`RunPrint`] (a config of a few KB).
 const HELLO_LIMIT: usize = 1 << 20;
 
@@ -327,15 +336,45 @@ fn hello(rank: usize, world: usize, print: &RunPrint) -> Vec<u8> {
     h
 }
 
-/// `(rank, world, print)` of a hello; `None` when it is not one.
-fn parse_hello(h: &[u8]) -> Option<(usize, usize, RunPrint)> {
-    let rest = h.strip_prefix(MAGIC.as_slice()).filter(|r| r.len() >= 16)?;
+/// What a connection to rank 0 says first.
+enum Hello {
+    /// `(rank, world, print)`: a rank joining.
+    Join(usize, usize, RunPrint),
+    /// `(rank, world, why)`: a rank that stopped before joining, and why.
+    Failed(usize, usize, String),
+}
+
+/// A rank's note that it stopped before joining: the failed magic, its rank and world, why
+/// (at most [`FAILED_WHY_LIMIT`] bytes of it).
+fn failed_hello(rank: usize, world: usize, why: &str) -> Vec<u8> {
+    let mut h = FAILED_MAGIC.to_vec();
+    h.extend((rank as u64).to_le_bytes());
+    h.extend((world as u64).to_le_bytes());
+    let mut end = why.len().min(FAILED_WHY_LIMIT);
+    while !why.is_char_boundary(end) {
+        end -= 1;
+    }
+    h.extend(&why.as_bytes()[..end]);
+    h
+}
+
+/// The [`Hello`] of `h`; `None` when it is not one.
+fn parse_hello(h: &[u8]) -> Option<Hello> {
+    let (failed, rest) = match (h.strip_prefix(MAGIC.as_slice()), h.strip_prefix(FAILED_MAGIC.as_slice())) {
+        (Some(rest), _) => (false, rest),
+        (_, Some(rest)) => (true, rest),
+        _ => return None,
+    };
+    let rest = Some(rest).filter(|r| r.len() >= 16)?;
     let word = |i: usize| u64::from_le_bytes(rest[i..i + 8].try_into().expect("8 bytes")) as usize;
-    Some((word(0), word(8), RunPrint::decode(&rest[16..])?))
+    Some(match failed {
+        false => Hello::Join(word(0), word(8), RunPrint::decode(&rest[16..])?),
+        true => Hello::Failed(word(0), word(8), String::from_utf8_lossy(&rest[16..]).into_owned()),
+    })
 }
 
 /// The hello an accepted connection says within `timeout`; `None` when it says none.
-fn read_hello(stream: &TcpStream, timeout: Duration) -> Option<(usize, usize, RunPrint)> {
+fn read_hello(stream: &TcpStream, timeout: Duration) -> Option<Hello> {
     let said = stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_read_timeout(Some(timeout)))
@@ -360,6 +399,19 @@ fn still_connected(stream: &TcpStream) -> bool {
     open && stream.set_nonblocking(false).is_ok()
 }
 
+/// A connection to `addr`, retried until `within` has passed (rank 0 may start later).
+fn dial(addr: SocketAddr, within: Duration) -> std::io::Result<TcpStream> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), Duration::from_secs(1))) {
+            Ok(s) => return Ok(s),
+            Err(_) if !left.is_zero() => std::thread::sleep(Duration::from_millis(50).min(left)),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// What one link's I/O error says about its peer, within `what`.
 fn peer_error(rank: usize, e: &std::io::Error, what: &str, timeout: Duration) -> String {
     match e.kind() {
@@ -381,13 +433,20 @@ fn peer_error(rank: usize, e: &std::io::Error, what: &str, timeout: Duration) ->
 
 impl ProcessGroup {
     /// Joins the processes of `launch` running the run of `print`, with the default
-    /// [`Timeouts`]. Every rank returns once all have joined, or with an error naming the ranks.
-    pub fn join(launch: &Launch, print: &RunPrint) -> Result<ProcessGroup> {
-        Self::join_with(launch, print, Timeouts::default())
+    /// [`Timeouts`]. Every rank returns once all have joined, or with an error naming the ranks;
+    /// when rank 0's rendezvous fails, `told` holds the ranks that know why (refused, or
+    /// stopped themselves: [`ProcessGroup::refuse_joiners`] need not wait for them).
+    pub fn join(launch: &Launch, print: &RunPrint, told: &mut BTreeSet<usize>) -> Result<ProcessGroup> {
+        Self::join_with(launch, print, Timeouts::default(), told)
     }
 
     /// [`ProcessGroup::join`] with the waits of `timeouts`.
-    pub fn join_with(launch: &Launch, print: &RunPrint, timeouts: Timeouts) -> Result<ProcessGroup> {
+    pub fn join_with(
+        launch: &Launch,
+        print: &RunPrint,
+        timeouts: Timeouts,
+        told: &mut BTreeSet<usize>,
+    ) -> Result<ProcessGroup> {
         let (rank, world) = (launch.rank, launch.world_size);
         if rank >= world {
             return Err(Error::option("rank", format!("{rank}: must be below the world size, {world}")));
@@ -395,7 +454,7 @@ impl ProcessGroup {
         let addr = socket_addr(&launch.master_addr, launch.master_port)
             .map_err(|why| Error::option("master_addr", format!("{}: {why}", launch.master_addr)))?;
         let links = match rank {
-            0 => Self::host(addr, world, print, timeouts)?,
+            0 => Self::host(addr, world, print, timeouts, told)?,
             _ => vec![Self::connect(addr, rank, world, print, timeouts)?],
         };
         for link in &links {
@@ -417,8 +476,14 @@ impl ProcessGroup {
 
     /// Rank 0: listens on `addr` until every other rank said a valid hello (within
     /// `timeouts.rendezvous`), then tells them all; a refusal goes to the rank at fault and to
-    /// those already joined, and is rank 0's error.
-    fn host(addr: SocketAddr, world: usize, print: &RunPrint, timeouts: Timeouts) -> Result<Vec<Link>> {
+    /// those already joined, and is rank 0's error (`told`: the ranks it reached).
+    fn host(
+        addr: SocketAddr,
+        world: usize,
+        print: &RunPrint,
+        timeouts: Timeouts,
+        told: &mut BTreeSet<usize>,
+    ) -> Result<Vec<Link>> {
         let listener = TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|e| Error::Group(format!("rank 0 cannot listen on {addr} (`master_addr`, `master_port`): {e}")))?;
@@ -458,9 +523,16 @@ impl ProcessGroup {
                 Err(e) => break Err(format!("rank 0 listening on {addr}: {e}")),
             };
             // A connection that says no valid hello in time is not a rank: it is dropped.
-            let Some((rank, their_world, theirs)) = read_hello(&stream, timeouts.hello) else {
-                refuse(&stream, "not a hello of this trainer's process group");
-                continue;
+            let (rank, their_world, theirs) = match read_hello(&stream, timeouts.hello) {
+                Some(Hello::Join(rank, their_world, theirs)) => (rank, their_world, theirs),
+                Some(Hello::Failed(rank, their_world, why)) if their_world == world && (1..world).contains(&rank) => {
+                    told.insert(rank);
+                    break Err(format!("rank {rank} stopped before joining: {why}"));
+                }
+                _ => {
+                    refuse(&stream, "not a hello of this trainer's process group");
+                    continue;
+                }
             };
             let why = if their_world != world {
                 Some(format!("rank {rank} has a world of {their_world} processes, rank 0 has {world}"))
@@ -476,6 +548,9 @@ impl ProcessGroup {
             match why {
                 Some(why) => {
                     refuse(&stream, &why);
+                    if (1..world).contains(&rank) && joined[rank].is_none() {
+                        told.insert(rank);
+                    }
                     break Err(why);
                 }
                 None => joined[rank] = Some(stream),
@@ -493,29 +568,40 @@ impl ProcessGroup {
             }
             Err(why) => {
                 links.iter().for_each(|l| refuse(&l.stream, &why));
+                told.extend(links.iter().map(|l| l.rank));
                 Err(Error::Group(why))
             }
         }
     }
 
-    /// Rank 0 of `launch`, stopped before the rendezvous by `why`: answers each other rank's
-    /// hello that comes within `timeouts.rendezvous` with the refusal, so that none waits out its
-    /// timeout without knowing why. Returns how many ranks were told, once all were or at the
-    /// deadline (at once when the port cannot be listened on).
-    pub fn refuse_joiners(launch: &Launch, why: &str, timeouts: Timeouts) -> usize {
-        let others = launch.world_size.saturating_sub(1);
-        let Ok(addr) = socket_addr(&launch.master_addr, launch.master_port) else { return 0 };
-        let Ok(listener) = TcpListener::bind(addr).and_then(|l| l.set_nonblocking(true).map(|()| l)) else { return 0 };
+    /// Rank 0 of `launch`, stopped before the rendezvous (or in it) by `why`: answers each other
+    /// rank's hello that comes within `timeouts.rendezvous` with the refusal, so that none waits
+    /// out its timeout without knowing why (the ranks in `told` know already). Returns how many
+    /// ranks were told, once all were or at the deadline (at once when the port cannot be
+    /// listened on).
+    pub fn refuse_joiners(launch: &Launch, why: &str, timeouts: Timeouts, told: &BTreeSet<usize>) -> usize {
+        let (others, mut told) = (launch.world_size.saturating_sub(1), told.clone());
+        let Ok(addr) = socket_addr(&launch.master_addr, launch.master_port) else { return told.len() };
+        let Ok(listener) = TcpListener::bind(addr).and_then(|l| l.set_nonblocking(true).map(|()| l)) else {
+            return told.len();
+        };
         let note = format!("rank 0 stopped before the rendezvous: {why}");
         let deadline = Instant::now() + timeouts.rendezvous;
-        let mut told = std::collections::BTreeSet::new();
         while told.len() < others && Instant::now() < deadline {
             match listener.accept() {
                 Ok((stream, _)) => {
-                    if let Some((rank, _, _)) = read_hello(&stream, timeouts.hello) {
-                        if send(&stream, &[&[REFUSED], note.as_bytes()]).is_ok() && (1..=others).contains(&rank) {
+                    match read_hello(&stream, timeouts.hello) {
+                        Some(Hello::Join(rank, _, _)) => {
+                            let sent = send(&stream, &[&[REFUSED], note.as_bytes()]).is_ok();
+                            if sent && (1..=others).contains(&rank) {
+                                told.insert(rank);
+                            }
+                        }
+                        // A rank that stopped too needs no answer.
+                        Some(Hello::Failed(rank, _, _)) if (1..=others).contains(&rank) => {
                             told.insert(rank);
                         }
+                        _ => {}
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
@@ -528,20 +614,12 @@ impl ProcessGroup {
     /// Rank `rank` > 0: connects to rank 0 (retrying until `timeouts.rendezvous`), says its
     /// hello and waits for rank 0's answer.
     fn connect(addr: SocketAddr, rank: usize, world: usize, print: &RunPrint, t: Timeouts) -> Result<Link> {
-        let deadline = Instant::now() + t.rendezvous;
-        let stream = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), Duration::from_secs(1))) {
-                Ok(s) => break s,
-                Err(_) if !left.is_zero() => std::thread::sleep(Duration::from_millis(50).min(left)),
-                Err(e) => {
-                    return Err(Error::Group(format!(
-                        "rank {rank}: rank 0 did not answer at {addr} within {} s (`master_addr`, `master_port`): {e}",
-                        t.rendezvous.as_secs_f64()
-                    )))
-                }
-            }
-        };
+        let stream = dial(addr, t.rendezvous).map_err(|e| {
+            Error::Group(format!(
+                "rank {rank}: rank 0 did not answer at {addr} within {} s (`master_addr`, `master_port`): {e}",
+                t.rendezvous.as_secs_f64()
+            ))
+        })?;
         // Rank 0 answers once every rank has joined: within its rendezvous timeout from now.
         let left = t.rendezvous + t.hello;
         let answer = stream
@@ -561,6 +639,15 @@ impl ProcessGroup {
         }
     }
 
+    /// Rank `launch.rank` > 0, stopped before the rendezvous by `why`: tells rank 0 (connecting
+    /// within `timeouts.rendezvous`), which stops the rendezvous with that reason instead of
+    /// waiting out its timeout, and refuses the ranks already joined. Whether rank 0 was told.
+    pub fn report_failure(launch: &Launch, why: &str, timeouts: Timeouts) -> bool {
+        let Ok(addr) = socket_addr(&launch.master_addr, launch.master_port) else { return false };
+        let Ok(stream) = dial(addr, timeouts.rendezvous) else { return false };
+        send(&stream, &[&failed_hello(launch.rank, launch.world_size, why)]).is_ok()
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -573,6 +660,37 @@ impl ProcessGroup {
     /// fails here, and the peers' fail at once.
     pub fn abort(&self) {
         self.shared.abort();
+    }
+
+    /// A peer that stopped while no collective is under way (between collectives a rank's
+    /// coordinator waits for its workers, whose reductions on the devices would wait for that
+    /// peer forever): its connection closed, or rank 0's note that it stopped the group (rank 0
+    /// sends nothing else outside a collective). `None` while the links are in use, after this
+    /// group was aborted (the failure that aborted it is reported), or when every peer is there.
+    pub fn peer_gone(&self) -> Option<String> {
+        let links = self.links.try_lock().ok()?;
+        if self.shared.aborted.load(Ordering::SeqCst) {
+            return None;
+        }
+        for l in links.iter() {
+            let probe = l.stream.set_nonblocking(true).and_then(|()| l.stream.peek(&mut [0u8; 1]));
+            let _ = l.stream.set_nonblocking(false);
+            match probe {
+                Ok(0) => return Some(format!("rank {} closed its connection (it stopped or was killed)", l.rank)),
+                // On rank 0: a rank's part of the next collective, sent early.
+                Ok(_) if self.rank == 0 => {}
+                Ok(_) => {
+                    let _ = l.stream.set_read_timeout(Some(ABORT_NOTE_TIMEOUT));
+                    return Some(match recv(&l.stream, HELLO_LIMIT) {
+                        Ok(note) if note.first() == Some(&ABORTED) => stopped_by_0(&note),
+                        _ => "rank 0 sent something outside a collective".to_string(),
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) => return Some(peer_error(l.rank, &e, "a wait between collectives", self.collective)),
+            }
+        }
+        None
     }
 
     /// The collective the others are made of: `mine` to rank 0 (at most `limit` bytes from any

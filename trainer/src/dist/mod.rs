@@ -41,7 +41,7 @@ use dflash_reference::train::PreparedRow;
 use rand_chacha::ChaCha8Rng;
 
 use crate::engine::{prepare_rows, EngineState, Share, StepBatch, StepEngine, StepOutcome};
-use crate::error::{Error, Result};
+use crate::error::{panic_message, Error, Result};
 use crate::rows::RowSource;
 use feed::FeedPool;
 use group::ProcessGroup;
@@ -50,6 +50,9 @@ use reduce::Abort;
 /// How long the coordinator waits for a drafter worker's answer (a step of many rows on a large
 /// target, or a stuck collective) before it stops the run.
 pub const WORKER_TIMEOUT: Duration = Duration::from_secs(1800);
+/// How often a wait for the workers looks at the other processes of the run (one that stopped
+/// ends the wait).
+const WATCH_TICK: Duration = Duration::from_secs(1);
 
 /// What a data-parallel worker's engine does (`DeviceEngine` on any backend implements it).
 pub trait Replica {
@@ -186,6 +189,8 @@ pub struct DataParallel {
     process: Option<Arc<ProcessGroup>>,
     /// The workers' optimizer state is sharded: a checkpoint joins their shards.
     sharded: bool,
+    /// How long a worker may be silent ([`WORKER_TIMEOUT`]; tests make it short).
+    timeout: Duration,
 }
 
 impl DataParallel {
@@ -219,8 +224,9 @@ impl DataParallel {
             host_copy: None,
             process: None,
             sharded: false,
+            timeout: WORKER_TIMEOUT,
         };
-        for (k, reply) in dp.collect()?.into_iter().enumerate() {
+        for (k, reply) in dp.collect(false)?.into_iter().enumerate() {
             let Reply::Made(abort) = reply else { return Err(worker_error(k, "an unexpected reply".into())) };
             dp.workers[k].abort = abort;
         }
@@ -241,6 +247,12 @@ impl DataParallel {
         self
     }
 
+    /// The same with workers silent for `timeout` (instead of [`WORKER_TIMEOUT`]) stopping the run.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// The same as one process of `group`: it steps its workers' parts of every step's rows
     /// (see the module doc). Every worker's engine must sum its gradients through the group
     /// (or NCCL across the processes).
@@ -257,29 +269,64 @@ impl DataParallel {
         if let Some(why) = self.broken.borrow().as_ref() {
             return Err(Error::worker("drafter workers", format!("stopped after an earlier error: {why}")));
         }
-        self.workers[k].commands.send(command).map_err(|_| worker_error(k, "stopped".into()))
+        self.workers[k]
+            .commands
+            .send(command)
+            .map_err(|_| self.stop(worker_error(k, "stopped (its thread ended)".into())))
     }
 
-    /// One reply of every worker, in worker order. The first error (or a worker silent for
-    /// [`WORKER_TIMEOUT`]) aborts every worker's reduction and stops the step, naming the worker.
-    fn collect(&self) -> Result<Vec<Reply>> {
+    /// The next reply, waiting up to `timeout`; when `watch`, in ticks of [`WATCH_TICK`], between
+    /// which a process of the group that stopped ends the wait (`Err(Some(..))`: the workers may
+    /// be in a reduction on the devices that would never end). `Err(None)`: the timeout. Only
+    /// the accumulation watches: no process can finish the run before every process's
+    /// accumulation is summed (`sum_shares`), while one may end before the others' last update
+    /// or evaluation.
+    fn next_reply(
+        &self,
+        timeout: Duration,
+        watch: bool,
+    ) -> std::result::Result<(usize, std::result::Result<Reply, String>), Option<Error>> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let tick = match watch && self.process.is_some() {
+                true => WATCH_TICK,
+                false => left,
+            };
+            match self.replies.recv_timeout(left.min(tick)) {
+                Ok(reply) => return Ok(reply),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Some(Error::worker("drafter workers", "stopped without a reply (their threads ended)")))
+                }
+                Err(RecvTimeoutError::Timeout) if left <= tick => return Err(None),
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Some(why) = self.process.as_ref().and_then(|g| g.peer_gone()) {
+                        return Err(Some(Error::Group(why)));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One reply of every worker, in worker order. The first error (or a worker silent for the
+    /// timeout, or when `watch`, another process gone: [`Self::next_reply`]) aborts every
+    /// worker's reduction and the process group and stops the step, naming the worker.
+    fn collect(&self, watch: bool) -> Result<Vec<Reply>> {
         let mut got: Vec<Option<Reply>> = (0..self.workers.len()).map(|_| None).collect();
         while got.iter().any(Option::is_none) {
-            let failure = match self.replies.recv_timeout(WORKER_TIMEOUT) {
+            let failure = match self.next_reply(self.timeout, watch) {
                 Ok((k, Ok(reply))) => {
                     got[k] = Some(reply);
                     continue;
                 }
                 Ok((k, Err(message))) => worker_error(k, message),
-                Err(RecvTimeoutError::Timeout) => {
+                Err(Some(failure)) => failure,
+                Err(None) => {
                     let silent: Vec<usize> = (0..got.len()).filter(|&k| got[k].is_none()).collect();
                     Error::worker(
                         format!("drafter workers {silent:?}"),
-                        format!("no answer within {} s (a stuck device or collective)", WORKER_TIMEOUT.as_secs()),
+                        format!("no answer within {} s (a stuck device or collective)", self.timeout.as_secs_f64()),
                     )
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    Error::worker("drafter workers", "stopped without a reply (their threads ended)")
                 }
             };
             return Err(self.stop(failure));
@@ -287,13 +334,16 @@ impl DataParallel {
         Ok(got.into_iter().map(|r| r.expect("all collected")).collect())
     }
 
-    /// After `failure`: aborts every worker's reduction (and so the process group) and marks
-    /// the workers stopped.
+    /// After `failure`: aborts every worker's reduction and the process group (the other
+    /// processes fail at once) and marks the workers stopped.
     fn stop(&self, failure: Error) -> Error {
         for w in &self.workers {
             if let Some(abort) = &w.abort {
                 abort();
             }
+        }
+        if let Some(group) = &self.process {
+            group.abort();
         }
         *self.broken.borrow_mut() = Some(failure.to_string());
         failure
@@ -304,7 +354,7 @@ impl DataParallel {
         for k in 0..self.workers.len() {
             self.send(k, command(k))?;
         }
-        self.collect()
+        self.collect(false)
     }
 
     /// Sends `command` to worker 0 only and waits for its reply.
@@ -315,14 +365,14 @@ impl DataParallel {
 
     /// Worker `k`'s reply to a command sent to it alone.
     fn one_reply(&self, k: usize) -> Result<Reply> {
-        let failure = match self.replies.recv_timeout(WORKER_TIMEOUT) {
+        let failure = match self.next_reply(self.timeout, false) {
             Ok((from, Ok(reply))) if from == k => return Ok(reply),
             Ok((from, Ok(_))) => worker_error(from, "an unexpected reply".into()),
             Ok((from, Err(message))) => worker_error(from, message),
-            Err(_) => worker_error(k, format!("no answer within {} s, or stopped", WORKER_TIMEOUT.as_secs())),
+            Err(Some(failure)) => failure,
+            Err(None) => worker_error(k, format!("no answer within {} s", self.timeout.as_secs_f64())),
         };
-        *self.broken.borrow_mut() = Some(failure.to_string());
-        Err(failure)
+        Err(self.stop(failure))
     }
 }
 
@@ -337,7 +387,10 @@ fn serve(
     inbox: Receiver<Command>,
     outbox: Sender<(usize, std::result::Result<Reply, String>)>,
 ) {
-    let mut engine = match make(k) {
+    let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| make(k)));
+    let mut engine = match made.unwrap_or_else(|p| {
+        Err(Error::worker(format!("drafter worker {k}"), format!("panicked: {}", panic_message(p))))
+    }) {
         Ok(e) => {
             let _ = outbox.send((k, Ok(Reply::Made(e.abort()))));
             e
@@ -348,7 +401,8 @@ fn serve(
         }
     };
     for command in inbox {
-        let reply = match command {
+        // A panic is the worker's error (its engine is not used again: the run stops).
+        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match command {
             Command::Accumulate { rows, total, want_stats, shape } => {
                 let refs: Vec<(&TrainRow, &PreparedRow)> = rows.iter().map(|(r, p)| (r, p)).collect();
                 engine.accumulate_rows(&refs, total, want_stats).and_then(|share| {
@@ -377,8 +431,12 @@ fn serve(
             Command::Evaluate { rows, max_anchors, gamma, seed } => {
                 engine.evaluate(&rows, max_anchors, gamma, seed).map(Reply::Evaluated)
             }
+        }));
+        let (reply, fatal) = match reply {
+            Ok(reply) => (reply.map_err(|e| e.to_string()), false),
+            Err(p) => (Err(format!("panicked: {}", panic_message(p))), true),
         };
-        if outbox.send((k, reply.map_err(|e| e.to_string()))).is_err() {
+        if outbox.send((k, reply)).is_err() || fatal {
             return;
         }
     }
@@ -386,6 +444,9 @@ fn serve(
 
 impl Drop for DataParallel {
     fn drop(&mut self) {
+        if let (Some(feed), Some(_)) = (&mut self.feed, self.broken.borrow().as_ref()) {
+            feed.detach();
+        }
         for w in &mut self.workers {
             // Closing the command channel ends the worker's loop.
             let (closed, _) = channel();
@@ -468,7 +529,7 @@ impl DataParallel {
         let mut share: Option<Share> = None;
         let mut sum: Option<Vec<f64>> = None;
         let mut on_device = false;
-        for (k, reply) in self.collect()?.into_iter().enumerate() {
+        for (k, reply) in self.collect(true)?.into_iter().enumerate() {
             let Reply::Accumulated(s, acc) = reply else {
                 return Err(worker_error(k, "an unexpected reply".into()));
             };
@@ -510,25 +571,11 @@ impl DataParallel {
         Ok(share.outcome(total, update, device_bytes))
     }
 
-    /// Queues every worker's rows with the feed, interleaved (row 0 of each worker, then row 1,
-    /// ...) so that the workers step side by side. A stopped target worker ends the queueing:
-    /// the drafter worker waiting for it reports why.
+    /// Queues every worker's rows with the feed (in the background: a stuck target worker leaves
+    /// the wait for the drafters to the timeout).
     fn feed_rows(&mut self, rows: Vec<Vec<Row>>) {
-        let Some(feed) = &mut self.feed else { return };
-        let mut queues: Vec<std::vec::IntoIter<Row>> = rows.into_iter().map(Vec::into_iter).collect();
-        loop {
-            let mut any = false;
-            for (k, q) in queues.iter_mut().enumerate() {
-                if let Some(row) = q.next() {
-                    any = true;
-                    if feed.queue(k, row).is_err() {
-                        return;
-                    }
-                }
-            }
-            if !any {
-                return;
-            }
+        if let Some(feed) = &mut self.feed {
+            feed.queue_rows(rows);
         }
     }
 
