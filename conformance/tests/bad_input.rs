@@ -112,6 +112,7 @@ fn edit_safetensors(dir: &Path, file: &str, edit: impl FnOnce(&mut HashMap<Strin
 #[case::rope_longrope("target-qwen3", "/rope_parameters/rope_type", Some(json!("longrope")), "rope_parameters.rope_type")]
 #[case::rope_yarn_negative_factor("target-qwen3", "/rope_parameters", Some(json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": -2.0})), "rope_parameters.factor")]
 #[case::rope_partial_rotary("target-qwen3", "/rope_parameters/partial_rotary_factor", Some(json!(0.5)), "rope_parameters.partial_rotary_factor")]
+#[case::rope_partial_rotary_top("target-qwen3", "/partial_rotary_factor", Some(json!(0.25)), "partial_rotary_factor")]
 #[case::rope_scaling_linear_without_factor("target-llama", "/rope_scaling", Some(json!({"type": "linear"})), "rope_scaling.factor")]
 #[case::rope_llama3_bands_inverted("target-llama", "/rope_scaling", Some(json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0})), "rope_scaling.high_freq_factor")]
 #[case::drafter_rope_scaled("drafter", "/rope_scaling", Some(json!({"rope_type": "linear", "factor": 2.0})), "rope_scaling")]

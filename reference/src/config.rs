@@ -252,6 +252,16 @@ impl RopeScaling {
 /// or `rope_parameters` (transformers 5, theta inside). Variants other than `default`, `linear`,
 /// `llama3` and `yarn` (and a partial rotary factor) are refused, naming the key.
 fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
+    // A factor at the top level too (transformers moves it into `rope_parameters`).
+    let full_rotation = |f: &Fields| -> Result<()> {
+        match f.opt_f64("partial_rotary_factor")? {
+            Some(p) if p != 1.0 => {
+                Err(f.error("partial_rotary_factor", format!("{p}: only 1 (full rotation) is supported")))
+            }
+            _ => Ok(()),
+        }
+    };
+    full_rotation(f)?;
     let mut theta = f.opt_f64("rope_theta")?;
     let mut scaling = RopeScaling::Default;
     let mut seen: Option<(&str, RopeScaling)> = None;
@@ -260,11 +270,7 @@ fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeSc
         if key == "rope_parameters" {
             theta = sub.opt_f64("rope_theta")?.or(theta);
         }
-        if let Some(p) = sub.opt_f64("partial_rotary_factor")? {
-            if p != 1.0 {
-                return Err(sub.error("partial_rotary_factor", format!("{p}: only 1 (full rotation) is supported")));
-            }
-        }
+        full_rotation(&sub)?;
         // The error names the key the file actually uses (`type` in older configs).
         let (kind_key, kind) = match (sub.opt_str("rope_type")?, sub.opt_str("type")?) {
             (Some(kind), _) => ("rope_type", kind),

@@ -19,7 +19,7 @@ use dflash_reference::config::training_target_layer_ids;
 use dflash_reference::data::Row;
 use dflash_reference::target::TargetKind;
 use dflash_trainer::metrics::eta;
-use dflash_trainer::real::load_forward;
+use dflash_trainer::real::{load_forward, unused_note};
 
 use crate::data::{data_options, parse_data_args};
 
@@ -120,7 +120,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     config
         .check_row_len(data_opts.max_len, &target_dir.join("config.json"))
         .map_err(|why| format!("option `--max-len`: {why}"))?;
-    config.check_checkpoint(&target_dir).map_err(|e| e.to_string())?;
+    let unused = config.check_checkpoint(&target_dir).map_err(|e| e.to_string())?;
+    if let Some(note) = unused_note(&unused) {
+        println!("{note}");
+    }
     let launch_tokens: usize = opts.get("launch-tokens", data_opts.max_len)?;
     if launch_tokens < data_opts.max_len {
         return Err(format!(
