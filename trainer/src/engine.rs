@@ -171,6 +171,12 @@ pub trait StepEngine {
     fn checkpointing(&self) -> Option<Checkpointing> {
         None
     }
+    /// Which of a step's `rows` rows (in the step's order, micro-batch after micro-batch) this
+    /// engine steps with their features; the others' tokens and masks alone draw their anchors
+    /// (a process of several steps its part: [`crate::dist::DataParallel`]).
+    fn own_rows(&self, rows: usize) -> std::ops::Range<usize> {
+        0..rows
+    }
     /// Runs one step (see the module doc); draws anchors from `rng`.
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome>;
     /// The weights and optimizer state, for a checkpoint.

@@ -54,6 +54,10 @@ pub trait RowSource: Sync {
     }
     /// Row `i` with its features (`[S, 0]` when the engine computes them online).
     fn row(&self, i: usize) -> Result<TrainRow>;
+    /// Row `i` without its features (`[S, 0]`): for anchors alone (another process's row).
+    fn row_without_features(&self, i: usize) -> Result<TrainRow> {
+        self.row(i)
+    }
     /// A sha256 naming the rows (a checkpoint of other rows is refused on resume).
     fn sha256(&self) -> Result<String>;
 }
@@ -61,39 +65,60 @@ pub trait RowSource: Sync {
 /// A step's rows, by micro-batch.
 pub type StepRows = Vec<Vec<TrainRow>>;
 
-/// The rows of `ids` (micro-batches of row ids) from `data`.
-pub fn fetch_rows(data: &dyn RowSource, ids: &[Vec<usize>]) -> Result<StepRows> {
-    ids.iter().map(|m| m.iter().map(|&i| data.row(i)).collect()).collect()
+/// The rows of `ids` (micro-batches of row ids) from `data`: those at the positions `own` (in
+/// the step's order) with their features, the others without ([`StepEngine::own_rows`]).
+///
+/// [`StepEngine::own_rows`]: crate::engine::StepEngine::own_rows
+pub fn fetch_rows(data: &dyn RowSource, ids: &[Vec<usize>], own: &Range<usize>) -> Result<StepRows> {
+    let mut at = 0..;
+    ids.iter()
+        .map(|m| {
+            m.iter()
+                .zip(at.by_ref())
+                .map(|(&i, k)| match own.contains(&k) {
+                    true => data.row(i),
+                    false => data.row_without_features(i),
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// A step's rows read ahead, on a thread of a [`std::thread::scope`] while the step before runs
 /// (a cached row's features read from the cache's files, a reference target's forward).
 #[derive(Default)]
 pub struct ReadAhead<'scope> {
-    /// The ids being read, and their reading.
-    pending: Option<(Vec<Vec<usize>>, Reading<'scope>)>,
+    /// The ids being read (and the positions read with their features), and their reading.
+    pending: Option<(Read, Reading<'scope>)>,
 }
+
+/// A step's row ids and the positions read with their features ([`fetch_rows`]).
+type Read = (Vec<Vec<usize>>, Range<usize>);
 
 type Reading<'scope> = std::thread::ScopedJoinHandle<'scope, Result<StepRows>>;
 
 impl<'scope> ReadAhead<'scope> {
-    /// The rows of `ids`: those read ahead when they are these, else read now.
-    pub fn rows(&mut self, data: &dyn RowSource, ids: &[Vec<usize>]) -> Result<StepRows> {
+    /// The rows of `ids` ([`fetch_rows`] with `own`): those read ahead when they are these,
+    /// else read now.
+    pub fn rows(&mut self, data: &dyn RowSource, ids: &[Vec<usize>], own: &Range<usize>) -> Result<StepRows> {
         match self.pending.take() {
-            Some((ahead, reading)) if ahead == ids => reading.join().map_err(panicked)?,
-            _ => fetch_rows(data, ids),
+            Some(((ahead, ahead_own), reading)) if ahead == ids && &ahead_own == own => {
+                reading.join().map_err(panicked)?
+            }
+            _ => fetch_rows(data, ids, own),
         }
     }
 
-    /// Starts reading the rows of `ids` on a thread of `scope`.
+    /// Starts reading the rows of `ids` ([`fetch_rows`] with `own`) on a thread of `scope`.
     pub fn start<'env>(
         &mut self,
         scope: &'scope std::thread::Scope<'scope, 'env>,
         data: &'env dyn RowSource,
         ids: Vec<Vec<usize>>,
+        own: Range<usize>,
     ) {
-        let read = ids.clone();
-        self.pending = Some((ids, scope.spawn(move || fetch_rows(data, &read))));
+        let (read, read_own) = (ids.clone(), own.clone());
+        self.pending = Some(((ids, own), scope.spawn(move || fetch_rows(data, &read, &read_own))));
     }
 }
 
@@ -217,6 +242,12 @@ impl RowSource for DataRows<'_> {
         self.rows.len()
     }
 
+    fn row_without_features(&self, i: usize) -> Result<TrainRow> {
+        let row = self.plain_row(i)?;
+        let features = Tensor::zeros((row.tokens.len(), 0), DType::F32, &Device::Cpu)?;
+        Ok(TrainRow::from_row(row, features)?)
+    }
+
     fn row(&self, i: usize) -> Result<TrainRow> {
         let row = self.plain_row(i)?;
         let s = row.tokens.len();
@@ -259,6 +290,64 @@ mod tests {
     use super::*;
     use dflash_data::features::{Entry, FeatureIndex, FeatureWriter};
     use rand::{Rng, SeedableRng};
+
+    /// Rows of random tokens that count how many were read with their features.
+    struct Counting {
+        rows: Vec<TrainRow>,
+        with_features: std::sync::atomic::AtomicUsize,
+    }
+
+    impl RowSource for Counting {
+        fn len(&self) -> usize {
+            self.rows.len()
+        }
+        fn row(&self, i: usize) -> Result<TrainRow> {
+            self.with_features.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(self.rows[i].clone())
+        }
+        fn row_without_features(&self, i: usize) -> Result<TrainRow> {
+            let row = &self.rows[i];
+            let none = Tensor::zeros((row.len(), 0), DType::F32, &Device::Cpu)?;
+            Ok(TrainRow { features: none, ..row.clone() })
+        }
+        fn sha256(&self) -> Result<String> {
+            Ok(String::new())
+        }
+    }
+
+    /// A step's rows at the positions `own` (across micro-batches, in the step's order) come with
+    /// their features, the others with their tokens and masks alone; read ahead the same.
+    #[test]
+    fn only_the_own_rows_are_read_with_their_features() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
+        let rows: Vec<TrainRow> = (0..7)
+            .map(|_| {
+                let s = rng.random_range(4..12);
+                let tokens = (0..s).map(|_| rng.random_range(0..100)).collect();
+                let features = Tensor::rand(0f32, 1.0, (s, 3), &Device::Cpu).unwrap();
+                TrainRow::single(tokens, vec![true; s], features).unwrap()
+            })
+            .collect();
+        let data = Counting { rows, with_features: Default::default() };
+        let ids = vec![vec![3, 0, 6], vec![2, 5, 1]];
+        let start = rng.random_range(0..6);
+        let own = start..rng.random_range(start..=6);
+        let check = |got: &StepRows| {
+            for (k, (row, &i)) in got.iter().flatten().zip(ids.iter().flatten()).enumerate() {
+                assert_eq!(row.tokens, data.rows[i].tokens, "position {k}");
+                let width = if own.contains(&k) { 3 } else { 0 };
+                assert_eq!(row.features.dims(), &[row.len(), width], "position {k} of own {own:?}");
+            }
+        };
+        check(&fetch_rows(&data, &ids, &own).unwrap());
+        std::thread::scope(|scope| {
+            let mut ahead = ReadAhead::default();
+            ahead.start(scope, &data, ids.clone(), own.clone());
+            check(&ahead.rows(&data, &ids, &own).unwrap());
+        });
+        let read = data.with_features.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(read, 2 * own.len(), "rows read with their features");
+    }
 
     /// A row's features from the cache: each document's in its token range, zeros after the last;
     /// a document whose tokens are not the row's, or out of the row's order, is refused.

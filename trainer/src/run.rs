@@ -356,17 +356,19 @@ impl<'a> Trainer<'a> {
         let data: &'a dyn RowSource = self.inputs.data;
         let n_rows = data.len();
         let read_ahead = self.inputs.read_ahead;
+        // The rows this process steps with their features (all but with several processes).
+        let own = engine.own_rows(c.rows_per_update());
         std::thread::scope(|scope| -> Result<()> {
             let mut ahead = ReadAhead::default();
             while self.state.step < total && summary.steps_run < max_steps {
                 let step = self.state.step;
                 let ids: Vec<Vec<usize>> = (0..c.grad_accum).map(|_| self.state.next_rows(c.rows_per_step)).collect();
-                let rows = ahead.rows(data, &ids)?;
+                let rows = ahead.rows(data, &ids, &own)?;
                 // Ahead only when the order gives the next step's ids without the generator (which
                 // this step's anchors draw from first), so the rows and anchors are as without it.
                 if read_ahead && step + 1 < total && summary.steps_run + 1 < max_steps {
                     if let Some(next) = self.state.peek_rows(c.grad_accum, c.rows_per_step) {
-                        ahead.start(scope, data, next);
+                        ahead.start(scope, data, next, own.clone());
                     }
                 }
                 let micro_batches = rows.iter().map(|m| m.iter().collect()).collect();

@@ -599,3 +599,30 @@ fn sharded_optimizer_state_trains_like_the_whole() {
     three.restore(&state).unwrap();
     close(&losses(&mut three, &setup, &c, 3..5, &mut rng_3.clone()), &want, "resumed sharded on 3");
 }
+
+/// Every process's workers' parts of a step's rows, by `part_range`: contiguous, in rank order,
+/// covering the rows once, each part of `n / parts` rows or one more (the first ones); alone, a
+/// data-parallel engine owns every row.
+#[test]
+fn the_processes_parts_cover_the_rows_once() {
+    let mut rng = rand::rng();
+    for _ in 0..200 {
+        let (n, local, world) = (rng.random_range(0..100), rng.random_range(1..5), rng.random_range(1..5));
+        let parts = local * world;
+        let mut next = 0;
+        for rank in 0..world {
+            let range = dflash_trainer::dist::part_range(n, parts, rank * local..(rank + 1) * local);
+            assert_eq!(range.start, next, "n {n}, {local} x {world}, rank {rank}");
+            let sizes: Vec<usize> = (rank * local..(rank + 1) * local)
+                .map(|k| dflash_trainer::dist::part_range(n, parts, k..k + 1).len())
+                .collect();
+            assert!(sizes.iter().all(|&s| s == n / parts || s == n / parts + 1), "{sizes:?}");
+            assert_eq!(sizes.iter().sum::<usize>(), range.len());
+            next = range.end;
+        }
+        assert_eq!(next, n, "n {n}, {local} x {world}");
+    }
+    let c = config();
+    let setup = Arc::new(builtin::setup(&c).expect("setup"));
+    assert_eq!(workers(2, &setup, &c).own_rows(9), 0..9);
+}

@@ -270,9 +270,9 @@ fn time_engine(
     std::thread::scope(|scope| {
         let mut ahead = ReadAhead::default();
         let mut step = |engine: &mut dyn StepEngine| {
-            let row = ahead.rows(rows, &[vec![k % rows.len()]]).map_err(step_err)?;
+            let row = ahead.rows(rows, &[vec![k % rows.len()]], &(0..1)).map_err(step_err)?;
             k += 1;
-            ahead.start(scope, rows, vec![vec![k % rows.len()]]);
+            ahead.start(scope, rows, vec![vec![k % rows.len()]], 0..1);
             let batch = StepBatch {
                 step: k,
                 micro_batches: vec![vec![&row[0][0]]],
@@ -481,9 +481,9 @@ mod tests {
         let cached = CachedRows::write(&dir, rows.clone(), &features, &draft, h).unwrap();
         std::thread::scope(|scope| {
             let mut ahead = ReadAhead::default();
-            ahead.start(scope, &cached, vec![vec![2]]);
+            ahead.start(scope, &cached, vec![vec![2]], 0..1);
             for i in [2, 0, 1] {
-                let row = &ahead.rows(&cached, &[vec![i]]).unwrap()[0][0];
+                let row = &ahead.rows(&cached, &[vec![i]], &(0..1)).unwrap()[0][0];
                 assert_eq!((&row.tokens, &row.loss_mask), (&rows[i].tokens, &rows[i].loss_mask), "row {i}");
                 let got: Vec<u16> = row
                     .features

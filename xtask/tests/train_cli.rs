@@ -1169,6 +1169,17 @@ fn processes_joined_through_the_rendezvous_train_like_one() {
         .unwrap();
     assert!(result.status.success(), "{}", text(&result.stderr));
     assert_eq!(losses(&two), losses(&pair), "2 processes vs 2 drafter workers in one");
+    // Offline, each process reads the features of its own rows alone: the same losses as one
+    // process reading them all.
+    let features = tmp.path().join("features");
+    write_features(&target, &cache, &features);
+    let offline: Vec<&str> = steps.iter().copied().chain(["--features", features.to_str().unwrap()]).collect();
+    let alone = tmp.path().join("offline-one");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(args(&alone, &offline)).output().unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let (offline_two, offline_elsewhere) = (tmp.path().join("offline-two"), tmp.path().join("offline-rank-1"));
+    both(args(&offline_two, &offline), args(&offline_elsewhere, &offline));
+    close(&loss_values(&offline_two), &loss_values(&alone), "2 processes vs 1, offline");
 
     // Back at the checkpoint of step 3, resumed on both ranks with 2 drafter workers each.
     std::fs::remove_dir_all(two.join("checkpoint-6")).unwrap();

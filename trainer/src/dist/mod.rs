@@ -462,9 +462,16 @@ impl Drop for DataParallel {
 
 /// `rows` split into `parts` contiguous runs, the first ones one longer when it does not divide.
 fn split<T>(rows: Vec<T>, parts: usize) -> Vec<Vec<T>> {
-    let (base, extra) = (rows.len() / parts, rows.len() % parts);
     let mut it = rows.into_iter();
-    (0..parts).map(|k| it.by_ref().take(base + usize::from(k < extra)).collect()).collect()
+    let n = it.len();
+    (0..parts).map(|k| it.by_ref().take(part_range(n, parts, k..k + 1).len()).collect()).collect()
+}
+
+/// The rows of parts `of` when `n` rows are [`split`] into `parts`.
+pub fn part_range(n: usize, parts: usize, of: std::ops::Range<usize>) -> std::ops::Range<usize> {
+    let (base, extra) = (n / parts, n % parts);
+    let start = |k: usize| k * base + k.min(extra);
+    start(of.start)..start(of.end)
 }
 
 impl StepEngine for DataParallel {
@@ -473,6 +480,13 @@ impl StepEngine for DataParallel {
         let process = self.process.as_ref();
         let process = process.map_or(String::new(), |g| format!(" on rank {} of {} processes", g.rank(), g.world()));
         format!("optimized, {} data-parallel workers{targets}{process}", self.workers.len())
+    }
+
+    /// This process's workers' parts (rank-major over every process's workers).
+    fn own_rows(&self, rows: usize) -> std::ops::Range<usize> {
+        let local = self.workers.len();
+        let (rank, world) = self.process.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
+        part_range(rows, local * world, rank * local..(rank + 1) * local)
     }
 
     fn step(&mut self, batch: &StepBatch, rng: &mut ChaCha8Rng) -> Result<StepOutcome> {
