@@ -28,15 +28,17 @@ fn expected_accept_lengths(pair: &Pair, prompt: &[u32], greedy: &[u32], max_new:
     let config = &pair.drafter.config;
     let b = config.block_size;
     let head = pair.target.frozen_head();
-    let mut done = 0;
+    // The prefill's token, then steps while tokens remain: each drafts after the last token
+    // emitted, from the features of those before it.
+    let mut done = max_new.min(1);
     let mut lengths = Vec::new();
     while done < max_new {
-        let committed: Vec<u32> = prompt.iter().chain(&greedy[..done]).copied().collect();
+        let committed: Vec<u32> = prompt.iter().chain(&greedy[..done - 1]).copied().collect();
         let features = pair.target.features(&committed, &config.target_layer_ids).expect("target features");
-        let input = DraftInput::inference(features, greedy[done], b).expect("inference input");
+        let input = DraftInput::inference(features, greedy[done - 1], b).expect("inference input");
         let logits = pair.drafter.forward(&head, &input).expect("drafter forward");
         let drafts = argmax_rows(&logits.narrow(0, 1, b - 1).unwrap()).unwrap();
-        let accepted = drafts.iter().zip(&greedy[done + 1..]).take_while(|(d, g)| d == g).count();
+        let accepted = drafts.iter().zip(&greedy[done..]).take_while(|(d, g)| d == g).count();
         lengths.push(accepted + 1);
         done += accepted + 1;
     }
@@ -59,16 +61,21 @@ fn check_lossless(pair: &Pair, prompt: &[u32], max_new: usize) -> Result<usize, 
     if let Some(&bad) = out.accept_lengths.iter().find(|&&a| !(1..=b).contains(&a)) {
         return Err(format!("accept length {bad} outside [1, {b}]"));
     }
-    // Every step but the last emits all its A + 1 tokens; the last reaches max_new.
+    // After the prefill's token, every step but the last emits all its A + 1 tokens; the last
+    // reaches max_new (no step when the prefill's token does).
     let total: usize = out.accept_lengths.iter().sum();
     let before_last = total - out.accept_lengths.last().copied().unwrap_or(0);
-    if !(before_last < max_new && max_new <= total) && max_new > 0 {
+    let ends = match out.accept_lengths.is_empty() {
+        true => max_new <= 1,
+        false => 1 + before_last < max_new && max_new <= 1 + total,
+    };
+    if !ends {
         return Err(format!(
             "accept lengths {:?} (sum {total}) do not end at the {max_new} tokens emitted",
             out.accept_lengths
         ));
     }
-    if max_new > 0 {
+    if !out.accept_lengths.is_empty() {
         let tau = out.tau();
         if !(1.0..=b as f64).contains(&tau) {
             return Err(format!("tau {tau} outside [1, {b}]"));
@@ -233,7 +240,7 @@ fn check_stop(pair: &Pair, prompt: &[u32], max_new: usize, rng: &mut impl Rng) -
     if out.accept_lengths != lengths {
         return Err(format!("stop {stop:?}: accept lengths {:?}, want {lengths:?}", out.accept_lengths));
     }
-    Ok(out.accept_lengths.iter().sum::<usize>() > out.tokens.len())
+    Ok(1 + out.accept_lengths.iter().sum::<usize>() > out.tokens.len())
 }
 
 /// Proves the stop at an end-of-sequence id on fresh random tiny targets, drafters (block 2-6)

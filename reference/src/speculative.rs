@@ -11,12 +11,15 @@ use crate::target::Target;
 #[derive(Clone, Debug, PartialEq)]
 pub struct SpecOutput {
     /// The generated tokens (prompt excluded): `max_new` of them, or fewer where a stop id came
-    /// first (then it is the last token, as engines return it). Those the plain decode emits.
+    /// first (then it is the last token, as engines return it). Those the plain decode emits:
+    /// the prefill's token, then each verify step's accepted drafts and the target's token
+    /// after them.
     pub tokens: Vec<u32>,
-    /// `A + 1` for every verify step (accepted drafts plus the bonus token), in `[1, B]`, the last
-    /// step's too where `max_new` or a stop id cuts its tokens (spec section 4's tau, as the
+    /// `A + 1` for every verify step (accepted drafts plus the target's token), in `[1, B]`, the
+    /// last step's too where `max_new` or a stop id cuts its tokens (spec section 4's tau, as the
     /// published taus count it: the drafter's acceptance, not the budget's or the stop's cut), so
-    /// they sum to at least the tokens generated.
+    /// they sum to at least the tokens generated less the prefill's. No step runs once the
+    /// tokens end (a stop id, `max_new`), as engines stop.
     pub accept_lengths: Vec<usize>,
 }
 
@@ -26,16 +29,27 @@ impl SpecOutput {
         self.accept_lengths.iter().sum::<usize>() as f64 / self.accept_lengths.len().max(1) as f64
     }
 
-    /// Adds one verify step that emits `emitted` (the bonus and the `A` accepted drafts): its
-    /// `A + 1` whole, and its tokens up to the first of two cuts, `max_new` tokens in all or the
-    /// first id of `stop` (kept as the last token); true when decoding ends here (either cut
-    /// reached). Both decoders' one rule for cutting the last step.
+    /// The output after the prefill chose `first`: true when decoding ends there (`first` is a
+    /// stop id, or `max_new` is 1 or 0; then no verify step runs).
+    pub fn start(&mut self, first: u32, max_new: usize, stop: &[u32]) -> bool {
+        self.extend_to(&[first], max_new, stop)
+    }
+
+    /// Adds one verify step that emits `emitted` (the `A` accepted drafts and the target's token
+    /// after them): its `A + 1` whole, and its tokens up to the first of two cuts, `max_new`
+    /// tokens in all or the first id of `stop` (kept as the last token); true when decoding ends
+    /// here (either cut reached). Both decoders' one rule for cutting the last step.
     pub fn push_step(&mut self, emitted: &[u32], max_new: usize, stop: &[u32]) -> bool {
         self.accept_lengths.push(emitted.len());
+        self.extend_to(emitted, max_new, stop)
+    }
+
+    /// `tokens` added up to the cuts of [`Self::push_step`]; whether decoding ends.
+    fn extend_to(&mut self, tokens: &[u32], max_new: usize, stop: &[u32]) -> bool {
         let room = max_new.saturating_sub(self.tokens.len());
-        let upto = stop_len(emitted, stop);
-        self.tokens.extend(&emitted[..upto.min(room)]);
-        upto < emitted.len() || emitted.last().is_some_and(|t| stop.contains(t)) || self.tokens.len() >= max_new
+        let upto = stop_len(tokens, stop);
+        self.tokens.extend(&tokens[..upto.min(room)]);
+        tokens[..upto].last().is_some_and(|t| stop.contains(t)) || self.tokens.len() >= max_new
     }
 }
 
@@ -61,13 +75,16 @@ impl Acceptance {
         Acceptance { reached: vec![0; block_size], sum: 0, per_prompt: Vec::new() }
     }
 
-    /// Adds one decode.
+    /// Adds one decode (one that ended at its prefill's token, with no verify step, has no
+    /// tau of its own).
     pub fn add(&mut self, out: &SpecOutput) {
         for &a in &out.accept_lengths {
             self.sum += a;
             self.reached.iter_mut().take(a).for_each(|r| *r += 1);
         }
-        self.per_prompt.push(out.tau());
+        if !out.accept_lengths.is_empty() {
+            self.per_prompt.push(out.tau());
+        }
     }
 
     /// Tau as the mean of `A + 1` over every verify step of every decode.
@@ -269,7 +286,7 @@ pub fn speculative_decode_until(
     let mut bonus = sampling.choose_rows(&prefill.logits.narrow(0, prompt.len() - 1, 1)?, prompt.len())?[0];
     let mut seq = prompt.to_vec();
     let mut out = SpecOutput { tokens: Vec::new(), accept_lengths: Vec::new() };
-    let mut done = max_new == 0;
+    let mut done = out.start(bonus, max_new, stop);
     while !done {
         let n = seq.len();
         let draft_logits = drafter.forward(&head, &DraftInput::inference(features, bonus, b)?)?;
@@ -285,7 +302,8 @@ pub fn speculative_decode_until(
         let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
         seq.push(bonus);
         seq.extend(&drafts[..accepted]);
-        done = out.push_step(&seq[n..], max_new, stop);
+        let emitted: Vec<u32> = drafts[..accepted].iter().chain([&chosen[accepted]]).copied().collect();
+        done = out.push_step(&emitted, max_new, stop);
         bonus = chosen[accepted];
         features = Tensor::cat(&checked.hidden, 1)?.narrow(0, 0, seq.len())?;
     }
@@ -329,6 +347,16 @@ mod tests {
         assert_eq!(step(&[1, 2, 3], 10, &[9]), (vec![9, 1, 2, 3], vec![1, 3], false));
         assert_eq!(stop_len(&[4, 5, 4], &[4]), 1);
         assert_eq!(stop_len(&[4, 5, 4], &[]), 3);
+        // The prefill's token: no step follows a stop id or a full budget.
+        let start = |first, max_new, stop: &[u32]| {
+            let mut out = SpecOutput { tokens: vec![], accept_lengths: vec![] };
+            let done = out.start(first, max_new, stop);
+            (out.tokens, done)
+        };
+        assert_eq!(start(5, 10, &[]), (vec![5], false));
+        assert_eq!(start(5, 10, &[5]), (vec![5], true));
+        assert_eq!(start(5, 1, &[]), (vec![5], true));
+        assert_eq!(start(5, 0, &[]), (vec![], true));
     }
 
     /// A decoder's choice refuses logits holding a NaN or an Inf anywhere (their argmax, token 0,

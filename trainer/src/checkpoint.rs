@@ -109,11 +109,19 @@ pub struct TrainState {
 
 /// sha256 of `bytes`, hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    hex(&Sha256::digest(bytes))
 }
 
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// sha256 of a file's bytes, hex, read in blocks (a large drafter's training state is many GB).
 fn file_sha256(file: &Path) -> Result<String> {
-    Ok(sha256_hex(&std::fs::read(file).map_err(|e| Error::io(file, e))?))
+    let mut h = Sha256::new();
+    let mut f = std::fs::File::open(file).map_err(|e| Error::io(file, e))?;
+    std::io::copy(&mut f, &mut h).map_err(|e| Error::io(file, e))?;
+    Ok(hex(&h.finalize()))
 }
 
 /// sha256 over every training row's tokens, loss mask, document ids, positions and features.
@@ -238,11 +246,16 @@ pub fn write_checkpoint(
     sync_path(out)?;
     write_atomically(&out.join("latest"), |f| f.write_all(format!("{name}\n").as_bytes()))?;
     sync_path(out)?;
+    // The newest `keep`, this one first. A folder of a later step is not of this run's past (a
+    // checkpoint that was not usable when it resumed from an earlier one): it goes too.
     let mut older: Vec<(usize, PathBuf)> =
         list_checkpoints(out)?.into_iter().filter(|(s, _)| *s != state.step).collect();
     older.sort_by_key(|c| std::cmp::Reverse(c.0));
-    for (_, old) in older.into_iter().skip(keep.saturating_sub(1)) {
-        remove_dir_if_exists(&old)?;
+    let later = older.iter().take_while(|(s, _)| *s > state.step).count();
+    for (i, (_, old)) in older.into_iter().enumerate() {
+        if i < later || i >= later + keep.saturating_sub(1) {
+            remove_dir_if_exists(&old)?;
+        }
     }
     Ok(dir)
 }
@@ -338,7 +351,8 @@ pub fn check_latest(out: &Path) -> Result<()> {
     }
 }
 
-/// The checkpoint `OUT/latest` names if it is complete; otherwise the newest complete one (the
+/// The checkpoint `OUT/latest` names if it is complete (or a complete one of a later step: a
+/// run stopped between writing it and updating `latest`); otherwise the newest complete one (the
 /// notes say why). Leftover `.tmp` folders are never considered.
 pub fn find_resumable(out: &Path) -> Result<Found> {
     let mut notes = Vec::new();
@@ -352,7 +366,22 @@ pub fn find_resumable(out: &Path) -> Result<Found> {
             } else {
                 let dir = out.join(name);
                 match verify(&dir) {
-                    Ok(state) => return Ok(Found { dir, state, notes }),
+                    Ok(state) => {
+                        let mut later: Vec<(usize, PathBuf)> =
+                            list_checkpoints(out)?.into_iter().filter(|(s, _)| *s > state.step).collect();
+                        later.sort_by_key(|c| std::cmp::Reverse(c.0));
+                        for (_, newer) in later {
+                            if let Ok(state) = verify(&newer) {
+                                notes.push(format!(
+                                    "{} is complete and newer than {name}, which {} names (the run stopped before updating it)",
+                                    newer.display(),
+                                    latest.display()
+                                ));
+                                return Ok(Found { dir: newer, state, notes });
+                            }
+                        }
+                        return Ok(Found { dir, state, notes });
+                    }
                     Err(e) => notes.push(format!("{} names {name}, which is not usable: {e}", latest.display())),
                 }
             }

@@ -371,7 +371,8 @@ pub const LAUNCH_OPTIONS: &[&str] = &["rank", "world_size", "master_addr", "mast
 
 /// Options that may change between a checkpoint and its resumption: they do not change the
 /// steps already taken or the next ones' losses (`steps` / `epochs` change the schedule of the
-/// steps not yet taken, which is the point of extending a run).
+/// steps not yet taken, which is the point of extending a run; `drafter_workers` groups the
+/// gradients' f32 sums otherwise, so the losses agree within its rounding).
 pub const RESUMABLE_CHANGES: &[&str] = &[
     "steps",
     "checkpointing",

@@ -243,9 +243,6 @@ impl RealSetup {
     }
 }
 
-/// The target's forward on `dev` (dense or hybrid, as `target` says) for launches of up to
-/// `max_len` tokens, tapping `layer_ids`, its weights read from `dir` as `dtype`. A dense forward
-/// holds the LM head only `with_lm_head` (the step shares it); a hybrid's layout always holds it.
 /// The note that a checkpoint's tensors the text model does not use (`check_checkpoint`'s: a
 /// Qwen3.5's multi-token-prediction head and vision tower) are left out, naming a few.
 pub fn unused_note(unused: &[String]) -> Option<String> {
@@ -260,6 +257,9 @@ pub fn unused_note(unused: &[String]) -> Option<String> {
     })
 }
 
+/// The target's forward on `dev` (dense or hybrid, as `target` says) for launches of up to
+/// `max_len` tokens, tapping `layer_ids`, its weights read from `dir` as `dtype`. A dense forward
+/// holds the LM head only `with_lm_head` (the step shares it); a hybrid's layout always holds it.
 pub fn load_forward<B: Backend + 'static>(
     dev: B,
     target: &TargetKind,

@@ -125,26 +125,44 @@ pub fn check_resume_config(current: &RunConfig, saved: &RunConfig) -> Result<Vec
                 format!("{now} differs from the checkpoint's {then}: resuming would change the run (start a new run in another --out)"),
             ));
         }
-        notes.push(format!("`{name}` changed from {then} to {now}"));
+        let regrouped = match name.as_str() {
+            // The step's rows are summed in other groups.
+            "drafter_workers" => ": the next losses equal the uninterrupted run's within f32 rounding, not bitwise",
+            _ => "",
+        };
+        notes.push(format!("`{name}` changed from {then} to {now}{regrouped}"));
     }
     Ok(notes)
+}
+
+/// Which run a fresh run may replace in its `--out` (one with nothing to resume in any case).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replace {
+    /// None: the folder must hold no run.
+    Never,
+    /// A finished run of the built-in default (the built-in default replaces its own), not a
+    /// real one (its drafter is not lost to a forgotten `--target`).
+    BuiltIn,
+    /// Any finished run (`--overwrite`).
+    Any,
 }
 
 /// Whether `out` may take a fresh run, without touching it: `Ok(None)` when it holds no run,
 /// `Ok(Some(what))` when it holds a run that `replace` allows replacing: a finished run, or the
 /// remains of one with no complete checkpoint (nothing there can be resumed). A folder holding an
 /// unfinished run with a complete checkpoint is refused (`--resume` continues it), so no
-/// unfinished run is ever lost; the others are refused unless `replace`.
-pub fn check_fresh_out(out: &std::path::Path, replace: bool) -> Result<Option<String>> {
+/// unfinished run is ever lost; the others are refused unless `replace` allows them.
+pub fn check_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Option<String>> {
     let checkpoints = checkpoint::list_checkpoints(out)?;
     if !out.join("latest").exists() && checkpoints.is_empty() {
         return Ok(None);
     }
     checkpoint::check_latest(out)?;
-    let held = match checkpoint::find_resumable(out) {
-        Err(e) => format!("the remains of a run with no complete checkpoint ({e})"),
+    let (held, real) = match checkpoint::find_resumable(out) {
+        Err(e) => (format!("the remains of a run with no complete checkpoint ({e})"), false),
         Ok(found) => {
-            let total = checkpoint::load_config(&found.dir)?.steps.unwrap_or(usize::MAX);
+            let saved = checkpoint::load_config(&found.dir)?;
+            let total = saved.steps.unwrap_or(usize::MAX);
             if found.state.step < total {
                 return Err(Error::option(
                     "out",
@@ -157,24 +175,38 @@ pub fn check_fresh_out(out: &std::path::Path, replace: bool) -> Result<Option<St
                     ),
                 ));
             }
-            format!("a finished run of {total} steps")
+            match &saved.target {
+                Some(target) => (format!("a finished run of {total} steps of the target {}", target.display()), true),
+                None => (format!("a finished run of {total} steps"), false),
+            }
         }
     };
-    if !replace {
-        return Err(Error::option(
+    match (replace, real) {
+        (Replace::Any, _) | (Replace::BuiltIn, false) => Ok(Some(held)),
+        (Replace::BuiltIn, true) => Err(Error::option(
+            "out",
+            format!(
+                "{} holds {held}: the built-in default replaces only its own runs (`--target` for a real run, `--overwrite` to replace it, or another --out)",
+                out.display()
+            ),
+        )),
+        (Replace::Never, _) => Err(Error::option(
             "out",
             format!("{} holds {held}: `--overwrite` replaces it, or choose another --out", out.display()),
-        ));
+        )),
     }
-    Ok(Some(held))
 }
 
 /// Makes `out` ready for a fresh run ([`check_fresh_out`] first): a run there that may be
 /// replaced is cleared of its files (checkpoints, `latest`, `metrics.jsonl`, `training.svg`,
 /// `drafter/`), and a note says so.
-pub fn prepare_fresh_out(out: &std::path::Path, replace: bool) -> Result<Vec<String>> {
+pub fn prepare_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Vec<String>> {
     let Some(held) = check_fresh_out(out, replace)? else { return Ok(Vec::new()) };
-    for (_, dir) in checkpoint::list_checkpoints(out)? {
+    // Oldest first: killed midway, the folder still holds the run's newest checkpoint (a run
+    // that may be replaced), never an older one alone (an unfinished run, refused).
+    let mut checkpoints = checkpoint::list_checkpoints(out)?;
+    checkpoints.sort_by_key(|c| c.0);
+    for (_, dir) in checkpoints {
         std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     }
     for tmp in checkpoint::leftover_temporaries(out) {

@@ -144,6 +144,12 @@ fn incomplete_checkpoints_are_never_loaded() {
     }
     assert_eq!(find_resumable(out).unwrap().state.step, 6);
     assert!(find_resumable(out).unwrap().notes.is_empty());
+    // Killed after a checkpoint's rename, before `latest` named it: the newer complete one.
+    std::fs::write(out.join("latest"), "checkpoint-4\n").unwrap();
+    let found = find_resumable(out).unwrap();
+    assert_eq!(found.state.step, 6, "{:?}", found.notes);
+    assert!(found.notes.join("\n").contains("newer than checkpoint-4"), "{:?}", found.notes);
+    std::fs::write(out.join("latest"), "checkpoint-6\n").unwrap();
 
     // A complete-looking copy under a temporary name (a checkpoint whose rename never happened).
     copy_dir(&out.join("checkpoint-6"), &out.join(".checkpoint-8.tmp"));
@@ -186,11 +192,27 @@ fn incomplete_checkpoints_are_never_loaded() {
     assert!(message.contains("adam_t -5"), "{message}");
     std::fs::write(&state_file, state).unwrap();
 
-    // Resuming from it removes the leftover temporary folder.
+    // Resuming from it removes the leftover temporary folder. Its next checkpoint removes the
+    // folders of later steps (not usable when it resumed: not of its past).
     let mut e = engine(&c, &s, StepKind::Reference);
     let mut t = Trainer::new(inputs(&c, &s)).unwrap();
     let notes = t.resume(&mut e, &find_resumable(out).unwrap()).unwrap();
     assert!(!out.join(".checkpoint-8.tmp").exists(), "{notes:?}");
+    let kept = tempfile::tempdir().unwrap();
+    for step in [2, 4, 6] {
+        copy_dir(&out.join(format!("checkpoint-{step}")), &kept.path().join(format!("checkpoint-{step}")));
+    }
+    std::fs::write(kept.path().join("latest"), "checkpoint-2\n").unwrap();
+    let mut c_kept = c.clone();
+    c_kept.out = kept.path().to_path_buf();
+    let mut e = engine(&c_kept, &s, StepKind::Reference);
+    let mut t = Trainer::new(inputs(&c_kept, &s)).unwrap();
+    t.resume(&mut e, &find_resumable(kept.path()).unwrap()).unwrap();
+    t.run_steps(&mut e, 2).unwrap();
+    let mut left: Vec<usize> = checkpoint::list_checkpoints(kept.path()).unwrap().into_iter().map(|c| c.0).collect();
+    left.sort();
+    assert_eq!(left, [2, 4], "the corrupt checkpoint-6 of an abandoned future is gone");
+    checkpoint::verify(&kept.path().join("checkpoint-4")).expect("written again");
 
     // Nothing complete left: an error, never a half-written checkpoint.
     std::fs::remove_file(out.join("checkpoint-2/run.toml")).unwrap();

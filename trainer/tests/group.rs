@@ -242,7 +242,8 @@ fn a_rank_that_stops_before_joining_stops_the_rendezvous_with_its_reason() {
     let started = Instant::now();
     let zero = rank_thread(0, 3, port, &print, timeouts(LONG, LONG), |_| ());
     let two = rank_thread(2, 3, port, &print, timeouts(LONG, LONG), |_| ());
-    std::thread::sleep(Duration::from_millis(200));
+    // Rank 2 joined before rank 1 reports (a thread's start and a loopback connection: far less).
+    std::thread::sleep(Duration::from_secs(1));
     assert!(ProcessGroup::report_failure(&launch(1, 3, port), &why, timeouts(LONG, LONG)), "rank 0 told");
     let (zero, two) = (zero.join().unwrap().unwrap_err(), two.join().unwrap().unwrap_err());
     assert!(started.elapsed() < STOPS_WITHIN, "{:?}", started.elapsed());

@@ -37,7 +37,7 @@ use dflash_trainer::plan::Plan;
 use dflash_trainer::real::{self, RealSetup};
 use dflash_trainer::rows::{RowFeatures, RowSource};
 use dflash_trainer::run::{
-    check_fresh_out, check_resume_config, prepare_fresh_out, RunInputs, RunSummary, TauProbe, Trainer,
+    check_fresh_out, check_resume_config, prepare_fresh_out, Replace, RunInputs, RunSummary, TauProbe, Trainer,
 };
 
 use crate::eval::{cached_decoders, CachedDecoder};
@@ -75,10 +75,13 @@ Unknown keys are errors.
                              epochs, tokens and an estimated time, then exit without training
   --resume OUT               continue the run in OUT from its latest complete checkpoint, with
                              losses identical to an uninterrupted run (its config is loaded;
-                             only options that do not change the run may differ, e.g. --steps)
+                             only options that do not change the run may differ, e.g. --steps;
+                             with another count of drafter workers or processes, the losses
+                             are equal within f32 rounding: the gradients are summed in other
+                             groups)
   --overwrite                a real run: replace the finished run in --out, or the remains
-                             of one with no complete checkpoint (the built-in default always
-                             replaces its own)
+                             of one with no complete checkpoint (the built-in default replaces
+                             its own runs, never a real one)
 
 The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
 model.safetensors in bf16; training/training.safetensors, run.toml, state.json), latest,
@@ -86,7 +89,7 @@ metrics.jsonl (one JSON object per line), training.svg, and drafter/ (the final 
 drafter). A fresh
 run refuses a folder holding an unfinished run (--resume continues it), and one holding a
 finished real run (or one with no complete checkpoint) unless --overwrite; the built-in default
-replaces these. The input paths (target, data, features, data cache, a held-out file) are saved
+replaces its own finished runs and such remains, never a finished real run. The input paths (target, data, features, data cache, a held-out file) are saved
 absolute, so a run resumes from any folder.
 
 options (built-in defaults; real runs start from the recipe):";
@@ -102,17 +105,28 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let mut launch = None;
     let outcome = run_cli(&cli, &mut launch);
     let Err(e) = outcome else { return Ok(()) };
-    // The run's launch; when the run failed before it was resolved (a bad config, a missing
-    // checkpoint), the launch of the command line and the torchrun variables alone.
-    let env = |name: &str| std::env::var(name).ok();
-    let launch =
-        launch.or_else(|| Launch::resolve(&RunConfig::default().with_overrides(&cli.overrides).ok()?, &env).ok());
+    let launch = match launch {
+        Some(resolved) => resolved,
+        // The run failed before its config was whole (a missing checkpoint, an unreadable config
+        // file): the command line and the torchrun variables say how it was launched, when no
+        // config file could say otherwise.
+        None if cli.config.is_none() => {
+            let preset = match cli.resume.is_some() || cli.real_preset().unwrap_or(true) {
+                true => RunConfig::default(),
+                false => RunConfig::builtin(),
+            };
+            let env = |name: &str| std::env::var(name).ok();
+            preset.with_overrides(&cli.overrides).ok().and_then(|c| Launch::resolve(&c, &env).ok())
+        }
+        None => None,
+    };
     let Some(launch) = launch else { return Err(e) };
     tell_the_others(&cli, launch, e)
 }
 
-/// The run `cli` asks for; `launch` is set once resolved.
-fn run_cli(cli: &Cli, launch: &mut Option<Launch>) -> Result<(), String> {
+/// The run `cli` asks for; `launch` is set once its config is whole: the launch it resolves to,
+/// `None` when it resolves to none.
+fn run_cli(cli: &Cli, launch: &mut Option<Option<Launch>>) -> Result<(), String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     // The config: preset (or the checkpoint's), file, command line; then validation.
     let mut resume_notes = Vec::new();
@@ -133,6 +147,8 @@ fn run_cli(cli: &Cli, launch: &mut Option<Launch>) -> Result<(), String> {
         config = RunConfig::from_file(&config, file).map_err(err)?;
     }
     config = config.with_overrides(&cli.overrides).and_then(|c| c.with_absolute_paths()).map_err(err)?;
+    let resolved = Launch::resolve(&config, &|name| std::env::var(name).ok());
+    *launch = Some(resolved.as_ref().ok().cloned());
     if let Some(dir) = &cli.resume {
         if &config.out != dir {
             return Err(format!(
@@ -148,11 +164,10 @@ fn run_cli(cli: &Cli, launch: &mut Option<Launch>) -> Result<(), String> {
     if let Some((_, saved)) = &resume {
         check_resume_config(&config, saved).map_err(err)?;
     }
-    let resolved = Launch::resolve(&config, &|name| std::env::var(name).ok()).map_err(err)?;
-    let launch = launch.insert(resolved);
+    let launch = resolved.map_err(err)?;
     match config.target.is_some() {
-        true => real_run(config, launch, (cli.plan, cli.overwrite), resume, resume_notes),
-        false => builtin_run(config, launch, cli.plan, resume, resume_notes),
+        true => real_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
+        false => builtin_run(config, &launch, cli.plan, resume, resume_notes),
     }
 }
 
@@ -220,10 +235,18 @@ fn check_resume(config: &RunConfig, resume: &Resume, notes: &mut Vec<String>) ->
     Ok(())
 }
 
+/// What a real run's fresh `--out` may replace: any finished run with `--overwrite`.
+fn replace(overwrite: bool) -> Replace {
+    match overwrite {
+        true => Replace::Any,
+        false => Replace::Never,
+    }
+}
+
 /// `--out` checked writable and free for a fresh run ([`check_fresh_out`]: a finished run there
 /// may be replaced only when `replace`), touching nothing but a probe file; by rank 0 alone (the
 /// other ranks write nothing there).
-fn check_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: bool) -> Result<(), String> {
+fn check_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: Replace) -> Result<(), String> {
     if launch.rank > 0 {
         return Ok(());
     }
@@ -236,7 +259,7 @@ fn check_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: bool
 
 /// `--out` checked again ([`check_out`]) and made ready for a fresh run: a finished run there is
 /// replaced when `replace`.
-fn prepare_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: bool) -> Result<(), String> {
+fn prepare_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: Replace) -> Result<(), String> {
     check_out(config, launch, resume, replace)?;
     if launch.rank == 0 && resume.is_none() {
         for note in prepare_fresh_out(&config.out, replace).map_err(|e| e.to_string())? {
@@ -413,7 +436,7 @@ fn builtin_run(
         return Ok(());
     }
     gpus_present(&config, launch, plan).map_err(err)?;
-    prepare_out(&config, launch, &resume, true)?;
+    prepare_out(&config, launch, &resume, Replace::BuiltIn)?;
 
     let started = Instant::now();
     print!(
@@ -564,7 +587,7 @@ fn real_run(
     let started = Instant::now();
     // The run folder before the data is read (tokenizing a large data set takes minutes).
     if !plan {
-        check_out(&config, launch, &resume, overwrite)?;
+        check_out(&config, launch, &resume, replace(overwrite))?;
     }
     let setup = real::prepare(&config, || gpus_present(&config, launch, plan)).map_err(err)?;
     let (t, d) = (&setup.target_config, &setup.draft_config);
@@ -706,7 +729,7 @@ fn real_run(
     let tau_decoders =
         (config.tau_prompts > 0 && !prompts.is_empty()).then(|| tau_context(&prompts, config.tau_tokens));
     check_fits(&config, launch, &setup, shape, tau_decoders)?;
-    prepare_out(&config, launch, &resume, overwrite)?;
+    prepare_out(&config, launch, &resume, replace(overwrite))?;
     let processes = join_processes(launch, &config, &train_rows, &resume)?;
 
     let drafter_started = Instant::now();
@@ -976,9 +999,9 @@ fn gpu_workers(
         let rank = Rank::join(&gpu, first + k, world, &id)?;
         Ok(Box::new(sharded(engine(k, gpu)?.with_reduce(Box::new(rank)), shard, k, local)) as Box<dyn Replica>)
     });
-    let workers = DataParallel::new(local, d.clone(), make).map_err(|e| e.to_string())?;
+    let workers = start_workers(local, d, make, processes)?;
     println!("drafter workers on GPUs {gpus:?}, gradients all-reduced through NCCL");
-    across(if shard { workers.with_sharded_optimizer() } else { workers }, processes)
+    Ok(if shard { workers.with_sharded_optimizer() } else { workers })
 }
 
 /// `count` data-parallel drafter workers on the CPU twins, their gradients summed through the
@@ -1002,8 +1025,8 @@ fn host_workers(
             rank.ok_or_else(|| dflash_trainer::Error::option("drafter_workers", format!("worker {k} made twice")))?;
         Ok(Box::new(sharded(engine(k)?.with_reduce(rank), shard, k, count)) as Box<dyn Replica>)
     });
-    let workers = DataParallel::new(count, d.clone(), make).map_err(|e| e.to_string())?;
-    across(if shard { workers.with_sharded_optimizer() } else { workers }, processes)
+    let workers = start_workers(count, d, make, processes)?;
+    Ok(if shard { workers.with_sharded_optimizer() } else { workers })
 }
 
 /// The optimizer state per drafter worker when sharded over `workers` (the largest shard's),
@@ -1047,12 +1070,18 @@ fn sharded<B: dflash_optimized::backend::Backend>(
     }
 }
 
-/// `workers` as this process's part of the processes' run, when several.
-fn across(workers: DataParallel, processes: Option<&Arc<ProcessGroup>>) -> Result<DataParallel, String> {
+/// `count` drafter workers made by `make`: this process's part of the processes' run when several.
+fn start_workers(
+    count: usize,
+    d: &DraftConfig,
+    make: Arc<MakeReplica>,
+    processes: Option<&Arc<ProcessGroup>>,
+) -> Result<DataParallel, String> {
     match processes {
-        None => Ok(workers),
-        Some(g) => workers.with_process(g.clone()).map_err(|e| e.to_string()),
+        None => DataParallel::new(count, d.clone(), make),
+        Some(g) => DataParallel::joined(count, d.clone(), make, g.clone()),
     }
+    .map_err(|e| e.to_string())
 }
 
 /// Target workers on the devices of `targets` feeding drafter workers on the devices of

@@ -660,7 +660,8 @@ fn a_killed_real_run_resumes_with_the_uninterrupted_losses() {
 
 /// The run folder and the inputs of real runs: `--data A --data B` reads both files as `--data
 /// A B` does; paths are saved absolute, so a run started with relative paths resumes from
-/// another folder; a finished real run is replaced only with `--overwrite`; an `--out` that
+/// another folder; a finished real run is replaced only with `--overwrite` (not by the built-in
+/// default); an `--out` that
 /// cannot be a run folder is refused before the data is read; a run whose weights go non-finite
 /// reports a NaN held-out loss and still writes its checkpoint and drafter.
 #[test]
@@ -712,6 +713,15 @@ fn real_run_folders_paths_and_inputs() {
         "{stderr}"
     );
     assert!(!text(&again.stdout).contains("data:"), "the data was read first");
+    assert!(tmp.path().join("run/checkpoint-3").exists(), "the finished run was kept");
+    // The built-in default (a forgotten --target) does not replace it either, saying why.
+    let builtin = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["train", "--out", "run", "--steps", "2"])
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    let stderr = text(&builtin.stderr);
+    assert!(!builtin.status.success() && stderr.contains("replaces only its own runs"), "{stderr}");
     assert!(tmp.path().join("run/checkpoint-3").exists(), "the finished run was kept");
     let replaced = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run", "--overwrite"]);
     assert!(

@@ -414,13 +414,13 @@ impl<T: DecodeTarget> SpecDecoder<T> {
         if max_new == 0 {
             return Ok((out, proposals));
         }
-        let mut bonus = self.prefill(prompt, sampling)?;
+        let bonus = self.prefill(prompt, sampling)?;
         let mut n = prompt.len();
         let verify = self.target.tokens_addr();
         // The bonus's id on the device: the target's next token `accepted` of the last launch.
         let mut bonus_at = self.target.next_addr()?;
         let mut pending = None; // the context rows of the last verify step, not yet appended
-        let mut done = false;
+        let mut done = out.start(bonus, max_new, stop);
         while !done {
             let drafter = self.drafter.as_ref().expect("checked above");
             // The step's plans first (their uploads wait for the queued work), then its work.
@@ -437,10 +437,9 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
             self.target.keep(accepted + 1)?;
             pending = Some((n, accepted + 1));
-            let emitted: Vec<u32> = std::iter::once(bonus).chain(drafts[..accepted].iter().copied()).collect();
+            let emitted: Vec<u32> = drafts[..accepted].iter().chain([&chosen[accepted]]).copied().collect();
             done = out.push_step(&emitted, max_new, stop);
             n += accepted + 1;
-            bonus = chosen[accepted];
             bonus_at = self.target.next_addr()? + 4 * accepted as u64;
             proposals.push(drafts);
         }

@@ -4,7 +4,7 @@
 //! waited for, and the slot's address goes to worker `k`, whose step reads the features in
 //! place; the slot returns to its target worker when the drafter's step has read it (dropping
 //! [`FedFeatures`]). A drafter worker takes its rows from the target workers in turn, in the
-//! order the coordinator queued them ([`FeedPool::queue`] and [`FeedEnd::next`] keep the same
+//! order the coordinator queued them ([`FeedPool::queue_rows`] and [`FeedEnd::next`] keep the same
 //! cursor). Each side counts the seconds it waits for the other.
 //!
 //! Slots live on the target's device. A drafter worker copies a slot into its step's input (on

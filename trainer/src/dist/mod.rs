@@ -201,6 +201,33 @@ impl DataParallel {
         config: dflash_reference::config::DraftConfig,
         make: std::sync::Arc<MakeReplica>,
     ) -> Result<Self> {
+        Self::start(count, config, make, None)
+    }
+
+    /// [`DataParallel::new`] as one process of `group`: it steps its workers' parts of every
+    /// step's rows (see the module doc). Every worker's engine must sum its gradients through
+    /// the group (or NCCL across the processes). Another process that stops while the engines
+    /// are made (their communicators joined) stops this one too.
+    pub fn joined(
+        count: usize,
+        config: dflash_reference::config::DraftConfig,
+        make: std::sync::Arc<MakeReplica>,
+        group: Arc<ProcessGroup>,
+    ) -> Result<Self> {
+        let dp = Self::start(count, config, make, Some(group))?;
+        if let Some(k) = dp.workers.iter().position(|w| w.abort.is_none()) {
+            let why = "has no reduction group: several processes sum their gradients through one";
+            return Err(worker_error(k, why.into()));
+        }
+        Ok(dp)
+    }
+
+    fn start(
+        count: usize,
+        config: dflash_reference::config::DraftConfig,
+        make: std::sync::Arc<MakeReplica>,
+        process: Option<Arc<ProcessGroup>>,
+    ) -> Result<Self> {
         if count == 0 {
             return Err(Error::option("drafter_workers", "at least 1 worker"));
         }
@@ -222,11 +249,11 @@ impl DataParallel {
             feed: None,
             config,
             host_copy: None,
-            process: None,
+            process,
             sharded: false,
             timeout: WORKER_TIMEOUT,
         };
-        for (k, reply) in dp.collect(false)?.into_iter().enumerate() {
+        for (k, reply) in dp.collect(true)?.into_iter().enumerate() {
             let Reply::Made(abort) = reply else { return Err(worker_error(k, "an unexpected reply".into())) };
             dp.workers[k].abort = abort;
         }
@@ -251,18 +278,6 @@ impl DataParallel {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
-    }
-
-    /// The same as one process of `group`: it steps its workers' parts of every step's rows
-    /// (see the module doc). Every worker's engine must sum its gradients through the group
-    /// (or NCCL across the processes).
-    pub fn with_process(mut self, group: Arc<ProcessGroup>) -> Result<Self> {
-        if let Some(k) = self.workers.iter().position(|w| w.abort.is_none()) {
-            let why = "has no reduction group: several processes sum their gradients through one";
-            return Err(worker_error(k, why.into()));
-        }
-        self.process = Some(group);
-        Ok(self)
     }
 
     fn send(&self, k: usize, command: Command) -> Result<()> {
