@@ -113,6 +113,27 @@ fn a_missing_data_file_is_an_error_naming_it() {
     assert_names(&err, &["nope.jsonl"]);
 }
 
+/// A data file given twice (by another path to the same file) is an error naming both; a byte
+/// order mark before the first line and CRLF line ends read as the plain file does.
+#[test]
+fn a_file_given_twice_is_refused_and_a_bom_is_not_a_bad_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = write(tmp.path(), "plain.jsonl", format!("{GOOD}\n{GOOD}\n").as_bytes());
+    let again = tmp.path().join(".").join("plain.jsonl");
+    let err =
+        expect_error(Dataset::prepare(&tokenizer("tokenizer-qwen"), &[plain.clone(), again], &options(tmp.path())));
+    assert_names(&err, &["given twice", "plain.jsonl"]);
+    let windows = write(tmp.path(), "windows.jsonl", format!("\u{feff}{GOOD}\r\n{GOOD}\r\n").as_bytes());
+    let stats = |file: &PathBuf, cache: &str| {
+        let opts =
+            DataOptions { held_out: dflash_data::HeldOut::Fraction(0.0), ..DataOptions::new(tmp.path().join(cache)) };
+        let data = Dataset::prepare(&tokenizer("tokenizer-qwen"), std::slice::from_ref(file), &opts).expect("prepared");
+        (data.stats().documents, data.stats().tokens, data.stats().total_skipped())
+    };
+    assert_eq!(stats(&windows, "cache-windows"), stats(&plain, "cache-plain"));
+    assert_eq!(stats(&windows, "cache-windows").2, 0, "no line skipped");
+}
+
 /// Every line skipped or filtered: an error naming each reason and its count.
 #[test]
 fn a_data_set_with_every_row_filtered_is_an_error_naming_the_filter() {

@@ -115,6 +115,14 @@ impl Dataset {
         for f in &all {
             std::fs::metadata(f).map_err(|e| Error::io(f, e))?;
         }
+        // A file given twice would train on its conversations twice (and a fraction's held-out
+        // documents would have trained copies).
+        for (i, f) in files.iter().enumerate() {
+            let same = |g: &PathBuf| g.canonicalize().ok().is_some_and(|g| Some(g) == f.canonicalize().ok());
+            if let Some(g) = files[..i].iter().find(|g| same(g)) {
+                return Err(Error::option("data", format!("{} is given twice (also as {})", f.display(), g.display())));
+            }
+        }
         // A held-out file that is also training data would measure the drafter on what it trained on.
         for h in &held_files {
             let same = |f: &PathBuf| f.canonicalize().ok().is_some_and(|f| Some(f) == h.canonicalize().ok());

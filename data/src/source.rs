@@ -92,7 +92,12 @@ impl Lines {
                 lines.push(Line { number: self.number, text });
                 continue;
             }
-            let text = match std::str::from_utf8(&buf) {
+            // A byte order mark before the first line (editors on Windows write one) is not JSON.
+            let body = match self.number {
+                1 => buf.strip_prefix("\u{feff}".as_bytes()).unwrap_or(&buf),
+                _ => &buf,
+            };
+            let text = match std::str::from_utf8(body) {
                 Ok(t) if t.trim().is_empty() => continue,
                 Ok(t) => Ok(t.trim_end_matches(['\n', '\r']).to_owned()),
                 Err(e) => Err(format!("not UTF-8: {e}")),

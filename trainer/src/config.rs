@@ -396,6 +396,11 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "master_port",
 ];
 
+/// The most optimizer steps a run takes (its plan's counts of rows and tokens stay far inside u64).
+pub const MAX_STEPS: usize = 1 << 40;
+/// The most rows of one update (`rows_per_step` x `grad_accum`): every one is held on the host.
+pub const MAX_ROWS_PER_UPDATE: usize = 1 << 16;
+
 /// The block size of the built-in tiny drafter.
 pub const BUILTIN_BLOCK_SIZE: usize = 8;
 /// Positions the built-in tiny target supports (`max_position_embeddings`).
@@ -626,13 +631,28 @@ impl RunConfig {
         match (self.steps, self.epochs) {
             (Some(_), Some(_)) => return Err(Error::option("steps", "set `steps` or `epochs`, not both")),
             (None, None) => return Err(Error::option("steps", "set `steps` or `epochs`")),
-            (Some(s), None) => at_least("steps", s, 1)?,
+            (Some(s), None) => {
+                at_least("steps", s, 1)?;
+                if s > MAX_STEPS {
+                    return Err(Error::option("steps", format!("{s}: at most {MAX_STEPS}")));
+                }
+            }
             (None, Some(e)) => {
                 finite("epochs", e)?;
                 if e <= 0.0 || e > MAX_EPOCHS {
                     return Err(Error::option("epochs", format!("{e}: must be above 0 and at most {MAX_EPOCHS}")));
                 }
             }
+        }
+        // A step's rows are all held on the host at once (a cached row is 126 MB for the 8B).
+        if self.rows_per_step.checked_mul(self.grad_accum).is_none_or(|n| n > MAX_ROWS_PER_UPDATE) {
+            return Err(Error::option(
+                "rows_per_step",
+                format!(
+                    "{} x grad_accum {}: at most {MAX_ROWS_PER_UPDATE} rows per update",
+                    self.rows_per_step, self.grad_accum
+                ),
+            ));
         }
         for (name, value) in [("drafter_workers", self.drafter_workers), ("target_workers", self.target_workers)] {
             if value > MAX_WORKERS {
@@ -773,10 +793,24 @@ impl RunConfig {
                     ));
                 }
                 at_least("draft_layers", self.draft_layers, 1)?;
-                if let Ok(f) = self.held_out.parse::<f64>() {
-                    if !(0.0..1.0).contains(&f) {
+                if self.draft_layers > dflash_reference::config::MAX_LAYERS {
+                    return Err(Error::option(
+                        "draft_layers",
+                        format!("{}: at most {}", self.draft_layers, dflash_reference::config::MAX_LAYERS),
+                    ));
+                }
+                match self.held_out.parse::<f64>() {
+                    Ok(f) if !(0.0..1.0).contains(&f) => {
                         return Err(Error::option("held_out", format!("{f}: a fraction in [0, 1), or a jsonl file")));
                     }
+                    Ok(_) => {}
+                    Err(_) if !Path::new(&self.held_out).is_file() => {
+                        return Err(Error::option(
+                            "held_out",
+                            format!("`{}`: neither a fraction in [0, 1) nor a jsonl file that exists", self.held_out),
+                        ));
+                    }
+                    Err(_) => {}
                 }
                 self.max_len
             }

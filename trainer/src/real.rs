@@ -204,7 +204,7 @@ impl RealSetup {
     /// Up to `n` prompts for the real tau: held-out documents up to their first supervised token
     /// (what the target was asked before the answer the drafter learns to draft); each with
     /// `new_tokens` and the `B - 1` positions a last verify block reaches past them must fit the
-    /// target's positions.
+    /// target's positions. None at all is an error naming `tau_prompts`.
     pub fn tau_prompts(&self, n: usize, new_tokens: usize) -> Result<Vec<Vec<u32>>> {
         let (max, b) = (self.target_config.max_positions(), self.draft_config.block_size);
         let mut prompts = Vec::new();
@@ -229,6 +229,15 @@ impl RealSetup {
             if first > 0 {
                 prompts.push(doc.tokens[..first].to_vec());
             }
+        }
+        if prompts.is_empty() {
+            return Err(Error::option(
+                "tau_prompts",
+                format!(
+                    "{n}, but none of the {} held-out documents has a prompt before its first supervised token (conversations do; `text` and fully supervised rows do not, and `--held-out 0` holds none out): `--tau-prompts 0` trains without the real tau",
+                    self.dataset.held_out.len()
+                ),
+            ));
         }
         Ok(prompts)
     }

@@ -143,7 +143,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                 draft_config.target_layer_ids
             )
         })?;
-    // Every weight there with its shape, before the prompts are read.
+    // Every weight there with its shape, the target's and the drafter's, before the prompts are
+    // read or a weight loaded.
+    let drafter_shapes = dflash_reference::drafter::param_shapes(&draft_config);
+    dflash_reference::io::check_checkpoint(&drafter_dir, &drafter_shapes, |_| {
+        Some("not a weight of this drafter config".to_string())
+    })
+    .map_err(err)?;
     let unused = target_config.check_checkpoint(&target_dir).map_err(err)?;
     if let Some(note) = dflash_trainer::real::unused_note(&unused) {
         println!("{note}");

@@ -60,7 +60,21 @@ commands:
 run `cargo xtask <command> --help` for a command's options";
 
 fn main() -> ExitCode {
-    let mut argv = std::env::args().skip(1);
+    // Arguments are text: one that is not UTF-8 (a path in another encoding) is named, not a panic.
+    let argv: Result<Vec<String>, String> = std::env::args_os()
+        .skip(1)
+        .enumerate()
+        .map(|(i, a)| {
+            a.into_string().map_err(|a| format!("argument {} ({}) is not UTF-8 text", i + 1, a.to_string_lossy()))
+        })
+        .collect();
+    let mut argv = match argv {
+        Ok(argv) => argv.into_iter(),
+        Err(message) => {
+            eprintln!("error: {message}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match argv.next().as_deref() {
         Some("train") => train::run(argv.collect()),
         Some("plan") => plan::run(argv.collect()),

@@ -629,7 +629,16 @@ fn real_run(
     check_resume(&config, &resume, &mut resume_notes)?;
     let prompts = match config.tau_prompts {
         0 => Vec::new(),
-        n => setup.tau_prompts(n, config.tau_tokens).map_err(err)?,
+        n => {
+            let prompts = setup.tau_prompts(n, config.tau_tokens).map_err(err)?;
+            if prompts.len() < n {
+                println!(
+                    "real tau: {} of the {n} prompts asked for (the held-out documents with a prompt)",
+                    prompts.len()
+                );
+            }
+            prompts
+        }
     };
     let source = match &config.features {
         Some(cache) => format!("features from the cache {}", cache.display()),

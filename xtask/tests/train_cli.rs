@@ -800,6 +800,18 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--max-len", "1"], &["max_len"]);
     fails(&["--mask-token-id", "9999"], &["mask_token_id", "9999", "768"]);
     fails(&["--held-out", "1.5"], &["held_out"]);
+    fails(&["--held-out", "5%"], &["option `held_out`", "5%`: neither a fraction in [0, 1) nor a jsonl file"]);
+    fails(&["--draft-layers", "100000000000"], &["draft_layers", "at most 4096"]);
+    fails(&["--rows-per-step", "1000000000000"], &["rows_per_step", "at most 65536 rows per update"]);
+    fails(&["--grad-accum", "1000", "--rows-per-step", "1000"], &["rows_per_step", "grad_accum 1000"]);
+    fails(&["--steps", "9000000000000000000"], &["steps", "at most 1099511627776"]);
+    fails(&["--tau-prompts", "4", "--held-out", "0"], &["tau_prompts", "none of the 0 held-out documents"]);
+    // An argument that is not UTF-8 text (a path in another encoding) is named, not a panic.
+    use std::os::unix::ffi::OsStrExt;
+    let latin1 = std::ffi::OsStr::from_bytes(b"caf\xe9.jsonl");
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(["train", "--data"]).arg(latin1).output().unwrap();
+    let stderr = text(&result.stderr);
+    assert!(!result.status.success() && stderr.contains("argument 3") && stderr.contains("not UTF-8"), "{stderr}");
     // The training data as its own held-out file (by another spelling of its path); no lines.
     let data_again = repo("fixtures/data/../data/conversations.jsonl");
     fails(&["--held-out", data_again.to_str().unwrap()], &["held_out", "also a --data file"]);
@@ -1014,6 +1026,22 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
         !result.status.success() && stderr.contains("target_layer_ids") && stderr.contains("increasing"),
         "{stderr}"
     );
+    // A drafter folder without one of its weights: named before the target is loaded.
+    let damaged = tmp.path().join("damaged");
+    std::fs::create_dir(&damaged).unwrap();
+    std::fs::copy(drafter.join("config.json"), damaged.join("config.json")).unwrap();
+    let weights = damaged.join("model.safetensors");
+    let mut tensors =
+        candle_core::safetensors::load(drafter.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let name = tensors.keys().find(|k| k.contains("layers.0.")).unwrap().clone();
+    tensors.remove(&name).unwrap();
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["eval", "--target", target.to_str().unwrap(), "--drafter", damaged.to_str().unwrap(), "--prompts", p])
+        .output()
+        .unwrap();
+    let stderr = text(&result.stderr);
+    assert!(!result.status.success() && stderr.contains(&name) && stderr.contains("damaged"), "{stderr}");
 }
 
 /// Data-parallel drafter workers through the binary (the host step, one thread each): 2 workers
