@@ -145,6 +145,29 @@ pub fn random_pair(seed: u64, block_size: usize) -> Pair {
 }
 
 /// `len` random tokens below `vocab - 1` (the drafters' mask id is `vocab - 1`).
+/// Where a stop id goes in a decode of `max_new` tokens whose unstopped output is `tokens` and
+/// whose unstopped speculative steps accepted `accept_lengths`: with `inside`, an accepted draft
+/// before the end of its verify step (the first of its id in `tokens`: a stop there cuts the
+/// step's tokens) where there is one; else any of the first `max_new` tokens.
+pub fn stop_position(
+    tokens: &[u32],
+    accept_lengths: &[usize],
+    max_new: usize,
+    inside: bool,
+    rng: &mut impl Rng,
+) -> usize {
+    let mut drafts = Vec::new();
+    let mut start = 1; // the prefill's token, then each step's A + 1
+    for &a in accept_lengths {
+        drafts.extend((start..start + a - 1).filter(|&p| p < max_new && !tokens[..p].contains(&tokens[p])));
+        start += a;
+    }
+    match inside && !drafts.is_empty() {
+        false => rng.random_range(0..max_new),
+        true => drafts[rng.random_range(0..drafts.len())],
+    }
+}
+
 pub fn random_prompt(len: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<u32> {
     (0..len).map(|_| rng.random_range(0..vocab as u32 - 1)).collect()
 }

@@ -273,20 +273,31 @@ fn bad_temperatures_are_errors() {
 
 /// Proves the stop at an end-of-sequence id in the cached decoder on the f64 twins: with a stop
 /// set holding an id of the unstopped greedy output (at a random index, past the first read-back
-/// of the plain decode at times) and one absent from it, its speculative decode equals the
+/// of the plain decode at times; for two of the built-in pair's decodes, an accepted draft inside
+/// a verify step, so the cut of a step runs) and one absent from it, its speculative decode equals the
 /// reference's, tokens and every accept length, and its plain decode equals the reference's and
 /// ends at the first stop id; for fresh random pairs, the trained built-in pair, a hybrid, and
 /// under seeded sampling. An empty stop set decodes `max_new` tokens.
 #[test]
 fn cached_decoding_stops_as_the_reference() {
-    use dflash_conformance::decode_cases::{pair_decoder, DecodedTarget};
+    use dflash_conformance::decode_cases::{pair_decoder, stop_position, DecodedTarget};
     use dflash_reference::speculative::{plain_decode_until, speculative_decode_until};
-    fn check<T: DecodedTarget>(pair: &Pair<T>, prompt: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> bool {
-        let max_new = rng.random_range(1..=40);
+    /// `inside`: the stop falls on an accepted draft before the end of its verify step where
+    /// there is one (a decode of 16 tokens at least), else anywhere.
+    fn check<T: DecodedTarget>(
+        pair: &Pair<T>,
+        prompt: &[u32],
+        sampling: &Sampling,
+        inside_wanted: bool,
+        rng: &mut ChaCha8Rng,
+    ) -> bool {
+        let max_new = rng.random_range(if inside_wanted { 16 } else { 1 }..=40);
         let mut decoder = pair_decoder(pair, host, prompt.len() + max_new).expect("decoder");
         let free = decoder.plain_decode_until(prompt, max_new, sampling, &[]).expect("plain");
         assert_eq!(free.len(), max_new, "{}: an empty stop set", pair.name);
-        let id = free[rng.random_range(0..max_new)];
+        let (unstopped, _) = decoder.speculative_decode_until(prompt, max_new, sampling, &[]).expect("speculative");
+        let at = stop_position(&free, &unstopped.accept_lengths, max_new, inside_wanted, rng);
+        let id = free[at];
         let first = free.iter().position(|&t| t == id).expect("taken from it");
         let absent = (0..pair.target.vocab_size() as u32).find(|t| !free.contains(t));
         let stop: Vec<u32> = absent.into_iter().chain([id]).collect();
@@ -308,7 +319,7 @@ fn cached_decoding_stops_as_the_reference() {
     for _ in 0..12 {
         let pair = random_pair(rng.random(), rng.random_range(2..=6));
         let prompt = random_prompt(rng.random_range(1..=9), pair.target.config.dims.vocab_size, &mut rng);
-        cut_inside += usize::from(check(&pair, &prompt, &Sampling::Greedy, &mut rng));
+        cut_inside += usize::from(check(&pair, &prompt, &Sampling::Greedy, false, &mut rng));
     }
     let pair = builtin_pair(candle_core::DType::F64);
     for i in 0..4 {
@@ -317,10 +328,10 @@ fn cached_decoding_stops_as_the_reference() {
             3 => Sampling::new(1.0, rng.random()).expect("sampling"),
             _ => Sampling::Greedy,
         };
-        cut_inside += usize::from(check(&pair, &prompt, &sampling, &mut rng));
+        cut_inside += usize::from(check(&pair, &prompt, &sampling, i < 2, &mut rng));
     }
     let hybrid = &hybrid_pairs(rng.random(), 4, candle_core::DType::F64)[0];
     let prompt = random_prompt(9, hybrid.target.config.vocab_size, &mut rng);
-    check(hybrid, &prompt, &Sampling::Greedy, &mut rng);
+    check(hybrid, &prompt, &Sampling::Greedy, false, &mut rng);
     assert!(cut_inside > 0, "root seed {root}: no stop fell inside a verify step");
 }

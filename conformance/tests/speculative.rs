@@ -6,7 +6,7 @@ use std::cell::Cell;
 
 use candle_core::DType;
 use dflash_conformance::decode_cases::{
-    random_draft_config, random_drafter, random_pair, random_prompt, Pair, TARGET_STD,
+    random_draft_config, random_drafter, random_pair, random_prompt, stop_position, Pair, TARGET_STD,
 };
 use dflash_conformance::setups::random_target_config;
 use dflash_reference::config::AttnKind;
@@ -210,15 +210,25 @@ fn a_hybrid_target_decodes_losslessly() {
 }
 
 /// One stop check: `pair` on `prompt`, with a stop set holding an id of the unstopped greedy
-/// output (at a random index: the set cannot be vacuous) and an id that is no token of it (or
-/// none). The stopped speculative decode equals the stopped greedy decode, and both are the
+/// output (at a random index: the set cannot be vacuous; with `inside_wanted`, an accepted draft
+/// before the end of its verify step where the unstopped decode has one) and an id that is no
+/// token of it (or none). The stopped speculative decode equals the stopped greedy decode, and both are the
 /// unstopped greedy output through the first occurrence of the stop id; the accept lengths are
 /// those of a decode cut at that many tokens (the last step's `A + 1` counted whole). Returns
 /// whether the stop cut tokens off its verify step.
-fn check_stop(pair: &Pair, prompt: &[u32], max_new: usize, rng: &mut impl Rng) -> Result<bool, String> {
+fn check_stop(
+    pair: &Pair,
+    prompt: &[u32],
+    max_new: usize,
+    inside_wanted: bool,
+    rng: &mut impl Rng,
+) -> Result<bool, String> {
     let b = pair.drafter.config.block_size;
     let greedy = greedy_decode(&pair.target, prompt, max_new + b - 1).map_err(|e| format!("greedy_decode: {e}"))?;
-    let id = greedy[rng.random_range(0..max_new)];
+    let unstopped = speculative_decode(&pair.target, &pair.drafter, prompt, max_new)
+        .map_err(|e| format!("speculative_decode: {e}"))?;
+    let at = stop_position(&greedy, &unstopped.accept_lengths, max_new, inside_wanted, rng);
+    let id = greedy[at];
     let first = greedy.iter().position(|&t| t == id).expect("taken from it");
     let absent = (0..pair.target.config.dims.vocab_size as u32).find(|t| !greedy[..=first].contains(t));
     let mut stop: Vec<u32> = absent.into_iter().chain([id]).collect();
@@ -260,7 +270,7 @@ fn speculative_and_greedy_decoding_stop_at_the_same_end_id() {
         let pair = random_pair(seed, b);
         let prompt = random_prompt(rng.random_range(1..=8), pair.target.config.dims.vocab_size, &mut rng);
         let max_new = rng.random_range(1..=20);
-        let cut = check_stop(&pair, &prompt, max_new, &mut rng)
+        let cut = check_stop(&pair, &prompt, max_new, false, &mut rng)
             .unwrap_or_else(|e| panic!("root seed {root}, case {case} (block {b}, {max_new} new): {e}"));
         cut_inside += usize::from(cut);
     }
@@ -268,7 +278,7 @@ fn speculative_and_greedy_decoding_stop_at_the_same_end_id() {
     let vocab = pair.target.config.dims.vocab_size;
     for case in 0..6 {
         let prompt = random_prompt(16, vocab, &mut rng);
-        let cut = check_stop(&pair, &prompt, 32, &mut rng)
+        let cut = check_stop(&pair, &prompt, 32, case % 2 == 0, &mut rng)
             .unwrap_or_else(|e| panic!("root seed {root}, built-in pair, case {case}: {e}"));
         cut_inside += usize::from(cut);
     }

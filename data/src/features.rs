@@ -198,6 +198,31 @@ impl FeatureIndex {
         write_synced(&file, |w| w.write_all(text.as_bytes()).map_err(|e| Error::io(&file, e)))
     }
 
+    /// What can be checked of the cache in `dir` (this index) against `target` before the data
+    /// is tokenized or the target's weights hashed: every document written, the target's hidden
+    /// size, and the hash of its `config.json`. Errors name the cache and what differs.
+    pub fn check_early(&self, dir: &Path, target: &Path, hidden_size: usize) -> Result<()> {
+        let file = dir.join("index.json");
+        if !self.complete() {
+            let why = format!(
+                "{} of {} documents written (an unfinished `cargo xtask features` run: run it again to finish)",
+                self.next_doc(),
+                self.documents
+            );
+            return Err(Error::field(&file, "shards", why));
+        }
+        if self.hidden_size != hidden_size {
+            let why = format!("{}, the target's is {hidden_size} (a cache of another target)", self.hidden_size);
+            return Err(Error::field(&file, "hidden_size", why));
+        }
+        let mut want = self.provenance.clone();
+        want.insert("target_config".into(), files_hash(&[target.join("config.json")])?);
+        match self.provenance_mismatch(&want, &file, "") {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// The first provenance entry that differs from `want`, as an error on `file` naming the
     /// entry, both values and what the entry covers, then `advice`.
     pub fn provenance_mismatch(&self, want: &BTreeMap<String, String>, file: &Path, advice: &str) -> Option<Error> {

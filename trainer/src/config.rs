@@ -778,6 +778,17 @@ impl RunConfig {
                         ),
                     ));
                 }
+                // The real tau decodes a prompt's tokens, then up to `tau_tokens` and a block.
+                let decoded = self.prompt_len.saturating_add(self.tau_tokens).saturating_add(BUILTIN_BLOCK_SIZE - 1);
+                if self.tau_prompts > 0 && decoded > BUILTIN_MAX_POSITIONS {
+                    return Err(Error::option(
+                        "tau_tokens",
+                        format!(
+                            "{}: prompts of {} tokens + {} new + a block of {BUILTIN_BLOCK_SIZE} exceed the built-in target's {BUILTIN_MAX_POSITIONS} positions",
+                            self.tau_tokens, self.prompt_len, self.tau_tokens
+                        ),
+                    ));
+                }
                 row_len
             }
             Some(_) => {

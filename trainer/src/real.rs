@@ -76,14 +76,29 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
     let target_config = TargetKind::from_file(&config_file)?;
     let layers = target_config.num_layers();
     target_config.check_row_len(c.max_len, &config_file).map_err(|why| Error::option("max_len", why))?;
+    // The real tau decodes a prompt of a token at least, then up to `tau_tokens` and a block.
+    let max = target_config.max_positions();
+    if c.tau_prompts > 0 && c.tau_tokens.saturating_add(c.block_size) > max {
+        return Err(Error::option(
+            "tau_tokens",
+            format!(
+                "{}: with a block of {} past a prompt, beyond the target's {max} positions ({})",
+                c.tau_tokens,
+                c.block_size,
+                config_file.display()
+            ),
+        ));
+    }
     let mut notes = Vec::new();
     notes.extend(unused_note(&target_config.check_checkpoint(&target_dir)?));
 
     let cache_index = match &c.features {
-        Some(dir) => Some(
-            dflash_data::features::FeatureIndex::read(&dir.join("index.json"))
-                .map_err(|e| Error::option("features", e.to_string()))?,
-        ),
+        Some(dir) => {
+            let features = |e: dflash_data::Error| Error::option("features", e.to_string());
+            let index = dflash_data::features::FeatureIndex::read(&dir.join("index.json")).map_err(features)?;
+            index.check_early(dir, &target_dir, target_config.hidden_size()).map_err(features)?;
+            Some(index)
+        }
         None => None,
     };
     let layer_ids = match (&c.target_layer_ids, &cache_index) {

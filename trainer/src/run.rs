@@ -227,6 +227,59 @@ pub fn prepare_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Vec<
     Ok(vec![format!("{} held {held}: replaced by this one", out.display())])
 }
 
+/// Whether the checkpoint `found` can continue the run of `config` over `data` (checked before
+/// any target is loaded or step made): its rows hash as `data`'s, its data order is an order of
+/// them and at the epoch and cursor its steps leave, and its step is within the run's steps.
+pub fn check_resumable(found: &Found, data: &dyn RowSource, config: &RunConfig) -> Result<()> {
+    let (data_sha256, total_steps) = (data.sha256()?, config.total_steps(data.len()));
+    let s = &found.state;
+    if s.data_sha256 != data_sha256 {
+        return Err(Error::checkpoint(
+                &found.dir,
+                format!(
+                    "its training rows (sha256 {}) are not this run's ({}): the data files' contents, their tokenization (tokenizer, template, special tokens, end-of-turn ids, options, or this trainer's data pipeline version), or the target whose features they carry (its config or weights) changed; the run cannot continue on other rows (start a new run in another --out)",
+                    s.data_sha256, data_sha256
+                ),
+            ));
+    }
+    let mut seen = vec![false; data.len()];
+    let permutation = s.order.len() == seen.len()
+        && s.order.iter().all(|&i| i < seen.len() && !std::mem::replace(&mut seen[i], true));
+    if !permutation || s.cursor > s.order.len() {
+        return Err(Error::checkpoint(
+            &found.dir,
+            format!("state.json: its data order is not an order of this run's {} rows", seen.len()),
+        ));
+    }
+    // Where `step` steps of the run's rows leave the order: a shuffle when an epoch's rows
+    // are used up, so after `used` rows the epoch is ceil(used / rows), the cursor the rest.
+    let (rows, used) = (seen.len(), s.step.checked_mul(config.rows_per_update()));
+    let expected = used.map(|used| match used {
+        0 => (0, rows),
+        _ => ((used - 1) / rows + 1, (used - 1) % rows + 1),
+    });
+    if expected != Some((s.epoch, s.cursor)) {
+        return Err(Error::checkpoint(
+            &found.dir,
+            format!(
+                "state.json: epoch {} at row {} of its order is not where {} steps of {} rows end{}",
+                s.epoch,
+                s.cursor,
+                s.step,
+                config.rows_per_update(),
+                expected.map_or(String::new(), |(e, c)| format!(" (epoch {e}, row {c})"))
+            ),
+        ));
+    }
+    if s.step > total_steps {
+        return Err(Error::checkpoint(
+            &found.dir,
+            format!("it is at step {}, past this run's {} steps (extend with --steps)", s.step, total_steps),
+        ));
+    }
+    Ok(())
+}
+
 /// The training loop of one run.
 pub struct Trainer<'a> {
     inputs: RunInputs<'a>,
@@ -277,55 +330,12 @@ impl<'a> Trainer<'a> {
         self.total_steps
     }
 
-    /// Restores `engine` and the loop from the checkpoint `found` (its data must hash as this
-    /// run's), removes leftover temporary checkpoint folders and truncates `metrics.jsonl` back
-    /// to the checkpoint's step. Returns what it did, for the terminal.
+    /// Restores `engine` and the loop from the checkpoint `found` ([`check_resumable`] first),
+    /// removes leftover temporary checkpoint folders and truncates `metrics.jsonl` back to the
+    /// checkpoint's step. Returns what it did, for the terminal.
     pub fn resume(&mut self, engine: &mut dyn StepEngine, found: &Found) -> Result<Vec<String>> {
+        check_resumable(found, self.inputs.data, self.inputs.config)?;
         let s = &found.state;
-        if s.data_sha256 != self.data_sha256 {
-            return Err(Error::checkpoint(
-                &found.dir,
-                format!(
-                    "its training rows (sha256 {}) are not this run's ({}): the data files' contents, their tokenization (tokenizer, template, special tokens, end-of-turn ids, options, or this trainer's data pipeline version), or the target whose features they carry (its config or weights) changed; the run cannot continue on other rows (start a new run in another --out)",
-                    s.data_sha256, self.data_sha256
-                ),
-            ));
-        }
-        let mut seen = vec![false; self.inputs.data.len()];
-        let permutation = s.order.len() == seen.len()
-            && s.order.iter().all(|&i| i < seen.len() && !std::mem::replace(&mut seen[i], true));
-        if !permutation || s.cursor > s.order.len() {
-            return Err(Error::checkpoint(
-                &found.dir,
-                format!("state.json: its data order is not an order of this run's {} rows", seen.len()),
-            ));
-        }
-        // Where `step` steps of the run's rows leave the order: a shuffle when an epoch's rows
-        // are used up, so after `used` rows the epoch is ceil(used / rows), the cursor the rest.
-        let (rows, used) = (seen.len(), s.step.checked_mul(self.inputs.config.rows_per_update()));
-        let expected = used.map(|used| match used {
-            0 => (0, rows),
-            _ => ((used - 1) / rows + 1, (used - 1) % rows + 1),
-        });
-        if expected != Some((s.epoch, s.cursor)) {
-            return Err(Error::checkpoint(
-                &found.dir,
-                format!(
-                    "state.json: epoch {} at row {} of its order is not where {} steps of {} rows end{}",
-                    s.epoch,
-                    s.cursor,
-                    s.step,
-                    self.inputs.config.rows_per_update(),
-                    expected.map_or(String::new(), |(e, c)| format!(" (epoch {e}, row {c})"))
-                ),
-            ));
-        }
-        if s.step > self.total_steps {
-            return Err(Error::checkpoint(
-                &found.dir,
-                format!("it is at step {}, past this run's {} steps (extend with --steps)", s.step, self.total_steps),
-            ));
-        }
         let names: Vec<String> = engine.drafter()?.named_params().iter().map(|(n, _)| n.clone()).collect();
         let engine_state = checkpoint::load_engine_state(found, &names)?;
         engine.restore(&engine_state)?;

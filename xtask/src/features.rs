@@ -40,7 +40,7 @@ options:
   --data FILE...       jsonl conversations (as `cargo xtask data` reads them)
   --out CACHE          the cache folder
   --layer-ids LIST     comma-separated target layers        (default: the 5-feature rule of spec 1)
-  --shard-gb X         feature bytes per shard, GB           (default 4)
+  --shard-gb X         feature bytes per shard, GB, at most 64 (default 4)
   --device gpu|cpu     the GPU, or the CPU twins in f32 (small targets only)  (default gpu)
   --launch-tokens N    tokens per forward (several documents) (default: --max-len)
   --export-documents FILE  write the documents (and the data's provenance) as jsonl for
@@ -65,6 +65,9 @@ const OPTIONS: &[&str] = &[
     "cache",
     "export-documents",
 ];
+
+/// The largest shard `--shard-gb` may ask for (the writer holds a shard in host memory).
+const MAX_SHARD_GB: f64 = 64.0;
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
     let Some((files, opts)) = parse_data_args(args, OPTIONS, HELP)? else { return Ok(()) };
@@ -96,8 +99,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err(format!("option `--out`: {} exists and is not a folder", out.display()));
     }
     let shard_gb: f64 = opts.get("shard-gb", 4.0)?;
-    if !(shard_gb.is_finite() && shard_gb > 0.0) {
-        return Err(format!("option `--shard-gb`: {shard_gb}; a positive size expected"));
+    // A shard is assembled in host memory before it is written.
+    if !(shard_gb.is_finite() && shard_gb > 0.0 && shard_gb <= MAX_SHARD_GB) {
+        return Err(format!("option `--shard-gb`: {shard_gb}; a positive size of at most {MAX_SHARD_GB} GB expected (a shard is held in memory until written)"));
     }
     let device: String = opts.get("device", "gpu".to_string())?;
     if !["gpu", "cpu"].contains(&device.as_str()) {

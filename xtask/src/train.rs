@@ -37,7 +37,8 @@ use dflash_trainer::plan::Plan;
 use dflash_trainer::real::{self, RealSetup};
 use dflash_trainer::rows::{RowFeatures, RowSource};
 use dflash_trainer::run::{
-    check_fresh_out, check_resume_config, prepare_fresh_out, Replace, RunInputs, RunSummary, TauProbe, Trainer,
+    check_fresh_out, check_resumable, check_resume_config, prepare_fresh_out, Replace, RunInputs, RunSummary, TauProbe,
+    Trainer,
 };
 
 use crate::eval::{cached_decoders, CachedDecoder};
@@ -450,6 +451,9 @@ fn builtin_run(
         started.elapsed().as_secs_f64(),
         setup.entropy
     );
+    if let Some((found, _)) = &resume {
+        check_resumable(found, &setup.data, &config).map_err(err)?;
+    }
     let drafter = builtin::init_drafter(&config, &setup.draft_config).map_err(err)?;
     let d = &setup.draft_config;
     println!(
@@ -627,6 +631,10 @@ fn real_run(
     let (train_rows, held_rows) = setup.rows(&config, features).map_err(err)?;
     let config = config.resolved(d.block_size, train_rows.len());
     check_resume(&config, &resume, &mut resume_notes)?;
+    // The checkpoint against these rows, before the target is loaded or evaluated.
+    if let Some((found, _)) = &resume {
+        check_resumable(found, &train_rows, &config).map_err(err)?;
+    }
     let prompts = match config.tau_prompts {
         0 => Vec::new(),
         n => {

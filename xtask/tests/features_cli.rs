@@ -196,11 +196,12 @@ fn bad_options_are_refused_before_any_work() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, out, data) = (tmp.path().join("target"), tmp.path().join("cache"), tmp.path().join("data"));
     write_target_folder(&target, 3).unwrap();
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--layer-ids", "9"], "layer 9 is out of range for the target's 3 layers"),
         (&["--max-len", "100000"], "option `--max-len`: rows of 100000 tokens exceed the target's 4096 positions"),
         (&["--layer-ids", "1,x"], "`x` is not a layer number"),
         (&["--shard-gb", "0"], "option `--shard-gb`"),
+        (&["--shard-gb", "1000"], "at most 64 GB"),
         (&["--device", "tpu"], "option `--device`: `tpu`"),
         (&["--launch-tokens", "100"], "below --max-len 512"),
         (&["--bogus", "1"], "unknown option `--bogus`"),

@@ -180,6 +180,7 @@ fn bad_options_are_named_before_any_work() {
         (vec!["--steps"], "option `--steps` needs a value".into()),
         (vec!["--lr", "fast"], "option `--lr`: cannot parse `fast`".into()),
         (vec!["--steps", "0"], "option `steps`: 0: must be at least 1".into()),
+        (vec!["--tau-tokens", "100000"], "option `tau_tokens`: 100000: prompts of 16 tokens".into()),
         (vec!["--step", "fast"], "unknown step `fast`".into()),
         (vec!["--step", "gpu"], "`gpu` needs `builtin_target = gpu`".into()),
         (vec!["--builtin-target", "huge"], "unknown target `huge`".into()),
@@ -548,6 +549,33 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     assert!(stdout.contains("features from the cache"), "{stdout}");
     let offline = loss_values(&out)[0];
     assert!(rel(offline, first[0]) <= GPU_STEP_BF16.rel, "from the cache {offline} vs online {}", first[0]);
+
+    // The cache against another target's config, or unfinished: refused before the data is read.
+    let refused = |target: &Path, features: &Path, want: &str| {
+        let mut args = real_args(target, &cache, &tmp.path().join("refused"), &["--step", "host"]);
+        args.extend(["--features".to_string(), features.to_str().unwrap().to_string()]);
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+        let stderr = text(&result.stderr);
+        assert!(!result.status.success() && stderr.contains(want), "no `{want}` in {stderr}");
+        assert!(!text(&result.stdout).contains("data:"), "the data was read first:\n{}", text(&result.stdout));
+    };
+    let edited = tmp.path().join("edited-target");
+    std::fs::create_dir(&edited).unwrap();
+    for entry in std::fs::read_dir(&target).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, edited.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config = std::fs::read_to_string(edited.join("config.json")).unwrap();
+    config.push('\n');
+    std::fs::write(edited.join("config.json"), config).unwrap();
+    refused(&edited, &features, "provenance.target_config");
+    let unfinished = tmp.path().join("unfinished");
+    std::fs::create_dir(&unfinished).unwrap();
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(features.join("index.json")).unwrap()).unwrap();
+    index["shards"].as_array_mut().unwrap().pop();
+    std::fs::write(unfinished.join("index.json"), index.to_string()).unwrap();
+    refused(&target, &unfinished, "documents written (an unfinished `cargo xtask features` run");
 }
 
 /// A real run on the CPU twins, killed at random moments and resumed, has bitwise the losses of
@@ -704,6 +732,15 @@ fn real_run_folders_paths_and_inputs() {
         .unwrap();
     assert!(elsewhere.status.success(), "resumed from another folder:\n{}", text(&elsewhere.stderr));
     assert!(tmp.path().join("run/checkpoint-3/state.json").exists(), "the resumed run's checkpoint");
+    // Resumed with fewer steps than its checkpoint's: refused once the rows are known, before the
+    // target is loaded or anything evaluated.
+    let shorter = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["train", "--resume", tmp.path().join("run").to_str().unwrap(), "--steps", "2"])
+        .output()
+        .unwrap();
+    let stderr = text(&shorter.stderr);
+    assert!(!shorter.status.success() && stderr.contains("at step 3, past this run's 2 steps"), "{stderr}");
+    assert!(!text(&shorter.stdout).contains("rows: "), "{}", text(&shorter.stdout));
 
     // A finished real run: refused without --overwrite, before the data is read; replaced with it.
     let again = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run"]);
@@ -806,6 +843,7 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--grad-accum", "1000", "--rows-per-step", "1000"], &["rows_per_step", "grad_accum 1000"]);
     fails(&["--steps", "9000000000000000000"], &["steps", "at most 1099511627776"]);
     fails(&["--tau-prompts", "4", "--held-out", "0"], &["tau_prompts", "none of the 0 held-out documents"]);
+    fails(&["--tau-prompts", "1", "--tau-tokens", "5000"], &["tau_tokens", "beyond the target's 4096 positions"]);
     // An argument that is not UTF-8 text (a path in another encoding) is named, not a panic.
     use std::os::unix::ffi::OsStrExt;
     let latin1 = std::ffi::OsStr::from_bytes(b"caf\xe9.jsonl");
