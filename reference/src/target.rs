@@ -44,7 +44,7 @@ impl TargetKind {
                 .as_array()
                 .is_some_and(|l| l.iter().any(|x| x.as_str() == Some("linear_attention")));
         Ok(match hybrid {
-            true => TargetKind::Hybrid(HybridConfig::from_value(file, &value)?),
+            true => TargetKind::Hybrid(HybridConfig::from_file(file)?),
             false => TargetKind::Dense(TargetConfig::from_file(file)?),
         })
     }

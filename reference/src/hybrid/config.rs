@@ -164,10 +164,21 @@ impl HybridConfig {
         self.num_heads / self.num_kv_heads
     }
 
-    /// Reads and validates a `config.json` (text or wrapper).
+    /// Reads and validates a `config.json` (text or wrapper). A text config next to weights
+    /// under the wrapper's names (`model.language_model.*`: a wrapper checkpoint with its text
+    /// config only) reads them there, as transformers does.
     pub fn from_file(file: &Path) -> Result<Self> {
         let value = read_json(file)?;
-        Self::from_value(file, &value)
+        let mut config = Self::from_value(file, &value)?;
+        let weights = file.parent().and_then(|dir| crate::io::WeightSet::load_dir(dir).ok());
+        if let (HybridLayout::Text, Some(weights)) = (config.layout, weights) {
+            let names = weights.shapes();
+            let embed = "model.embed_tokens.weight";
+            if !names.contains_key(embed) && names.contains_key(&HybridLayout::Wrapped.checkpoint_name(embed)) {
+                config.layout = HybridLayout::Wrapped;
+            }
+        }
+        Ok(config)
     }
 
     /// Validates a parsed `config.json`; `file` names the source in errors.

@@ -145,6 +145,15 @@ fn wrapper_checkpoint_loads_the_language_model() {
     let toks = tokens(9, 6);
     assert_eq!(rel_err(&loaded.forward(&toks, &[]).unwrap().logits, &m.forward(&toks, &[]).unwrap().logits), 0.0);
 
+    // The text config alone with the wrapper's weights (`model.language_model.*`): read there,
+    // as transformers does, through either loader.
+    write_checkpoint(dir.path(), &m, &tiny_config(), |n| HybridLayout::Wrapped.checkpoint_name(n), &extra);
+    let loaded = HybridModel::load(dir.path(), DType::F32).unwrap();
+    assert_eq!(loaded.config.layout, HybridLayout::Wrapped);
+    assert_eq!(rel_err(&loaded.forward(&toks, &[]).unwrap().logits, &m.forward(&toks, &[]).unwrap().logits), 0.0);
+    let kind = crate::target::TargetKind::from_file(&dir.path().join("config.json")).unwrap();
+    assert!(matches!(kind, crate::target::TargetKind::Hybrid(c) if c.layout == HybridLayout::Wrapped));
+
     // Text-layout names in a wrapper checkpoint: the first unexpected tensor is named.
     write_checkpoint(dir.path(), &m, &wrapper, |n| n.to_string(), &[]);
     let err = HybridModel::load(dir.path(), DType::F32).err().expect("text names in a wrapper").to_string();
