@@ -117,7 +117,7 @@ pub struct Reporter {
     tokens: u64,
     samples: u64,
     flops: f64,
-    /// The devices `flops` ran on: the MFU divides by their peak.
+    /// The GPUs `flops` ran on: the MFU divides by their peak (0: not GPUs, no MFU).
     devices: usize,
     /// Seconds the drafter workers waited for features, and the target workers for the drafters.
     waits: Option<(f64, f64)>,
@@ -172,9 +172,9 @@ impl Reporter {
         }
     }
 
-    /// The same reporter, its MFU over `devices` devices' peak.
+    /// The same reporter, its MFU over `devices` GPUs' peak (0: none, for the CPU).
     pub fn with_devices(mut self, devices: usize) -> Self {
-        self.devices = devices.max(1);
+        self.devices = devices;
         self
     }
 
@@ -236,7 +236,8 @@ impl Reporter {
     ) -> Result<()> {
         let secs = self.since.elapsed().as_secs_f64().max(1e-9);
         let (tokens_per_s, samples_per_s) = (self.tokens as f64 / secs, self.samples as f64 / secs);
-        let mfu = (self.flops > 0.0).then(|| self.flops / (secs * PEAK_FLOPS * self.devices as f64));
+        let mfu =
+            (self.flops > 0.0 && self.devices > 0).then(|| self.flops / (secs * PEAK_FLOPS * self.devices as f64));
         let waits = self.waits.take();
         (self.since, self.tokens, self.samples, self.flops) = (Instant::now(), 0, 0, 0.0);
         let tau_hat = stats.map(BlockStats::tau_hat);

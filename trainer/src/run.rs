@@ -105,8 +105,8 @@ pub struct RunInputs<'a> {
     pub tau: Option<TauProbe<'a>>,
     /// Print nothing (tests); metrics.jsonl is written all the same.
     pub quiet: bool,
-    /// The devices the step's model FLOPs ran on (every process's GPUs; 1 for a CPU engine): the
-    /// MFU divides by their peak.
+    /// The GPUs the step's model FLOPs ran on (every process's), for the MFU; 0 for a CPU
+    /// engine (no MFU: the peak is the H200's).
     pub devices: usize,
     /// Read the next step's rows on another thread while a step runs: for the GPU step, which
     /// leaves the host's cores idle (a CPU engine's step uses them all; reading ahead slowed a

@@ -1300,14 +1300,15 @@ fn check_fits(
     ))
 }
 
-/// The devices a run's model FLOPs run on: every process's distinct GPUs with the `gpu` step,
-/// one CPU engine otherwise.
+/// The GPUs a run's model FLOPs run on, for the MFU: every process's distinct GPUs with the
+/// `gpu` step, none otherwise.
 fn devices(config: &RunConfig, launch: &Launch) -> usize {
     let (targets, drafters) = config.topology();
     let gpus: std::collections::BTreeSet<usize> = targets.into_iter().chain(drafters).collect();
     match config.step {
         StepKind::Gpu => gpus.len().max(1) * launch.world_size,
-        _ => 1,
+        // The CPU's steps have no MFU (its peak is the H200's).
+        _ => 0,
     }
 }
 

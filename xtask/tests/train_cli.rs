@@ -776,6 +776,8 @@ fn real_run_folders_paths_and_inputs() {
     for line in metrics(&tmp.path().join("unpacked")).iter().filter(|v| v["kind"] == "train") {
         let per_row = line["tokens_per_s"].as_f64().unwrap() / line["samples_per_s"].as_f64().unwrap();
         assert!((2.0..511.0).contains(&per_row), "{per_row} tokens per row of 512 counted: {line}");
+        // The host step's FLOPs on the CPU are no fraction of an H200's peak.
+        assert!(line["mfu"].is_null(), "an MFU on the CPU: {line}");
     }
 
     // An --out that is a file: refused before the data is read.

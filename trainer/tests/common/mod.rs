@@ -57,7 +57,7 @@ pub fn inputs<'a>(c: &'a RunConfig, s: &'a BuiltinSetup) -> RunInputs<'a> {
         held_out: &s.held_out,
         tau: None,
         quiet: true,
-        devices: 1,
+        devices: 0,
         read_ahead: false,
     }
 }
