@@ -535,3 +535,40 @@ fn bf16_twins_match_the_f64_twins_on_the_gpu_op_cases() {
         }
     }
 }
+
+/// The CPU twin of the row gather/scatter copies bytes, as the kernel does: on bf16 storage, rows
+/// of arbitrary 16-bit words (halves of an fp32 RoPE table, NaN payloads among them) come back
+/// bit for bit, gathered and scattered back.
+#[test]
+fn gathered_rows_are_their_bytes() {
+    use dflash_optimized::backend::host::Host;
+    use dflash_optimized::backend::{Allocation, Backend};
+    use dflash_optimized::ops::elementwise::ElementwiseOps;
+    let mut rng = ChaCha8Rng::seed_from_u64(rand::rng().random());
+    let host = Host::<half::bf16>::default();
+    let (rows, cols) = (rng.random_range(2..20), rng.random_range(1..40));
+    // Random words, and the signalling-NaN patterns a conversion would quiet.
+    let mut words: Vec<u16> = (0..rows * cols).map(|_| rng.random()).collect();
+    words[0] = 0x7f81;
+    words[rows * cols - 1] = 0xff81;
+    let idx: Vec<u32> = (0..rows as u32).rev().collect();
+    let bytes = |v: &[u16]| v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>();
+    let (src, gathered, back) = (
+        host.alloc("src", rows * cols * 2).unwrap(),
+        host.alloc("gathered", rows * cols * 2).unwrap(),
+        host.alloc("back", rows * cols * 2).unwrap(),
+    );
+    let index = host.alloc("idx", rows * 4).unwrap();
+    host.upload(src.ptr(), &bytes(&words)).unwrap();
+    host.upload(index.ptr(), &idx.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    host.ops().copy_rows(false, src.ptr(), index.ptr(), gathered.ptr(), rows, cols).unwrap();
+    host.ops().copy_rows(true, gathered.ptr(), index.ptr(), back.ptr(), rows, cols).unwrap();
+    let read = |a: u64| {
+        let mut out = vec![0u8; rows * cols * 2];
+        host.download(a, &mut out).unwrap();
+        out
+    };
+    let reversed: Vec<u16> = (0..rows).rev().flat_map(|r| words[r * cols..(r + 1) * cols].to_vec()).collect();
+    assert_eq!(read(gathered.ptr()), bytes(&reversed), "gathered rows");
+    assert_eq!(read(back.ptr()), bytes(&words), "scattered back");
+}

@@ -251,11 +251,15 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
         Ok(())
     }
 
+    /// The rows' bytes, as the kernel copies them (stored values that are an fp32 table's
+    /// halves, or a NaN's payload, are not values to convert).
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()> {
+        let bytes = cols * E::BYTES;
         for r in 0..count {
             let row = ld_u32(idx, r) as usize;
             let (from, to) = if scatter { (r, row) } else { (row, r) };
-            (0..cols).for_each(|i| st::<E>(dst, to * cols + i, ld::<E>(src, from * cols + i)));
+            // SAFETY: rows inside the callers' buffers, as `ld`'s; `copy` allows overlap.
+            unsafe { std::ptr::copy((src as *const u8).add(from * bytes), (dst as *mut u8).add(to * bytes), bytes) };
         }
         Ok(())
     }
