@@ -11,17 +11,19 @@ use dflash_data::features::{export_documents, free_bytes, provenance, Entry, Fea
 use dflash_data::target::TargetTokenizer;
 use dflash_data::Dataset;
 use dflash_optimized::backend::cuda::Cuda;
-use dflash_optimized::backend::host::Host;
+use dflash_optimized::backend::host::{host_available_bytes, Host};
 use dflash_optimized::backend::Backend;
 use dflash_optimized::memory::gb;
 use dflash_optimized::model::TargetFeatures;
 use dflash_reference::config::training_target_layer_ids;
 use dflash_reference::data::Row;
 use dflash_reference::target::TargetKind;
-use dflash_trainer::metrics::eta;
+use dflash_trainer::metrics::{eta, size_text};
 use dflash_trainer::real::{load_forward, unused_note};
 
 use crate::data::{data_options, parse_data_args};
+use crate::train::{forward_bytes, storage_widths};
+use dflash_trainer::config::StepKind;
 
 const HELP: &str = "usage: cargo xtask features --target DIR --data FILE... --out CACHE [options]
 
@@ -139,6 +141,23 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     if device == "gpu" {
         // Before the data is read.
         crate::gpu_conformance::check_gpus("--device", &[0]).map_err(|e| e.to_string())?;
+    }
+    // The forward against the device's free memory, before the data is read.
+    let (step, device_name, free) = match device.as_str() {
+        "gpu" => {
+            let gpu = crate::gpu_conformance::open_gpu()?;
+            (StepKind::Gpu, gpu.name().to_string(), gpu.available_bytes().map_err(|e| e.to_string())?)
+        }
+        _ => (StepKind::Host, "the CPU".to_string(), host_available_bytes().unwrap_or(u64::MAX)),
+    };
+    let needed = forward_bytes(&config, &layer_ids, launch_tokens, storage_widths(step), false)?;
+    if needed > free {
+        return Err(format!(
+            "memory: the target's forward of {launch_tokens} tokens per launch (`--launch-tokens`) needs {} on {device_name}, which has {} free: fewer tokens per launch (at least --max-len {})",
+            size_text(needed),
+            size_text(free),
+            data_opts.max_len
+        ));
     }
     let started = Instant::now();
     let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;

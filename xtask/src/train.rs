@@ -1221,11 +1221,31 @@ impl Cli {
 
 /// Bytes per value (stored, arithmetic) of a step of `step`'s kind: bf16 and fp32 on the GPU,
 /// f32 on the CPU twins.
-fn storage_widths(step: StepKind) -> (u64, u64) {
+pub(crate) fn storage_widths(step: StepKind) -> (u64, u64) {
     match step {
         StepKind::Gpu => (2, 4),
         _ => (4, 4),
     }
+}
+
+/// The device memory of the target's feature forward (dense or hybrid) for launches of `tokens`
+/// tokens tapping `ids`, of values of `widths` (a dense forward holds the LM head only
+/// `with_lm_head`; a hybrid's always holds it).
+pub(crate) fn forward_bytes(
+    t: &TargetKind,
+    ids: &[usize],
+    tokens: usize,
+    widths: (u64, u64),
+    with_lm_head: bool,
+) -> Result<u64, String> {
+    use dflash_optimized::memory::{hybrid::HybridTargetPlan, target::TargetLayout};
+    match t {
+        TargetKind::Dense(t) => {
+            TargetLayout::new(t, ids, tokens, widths, with_lm_head, true).and_then(|l| l.total_bytes())
+        }
+        TargetKind::Hybrid(t) => HybridTargetPlan::new(t, ids, tokens, widths).map(|p| p.bytes),
+    }
+    .map_err(|e| e.to_string())
 }
 
 /// Refuses, before the target is loaded or anything allocated, a run whose least memory on its
@@ -1241,8 +1261,8 @@ fn check_fits(
     shape: StepShape,
     tau_context: Option<usize>,
 ) -> Result<(), String> {
+    use dflash_optimized::memory::step::StepLayout;
     use dflash_optimized::memory::step::{OptimizerShape, StepDims};
-    use dflash_optimized::memory::{hybrid::HybridTargetPlan, step::StepLayout, target::TargetLayout};
     if config.target_workers > 0 || config.shard_optimizer || config.step == StepKind::Reference {
         return Ok(());
     }
@@ -1251,15 +1271,9 @@ fn check_fits(
     let widths = storage_widths(config.step);
     let online = setup.cache.is_none();
     let (s, ids) = (shape.context_len, &d.target_layer_ids);
-    let (fixed_name, fixed) = match (online, t) {
-        (true, TargetKind::Dense(t)) => (
-            "the target's forward",
-            TargetLayout::new(t, ids, s, widths, true, true).and_then(|l| l.total_bytes()).map_err(err)?,
-        ),
-        (true, TargetKind::Hybrid(t)) => {
-            ("the target's forward", HybridTargetPlan::new(t, ids, s, widths).map_err(err)?.bytes)
-        }
-        (false, _) => ("the embedding table", dflash_optimized::memory::table_bytes(&d.dims, widths.0)),
+    let (fixed_name, fixed) = match online {
+        true => ("the target's forward", forward_bytes(t, ids, s, widths, true)?),
+        false => ("the embedding table", dflash_optimized::memory::table_bytes(&d.dims, widths.0)),
     };
     let policy = *config.checkpointing.policies().last().expect("a policy");
     let optimizer = OptimizerShape::whole(StepDims::new(d, shape).map_err(err)?.params, config.accumulates_gradients());

@@ -212,6 +212,14 @@ fn bad_options_are_refused_before_any_work() {
         assert!(!out_run.status.success() && stderr.contains(needle), "{extra:?}: `{needle}` missing from: {stderr}");
         assert!(!out.exists() && !data.exists(), "{extra:?}: work was done before the error");
     }
+    // A forward that does not fit the device's free memory (the CPU's, 10 kB by the test hook):
+    // refused naming `--launch-tokens`, before the data is read.
+    let mut small = command(&target, &out, &data, &[]);
+    small.env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, "10000");
+    let refused = run(small);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("--launch-tokens") && stderr.contains("free"), "{stderr}");
+    assert!(!out.exists() && !data.exists(), "work was done before the error");
     // The GPU (the default device) is checked before the data is read: without one (CI), the
     // run is refused naming `--device` and nothing is written; with one, this target's heads of
     // 8 are refused by the GPU kernels.
