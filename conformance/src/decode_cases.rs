@@ -144,7 +144,6 @@ pub fn random_pair(seed: u64, block_size: usize) -> Pair {
     Pair { name: format!("random seed {seed}, block {block_size}"), target, drafter }
 }
 
-/// `len` random tokens below `vocab - 1` (the drafters' mask id is `vocab - 1`).
 /// Where a stop id goes in a decode of `max_new` tokens whose unstopped output is `tokens` and
 /// whose unstopped speculative steps accepted `accept_lengths`: with `inside`, an accepted draft
 /// before the end of its verify step (the first of its id in `tokens`: a stop there cuts the
@@ -168,6 +167,7 @@ pub fn stop_position(
     }
 }
 
+/// `len` random tokens below `vocab - 1` (the drafters' mask id is `vocab - 1`).
 pub fn random_prompt(len: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<u32> {
     (0..len).map(|_| rng.random_range(0..vocab as u32 - 1)).collect()
 }

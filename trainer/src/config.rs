@@ -644,6 +644,8 @@ impl RunConfig {
                 }
             }
         }
+        // The prefill gives the first token; verify steps (tau) the ones after it.
+        at_least("tau_tokens", self.tau_tokens, 2)?;
         // A step's rows are all held on the host at once (a cached row is 126 MB for the 8B).
         if self.rows_per_step.checked_mul(self.grad_accum).is_none_or(|n| n > MAX_ROWS_PER_UPDATE) {
             return Err(Error::option(
@@ -673,7 +675,6 @@ impl RunConfig {
             ("keep_checkpoints", self.keep_checkpoints),
             ("log_every", self.log_every),
             ("eval_rows", self.eval_rows),
-            ("tau_tokens", self.tau_tokens),
             ("max_nonfinite_in_a_row", self.max_nonfinite_in_a_row),
             ("drafter_workers", self.drafter_workers),
             ("rows", self.rows),

@@ -229,8 +229,8 @@ impl RealSetup {
             }
             let doc = self.dataset.cache.document(d).map_err(data_error)?;
             let first = doc.loss_mask.iter().position(|&m| m).unwrap_or(doc.tokens.len());
-            // The last verify step starts at most at first + new_tokens - 1 and its block covers B
-            // positions from there: first + new_tokens + B - 1 positions in all.
+            // A verify step starts at most at first + new_tokens - 2 and its block covers B
+            // positions from there: first + new_tokens + B - 1 positions are enough.
             if first.saturating_add(new_tokens).saturating_add(b - 1) > max {
                 return Err(Error::option(
                     "tau_tokens",

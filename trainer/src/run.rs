@@ -151,14 +151,21 @@ pub enum Replace {
 /// `Ok(Some(what))` when it holds a run that `replace` allows replacing: a finished run, or the
 /// remains of one with no complete checkpoint (nothing there can be resumed). A folder holding an
 /// unfinished run with a complete checkpoint is refused (`--resume` continues it), so no
-/// unfinished run is ever lost; the others are refused unless `replace` allows them.
+/// unfinished run is ever lost; the others are refused unless `replace` allows them. A final
+/// drafter (`drafter/`) with no complete checkpoint of the run that made it (its checkpoints
+/// deleted to free the disk) is replaced only with [`Replace::Any`].
 pub fn check_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Option<String>> {
     let checkpoints = checkpoint::list_checkpoints(out)?;
-    if !out.join("latest").exists() && checkpoints.is_empty() {
+    let drafter = out.join("drafter").join("config.json").is_file();
+    if !out.join("latest").exists() && checkpoints.is_empty() && !drafter {
         return Ok(None);
     }
     checkpoint::check_latest(out)?;
     let (held, real) = match checkpoint::find_resumable(out) {
+        // Whose drafter it is is not known: kept, as a real run's.
+        Err(_) if drafter => {
+            (format!("a drafter ({}) with no complete checkpoint", out.join("drafter").display()), true)
+        }
         Err(e) => (format!("the remains of a run with no complete checkpoint ({e})"), false),
         Ok(found) => {
             let saved = checkpoint::load_config(&found.dir)?;
@@ -186,7 +193,7 @@ pub fn check_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Option
         (Replace::BuiltIn, true) => Err(Error::option(
             "out",
             format!(
-                "{} holds {held}: the built-in default replaces only its own runs (`--target` for a real run, `--overwrite` to replace it, or another --out)",
+                "{} holds {held}: the built-in default replaces only its own runs (`--target` for a real run, `--overwrite` to replace it anyway, or another --out)",
                 out.display()
             ),
         )),

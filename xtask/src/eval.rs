@@ -104,8 +104,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let max_new: usize = opts.get("max-new-tokens", 128)?;
     let ignore_eos = opts.yes_no("ignore-eos", false)?;
     let max_prompts: usize = opts.get("max-prompts", usize::MAX)?;
-    if max_new == 0 || max_prompts == 0 {
-        return Err("--max-new-tokens and --max-prompts must be at least 1".into());
+    if max_prompts == 0 {
+        return Err("--max-prompts must be at least 1".into());
+    }
+    // The prefill gives the first token; verify steps (tau) the ones after it.
+    if max_new < 2 {
+        return Err(format!("--max-new-tokens {max_new}: at least 2 (a verify step follows the prefill's token)"));
     }
     let sampling = Sampling::new(opts.get("temperature", 0.0)?, opts.get("seed", 0)?)
         .map_err(|e| format!("option `--temperature`: {e}"))?;
@@ -161,9 +165,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let b = draft_config.block_size;
     let context = target_config.max_positions();
     for p in &prompts {
-        // The last verify step starts at most at P + max_new - 1 (a token still to emit) and its
-        // block (the target's verify and the drafter's) covers B positions from there: up to
-        // P + max_new + B - 2, so P + max_new + B - 1 positions.
+        // A verify step runs while a token is still to emit, so it starts at most at P + max_new
+        // - 2 and its block (the target's verify and the drafter's) covers B positions from
+        // there; P + max_new + B - 1 positions are enough with one to spare.
         let need = p.tokens.len().checked_add(max_new).and_then(|n| n.checked_add(b - 1));
         if need.is_none_or(|need| need > context) {
             return Err(format!(
@@ -246,7 +250,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         );
         per_prompt.push(json!({
             "file": p.file, "line": p.line, "prompt_tokens": p.tokens.len(),
-            "generated_tokens": spec.tokens.len(), "plain_generated_tokens": plain.len(), "tau": spec.tau(),
+            "generated_tokens": spec.tokens.len(), "plain_generated_tokens": plain.len(),
+            // No tau of its own where the answer ended at the prefill's token (no verify step).
+            "tau": (!spec.accept_lengths.is_empty()).then(|| spec.tau()),
             "accept_lengths": spec.accept_lengths, "tokens": spec.tokens, "identical_to_plain": identical,
             "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate,
         }));

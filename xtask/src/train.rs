@@ -80,9 +80,9 @@ Unknown keys are errors.
                              with another count of drafter workers or processes, the losses
                              are equal within f32 rounding: the gradients are summed in other
                              groups)
-  --overwrite                a real run: replace the finished run in --out, or the remains
+  --overwrite                replace the finished run in --out, or the remains
                              of one with no complete checkpoint (the built-in default replaces
-                             its own runs, never a real one)
+                             its own runs without it, never a real run's or a lone drafter/)
 
 The run folder (--out) gets checkpoint-<step>/ (the servable drafter: config.json and
 model.safetensors in bf16; training/training.safetensors, run.toml, state.json), latest,
@@ -168,7 +168,7 @@ fn run_cli(cli: &Cli, launch: &mut Option<Option<Launch>>) -> Result<(), String>
     let launch = resolved.map_err(err)?;
     match config.target.is_some() {
         true => real_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
-        false => builtin_run(config, &launch, cli.plan, resume, resume_notes),
+        false => builtin_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
     }
 }
 
@@ -422,7 +422,7 @@ fn follower_end(launch: &Launch, summary: &RunSummary, started: Instant) -> Resu
 fn builtin_run(
     config: RunConfig,
     launch: &Launch,
-    plan: bool,
+    (plan, overwrite): (bool, bool),
     resume: Resume,
     mut resume_notes: Vec<String>,
 ) -> Result<(), String> {
@@ -437,7 +437,8 @@ fn builtin_run(
         return Ok(());
     }
     gpus_present(&config, launch, plan).map_err(err)?;
-    prepare_out(&config, launch, &resume, Replace::BuiltIn)?;
+    let replace = if overwrite { Replace::Any } else { Replace::BuiltIn };
+    prepare_out(&config, launch, &resume, replace)?;
 
     let started = Instant::now();
     print!(

@@ -181,6 +181,7 @@ fn bad_options_are_named_before_any_work() {
         (vec!["--lr", "fast"], "option `--lr`: cannot parse `fast`".into()),
         (vec!["--steps", "0"], "option `steps`: 0: must be at least 1".into()),
         (vec!["--tau-tokens", "100000"], "option `tau_tokens`: 100000: prompts of 16 tokens".into()),
+        (vec!["--tau-tokens", "1"], "option `tau_tokens`: 1: must be at least 2".into()),
         (vec!["--step", "fast"], "unknown step `fast`".into()),
         (vec!["--step", "gpu"], "`gpu` needs `builtin_target = gpu`".into()),
         (vec!["--builtin-target", "huge"], "unknown target `huge`".into()),
@@ -760,6 +761,31 @@ fn real_run_folders_paths_and_inputs() {
     let stderr = text(&builtin.stderr);
     assert!(!builtin.status.success() && stderr.contains("replaces only its own runs"), "{stderr}");
     assert!(tmp.path().join("run/checkpoint-3").exists(), "the finished run was kept");
+    // A real run's drafter whose checkpoints were deleted (to free the disk): kept by the
+    // built-in default too; replaced with --overwrite.
+    let kept = tmp.path().join("kept");
+    std::fs::create_dir_all(kept.join("drafter")).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(tmp.path().join("run/checkpoint-3").join(f), kept.join("drafter").join(f)).unwrap();
+    }
+    let small = ["--rows", "4", "--eval-rows", "1", "--continuation-len", "8", "--tau-prompts", "0", "--steps", "1"];
+    let builtin = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(["train", "--out", kept.to_str().unwrap()])
+            .args(small)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = builtin(&[]);
+    let stderr = text(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("no complete checkpoint") && stderr.contains("own runs"),
+        "{stderr}"
+    );
+    let replaced = builtin(&["--overwrite"]);
+    assert!(replaced.status.success(), "{}", text(&replaced.stderr));
+    assert!(text(&replaced.stdout).contains("replaced by this one"), "{}", text(&replaced.stdout));
     let replaced = run(&["--data", "a.jsonl", "--steps", "2", "--out", "run", "--overwrite"]);
     assert!(
         replaced.status.success() && text(&replaced.stdout).contains("replaced by this one"),
@@ -1012,6 +1038,7 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     refused(&["--prompts", p, "--temperature", "nan"], &["--temperature"]);
     refused(&["--prompts", p, "--seed", "-3"], &["--seed"]);
     refused(&["--prompts", p, "--max-new-tokens", "0"], &["--max-new-tokens"]);
+    refused(&["--prompts", p, "--max-new-tokens", "1"], &["--max-new-tokens 1: at least 2"]);
     refused(&["--prompts", p, "--max-prompts", "0"], &["--max-prompts"]);
     refused(&["--prompts", p, "--thinking", "maybe"], &["--thinking"]);
     // A report that cannot be written: refused before decoding.
