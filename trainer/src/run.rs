@@ -141,8 +141,9 @@ pub enum Replace {
     /// None: the folder must hold no run.
     Never,
     /// A finished run of the built-in default (the built-in default replaces its own), not a
-    /// real one (its drafter is not lost to a forgotten `--target`).
-    BuiltIn,
+    /// real one (its drafter is not lost to a forgotten `--target`); `own_drafter`: the
+    /// folder's `drafter/` is one of this built-in default's (its config), so a lone one is its.
+    BuiltIn { own_drafter: bool },
     /// Any finished run (`--overwrite`).
     Any,
 }
@@ -162,8 +163,8 @@ pub fn check_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Option
     }
     checkpoint::check_latest(out)?;
     let (held, real) = match checkpoint::find_resumable(out) {
-        // Whose drafter it is is not known: kept, as a real run's.
-        Err(_) if drafter => {
+        // A drafter whose run is not known: kept, as a real run's, unless it is the built-in's.
+        Err(_) if drafter && replace != (Replace::BuiltIn { own_drafter: true }) => {
             (format!("a drafter ({}) with no complete checkpoint", out.join("drafter").display()), true)
         }
         Err(e) => (format!("the remains of a run with no complete checkpoint ({e})"), false),
@@ -189,8 +190,8 @@ pub fn check_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Option
         }
     };
     match (replace, real) {
-        (Replace::Any, _) | (Replace::BuiltIn, false) => Ok(Some(held)),
-        (Replace::BuiltIn, true) => Err(Error::option(
+        (Replace::Any, _) | (Replace::BuiltIn { .. }, false) => Ok(Some(held)),
+        (Replace::BuiltIn { .. }, true) => Err(Error::option(
             "out",
             format!(
                 "{} holds {held}: the built-in default replaces only its own runs (`--target` for a real run, `--overwrite` to replace it anyway, or another --out)",

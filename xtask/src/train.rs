@@ -437,7 +437,10 @@ fn builtin_run(
         return Ok(());
     }
     gpus_present(&config, launch, plan).map_err(err)?;
-    let replace = if overwrite { Replace::Any } else { Replace::BuiltIn };
+    // A lone drafter/ there is this default's when its config is this default's drafter's.
+    let drafter_file = config.out.join("drafter").join("config.json");
+    let own_drafter = DraftConfig::from_file(&drafter_file).is_ok_and(|d| d == draft_config);
+    let replace = if overwrite { Replace::Any } else { Replace::BuiltIn { own_drafter } };
     prepare_out(&config, launch, &resume, replace)?;
 
     let started = Instant::now();
