@@ -239,7 +239,12 @@ pub fn prepare_fresh_out(out: &std::path::Path, replace: Replace) -> Result<Vec<
 /// any target is loaded or step made): its rows hash as `data`'s, its data order is an order of
 /// them and at the epoch and cursor its steps leave, and its step is within the run's steps.
 pub fn check_resumable(found: &Found, data: &dyn RowSource, config: &RunConfig) -> Result<()> {
-    let (data_sha256, total_steps) = (data.sha256()?, config.total_steps(data.len()));
+    check_resumable_rows(found, &data.sha256()?, data.len(), config)
+}
+
+/// [`check_resumable`] over `rows` rows hashing as `data_sha256`.
+fn check_resumable_rows(found: &Found, data_sha256: &str, rows: usize, config: &RunConfig) -> Result<()> {
+    let total_steps = config.total_steps(rows);
     let s = &found.state;
     if s.data_sha256 != data_sha256 {
         return Err(Error::checkpoint(
@@ -250,7 +255,7 @@ pub fn check_resumable(found: &Found, data: &dyn RowSource, config: &RunConfig) 
                 ),
             ));
     }
-    let mut seen = vec![false; data.len()];
+    let mut seen = vec![false; rows];
     let permutation = s.order.len() == seen.len()
         && s.order.iter().all(|&i| i < seen.len() && !std::mem::replace(&mut seen[i], true));
     if !permutation || s.cursor > s.order.len() {
@@ -342,7 +347,7 @@ impl<'a> Trainer<'a> {
     /// removes leftover temporary checkpoint folders and truncates `metrics.jsonl` back to the
     /// checkpoint's step. Returns what it did, for the terminal.
     pub fn resume(&mut self, engine: &mut dyn StepEngine, found: &Found) -> Result<Vec<String>> {
-        check_resumable(found, self.inputs.data, self.inputs.config)?;
+        check_resumable_rows(found, &self.data_sha256, self.inputs.data.len(), self.inputs.config)?;
         let s = &found.state;
         let names: Vec<String> = engine.drafter()?.named_params().iter().map(|(n, _)| n.clone()).collect();
         let engine_state = checkpoint::load_engine_state(found, &names)?;

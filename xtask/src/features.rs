@@ -142,13 +142,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         // Before the data is read.
         crate::gpu_conformance::check_gpus("--device", &[0]).map_err(|e| e.to_string())?;
     }
-    // The forward against the device's free memory, before the data is read.
-    let (step, device_name, free) = match device.as_str() {
-        "gpu" => {
-            let gpu = crate::gpu_conformance::open_gpu()?;
-            (StepKind::Gpu, gpu.name().to_string(), gpu.available_bytes().map_err(|e| e.to_string())?)
-        }
-        _ => (StepKind::Host, "the CPU".to_string(), host_available_bytes().unwrap_or(u64::MAX)),
+    // The forward against the device's free memory, before the data is read (the GPU, opened
+    // once, runs the forward below).
+    let gpu = match device.as_str() {
+        "gpu" => Some(crate::gpu_conformance::open_gpu()?),
+        _ => None,
+    };
+    let (step, device_name, free) = match &gpu {
+        Some(gpu) => (StepKind::Gpu, gpu.name().to_string(), gpu.available_bytes().map_err(|e| e.to_string())?),
+        None => (StepKind::Host, "the CPU".to_string(), host_available_bytes().unwrap_or(u64::MAX)),
     };
     let needed = forward_bytes(&config, &layer_ids, launch_tokens, storage_widths(step), false)?;
     if needed > free {
@@ -206,15 +208,14 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         println!("continuing after document {} ({} complete shards)", writer.next_doc(), writer.index.shards.len());
     }
     let err = |e: dflash_trainer::Error| e.to_string();
-    match device.as_str() {
-        "gpu" => {
-            let gpu = crate::gpu_conformance::open_gpu()?;
-            let cuda = Cuda::new(&gpu, config.head_dim()).map_err(|e| e.to_string())?;
+    match &gpu {
+        Some(gpu) => {
+            let cuda = Cuda::new(gpu, config.head_dim()).map_err(|e| e.to_string())?;
             let load = (false, candle_core::DType::BF16);
             let mut forward = load_forward(cuda, &config, &target_dir, &layer_ids, launch_tokens, load).map_err(err)?;
             write_all(forward.as_mut(), &data, &mut writer)?;
         }
-        _ => {
+        None => {
             let load = (false, candle_core::DType::F32);
             let mut forward =
                 load_forward(Host::<f32>::default(), &config, &target_dir, &layer_ids, launch_tokens, load)

@@ -170,8 +170,11 @@ impl HybridConfig {
     pub fn from_file(file: &Path) -> Result<Self> {
         let value = read_json(file)?;
         let mut config = Self::from_value(file, &value)?;
-        let weights = file.parent().and_then(|dir| crate::io::WeightSet::load_dir(dir).ok());
-        if let (HybridLayout::Text, Some(weights)) = (config.layout, weights) {
+        let text_layout_weights = match config.layout {
+            HybridLayout::Text => file.parent().and_then(|dir| crate::io::WeightSet::load_dir(dir).ok()),
+            HybridLayout::Wrapped => None,
+        };
+        if let Some(weights) = text_layout_weights {
             let names = weights.shapes();
             let embed = "model.embed_tokens.weight";
             if !names.contains_key(embed) && names.contains_key(&HybridLayout::Wrapped.checkpoint_name(embed)) {
