@@ -224,3 +224,47 @@ fn piecewise_encoding_is_off_for_a_first_piece_pre_tokenizer() {
     assert_eq!(want, vec![1, 0, 4], "only the first piece gets the prefix");
     assert_eq!(tok.encode_with("a<s>b", &mut std::collections::HashMap::new()).unwrap(), want);
 }
+
+/// The other spellings of a conversation users bring give the documents of its `messages` form,
+/// token for token: SpecForge's `conversations` of `role`/`content`, ShareGPT's other assistant
+/// names, contents as lists of text parts (joined with newlines, as vLLM and SGLang serve them),
+/// and `tools` as a JSON string.
+#[test]
+fn other_spellings_of_a_conversation_give_its_documents() {
+    let qwen = TargetTokenizer::load(&data_dir().join("tokenizer-qwen")).expect("qwen tokenizer");
+    let tool = r#"{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}"#;
+    let pairs = [
+        (
+            r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}]}"#.to_string(),
+            r#"{"id": "0", "conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}]}"#.to_string(),
+        ),
+        (
+            r#"{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there!"}]}"#.to_string(),
+            r#"{"conversations": [{"from": "human", "value": "Hi"}, {"from": "chatgpt", "value": "Hello there!"}]}"#.to_string(),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "What is 2+2?\nAnswer briefly."}, {"role": "assistant", "content": "4, of course."}]}"#.to_string(),
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}, {"type": "text", "text": "Answer briefly."}]}, {"role": "assistant", "content": [{"type": "text", "text": "4, of course."}]}]}"#.to_string(),
+        ),
+        (
+            format!(r#"{{"messages": [{{"role": "user", "content": "Weather?"}}, {{"role": "assistant", "content": "Sunny."}}], "tools": [{tool}]}}"#),
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "Weather?"}}, {{"role": "assistant", "content": "Sunny."}}], "tools": {}}}"#,
+                serde_json::to_string(&format!("[{tool}]")).unwrap()
+            ),
+        ),
+    ];
+    let opts = RenderOptions { thinking: false, system_prompt: None };
+    for (canonical, other) in &pairs {
+        let docs = |line: &str| {
+            let record = parse_record(line).unwrap_or_else(|e| panic!("{line}: {e:?}"));
+            documents(&qwen, record, &opts).unwrap_or_else(|e| panic!("{line}: {e:?}")).docs
+        };
+        let (want, got) = (docs(canonical), docs(other));
+        assert!(!want.is_empty() && want[0].loss_mask.iter().any(|&m| m), "{canonical}: a supervised document");
+        assert_eq!(got.len(), want.len(), "{other}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!((&g.tokens, &g.loss_mask), (&w.tokens, &w.loss_mask), "{other} against {canonical}");
+        }
+    }
+}

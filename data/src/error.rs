@@ -68,11 +68,15 @@ pub enum SkipReason {
     /// template writes the earlier turns differently once the turn follows), so where the turn
     /// starts is unknown.
     PromptNotPrefix,
+    /// With thinking off, an assistant's content opens `<think>` and never closes it (reasoning
+    /// cut off): stripping cannot find the answer, and training on it would teach reasoning as
+    /// the non-thinking output.
+    UnclosedThinking,
 }
 
 impl SkipReason {
     /// Every reason, in summary order.
-    pub const ALL: [SkipReason; 9] = [
+    pub const ALL: [SkipReason; 10] = [
         SkipReason::MalformedLine,
         SkipReason::UnknownFormat,
         SkipReason::UnknownRole,
@@ -82,6 +86,7 @@ impl SkipReason {
         SkipReason::TokenOutOfVocab,
         SkipReason::NoAnchorCandidate,
         SkipReason::PromptNotPrefix,
+        SkipReason::UnclosedThinking,
     ];
 
     /// The reason in a few words.
@@ -96,6 +101,7 @@ impl SkipReason {
             SkipReason::TokenOutOfVocab => "token id outside the target's vocabulary",
             SkipReason::NoAnchorCandidate => "filtered: fewer than 2 consecutive supervised tokens",
             SkipReason::PromptNotPrefix => "an assistant turn's render does not start with the generation prompt",
+            SkipReason::UnclosedThinking => "reasoning without its </think> while thinking is off",
         }
     }
 }

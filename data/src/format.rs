@@ -133,10 +133,14 @@ fn parse_line(line: &str, mask_required: bool) -> Result<Record, Skip> {
         return Err(malformed("not a JSON object"));
     }
     if let Some(messages) = field(&value, "messages") {
-        let tools = field(&value, "tools").filter(|t| !t.is_none());
-        return Ok(Record::Chat { messages: openai_messages(&messages)?, tools });
+        return Ok(Record::Chat { messages: openai_messages(&messages, "messages")?, tools: tools(&value)? });
     }
     if let Some(turns) = field(&value, "conversations") {
+        // `conversations` of OpenAI messages (`role`/`content`), as SpecForge's data scripts write.
+        let first = list(&turns, "conversations")?.into_iter().next();
+        if first.is_some_and(|t| field(&t, "role").is_some() && field(&t, "from").is_none()) {
+            return Ok(Record::Chat { messages: openai_messages(&turns, "conversations")?, tools: tools(&value)? });
+        }
         return Ok(Record::Chat { messages: sharegpt_messages(&turns)?, tools: None });
     }
     if let Some(text) = field(&value, "text") {
@@ -147,6 +151,41 @@ fn parse_line(line: &str, mask_required: bool) -> Result<Record, Skip> {
         return tokens_record(&ids, field(&value, "loss_mask"), mask_required);
     }
     Err(Skip::new(SkipReason::UnknownFormat, "no `messages`, `conversations`, `text` or `input_ids` field"))
+}
+
+/// The optional `tools` list; a JSON string holding the list (as function-calling sets store it)
+/// is parsed.
+fn tools(record: &Value) -> Result<Option<Value>, Skip> {
+    let Some(tools) = field(record, "tools").filter(|t| !t.is_none()) else { return Ok(None) };
+    let tools = match tools.as_str() {
+        Some(text) => {
+            parse_json(text).map_err(|e| malformed(format!("field `tools`: a string that is not JSON: {e}")))?
+        }
+        None => tools,
+    };
+    list(&tools, "tools")?;
+    Ok(Some(tools))
+}
+
+/// A message's `content` given as a list of parts: text parts alone are joined with newlines
+/// into one string (what vLLM and SGLang serve to a template of string contents); any other
+/// part (an image, audio) is refused naming it.
+fn flatten_content(content: &Value, what: &str) -> Result<Value, Skip> {
+    let parts = list(content, what)?;
+    let texts = parts
+        .iter()
+        .enumerate()
+        .map(|(j, part)| match (field(part, "type").and_then(|t| t.as_str().map(str::to_owned)), field(part, "text")) {
+            (Some(kind), Some(text)) if kind == "text" && text.as_str().is_some() => {
+                Ok(text.as_str().unwrap_or_default().to_owned())
+            }
+            (kind, _) => Err(malformed(format!(
+                "field `{what}[{j}]`: a part of type `{}`; only text parts (type `text`, a string `text`) are trained on",
+                kind.unwrap_or_else(|| "?".into())
+            ))),
+        })
+        .collect::<Result<Vec<String>, Skip>>()?;
+    Ok(Value::from(texts.join("\n")))
 }
 
 fn list(value: &Value, what: &str) -> Result<Vec<Value>, Skip> {
@@ -189,24 +228,30 @@ fn tokens_record(ids: &Value, mask: Option<Value>, mask_required: bool) -> Resul
     Ok(Record::Tokens { ids, loss_mask })
 }
 
-/// OpenAI messages: maps with a known `role`; `null` keys dropped; reasoning aliased
-/// (`thinking` first, `reasoning_content` kept or appended) as transformers does.
-fn openai_messages(messages: &Value) -> Result<Vec<Value>, Skip> {
-    list(messages, "messages")?
+/// OpenAI messages (the list in field `name`): maps with a known `role`; `null` keys dropped;
+/// text-part contents flattened; reasoning aliased (`thinking` first, `reasoning_content` kept
+/// or appended) as transformers does.
+fn openai_messages(messages: &Value, name: &str) -> Result<Vec<Value>, Skip> {
+    list(messages, name)?
         .iter()
         .enumerate()
         .map(|(i, m)| {
             if m.kind() != minijinja::value::ValueKind::Map {
-                return Err(malformed(format!("field `messages[{i}]`: not an object")));
+                return Err(malformed(format!("field `{name}[{i}]`: not an object")));
             }
             let mut pairs: Vec<(String, Value)> = entries(m).into_iter().filter(|(_, v)| !v.is_none()).collect();
             let role = pairs.iter().find(|(k, _)| k == "role").and_then(|(_, v)| v.as_str().map(str::to_owned));
             match role {
-                None => return Err(malformed(format!("field `messages[{i}].role`: missing or not a string"))),
+                None => return Err(malformed(format!("field `{name}[{i}].role`: missing or not a string"))),
                 Some(r) if !ROLES.contains(&r.as_str()) => {
-                    return Err(Skip::new(SkipReason::UnknownRole, format!("field `messages[{i}].role`: `{r}`")))
+                    return Err(Skip::new(SkipReason::UnknownRole, format!("field `{name}[{i}].role`: `{r}`")))
                 }
                 Some(_) => {}
+            }
+            if let Some(pair) =
+                pairs.iter_mut().find(|(k, v)| k == "content" && v.kind() == minijinja::value::ValueKind::Seq)
+            {
+                pair.1 = flatten_content(&pair.1, &format!("{name}[{i}].content"))?;
             }
             let reasoning =
                 REASONING_FIELDS.iter().find_map(|f| pairs.iter().find(|(k, _)| k == f).map(|(_, v)| v.clone()));
@@ -224,7 +269,8 @@ fn openai_messages(messages: &Value) -> Result<Vec<Value>, Skip> {
         .collect()
 }
 
-/// ShareGPT turns: `from` human / gpt / system / tool (or the OpenAI role names), `value`.
+/// ShareGPT turns: `from` human / gpt (chatgpt, bing, bard) / system / tool (or the OpenAI role
+/// names), `value`.
 fn sharegpt_messages(turns: &Value) -> Result<Vec<Value>, Skip> {
     list(turns, "conversations")?
         .iter()
@@ -238,7 +284,7 @@ fn sharegpt_messages(turns: &Value) -> Result<Vec<Value>, Skip> {
             let from = text("from")?;
             let role = match from.as_str() {
                 "human" | "user" => "user",
-                "gpt" | "assistant" => "assistant",
+                "gpt" | "assistant" | "chatgpt" | "bing" | "bard" => "assistant",
                 "system" => "system",
                 "tool" => "tool",
                 other => {

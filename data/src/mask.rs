@@ -102,7 +102,22 @@ fn chat_documents(
         .template
         .as_ref()
         .ok_or_else(|| template_error("the target folder has no chat template for a conversation".into()))?;
+    if !opts.thinking {
+        let unclosed = |m: &Value| {
+            role(m) == Some("assistant")
+                && m.get_attr("content")
+                    .ok()
+                    .and_then(|c| c.as_str().map(|c| c.contains("<think>") && !c.contains("</think>")))
+                    == Some(true)
+        };
+        if let Some(i) = messages.iter().position(unclosed) {
+            return Err(Skip::new(SkipReason::UnclosedThinking, format!("field `messages[{i}].content`")));
+        }
+    }
+    let given = messages.len();
     let messages = prepare_messages(messages, opts.system_prompt.as_deref(), opts.thinking);
+    // Messages put before the given ones (the system prompt), for the given index in errors.
+    let injected = messages.len() - given;
     let turns: Vec<usize> = (0..messages.len()).filter(|&i| role(&messages[i]) == Some("assistant")).collect();
     if turns.is_empty() {
         return Err(Skip::new(SkipReason::NoAssistantTurn, "no message with role `assistant`"));
@@ -125,7 +140,8 @@ fn chat_documents(
             return Err(Skip::new(
                 SkipReason::PromptNotPrefix,
                 format!(
-                    "assistant turn {n} (message {i}): its render departs from the generation prompt's at token {}",
+                    "assistant turn {n} (message {}): its render departs from the generation prompt's at token {}",
+                    i - injected,
                     common_prefix(&prompt, &full)
                 ),
             ));

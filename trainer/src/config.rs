@@ -396,7 +396,8 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "master_port",
 ];
 
-/// The most optimizer steps a run takes (its plan's counts of rows and tokens stay far inside u64).
+/// The most optimizer steps a run takes (a bound against absurd values; the plan counts its rows
+/// and tokens in u128).
 pub const MAX_STEPS: usize = 1 << 40;
 /// The most rows of one update (`rows_per_step` x `grad_accum`): every one is held on the host.
 pub const MAX_ROWS_PER_UPDATE: usize = 1 << 16;

@@ -15,10 +15,11 @@ pub const CPU_DATA_FLOPS: f64 = 1.1e10;
 pub struct Plan {
     pub steps: usize,
     pub epochs: f64,
-    /// Tokens of the rows trained on (rows x row length, counting repeats).
-    pub tokens: u64,
+    /// Tokens of the rows trained on (rows x row length, counting repeats; u128: steps x rows
+    /// per update x row length may pass u64).
+    pub tokens: u128,
     /// Block rows (anchors x block size) through the drafter.
-    pub block_rows: u64,
+    pub block_rows: u128,
     pub train_flops: f64,
     pub data_flops: f64,
 }
@@ -28,11 +29,11 @@ impl Plan {
     /// parameters (its layers and LM head).
     pub fn new(c: &RunConfig, draft: &DraftConfig, target_params: usize, train_rows: usize) -> Plan {
         let steps = c.total_steps(train_rows);
-        let rows = steps as u64 * c.rows_per_update() as u64;
+        let rows = steps as u128 * c.rows_per_update() as u128;
         let s = c.builtin_row_len() as f64;
         let d = &draft.dims;
         let (h, v, f) = (d.hidden_size as f64, d.vocab_size as f64, draft.num_features() as f64);
-        let block_rows = rows * (c.anchors * draft.block_size) as u64;
+        let block_rows = rows * c.anchors as u128 * draft.block_size as u128;
         let per_row =
             6.0 * (f * h * h * s) + 6.0 * (num_params(draft) as f64 + h * v) * (c.anchors * draft.block_size) as f64;
         let train_flops = per_row * rows as f64;
@@ -43,7 +44,7 @@ impl Plan {
         Plan {
             steps,
             epochs: rows as f64 / train_rows.max(1) as f64,
-            tokens: rows * c.builtin_row_len() as u64,
+            tokens: rows * c.builtin_row_len() as u128,
             block_rows,
             train_flops,
             data_flops,

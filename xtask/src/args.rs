@@ -30,7 +30,11 @@ impl Options {
         Ok(Some(Options { values }))
     }
 
-    /// The value of `--name` parsed as `T`, or `default`.
+    /// Whether `--name` was given.
+    pub fn has(&self, name: &str) -> bool {
+        self.values.contains_key(name)
+    }
+
     /// A `--name yes|no` option.
     pub fn yes_no(&self, name: &str, default: bool) -> Result<bool, String> {
         match self.get(name, String::new())?.as_str() {
@@ -41,6 +45,7 @@ impl Options {
         }
     }
 
+    /// The value of `--name` parsed as `T`, or `default`.
     pub fn get<T: FromStr>(&self, name: &str, default: T) -> Result<T, String> {
         match self.values.get(name) {
             None => Ok(default),

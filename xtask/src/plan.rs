@@ -14,8 +14,8 @@ use crate::args::Options;
 
 const HELP: &str = "usage: cargo xtask plan [options]
 
-Prints the itemised predicted memory of one bf16 training step (fp32 master weights, gradients and
-AdamW state) for each checkpointing policy, whether it fits the device, and the peaks of the
+Prints the itemised predicted memory of one bf16 training step (fp32 master weights and AdamW
+state; one row per update, so no fp32 gradient accumulator) for each checkpointing policy, whether it fits the device, and the peaks of the
 known failure modes (unfused attention backward; chunked attention without checkpointing).
 
 With --target DIR (an HF target folder), plans that target's forward (its weights up to the last
@@ -55,6 +55,18 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let device_bytes = (device_gib * (1u64 << 30) as f64) as u64;
     let target: PathBuf = opts.get("target", PathBuf::new())?;
     let draft_file: PathBuf = opts.get("config", PathBuf::new())?;
+    // An option the chosen plan would not read is a mistake, not a default.
+    let ignored = match (target.as_os_str().is_empty(), draft_file.as_os_str().is_empty()) {
+        (true, true) => ["seq", "anchors"]
+            .iter()
+            .find(|o| opts.has(o))
+            .map(|o| (o, "needs --config or --target (the named configs have their own S and N)")),
+        (false, _) => opts.has("chunk-rows").then_some((&"chunk-rows", "is not used with --target (no failure modes)")),
+        (true, false) => None,
+    };
+    if let Some((option, why)) = ignored {
+        return Err(format!("option `--{option}` {why}"));
+    }
     if !target.as_os_str().is_empty() {
         let shape =
             StepShape { context_len: opts.get("seq", 3072)?, num_anchors: opts.get("anchors", 512)?, lm_chunk_rows };

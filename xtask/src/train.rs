@@ -621,10 +621,11 @@ fn real_run(
         println!("data: {warning}");
     }
     let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
-    // The reference target on the CPU: the reference engine's features, and its real tau.
+    // The reference target on the CPU: the reference engine's features, and its real tau (not
+    // for `--plan`, which reads no features: the rows are lazy).
     let reference_features = config.step == StepKind::Reference && setup.cache.is_none();
     let reference_tau = config.step == StepKind::Reference && config.tau_prompts > 0;
-    let reference_target = match reference_features || reference_tau {
+    let reference_target = match (reference_features || reference_tau) && !plan {
         true => Some(t.load_model(&setup.target_dir, DType::F32).map_err(|e| e.to_string())?),
         false => None,
     };
@@ -676,7 +677,8 @@ fn real_run(
         let mut decoders = 0;
         if config.tau_prompts > 0 && config.step != StepKind::Reference {
             let context = tau_context(&prompts, config.tau_tokens);
-            let widths = storage_widths(config.step);
+            // In the GPU step's storage, as the plan below (the note after it says so for others).
+            let widths = storage_widths(StepKind::Gpu);
             decoders = dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths)
                 .map_err(|e| e.to_string())?;
             println!(
@@ -695,7 +697,7 @@ fn real_run(
         };
         let chosen = match t {
             _ if config.features.is_some() => crate::plan::print_offline_plan(d, &run)?,
-            _ if config.step == StepKind::Gpu && config.target_workers > 0 => {
+            _ if config.target_workers > 0 => {
                 let (target_gpus, drafter_gpus) = config.topology();
                 let slots = dflash_trainer::dist::feed::slots_per_target(config.drafter_workers);
                 crate::plan::print_workers_plan(&name, t, d, &run, (&target_gpus, &drafter_gpus), slots)?
@@ -1255,7 +1257,8 @@ pub(crate) fn forward_bytes(
 /// Refuses, before the target is loaded or anything allocated, a run whose least memory on its
 /// drafter device exceeds what the device has free: the target's forward (online) or the
 /// embedding table (offline), the step under its most frugal policy, and the real tau's
-/// decoders, in the step's storage. A lower bound of what the engine then lays out (which picks
+/// decoders, in the step's storage (the first two once per drafter worker of a host step, which
+/// all share this machine's memory). A lower bound of what the engine then lays out (which picks
 /// the fastest policy that fits); runs with target workers or a sharded optimizer are checked by
 /// the engine alone.
 fn check_fits(
@@ -1286,7 +1289,9 @@ fn check_fits(
         Some(context) => dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths).map_err(err)?,
         None => 0,
     };
-    let need = fixed.saturating_add(step).saturating_add(decoders);
+    // Host drafter workers each hold their forward (or table) and step in the one host memory.
+    let copies = if config.step == StepKind::Host { config.drafter_workers.max(1) as u64 } else { 1 };
+    let need = fixed.saturating_add(step).saturating_mul(copies).saturating_add(decoders);
     let (device, free) = match config.step {
         StepKind::Gpu => {
             let gpu = crate::gpu_conformance::open_gpu_at(launch.topology(config).1[0])?;
@@ -1306,12 +1311,13 @@ fn check_fits(
         ));
     }
     Err(format!(
-        "memory: the run needs at least {} on {device}, which has {} free: {fixed_name} {}, the step under its most frugal policy ({}) {}{}; lower --max-len or --anchors{}{}",
+        "memory: the run needs at least {} on {device}, which has {} free: {fixed_name} {}, the step under its most frugal policy ({}) {}{}{}; lower --max-len or --anchors{}{}",
         size(need),
         size(free),
         size(fixed),
         policy.name(),
         size(step),
+        if copies > 1 { format!(", both for each of {copies} drafter workers") } else { String::new() },
         if decoders > 0 { format!(", the real tau's decoders {}", size(decoders)) } else { String::new() },
         if decoders > 0 { ", or --tau-prompts 0" } else { "" },
         if policy != Checkpointing::PerLayer { ", or --checkpointing per-layer" } else { "" },

@@ -104,21 +104,21 @@ pub struct StepDims {
 }
 
 impl StepDims {
-    /// Checks `shape` against `config` (at least one token, anchor and LM-head row; no more
-    /// anchors than tokens; token ids that fit u32) and every size against overflow.
+    /// Checks `shape` against `config` (at least two tokens, one anchor and one LM-head row; no
+    /// more anchors than tokens with a next token; token ids that fit u32) and every size against overflow.
     pub fn new(config: &DraftConfig, shape: StepShape) -> Result<Self> {
         let c = &config.dims;
         let invalid = |what: &str, msg: String| Err(crate::Error::invalid(what, msg));
-        if shape.context_len == 0 {
-            return invalid("seq", "0 tokens; a row needs at least 2".into());
+        if shape.context_len < 2 {
+            return invalid("seq", format!("{} tokens; a row needs at least 2", shape.context_len));
         }
         // Anchor slots beyond the candidates are padding (keep = false); more slots than tokens
-        // can only be a mistake (e.g. 1000 anchors on 80-token rows).
-        if shape.num_anchors == 0 || shape.num_anchors > shape.context_len {
+        // with a next token can only be a mistake (e.g. 1000 anchors on 80-token rows).
+        if shape.num_anchors == 0 || shape.num_anchors > shape.context_len - 1 {
             return invalid(
                 "anchors",
                 format!(
-                    "{} anchors for a row of {} tokens: between 1 and the row's length",
+                    "{} anchors for a row of {} tokens: between 1 and the row's length less one",
                     shape.num_anchors, shape.context_len
                 ),
             );
