@@ -17,13 +17,15 @@ fn plan(config: &std::path::Path, seq: &str, anchors: &str) -> std::process::Out
 fn absurd_configs_are_clear_errors() {
     let dir = tempfile::tempdir().expect("temp dir");
     let base = named_configs().into_iter().next().expect("named configs").config;
-    let cases: [(&str, usize, usize, &str, &str, &str); 6] = [
+    let cases: [(&str, usize, usize, &str, &str, &str); 8] = [
         ("hidden 2^62", 1 << 62, 0, "3072", "512", "does not fit"),
         ("hidden 1e9", 1_000_000_000, 0, "3072", "512", "does not fit"),
         ("vocab 2^40", 0, 1 << 40, "3072", "512", "vocab_size"),
         ("seq 2^64-1", 0, 0, "18446744073709551615", "512", "does not fit"),
         ("anchors above seq", 0, 0, "80", "1000", "anchors"),
         ("seq 0", 0, 0, "0", "512", "seq"),
+        ("seq 1", 0, 0, "1", "1", "a row needs at least 2"),
+        ("anchors equal to seq", 0, 0, "512", "512", "the row's length less one"),
     ];
     for (name, hidden, vocab, seq, anchors, needle) in cases {
         let mut config = base.clone();
@@ -82,6 +84,20 @@ fn plan_target_and_bench_target_options() {
             .args(extra)
             .output()
             .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(needle), "{extra:?}: `{needle}` missing from: {stderr}");
+    }
+    // Options the chosen plan would not read are refused, not ignored.
+    let ignored: [(&[&str], &str); 3] = [
+        (&["--seq", "8192"], "option `--seq` needs --config or --target"),
+        (&["--anchors", "1024"], "option `--anchors` needs --config or --target"),
+        (
+            &["--target", fixture.to_str().unwrap(), "--chunk-rows", "64"],
+            "option `--chunk-rows` is not used with --target",
+        ),
+    ];
+    for (extra, needle) in ignored {
+        let out = std::process::Command::new(xtask).arg("plan").args(extra).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && stderr.contains(needle), "{extra:?}: `{needle}` missing from: {stderr}");
     }

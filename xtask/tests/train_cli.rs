@@ -257,6 +257,30 @@ fn plan_prints_the_resolved_config_without_training() {
     let stdout = plan(&["--anchors", &cli_anchors.to_string()]);
     assert!(stdout.contains(&format!("anchors = {cli_anchors}\n")), "{stdout}");
     assert!(!out.exists(), "--plan created the run folder");
+    // The most steps of the most rows: counts past u64 are printed whole, not wrapped.
+    let (steps, rows) = (1u128 << 40, 1u128 << 16);
+    let result = xtask(&[
+        "train",
+        "--plan",
+        "--steps",
+        &steps.to_string(),
+        "--rows-per-step",
+        "256",
+        "--grad-accum",
+        "256",
+        "--anchors",
+        "64",
+    ]);
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    let anchors: u128 = stdout.lines().find_map(|l| l.strip_prefix("anchors = ")).and_then(|v| v.parse().ok()).unwrap();
+    let tokens = format!("tokens: {} (", steps * rows * 96);
+    let block_rows: u128 = stdout
+        .split_once(&tokens)
+        .and_then(|(_, rest)| rest.split_once(" block rows"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("no `{tokens}N block rows`: {stdout}"));
+    assert!(block_rows > u64::MAX as u128 && block_rows % (steps * rows * anchors) == 0, "{block_rows}");
 }
 
 /// Kills the run (SIGKILL) at random moments after its first checkpoint, once while a
