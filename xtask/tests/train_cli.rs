@@ -1434,4 +1434,13 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
         assert!(!out.join("metrics.jsonl").exists(), "the run folder was written");
         assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
     }
+    // Host drafter workers share this machine's memory: each one's forward and step are counted.
+    let (cache, out) = (tmp.path().join("cache"), tmp.path().join("run-workers"));
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(real_args(&target, &cache, &out, &["--step", "host", "--steps", "1", "--drafter-workers", "2"]))
+        .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, "650000")
+        .output()
+        .unwrap();
+    let stderr = text(&result.stderr);
+    assert!(!result.status.success() && stderr.contains("both for each of 2 drafter workers"), "{stderr}");
 }
