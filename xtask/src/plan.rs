@@ -41,6 +41,21 @@ pub const H200_GIB: f64 = 139.8;
 
 const OPTIONS: &[&str] = &["target", "config", "seq", "anchors", "lm-chunk", "device-gib", "chunk-rows"];
 
+/// The shape of `--seq` and `--anchors`, held to `train`'s rule: an anchor needs a token after it.
+fn shape_option(opts: &Options, lm_chunk_rows: usize) -> Result<StepShape, String> {
+    let shape =
+        StepShape { context_len: opts.get("seq", 3072)?, num_anchors: opts.get("anchors", 512)?, lm_chunk_rows };
+    if shape.context_len >= 2 && shape.num_anchors > shape.context_len - 1 {
+        return Err(format!(
+            "option `--anchors`: {}: a row of {} tokens holds at most {} anchors",
+            shape.num_anchors,
+            shape.context_len,
+            shape.context_len - 1
+        ));
+    }
+    Ok(shape)
+}
+
 pub fn run(args: Vec<String>) -> Result<(), String> {
     let Some(opts) = Options::parse(args, OPTIONS)? else {
         println!("{HELP}");
@@ -68,8 +83,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         return Err(format!("option `--{option}` {why}"));
     }
     if !target.as_os_str().is_empty() {
-        let shape =
-            StepShape { context_len: opts.get("seq", 3072)?, num_anchors: opts.get("anchors", 512)?, lm_chunk_rows };
+        let shape = shape_option(&opts, lm_chunk_rows)?;
         let draft = match draft_file.as_os_str().is_empty() {
             true => None,
             false => Some(DraftConfig::from_file(&draft_file).map_err(|e| e.to_string())?),
@@ -83,11 +97,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             .collect(),
         path => {
             let config = DraftConfig::from_file(&path).map_err(|e| e.to_string())?;
-            let shape = StepShape {
-                context_len: opts.get("seq", 3072)?,
-                num_anchors: opts.get("anchors", 512)?,
-                lm_chunk_rows,
-            };
+            let shape = shape_option(&opts, lm_chunk_rows)?;
             vec![(path.display().to_string(), config, shape)]
         }
     };

@@ -25,7 +25,7 @@ fn absurd_configs_are_clear_errors() {
         ("anchors above seq", 0, 0, "80", "1000", "anchors"),
         ("seq 0", 0, 0, "0", "512", "seq"),
         ("seq 1", 0, 0, "1", "1", "a row needs at least 2"),
-        ("anchors equal to seq", 0, 0, "512", "512", "the row's length less one"),
+        ("anchors equal to seq", 0, 0, "512", "512", "a row of 512 tokens holds at most 511 anchors"),
     ];
     for (name, hidden, vocab, seq, anchors, needle) in cases {
         let mut config = base.clone();

@@ -105,7 +105,7 @@ pub struct StepDims {
 
 impl StepDims {
     /// Checks `shape` against `config` (at least two tokens, one anchor and one LM-head row; no
-    /// more anchors than tokens with a next token; token ids that fit u32) and every size against overflow.
+    /// more anchors than tokens; token ids that fit u32) and every size against overflow.
     pub fn new(config: &DraftConfig, shape: StepShape) -> Result<Self> {
         let c = &config.dims;
         let invalid = |what: &str, msg: String| Err(crate::Error::invalid(what, msg));
@@ -113,12 +113,12 @@ impl StepDims {
             return invalid("seq", format!("{} tokens; a row needs at least 2", shape.context_len));
         }
         // Anchor slots beyond the candidates are padding (keep = false); more slots than tokens
-        // with a next token can only be a mistake (e.g. 1000 anchors on 80-token rows).
-        if shape.num_anchors == 0 || shape.num_anchors > shape.context_len - 1 {
+        // can only be a mistake (e.g. 1000 anchors on 80-token rows).
+        if shape.num_anchors == 0 || shape.num_anchors > shape.context_len {
             return invalid(
                 "anchors",
                 format!(
-                    "{} anchors for a row of {} tokens: between 1 and the row's length less one",
+                    "{} anchors for a row of {} tokens: between 1 and the row's length",
                     shape.num_anchors, shape.context_len
                 ),
             );
