@@ -280,7 +280,7 @@ fn plan_prints_the_resolved_config_without_training() {
         .and_then(|(_, rest)| rest.split_once(" block rows"))
         .and_then(|(n, _)| n.parse().ok())
         .unwrap_or_else(|| panic!("no `{tokens}N block rows`: {stdout}"));
-    assert!(block_rows > u64::MAX as u128 && block_rows % (steps * rows * anchors) == 0, "{block_rows}");
+    assert!(block_rows > u64::MAX as u128 && block_rows.is_multiple_of(steps * rows * anchors), "{block_rows}");
 }
 
 /// Kills the run (SIGKILL) at random moments after its first checkpoint, once while a
