@@ -1,8 +1,7 @@
 //! The tokenized form of a data set, cached in one file so that later epochs and resumed runs
 //! never tokenize again. Layout: magic, the 32-byte key, each document's tokens (`u32` LE) and
-//! loss mask (bits), the index (per document: offset `u64`, length `u32`, file `u32`,
-//! conversation `u32`), the
-//! stats (JSON), and a footer (index offset, document count, stats offset and length as `u64`,
+//! loss mask (bits), the index (per document: offset `u64`, length `u32`, file `u32`, the
+//! content hash of its conversation's line `u64`), the stats (JSON), and a footer (index offset, document count, stats offset and length as `u64`,
 //! the sha256 of every byte between the key and the footer, magic). Written to a temporary name,
 //! synced, then renamed; opened only when its key (the tokenizer, template, options and data
 //! files) matches, else rebuilt, and only when its bytes match their sha256 (else an error).
@@ -18,13 +17,19 @@ use crate::error::{Error, Result};
 use crate::mask::Document;
 use crate::stats::Stats;
 
-const MAGIC: &[u8; 8] = b"DFTOK\x00\x00\x02";
+const MAGIC: &[u8; 8] = b"DFTOK\x00\x00\x03";
 const FOOTER: usize = 4 * 8 + 32 + 8;
-const ENTRY: usize = 20;
+const ENTRY: usize = 24;
 
 /// sha256 of `bytes`.
 pub fn sha256(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
+}
+
+/// A conversation's content hash: the first 8 bytes of the sha256 of its line (the text read,
+/// without its line ending), little-endian. Equal lines hash equal, in any file or position.
+pub fn content_hash(line: &str) -> u64 {
+    u64::from_le_bytes(sha256(line.as_bytes())[..8].try_into().expect("8 bytes"))
 }
 
 /// The key of a cache: a hash of everything its documents depend on.
@@ -124,13 +129,13 @@ impl CacheWriter {
         Ok(())
     }
 
-    /// Appends one document of data file number `file` and conversation number
-    /// `conversation` (one conversation may give several documents, one per turn).
-    pub fn push(&mut self, doc: &Document, file: u32, conversation: u32) -> Result<()> {
+    /// Appends one document of data file number `file` whose conversation's line hashes to
+    /// `content` (one conversation may give several documents, one per turn).
+    pub fn push(&mut self, doc: &Document, file: u32, content: u64) -> Result<()> {
         self.index.extend(self.offset.to_le_bytes());
         self.index.extend((doc.tokens.len() as u32).to_le_bytes());
         self.index.extend(file.to_le_bytes());
-        self.index.extend(conversation.to_le_bytes());
+        self.index.extend(content.to_le_bytes());
         let mut bytes = Vec::with_capacity(doc.tokens.len() * 4 + doc.tokens.len().div_ceil(8));
         bytes.extend(doc.tokens.iter().flat_map(|t| t.to_le_bytes()));
         bytes.extend(
@@ -169,8 +174,8 @@ impl CacheWriter {
 pub struct Cache {
     path: PathBuf,
     file: File,
-    /// Per document: offset, length, data file number, conversation number.
-    index: Vec<(u64, u32, u32, u32)>,
+    /// Per document: offset, length, data file number, content hash of its conversation.
+    index: Vec<(u64, u32, u32, u64)>,
     pub stats: Stats,
     /// The key it was opened with: a hash of the tokenizer, template, options and data files.
     pub key: [u8; 32],
@@ -222,7 +227,8 @@ impl Cache {
             .chunks(ENTRY)
             .map(|e| {
                 let u32_at = |i: usize| u32::from_le_bytes(e[i..i + 4].try_into().expect("4 bytes"));
-                (u64::from_le_bytes(e[..8].try_into().expect("8 bytes")), u32_at(8), u32_at(12), u32_at(16))
+                let u64_at = |i: usize| u64::from_le_bytes(e[i..i + 8].try_into().expect("8 bytes"));
+                (u64_at(0), u32_at(8), u32_at(12), u64_at(16))
             })
             .collect();
         let stats =
@@ -244,9 +250,9 @@ impl Cache {
         self.index[i].2
     }
 
-    /// The conversation number of document `i`.
-    pub fn conversation_of(&self, i: usize) -> usize {
-        self.index[i].3 as usize
+    /// The content hash of document `i`'s conversation (its line's, [`content_hash`]).
+    pub fn content_of(&self, i: usize) -> u64 {
+        self.index[i].3
     }
 
     /// Tokens of document `i`.
@@ -296,8 +302,8 @@ mod tests {
         assert!(!dead.exists() && live.exists(), "the dead writer's file goes, the live one's stays");
         let docs: Vec<Document> = (0..6).map(|_| doc(&mut rng)).collect();
         for (i, d) in docs.iter().enumerate() {
-            a.push(d, 0, i as u32).unwrap();
-            b.push(d, 0, i as u32).unwrap();
+            a.push(d, 0, i as u64).unwrap();
+            b.push(d, 0, i as u64).unwrap();
         }
         b.finish(&Stats::default()).unwrap();
         a.finish(&Stats::default()).unwrap();

@@ -1,27 +1,18 @@
 //! Which documents train and which are held out, and the order of each epoch (spec section 6):
-//! both a pure function of the seed, so a resumed run sees the same rows.
+//! both a pure function of the seed (and each conversation's text), so a resumed run sees the
+//! same rows.
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-/// Stream of the seed's generator that draws the held-out split (epochs use streams 0, 1, ...
-/// of another generator).
-const SPLIT_STREAM: u64 = u64::MAX;
-
-/// `(train, held_out)` indices (of conversations), each ascending: `round(fraction * n)` drawn
-/// without replacement from `0..n` by `seed`.
-pub fn split(n: usize, fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
-    let mut order: Vec<usize> = (0..n).collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(SPLIT_STREAM);
-    order.shuffle(&mut rng);
-    let k = ((n as f64) * fraction).round() as usize;
-    let (held, train) = order.split_at(k.min(n));
-    let (mut held, mut train) = (held.to_vec(), train.to_vec());
-    held.sort_unstable();
-    train.sort_unstable();
-    (train, held)
+/// Whether the conversation of content hash `content` is held out: `fraction` of the hash
+/// space, mixed with `seed` (splitmix64). A function of the conversation's own text and the seed
+/// alone, so adding or removing other lines or files, or changing an option that keeps or drops
+/// other conversations, never moves it between training and held-out; equal lines go together.
+pub fn held_out(content: u64, fraction: f64, seed: u64) -> bool {
+    use dflash_reference::hash::{splitmix64, unit};
+    unit(splitmix64(seed ^ splitmix64(content))) < fraction
 }
 
 /// The order of `docs` in epoch `epoch`: a permutation drawn from `(seed, epoch)` alone.

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use dflash_reference::data::Row;
 use rayon::prelude::*;
 
-use crate::cache::{Cache, CacheWriter, KeyBuilder};
-use crate::epoch::{epoch_order, split};
+use crate::cache::{content_hash, Cache, CacheWriter, KeyBuilder};
+use crate::epoch::{epoch_order, held_out};
 use crate::error::{Error, Result, Skip, SkipReason};
 use crate::format::parse_record;
 use crate::mask::{documents, Layout, RenderOptions, Rendered};
@@ -166,13 +166,7 @@ impl Dataset {
             )));
         }
         let (train, held_out): (Vec<usize>, Vec<usize>) = match &opts.held_out {
-            HeldOut::Fraction(f) => {
-                let mut held = vec![false; cache.stats.conversations];
-                for c in split(cache.stats.conversations, *f, opts.seed).1 {
-                    held[c] = true;
-                }
-                (0..cache.len()).partition(|&i| !held[cache.conversation_of(i)])
-            }
+            HeldOut::Fraction(f) => (0..cache.len()).partition(|&i| !held_out(cache.content_of(i), *f, opts.seed)),
             HeldOut::Files(_) => (0..cache.len()).partition(|&i| (cache.file_of(i) as usize) < files.len()),
         };
         if let (HeldOut::Files(held_files), true) = (&opts.held_out, held_out.is_empty()) {
@@ -183,7 +177,10 @@ impl Dataset {
             ));
         }
         if train.is_empty() {
-            return Err(Error::NoRows("every document is held out".into()));
+            return Err(Error::NoRows(format!(
+                "every document is held out ({} conversations, each held out with probability `held_out`): more data, a smaller fraction, or a held-out file",
+                cache.stats.conversations
+            )));
         }
         let packing = if opts.packing {
             Packing::Packed { seq_len: opts.max_len, pad_id: target.pad_id }
@@ -240,12 +237,12 @@ fn cache_key(target: &TargetTokenizer, files: &[PathBuf], opts: &DataOptions) ->
     Ok(key.finish())
 }
 
-/// What one line became.
-type LineResult = std::result::Result<Rendered, Skip>;
+/// What one line became, and its content hash.
+type LineResult = std::result::Result<(Rendered, u64), Skip>;
 
 fn process(target: &TargetTokenizer, line: &Line, opts: &RenderOptions) -> LineResult {
     let text = line.text.as_ref().map_err(|e| Skip::new(SkipReason::MalformedLine, e.clone()))?;
-    documents(target, parse_record(text)?, opts)
+    Ok((documents(target, parse_record(text)?, opts)?, content_hash(text)))
 }
 
 /// The streaming pass over every file into the cache at `path`.
@@ -274,8 +271,7 @@ fn tokenize_all(
                 stats.lines += 1;
                 match result {
                     Err(skip) => stats.skip(&name, line.number, &skip),
-                    Ok(Rendered { layout, docs, unended_turns }) => {
-                        let conversation = stats.conversations as u32;
+                    Ok((Rendered { layout, docs, unended_turns }, content)) => {
                         let mut kept = false;
                         for mut doc in docs {
                             stats.truncated += usize::from(truncate(&mut doc, opts.max_len));
@@ -289,7 +285,7 @@ fn tokenize_all(
                             stats.documents += 1;
                             stats.tokens += doc.tokens.len();
                             stats.supervised_tokens += doc.loss_mask.iter().filter(|&&m| m).count();
-                            writer.push(&doc, file_no as u32, conversation)?;
+                            writer.push(&doc, file_no as u32, content)?;
                         }
                         stats.conversations += usize::from(kept);
                         stats.per_turn_conversations += usize::from(kept && layout == Layout::PerTurn);

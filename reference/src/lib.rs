@@ -18,6 +18,7 @@ pub mod data;
 pub mod drafter;
 pub mod error;
 pub mod eval;
+pub mod hash;
 pub mod hybrid;
 pub mod io;
 pub mod json_fields;

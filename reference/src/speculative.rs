@@ -188,13 +188,10 @@ impl Sampling {
 /// The Gumbel draw of token `v` at `position` under `seed`: `-ln(-ln u)` with `u` in (0, 1) from
 /// splitmix64 of the three (counter-based: the same value whoever asks, in whatever order).
 pub fn gumbel(seed: u64, position: usize, v: usize) -> f64 {
-    let mut x =
-        seed ^ (position as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (v as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^= x >> 31;
-    let u = ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let x = crate::hash::splitmix64(
+        seed ^ (position as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (v as u64).wrapping_mul(0xd1b5_4a32_d192_ed03),
+    );
+    let u = crate::hash::unit(x) + 0.5 / (1u64 << 53) as f64;
     -(-u.ln()).ln()
 }
 

@@ -9,6 +9,7 @@ use std::marker::PhantomData;
 use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad};
 use crate::ops::{Elem, Real};
 use crate::Result;
+use dflash_reference::hash::splitmix64;
 
 /// The CPU twins on values stored as `E`.
 pub struct ElementwiseTwin<E>(PhantomData<E>);
@@ -303,18 +304,10 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
     }
 }
 
-/// splitmix64, as `mix64` of the kernel source.
-fn mix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// The standard normal draw number `i` of `seed`: the CPU twin of `fill_normal_bf16` (Box-Muller
 /// on the hash of `(seed, i)`), in f64.
 pub fn normal_at(seed: u64, i: u64) -> f64 {
-    let h = mix64(seed ^ mix64(i));
+    let h = splitmix64(seed ^ splitmix64(i));
     let u1 = ((h >> 40) + 1) as f64 / (1u64 << 24) as f64;
     let u2 = (h & 0xff_ffff) as f64 / (1u64 << 24) as f64;
     (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
