@@ -178,6 +178,34 @@ fn bad_prompts_are_errors() {
     }
 }
 
+/// Proves that a target whose weights hold a NaN (here its final norm) is refused at its first
+/// logits, as the reference decoder refuses it, greedy, speculative or sampled: its argmax would
+/// be token 0 everywhere, decoded as full acceptance.
+#[test]
+fn non_finite_logits_are_errors() {
+    let pair = random_pair(rand::random(), 4);
+    let mut decoder = SpecDecoder::new(host, &pair.target.config, Some(&pair.drafter.config), 16).expect("decoder");
+    decoder
+        .target
+        .load_weights(|name, _| match name {
+            "model.norm.weight" => Ok(pair.target.weight(name)?.affine(0.0, f64::NAN)?),
+            _ => pair.target.weight(name),
+        })
+        .expect("target weights");
+    let drafter = decoder.drafter.as_mut().expect("built with a drafter");
+    drafter.load_weights(|name, _| Ok(pair.drafter.param(name).clone())).expect("drafter weights");
+    let sampled = Sampling::Temperature { temperature: 0.7, seed: 1 };
+    let errors = [
+        decoder.greedy_decode(&[1, 2, 3], 4).expect_err("NaN logits decoded"),
+        decoder.speculative_decode(&[1, 2, 3], 4).expect_err("NaN logits decoded"),
+        decoder.speculative_decode_traced(&[1, 2, 3], 4, &sampled).expect_err("NaN logits decoded"),
+        decoder.plain_decode(&[1, 2, 3], 4, &sampled).expect_err("NaN logits decoded"),
+    ];
+    for e in errors {
+        assert!(e.to_string().contains(dflash_reference::speculative::NON_FINITE_LOGITS), "{e}");
+    }
+}
+
 /// Proves that a drafter made for another target is refused when the decoder is built, naming
 /// the mismatched field.
 #[test]

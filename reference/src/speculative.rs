@@ -110,16 +110,16 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
     Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
 }
 
-/// Refuses logits holding NaN or Inf, naming the likely cause: a decoder's argmax of them would
-/// be token 0 on both sides, garbage decoded as full acceptance.
+/// Why decoding refuses logits holding NaN or Inf (its likely cause): a decoder's argmax of them
+/// would be token 0 on both sides, garbage decoded as full acceptance.
+pub const NON_FINITE_LOGITS: &str = "NaN or Inf: a model's weights hold non-finite values, or its config is wrong";
+
+/// Refuses logits holding NaN or Inf ([`NON_FINITE_LOGITS`]).
 fn check_finite(logits: &Tensor) -> Result<()> {
     let sum = logits.to_dtype(candle_core::DType::F64)?.sum_all()?.to_scalar::<f64>()?;
     match sum.is_finite() {
         true => Ok(()),
-        false => Err(Error::invalid(
-            "logits",
-            "NaN or Inf: a model's weights hold non-finite values, or its config is wrong",
-        )),
+        false => Err(Error::invalid("logits", NON_FINITE_LOGITS)),
     }
 }
 

@@ -38,12 +38,16 @@ fn next_tokens<B: Backend>(
     dev.ops().argmax_rows(logits, rows, v, next)
 }
 
-/// The logits `[rows][V]` at `logits` (a launch keeps `held` rows) on the host, as f64.
+/// The logits `[rows][V]` at `logits` (a launch keeps `held` rows) on the host, as f64; refused
+/// when one is NaN or Inf, as the reference decoder refuses them.
 fn logits_to_host<B: Backend>(dev: &B, logits: u64, (rows, held): (usize, usize), v: usize) -> Result<Vec<Vec<f64>>> {
     if rows > held {
         return Err(Error::invalid("logits", format!("{rows} rows; a launch keeps {held}")));
     }
     let values = download::<B::Elem, B>(dev, logits, rows * v)?;
+    if values.iter().any(|x| !x.to_f64().is_finite()) {
+        return Err(Error::invalid("logits", dflash_reference::speculative::NON_FINITE_LOGITS));
+    }
     Ok(values.chunks(v.max(1)).map(|row| row.iter().map(|x| x.to_f64()).collect()).collect())
 }
 

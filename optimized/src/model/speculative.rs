@@ -252,7 +252,7 @@ impl<T: DecodeTarget> SpecDecoder<T> {
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::invalid("prompt", format!("token id {bad} is not below the vocab size {vocab}")));
         }
-        if prompt.len() + max_new > self.context {
+        if prompt.len().checked_add(max_new).is_none_or(|n| n > self.context) {
             return Err(Error::invalid(
                 "prompt",
                 format!(
@@ -285,7 +285,9 @@ impl<T: DecodeTarget> SpecDecoder<T> {
     }
 
     /// Runs the prompt through the target in chunks (and into the drafter's context); the
-    /// target's next token after it (at the device's next tokens, row 0).
+    /// target's next token after it (at the device's next tokens, row 0). Its logits are read
+    /// back once per prompt, to refuse NaN or Inf (non-finite weights) as the reference does,
+    /// before a greedy argmax of them decodes garbage as full acceptance.
     fn prefill(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<u32> {
         let chunk = self.target.launch_tokens();
         for (i, part) in prompt.chunks(chunk).enumerate() {
@@ -295,6 +297,9 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             if let Some(d) = &self.drafter {
                 d.append_context(self.target.features_addr(), past, part.len())?;
             }
+        }
+        if let Sampling::Greedy = sampling {
+            self.target.logits_to_host(1)?;
         }
         Ok(self.choose(sampling, 1, prompt.len())?[0])
     }
