@@ -58,7 +58,7 @@ fn options(dir: &Path) -> DataOptions {
 #[case::unknown_format("tokenizer-qwen", br#"{"prompt": "x", "completion": "y"}"#.to_vec(), SkipReason::UnknownFormat, &["messages"])]
 #[case::no_anchor_candidate("tokenizer-qwen", br#"{"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 0]}"#.to_vec(), SkipReason::NoAnchorCandidate, &["2 consecutive supervised"])]
 #[case::prompt_not_a_prefix("tokenizer-qwen", br#"{"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "Part one."}, {"role": "assistant", "content": "Part two."}]}"#.to_vec(), SkipReason::PromptNotPrefix, &["assistant turn 1", "generation prompt"])]
-#[case::unclosed_thinking("tokenizer-qwen", br#"{"messages": [{"role": "user", "content": "Prove it"}, {"role": "assistant", "content": "<think>\nLet me see, first"}]}"#.to_vec(), SkipReason::UnclosedThinking, &["messages[1].content"])]
+#[case::unclosed_thinking("tokenizer-qwen", br#"{"messages": [{"role": "user", "content": "Prove it"}, {"role": "assistant", "content": "<think>\nLet me see, first"}]}"#.to_vec(), SkipReason::UnclosedThinking, &["message 1's content"])]
 #[case::image_part("tokenizer-qwen", br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}, {"role": "assistant", "content": "A cat."}]}"#.to_vec(), SkipReason::MalformedLine, &["messages[0].content[1]", "image_url"])]
 #[case::tools_string_not_json("tokenizer-qwen", br#"{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "tools": "[{oops"}"#.to_vec(), SkipReason::MalformedLine, &["tools", "not JSON"])]
 #[case::longer_than_the_limit("tokenizer-qwen", long_line(), SkipReason::MalformedLine, &["bytes, over the 16 MiB limit"])]

@@ -228,7 +228,7 @@ fn piecewise_encoding_is_off_for_a_first_piece_pre_tokenizer() {
 /// The other spellings of a conversation users bring give the documents of its `messages` form,
 /// token for token: SpecForge's `conversations` of `role`/`content`, ShareGPT's other assistant
 /// names, contents as lists of text parts (joined with newlines, as vLLM and SGLang serve them),
-/// and `tools` as a JSON string.
+/// and `tools` as a JSON string (an empty one: no tools).
 #[test]
 fn other_spellings_of_a_conversation_give_its_documents() {
     let qwen = TargetTokenizer::load(&data_dir().join("tokenizer-qwen")).expect("qwen tokenizer");
@@ -252,6 +252,10 @@ fn other_spellings_of_a_conversation_give_its_documents() {
                 r#"{{"messages": [{{"role": "user", "content": "Weather?"}}, {{"role": "assistant", "content": "Sunny."}}], "tools": {}}}"#,
                 serde_json::to_string(&format!("[{tool}]")).unwrap()
             ),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}]}"#.to_string(),
+            r#"{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}], "tools": " "}"#.to_string(),
         ),
     ];
     let opts = RenderOptions { thinking: false, system_prompt: None };

@@ -204,6 +204,22 @@ fn non_finite_logits_are_errors() {
     for e in errors {
         assert!(e.to_string().contains(dflash_reference::speculative::NON_FINITE_LOGITS), "{e}");
     }
+    // A finite target with a drafter whose final norm is NaN: its proposals are refused too.
+    decoder.target.load_weights(|name, _| pair.target.weight(name)).expect("target weights");
+    let drafter = decoder.drafter.as_mut().expect("built with a drafter");
+    drafter
+        .load_weights(|name, _| match name {
+            "norm.weight" => Ok(pair.drafter.param(name).affine(0.0, f64::NAN)?),
+            _ => Ok(pair.drafter.param(name).clone()),
+        })
+        .expect("drafter weights");
+    assert!(decoder.greedy_decode(&[1, 2, 3], 4).is_ok(), "the target alone decodes");
+    for e in [
+        decoder.speculative_decode(&[1, 2, 3], 4).expect_err("NaN drafts decoded"),
+        decoder.speculative_decode_traced(&[1, 2, 3], 4, &sampled).expect_err("NaN drafts decoded"),
+    ] {
+        assert!(e.to_string().contains(dflash_reference::speculative::NON_FINITE_LOGITS), "{e}");
+    }
 }
 
 /// Proves that a drafter made for another target is refused when the decoder is built, naming

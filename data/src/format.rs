@@ -154,10 +154,11 @@ fn parse_line(line: &str, mask_required: bool) -> Result<Record, Skip> {
 }
 
 /// The optional `tools` list; a JSON string holding the list (as function-calling sets store it)
-/// is parsed.
+/// is parsed, and an empty one is no tools.
 fn tools(record: &Value) -> Result<Option<Value>, Skip> {
     let Some(tools) = field(record, "tools").filter(|t| !t.is_none()) else { return Ok(None) };
     let tools = match tools.as_str() {
+        Some(text) if text.trim().is_empty() => return Ok(None),
         Some(text) => {
             parse_json(text).map_err(|e| malformed(format!("field `tools`: a string that is not JSON: {e}")))?
         }

@@ -111,7 +111,7 @@ fn chat_documents(
                     == Some(true)
         };
         if let Some(i) = messages.iter().position(unclosed) {
-            return Err(Skip::new(SkipReason::UnclosedThinking, format!("field `messages[{i}].content`")));
+            return Err(Skip::new(SkipReason::UnclosedThinking, format!("message {i}'s content")));
         }
     }
     let given = messages.len();

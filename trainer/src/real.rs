@@ -245,11 +245,20 @@ impl RealSetup {
                 prompts.push(doc.tokens[..first].to_vec());
             }
         }
+        if prompts.is_empty() && self.dataset.held_out.is_empty() {
+            return Err(Error::option(
+                "tau_prompts",
+                format!(
+                    "{n}, but no document is held out (`--held-out 0`, or a fraction that drew none of these {} conversations: each is held out by its own hash, so a small set may get none; a larger fraction, another --seed or a held-out file): `--tau-prompts 0` trains without the real tau",
+                    self.dataset.stats().conversations
+                ),
+            ));
+        }
         if prompts.is_empty() {
             return Err(Error::option(
                 "tau_prompts",
                 format!(
-                    "{n}, but none of the {} held-out documents has a prompt before its first supervised token (conversations do; `text` and fully supervised rows do not, and `--held-out 0` holds none out): `--tau-prompts 0` trains without the real tau",
+                    "{n}, but none of the {} held-out documents has a prompt before its first supervised token (conversations do; `text` and fully supervised rows do not): `--tau-prompts 0` trains without the real tau",
                     self.dataset.held_out.len()
                 ),
             ));

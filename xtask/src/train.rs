@@ -636,8 +636,9 @@ fn real_run(
     let (train_rows, held_rows) = setup.rows(&config, features).map_err(err)?;
     let config = config.resolved(d.block_size, train_rows.len());
     check_resume(&config, &resume, &mut resume_notes)?;
-    // The checkpoint against these rows, before the target is loaded or evaluated.
-    if let Some((found, _)) = &resume {
+    // The checkpoint against these rows, before the target is loaded or evaluated (not for
+    // `--plan`, whose rows name no reference target's features).
+    if let (Some((found, _)), false) = (&resume, plan) {
         check_resumable(found, &train_rows, &config).map_err(err)?;
     }
     let prompts = match config.tau_prompts {

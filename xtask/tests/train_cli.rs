@@ -894,7 +894,7 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--rows-per-step", "1000000000000"], &["rows_per_step", "at most 65536 rows per update"]);
     fails(&["--grad-accum", "1000", "--rows-per-step", "1000"], &["rows_per_step", "grad_accum 1000"]);
     fails(&["--steps", "9000000000000000000"], &["steps", "at most 1099511627776"]);
-    fails(&["--tau-prompts", "4", "--held-out", "0"], &["tau_prompts", "none of the 0 held-out documents"]);
+    fails(&["--tau-prompts", "4", "--held-out", "0"], &["tau_prompts", "no document is held out"]);
     fails(&["--tau-prompts", "1", "--tau-tokens", "5000"], &["tau_tokens", "beyond the target's 4096 positions"]);
     // An argument that is not UTF-8 text (a path in another encoding) is named, not a panic.
     use std::os::unix::ffi::OsStrExt;

@@ -214,4 +214,11 @@ impl<B: Backend> DrafterDecode<B> {
         self.dev.linear(xn, z.b - 1, z.h, self.head, z.v, self.at(lay.logits), 0.0)?;
         ops.argmax_rows(self.at(lay.logits), z.b - 1, z.v, out)
     }
+
+    /// The last draft's first `rows` logit rows on the host, as f64 `[rows][V]` (refused when
+    /// one is NaN or Inf).
+    pub fn logits_to_host(&self, rows: usize) -> Result<Vec<Vec<f64>>> {
+        let z = self.layout.dims;
+        super::logits_to_host(&self.dev, self.at(self.layout.logits), (rows, z.b - 1), z.v)
+    }
 }

@@ -434,6 +434,11 @@ impl<T: DecodeTarget> SpecDecoder<T> {
                 drafter.append_context(self.target.features_addr(), past, rows)?;
             }
             drafter.draft(&draft_plans, bonus_at, verify + 4)?;
+            if proposals.is_empty() {
+                // Once per prompt, as the prefill's: a drafter with non-finite weights is refused
+                // (as the reference refuses it), not decoded as proposals of token 0.
+                drafter.logits_to_host(1)?;
+            }
             self.target.backend().copy(verify, bonus_at, 4)?;
             self.target.verify(&verify_plans, b)?;
             let dev = self.target.backend();
