@@ -74,8 +74,8 @@ builds from the same mask_mod (the self-test checks both against the spec's pred
 
 Prints one JSON object on stdout and nothing else (all other output goes to stderr):
     {"torch": version, "gpu": name or "cpu",
-     "results": [{"form", "policy", "step_ms", "peak_bytes", "resident_bytes", "loss",
-                  "errors": [str]}]}
+     "results": [{"form", "policy", "step_ms", "peak_bytes", "embed_bytes" (the frozen embedding
+                  table's share of peak_bytes), "resident_bytes", "loss", "errors": [str]}]}
 A measurement that fails is null, with its error and a short traceback tail in "errors"; a loss
 that is not finite is null with an error. The exit status is 0 when the JSON was written, 2 on
 bad input (the message names the field) or when "device" is "cuda" and torch sees no CUDA device.
@@ -592,6 +592,7 @@ def run_config(torch, env, spec, form, policy):
         "policy": policy,
         "step_ms": None,
         "peak_bytes": None,
+        "embed_bytes": None,
         "resident_bytes": None,
         "loss": None,
         "errors": [],
@@ -620,6 +621,7 @@ def run_config(torch, env, spec, form, policy):
         if cuda:
             torch.cuda.synchronize()
             result["peak_bytes"] = torch.cuda.max_memory_allocated()
+            result["embed_bytes"] = state["embed"].numel() * state["embed"].element_size()
         loss = float(loss)
         if math.isfinite(loss):
             result["loss"] = loss

@@ -18,7 +18,7 @@ One training step, online (no feature cache):
      weights (shared, not copied);
   4. the optimizer as the Rust trainer runs it (the spec's recipe: bf16 compute, fp32 master
      weights): each bf16 gradient cast to an fp32 master's .grad, the global norm clipped to 1
-     (clip_grad_norm_, foreach), torch.optim.AdamW(fp32 masters, lr=6e-4, fused=True).step(),
+     (clip_grad_norm_, foreach), torch.optim.AdamW(fp32 masters, lr=6e-4, weight_decay 0 as the recipe, fused=True).step(),
      the masters copied back into the bf16 weights (torch._foreach_copy_), then zero_grad() on
      both (the gradients are set to None).
 The anchors, the BlockMasks, the RoPE tables and the loss weights depend only on the spec and are
@@ -187,9 +187,9 @@ def make_trainer(torch, target_torch, spec, model, env, errors):
     # fp32 master weights: AdamW (and its fp32 moments) update these; the bf16 weights are copies.
     masters = [torch.nn.Parameter(p.detach().float()) for p in params]
     if cuda:
-        opt = torch.optim.AdamW(masters, lr=LR, fused=True)
+        opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0, fused=True)
     else:
-        opt = torch.optim.AdamW(masters, lr=LR)
+        opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0)
 
     forms = [spec["form"]] + (["flex"] if spec["form"] == "compiled" else [])
     policy = spec["policy"]

@@ -170,9 +170,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
     let hf = match with_torch {
         true => {
-            let spec =
-                json!({"model_dir": dir, "prompt": prompt, "max_new_tokens": new_tokens, "warmup": warmup, "iters": 1});
-            Some(run_python_json(&python, &script, &spec)?)
+            // The same warm-up and median of `iters` as ours.
+            let spec = json!({"model_dir": dir, "prompt": prompt, "max_new_tokens": new_tokens, "warmup": warmup, "iters": iters});
+            let hf = run_python_json(&python, &script, &spec)?;
+            if hf["new_tokens"].as_u64() != Some(new_tokens as u64) {
+                return Err(format!("transformers' generate wrote {} tokens, not {new_tokens}", hf["new_tokens"]));
+            }
+            Some(hf)
         }
         false => None,
     };
@@ -224,7 +228,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "transformers generate (same checkpoint and prompt)",
         f(&result["hf_decode_tokens_per_s"])
     );
-    println!("{:<58} {:>10.1}", "weight-bandwidth ceiling (16.4 GB per token at 4 TB/s)", ceiling);
+    let label = format!("weight-bandwidth ceiling ({:.1} GB per token at 4 TB/s)", weight_bytes / 1e9);
+    println!("{label:<58} {ceiling:>10.1}");
     if let Some((ms, out)) = &random_spec {
         println!(
             "{:<58} {:>10.1}  (tau {:.2})",
