@@ -39,10 +39,11 @@ reason in "errors".
 Measurement: the first step (its drafter part is step_torch.settle's trial, where compilation
 happens) is followed by zero_grad without an optimizer step; then `warmup` full steps (1-4), then
 torch.cuda.reset_peak_memory_stats() and `iters` full steps with three CUDA events each (before
-the row is drawn, after its features exist, after zero_grad) and no synchronisation between the
-steps. ms_per_step = time from the first step's first event to the last step's last event / iters;
-target_ms and step_ms = mean of each step's two spans (tokens + target forward + features; set_row
-+ drafter forward and backward + AdamW + zero_grad). peak_gb = torch.cuda.max_memory_allocated()
+the row is drawn, after its features exist, after zero_grad), each step followed by a
+synchronisation (as the Rust trainer's steps end: it reads the loss). ms_per_step = the median
+over the steps of each step's first to last event, as `xtask bench train` times its own steps;
+target_ms and step_ms = the medians of each step's two spans (tokens + target forward +
+features; set_row + drafter forward and backward + AdamW + zero_grad). peak_gb = torch.cuda.max_memory_allocated()
 over the timed steps / 1e9 (target weights, drafter, AdamW state, activations and gradients). On
 the CPU (smoke tests) nothing is compiled, times come from time.perf_counter and peak_gb is null.
 
@@ -66,6 +67,7 @@ prints a report and exits 1 on a failure.
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -290,11 +292,13 @@ def run_train(torch, target_torch, spec, model, env):
             wall = time.perf_counter()
             for ev in events:
                 keep(full_step([e.record for e in ev]))
-            torch.cuda.synchronize()
+                # Each step ends in a synchronisation, as the Rust trainer's steps do (it reads
+                # the loss): steps are not queued behind each other.
+                torch.cuda.synchronize()
             wall = (time.perf_counter() - wall) * 1e3 / iters
-            total = events[0][0].elapsed_time(events[-1][2]) / iters
-            target = sum(ev[0].elapsed_time(ev[1]) for ev in events) / iters
-            drafter = sum(ev[1].elapsed_time(ev[2]) for ev in events) / iters
+            total = statistics.median(ev[0].elapsed_time(ev[2]) for ev in events)
+            target = statistics.median(ev[0].elapsed_time(ev[1]) for ev in events)
+            drafter = statistics.median(ev[1].elapsed_time(ev[2]) for ev in events)
             result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             log(f"host wall clock {wall:.2f} ms per step")
         else:
