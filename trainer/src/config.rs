@@ -937,12 +937,19 @@ pub fn known_flags() -> Vec<String> {
 
 /// The options' help, one per line: `--name`, meaning, built-in default.
 pub fn options_help() -> String {
-    let defaults = RunConfig::builtin().to_table().unwrap_or_default();
+    let (builtin, recipe) =
+        (RunConfig::builtin().to_table().unwrap_or_default(), RunConfig::default().to_table().unwrap_or_default());
     FIELDS
         .iter()
         .map(|&(name, _, help)| {
             let flag = format!("--{}", name.replace('_', "-"));
-            let default = defaults.get(name).map(|v| format!(" (default {v})")).unwrap_or_default();
+            let default = match (builtin.get(name), recipe.get(name)) {
+                (Some(b), Some(r)) if b != r => format!(" (default {b}; real runs {r})"),
+                (Some(b), None) => format!(" (default {b}; real runs none)"),
+                (None, Some(r)) => format!(" (real runs {r})"),
+                (Some(b), _) => format!(" (default {b})"),
+                (None, None) => String::new(),
+            };
             format!("  {flag:<26} {help}{default}")
         })
         .collect::<Vec<_>>()

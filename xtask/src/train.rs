@@ -93,7 +93,7 @@ finished real run (or one with no complete checkpoint) unless --overwrite; the b
 replaces its own finished runs and such remains, never a finished real run. The input paths (target, data, features, data cache, a held-out file) are saved
 absolute, so a run resumes from any folder.
 
-options (built-in defaults; real runs start from the recipe):";
+options (the built-in default's values, and the recipe's where a real run starts elsewhere):";
 
 /// The MFU `--plan` estimates a GPU run's time with (the planned step measured 57% on the H200).
 const PLANNED_MFU: f64 = 0.5;
