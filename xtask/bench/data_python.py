@@ -20,10 +20,11 @@ TOK = None
 ARGS = None
 
 
-def init(target, args):
+def init(target, args, ready):
     global TOK, ARGS
     TOK = PreTrainedTokenizerFast.from_pretrained(target)
     ARGS = args
+    ready.wait()  # every worker has its tokenizer before the clock starts, as ours loads first
 
 
 def documents(line):
@@ -72,8 +73,10 @@ def main():
     p.add_argument("--thinking", action="store_true")
     a = p.parse_args()
     args = {"max_len": a.max_len, "thinking": a.thinking}
-    start = time.perf_counter()
-    with open(a.data, encoding="utf-8") as f, multiprocessing.Pool(a.workers, init, (a.target, args)) as pool:
+    ready = multiprocessing.Barrier(a.workers + 1)
+    with open(a.data, encoding="utf-8") as f, multiprocessing.Pool(a.workers, init, (a.target, args, ready)) as pool:
+        ready.wait()
+        start = time.perf_counter()
         convs = docs = tokens = supervised = rows = 0
         row_len = 0
         for kept in pool.imap(documents, f, chunksize=16):
