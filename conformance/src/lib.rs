@@ -17,7 +17,12 @@ pub mod twin_tensors;
 
 use std::path::PathBuf;
 
-/// The repository's `fixtures/` folder.
+/// The repository's `fixtures/` folder: where this crate was built, else `fixtures/` of the
+/// working directory (a bundled binary run from a checkout elsewhere, as on the GPU machine).
 pub fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    match built.is_dir() {
+        true => built,
+        false => PathBuf::from("fixtures"),
+    }
 }

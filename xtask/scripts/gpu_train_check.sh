@@ -16,13 +16,18 @@
 #     exactly lossless, the GPU up to bf16 near-ties;
 #   - hybrid: `xtask features --device gpu` caches the target's features and a 3-step run from the
 #     cache has the online run's losses within the bf16 step bound.
+# The logs, metrics and eval JSONs end up packed in OUT_DIR/logs.tgz (one file, also on a failure:
+# a device call brings back 8 files at most); the summary is printed.
 # usage: xtask/scripts/gpu_train_check.sh BUNDLE_DIR OUT_DIR [dense|hybrid]
 set -euo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 bundle=$1
 out=$2
 kind=${3:-dense}
 work=$(mktemp -d)
 mkdir -p "$out"
+pack() { (cd "$out" && tar czf "$work/logs.tgz" . && find . -mindepth 1 -delete && mv "$work/logs.tgz" .); }
+trap pack EXIT
 
 case "$kind" in
 dense)
