@@ -33,8 +33,9 @@ transformers' generate (bf16, sdpa, do_sample=False) in the same run; then specu
 on the same checkpoint with a random drafter of the Qwen3-8B drafter's shape (5 layers, block 16;
 tau near 1: it measures a verify step's cost against a plain step's), and with the GPU built-in
 target and its trained drafter (fixtures/drafter-gpu-builtin: tau well above 1) against plain
-decoding of that target. Median of CUDA-event timings after warm-up. Writes one JSON object and
-prints a table last.
+decoding of that target. Median of CUDA-event timings after warm-up. Writes one JSON object
+(first without transformers' figures, so a failing or killed baseline keeps ours) and prints a
+table last.
 
 options:
   --target DIR        the checkpoint (made there when it has no config.json)
@@ -168,6 +169,49 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         })?;
     }
 
+    let rate = |ms: f64| new_tokens as f64 / (ms * 1e-3);
+    // Batch-1 decoding reads every weight once per token: the bandwidth ceiling of plain decoding.
+    let weight_bytes = 2.0 * decoded_params(&config);
+    let ceiling = H200_BYTES_PER_S / weight_bytes;
+    let ours_rate = rate(plain_ms);
+    let builtin_tau = builtin_out.tau();
+    let builtin_speedup = builtin_plain_ms / builtin_spec_ms;
+    // The results with transformers' (none yet: ours are written before it runs, so a failing or
+    // killed baseline keeps them).
+    let result_with = |hf: Option<&Value>| {
+        let hf_ms = hf.and_then(|v| v["ms"].as_f64());
+        let agree = hf
+            .and_then(|v| v["tokens"].as_array())
+            .map(|t| t.iter().zip(&ours_tokens).take_while(|(a, b)| a.as_u64() == Some(**b as u64)).count());
+        json!({
+            "ours_decode_tokens_per_s": ours_rate,
+            "hf_decode_tokens_per_s": hf_ms.map(rate),
+            "decode_vs_hf": hf_ms.map(|h| h / plain_ms),
+            "decode_ceiling_tokens_per_s": ceiling,
+            "decode_fraction_of_ceiling": ours_rate / ceiling,
+            "ours_spec_tokens_per_s": rate(builtin_spec_ms),
+            "tau": builtin_tau,
+            "speedup": builtin_speedup,
+            "speedup_over_tau": builtin_speedup / builtin_tau,
+            "spec_pair": "GPU built-in target (hidden 128, 8 layers) and its trained drafter (block 8)",
+            "builtin_plain_tokens_per_s": rate(builtin_plain_ms),
+            "random_drafter_8b": random_spec.as_ref().map(|(ms, out)| json!({
+                "spec_tokens_per_s": rate(*ms), "tau": out.tau(), "spec_over_plain": plain_ms / ms,
+                "verify_steps": out.accept_lengths.len(),
+            })),
+            "tokens_agreeing_with_hf": agree,
+            "prompt_tokens": prompt_len,
+            "new_tokens": new_tokens,
+            "target": "Qwen3-8B shape, random weights (transformers init), bf16",
+            "baseline": hf.map(|v| format!("transformers {} generate, torch {}, bf16, sdpa", v["transformers"], v["torch"])),
+            "warmup": warmup,
+            "iters": iters,
+            "date": utc_now(),
+            "gpu": gpu.name(),
+            "commit": commit,
+        })
+    };
+    write_json(&out, &result_with(None))?;
     let hf = match with_torch {
         true => {
             // The same warm-up and median of `iters` as ours.
@@ -180,45 +224,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         }
         false => None,
     };
-    let rate = |ms: f64| new_tokens as f64 / (ms * 1e-3);
-    let hf_ms = hf.as_ref().and_then(|v| v["ms"].as_f64());
-    let agree = hf
-        .as_ref()
-        .and_then(|v| v["tokens"].as_array())
-        .map(|t| t.iter().zip(&ours_tokens).take_while(|(a, b)| a.as_u64() == Some(**b as u64)).count());
-    // Batch-1 decoding reads every weight once per token: the bandwidth ceiling of plain decoding.
-    let weight_bytes = 2.0 * decoded_params(&config);
-    let ceiling = H200_BYTES_PER_S / weight_bytes;
-    let ours_rate = rate(plain_ms);
-    let builtin_tau = builtin_out.tau();
-    let builtin_speedup = builtin_plain_ms / builtin_spec_ms;
-    let result = json!({
-        "ours_decode_tokens_per_s": ours_rate,
-        "hf_decode_tokens_per_s": hf_ms.map(rate),
-        "decode_vs_hf": hf_ms.map(|h| h / plain_ms),
-        "decode_ceiling_tokens_per_s": ceiling,
-        "decode_fraction_of_ceiling": ours_rate / ceiling,
-        "ours_spec_tokens_per_s": rate(builtin_spec_ms),
-        "tau": builtin_tau,
-        "speedup": builtin_speedup,
-        "speedup_over_tau": builtin_speedup / builtin_tau,
-        "spec_pair": "GPU built-in target (hidden 128, 8 layers) and its trained drafter (block 8)",
-        "builtin_plain_tokens_per_s": rate(builtin_plain_ms),
-        "random_drafter_8b": random_spec.as_ref().map(|(ms, out)| json!({
-            "spec_tokens_per_s": rate(*ms), "tau": out.tau(), "spec_over_plain": plain_ms / ms,
-            "verify_steps": out.accept_lengths.len(),
-        })),
-        "tokens_agreeing_with_hf": agree,
-        "prompt_tokens": prompt_len,
-        "new_tokens": new_tokens,
-        "target": "Qwen3-8B shape, random weights (transformers init), bf16",
-        "baseline": hf.as_ref().map(|v| format!("transformers {} generate, torch {}, bf16, sdpa", v["transformers"], v["torch"])),
-        "warmup": warmup,
-        "iters": iters,
-        "date": utc_now(),
-        "gpu": gpu.name(),
-        "commit": commit,
-    });
+    let result = result_with(hf.as_ref());
     write_json(&out, &result)?;
     let f = |v: &Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.1}"));
     println!("{:<58} {:>10}", "batch-1 decode, Qwen3-8B shape", "tokens/s");
@@ -244,7 +250,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "built-in pair: speculative",
         rate(builtin_spec_ms)
     );
-    if let Some(a) = agree {
+    if let Some(a) = result["tokens_agreeing_with_hf"].as_u64() {
         println!("greedy tokens agreeing with transformers' before the first difference: {a} of {new_tokens}");
     }
     println!("wrote {}", out.display());
