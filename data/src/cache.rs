@@ -1,8 +1,9 @@
 //! The tokenized form of a data set, cached in one file so that later epochs and resumed runs
 //! never tokenize again. Layout: magic, the 32-byte key, each document's tokens (`u32` LE) and
 //! loss mask (bits), the index (per document: offset `u64`, length `u32`, file `u32`, the
-//! content hash of its conversation's line `u64`), the stats (JSON), and a footer (index offset, document count, stats offset and length as `u64`,
-//! the sha256 of every byte between the key and the footer, magic). Written to a temporary name,
+//! content hash of its conversation's line `u64`), the stats (JSON), and a footer (index offset,
+//! document count, stats offset and length as `u64`, the sha256 of every byte between the key
+//! and the footer, magic). Written to a temporary name,
 //! synced, then renamed; opened only when its key (the tokenizer, template, options and data
 //! files) matches, else rebuilt, and only when its bytes match their sha256 (else an error).
 

@@ -176,14 +176,15 @@ fn flatten_content(content: &Value, what: &str) -> Result<Value, Skip> {
     let texts = parts
         .iter()
         .enumerate()
-        .map(|(j, part)| match (field(part, "type").and_then(|t| t.as_str().map(str::to_owned)), field(part, "text")) {
-            (Some(kind), Some(text)) if kind == "text" && text.as_str().is_some() => {
-                Ok(text.as_str().unwrap_or_default().to_owned())
+        .map(|(j, part)| {
+            let (kind, text) = (field(part, "type"), field(part, "text"));
+            match (kind.as_ref().and_then(Value::as_str), text.as_ref().and_then(Value::as_str)) {
+                (Some("text"), Some(text)) => Ok(text.to_owned()),
+                (kind, _) => Err(malformed(format!(
+                    "field `{what}[{j}]`: a part of type `{}`; only text parts (type `text`, a string `text`) are trained on",
+                    kind.unwrap_or("?")
+                ))),
             }
-            (kind, _) => Err(malformed(format!(
-                "field `{what}[{j}]`: a part of type `{}`; only text parts (type `text`, a string `text`) are trained on",
-                kind.unwrap_or_else(|| "?".into())
-            ))),
         })
         .collect::<Result<Vec<String>, Skip>>()?;
     Ok(Value::from(texts.join("\n")))

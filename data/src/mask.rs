@@ -104,11 +104,12 @@ fn chat_documents(
         .ok_or_else(|| template_error("the target folder has no chat template for a conversation".into()))?;
     if !opts.thinking {
         let unclosed = |m: &Value| {
+            let content = m.get_attr("content").ok();
             role(m) == Some("assistant")
-                && m.get_attr("content")
-                    .ok()
-                    .and_then(|c| c.as_str().map(|c| c.contains("<think>") && !c.contains("</think>")))
-                    == Some(true)
+                && content
+                    .as_ref()
+                    .and_then(Value::as_str)
+                    .is_some_and(|c| c.contains("<think>") && !c.contains("</think>"))
         };
         if let Some(i) = messages.iter().position(unclosed) {
             return Err(Skip::new(SkipReason::UnclosedThinking, format!("message {i}'s content")));

@@ -177,10 +177,13 @@ impl Dataset {
             ));
         }
         if train.is_empty() {
-            return Err(Error::NoRows(format!(
-                "every document is held out ({} conversations, each held out with probability `held_out`): more data, a smaller fraction, or a held-out file",
-                cache.stats.conversations
-            )));
+            return Err(Error::NoRows(match &opts.held_out {
+                HeldOut::Fraction(_) => format!(
+                    "every document is held out ({} conversations, each held out with probability `held_out`): more data, a smaller fraction, or a held-out file",
+                    cache.stats.conversations
+                ),
+                HeldOut::Files(_) => "the data files hold no document; only the held-out files do".into(),
+            }));
         }
         let packing = if opts.packing {
             Packing::Packed { seq_len: opts.max_len, pad_id: target.pad_id }

@@ -15,8 +15,9 @@ use crate::args::Options;
 const HELP: &str = "usage: cargo xtask plan [options]
 
 Prints the itemised predicted memory of one bf16 training step (fp32 master weights and AdamW
-state; one row per update, so no fp32 gradient accumulator) for each checkpointing policy, whether it fits the device, and the peaks of the
-known failure modes (unfused attention backward; chunked attention without checkpointing).
+state; one row per update, so no fp32 gradient accumulator) for each checkpointing policy,
+whether it fits the device, and the peaks of the known failure modes (unfused attention
+backward; chunked attention without checkpointing).
 
 With --target DIR (an HF target folder), plans that target's forward (its weights up to the last
 tapped layer, the shared embedding table and LM head, one launch of S tokens) next to the step of
