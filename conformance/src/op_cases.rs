@@ -226,38 +226,44 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         });
     }
 
-    // AdamW: two updates from zero moments, with clipping.
-    let pn = rng.random_range(1..=50_000);
-    let p0: Vec<f64> = draw_bf16(pn, 0.0, 1.0, &mut rng);
-    let b = AdamWBuffers {
-        p: buf.put(a, &p0)?,
-        g: 0,
-        m: buf.zeros(a, pn)?,
-        v: buf.zeros(a, pn)?,
-        p_stored: buf.zeros(s, pn)?,
-    };
-    for step in 1..=2 {
-        let g = buf.put(a, &draw_bf16(pn, 0.0, 1.0, &mut rng))?;
-        let args = AdamWArgs {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            bc1: 1.0 - 0.9f64.powi(step),
-            bc2: 1.0 - 0.999f64.powi(step),
-            grad_scale: 0.5,
+    // AdamW: two updates from zero moments, with clipping, from gradients in the arithmetic type
+    // (accumulated) and in the stored type (a step's own: `adamw_update_bf16_grad` on the GPU).
+    for g_is_stored in [false, true] {
+        let pn = rng.random_range(1..=50_000);
+        let p0: Vec<f64> = draw_bf16(pn, 0.0, 1.0, &mut rng);
+        let b = AdamWBuffers {
+            p: buf.put(a, &p0)?,
+            g: 0,
+            g_is_stored,
+            m: buf.zeros(a, pn)?,
+            v: buf.zeros(a, pn)?,
+            p_stored: buf.zeros(s, pn)?,
         };
-        ops.adamw_update(AdamWBuffers { g, ..b }, pn, args)?;
+        for step in 1..=2 {
+            let grads = draw_bf16(pn, 0.0, 1.0, &mut rng);
+            let g = buf.put(if g_is_stored { s } else { a }, &grads)?;
+            let args = AdamWArgs {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                bc1: 1.0 - 0.9f64.powi(step),
+                bc2: 1.0 - 0.999f64.powi(step),
+                grad_scale: 0.5,
+            };
+            ops.adamw_update(AdamWBuffers { g, ..b }, pn, args)?;
+        }
+        let p = buf.get(a, b.p, pn)?;
+        let name = if g_is_stored { "adamw_update (stored gradients)" } else { "adamw_update" };
+        out.push(OpOutputs {
+            op: format!("{name} x2 [{pn}]"),
+            outputs: vec![
+                ("update", p.iter().zip(&p0).map(|(x, y)| x - y).collect(), ADAMW_F32),
+                ("p_stored", buf.get(s, b.p_stored, pn)?, GPU_KERNEL_BF16),
+            ],
+        });
     }
-    let p = buf.get(a, b.p, pn)?;
-    out.push(OpOutputs {
-        op: format!("adamw_update x2 [{pn}]"),
-        outputs: vec![
-            ("update", p.iter().zip(&p0).map(|(x, y)| x - y).collect(), ADAMW_F32),
-            ("p_stored", buf.get(s, b.p_stored, pn)?, GPU_KERNEL_BF16),
-        ],
-    });
 
     // Random fill, row gather/scatter, sums of squares, accumulation.
     let n = rng.random_range(1..=100_000);

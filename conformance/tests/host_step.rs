@@ -309,19 +309,17 @@ fn recorded_predictions_in_f32_are_the_reference_argmax_and_change_nothing() {
     check_predictions::<f32>(candle_core::DType::F32, dflash_conformance::tolerance::STEP_F32);
 }
 
-/// One row per update without an accumulator: `DeviceAdamW` converts the step's own gradients a
-/// chunk at a time (here chunks of 1000 values, which do not divide the parameters, so every
-/// chunk boundary and the short last chunk are crossed) and applies them: two updates give
-/// bitwise the master weights, moments, stored weights and norms of the accumulated path,
-/// storing bf16 (the GPU's storage) and f32.
+/// One row per update without an accumulator: `DeviceAdamW` reads the step's own stored
+/// gradients: two updates give bitwise the master weights, moments, stored weights and norms of
+/// the accumulated path, storing bf16 (the GPU's storage) and f32.
 #[test]
-fn device_adamw_chunked_updates_are_bitwise_the_accumulated_ones() {
+fn device_adamw_stored_updates_are_bitwise_the_accumulated_ones() {
     let _serial = one_at_a_time();
-    chunked_is_accumulated::<half::bf16>();
-    chunked_is_accumulated::<f32>();
+    stored_is_accumulated::<half::bf16>();
+    stored_is_accumulated::<f32>();
 }
 
-fn chunked_is_accumulated<E: Elem>() {
+fn stored_is_accumulated<E: Elem>() {
     use candle_core::DType;
     use dflash_conformance::setups::gpu_draft_case;
     use dflash_optimized::backend::{download, Backend};
@@ -333,8 +331,7 @@ fn chunked_is_accumulated<E: Elem>() {
     let case = gpu_draft_case(5, DType::F32).expect("case");
     let run = |accumulate: bool| {
         let params = param_slots(&case.drafter.config).iter().map(|s| s.len).sum();
-        assert!(params > 3000, "the chunks must cross boundaries: {params} parameters");
-        let optimizer = OptimizerShape { update_chunk: 1000, ..OptimizerShape::whole(params, accumulate) };
+        let optimizer = OptimizerShape::whole(params, accumulate);
         let (mut step, targets) = loaded_step::<E>(&case, Some(optimizer));
         let mut adam = DeviceAdamW::new(&step, AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() })
             .expect("optimizer");
@@ -355,12 +352,12 @@ fn chunked_is_accumulated<E: Elem>() {
         step.backend().synchronize().expect("sync");
         (norms, acc(opt.master), acc(opt.adam_m), acc(opt.adam_v), stored)
     };
-    let (chunked, accumulated) = (run(false), run(true));
+    let (own, accumulated) = (run(false), run(true));
     let what = std::any::type_name::<E>();
-    assert_eq!(chunked.0, accumulated.0, "{what}: norms");
-    assert!(chunked.1 == accumulated.1, "{what}: master weights");
-    assert!(chunked.2 == accumulated.2 && chunked.3 == accumulated.3, "{what}: moments");
-    assert!(chunked.4 == accumulated.4, "{what}: stored weights");
+    assert_eq!(own.0, accumulated.0, "{what}: norms");
+    assert!(own.1 == accumulated.1, "{what}: master weights");
+    assert!(own.2 == accumulated.2 && own.3 == accumulated.3, "{what}: moments");
+    assert!(own.4 == accumulated.4, "{what}: stored weights");
 }
 
 /// The gradient buckets (`grad_buckets`) cover every parameter once, from the last to the first

@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use dflash_optimized::backend::{download, Allocation, Backend};
 use dflash_optimized::flops::step_model_flops;
 use dflash_optimized::memory::step::{
-    fastest_fitting, optimizer_shard, Checkpointing, OptimizerShape, StepLayout, StepShape, UPDATE_CHUNK,
+    fastest_fitting, optimizer_shard, Checkpointing, OptimizerShape, StepLayout, StepShape,
 };
 use dflash_optimized::model::drafter_step::{grad_buckets, DrafterStep};
 use dflash_optimized::model::TargetFeatures;
@@ -622,7 +622,7 @@ impl<B: Backend> DeviceEngine<B> {
             (Some(all), Some((k, _))) => all[k],
             _ => (0, dflash_optimized::model::drafter_step::param_slots(&self.config).iter().map(|s| s.len).sum()),
         };
-        let optimizer = Some(OptimizerShape { shard, accumulate: self.accumulates(), update_chunk: UPDATE_CHUNK });
+        let optimizer = Some(OptimizerShape { shard, accumulate: self.accumulates() });
         let dev = (self.make)()?;
         let own_head = matches!(self.frozen, Frozen::Host(_));
         let widths = (B::Elem::BYTES as u64, <Acc<B> as Real>::BYTES as u64);

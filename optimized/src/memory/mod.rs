@@ -58,7 +58,7 @@ pub enum Lifetime {
     /// For the whole run: weights, one step's gradients, the frozen LM head.
     Model,
     /// For the whole run, only when training: fp32 master weights, AdamW moments, and the
-    /// accumulated gradients (or the update's gradient chunk).
+    /// accumulated gradients when there are several rows or workers to sum.
     Optimizer,
     /// From the forward to the backward: inputs, context, saved activations.
     Saved,

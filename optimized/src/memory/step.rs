@@ -173,16 +173,16 @@ pub struct OptimizerRegions {
     pub shard: (usize, usize),
 }
 
-/// Where AdamW reads the update's gradients in the arithmetic type.
+/// Where AdamW reads the update's gradients.
 #[derive(Clone, Copy, Debug)]
 pub enum UpdateGrads {
-    /// Every parameter's gradient accumulated over rows (and all-reduced whole over workers).
+    /// Every parameter's gradient accumulated over rows (and all-reduced whole over workers), in
+    /// the arithmetic type.
     Accumulated(Region),
-    /// The step's own gradients (one row per update on one worker: nothing to add up), converted
-    /// [`UPDATE_CHUNK`] values at a time into this region as the update goes: bitwise the
-    /// accumulated update (one stored value added to zero is exact), without the accumulator
-    /// (4 bytes per parameter) and with the chunk in L2.
-    Chunked(Region),
+    /// The step's own gradients (one row per update on one worker: nothing to add up), read in
+    /// their stored type where the backward wrote them: bitwise the accumulated update (one stored
+    /// value added to zero is exact), without the accumulator (4 bytes per parameter).
+    Stored,
 }
 
 impl UpdateGrads {
@@ -190,29 +190,25 @@ impl UpdateGrads {
     pub fn accumulator(&self) -> Option<Region> {
         match self {
             UpdateGrads::Accumulated(r) => Some(*r),
-            UpdateGrads::Chunked(_) => None,
+            UpdateGrads::Stored => None,
         }
     }
 }
 
-/// Values of an [`UpdateGrads::Chunked`] chunk (16 MB in fp32: it stays in the H200's 50 MB L2).
-pub const UPDATE_CHUNK: usize = 1 << 22;
-
 /// What the optimizer's regions hold: the masters and moments of parameters `shard.0..shard.1`,
 /// and an fp32 accumulator of every gradient when `accumulate` (several rows per update, or
-/// several workers to sum over); else AdamW reads the step's own gradients through a chunk of
-/// `update_chunk` values ([`UpdateGrads::Chunked`]).
+/// several workers to sum over); else AdamW reads the step's own gradients
+/// ([`UpdateGrads::Stored`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OptimizerShape {
     pub shard: (usize, usize),
     pub accumulate: bool,
-    pub update_chunk: usize,
 }
 
 impl OptimizerShape {
-    /// The whole state of `params` parameters (chunks of [`UPDATE_CHUNK`] without accumulator).
+    /// The whole state of `params` parameters.
     pub fn whole(params: usize, accumulate: bool) -> Self {
-        OptimizerShape { shard: (0, params), accumulate, update_chunk: UPDATE_CHUNK }
+        OptimizerShape { shard: (0, params), accumulate }
     }
 }
 
@@ -403,10 +399,7 @@ impl StepLayout {
             Some(OptimizerShape { shard: (lo, hi), .. }) if lo > hi || hi > z.params => {
                 return Err(crate::Error::invalid("optimizer shard", format!("{lo}..{hi} of {} parameters", z.params)))
             }
-            Some(OptimizerShape { update_chunk: 0, .. }) => {
-                return Err(crate::Error::invalid("update_chunk", "at least one value per chunk"))
-            }
-            Some(OptimizerShape { shard: (lo, hi), accumulate, update_chunk }) => Some(OptimizerRegions {
+            Some(OptimizerShape { shard: (lo, hi), accumulate }) => Some(OptimizerRegions {
                 master: ar.take("master weights (fp32)", Optimizer, "master", &[hi - lo], a)?,
                 grads: match accumulate {
                     true => UpdateGrads::Accumulated(ar.take(
@@ -416,13 +409,7 @@ impl StepLayout {
                         &[z.params],
                         a,
                     )?),
-                    false => UpdateGrads::Chunked(ar.take(
-                        "gradient chunk of the update (fp32)",
-                        Optimizer,
-                        "grad_chunk",
-                        &[update_chunk.min(z.params).max(1)],
-                        a,
-                    )?),
+                    false => UpdateGrads::Stored,
                 },
                 adam_m: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_m", &[hi - lo], a)?,
                 adam_v: ar.take("AdamW moments (fp32, 2x)", Optimizer, "adam_v", &[hi - lo], a)?,

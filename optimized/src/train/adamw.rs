@@ -1,6 +1,6 @@
 //! AdamW on the step's backend (spec section 3): a step's stored gradients are accumulated in
 //! the arithmetic type (gradient accumulation; with one row per update on one worker the
-//! step's own gradients are converted a chunk at a time as the update goes), then clipped by
+//! update reads the step's own stored gradients), then clipped by
 //! their global norm and applied to the master weights, which are written back as the stored
 //! compute weights. The reference is `dflash_reference::optim` (`AdamW::step`,
 //! `clip_grad_norm`); the kernels' twins are checked by `xtask gpu-conformance`.
@@ -70,8 +70,8 @@ impl DeviceAdamW {
         self.t = t;
     }
 
-    /// One update with learning rate `lr` from the accumulated gradients (or the step's own, a
-    /// chunk at a time), clipped to global norm `max_norm` (`max_norm / (norm + 1e-6)`, as the
+    /// One update with learning rate `lr` from the accumulated gradients (or the step's own),
+    /// clipped to global norm `max_norm` (`max_norm / (norm + 1e-6)`, as the
     /// reference); zeroes the accumulator and returns the norm before clipping. Fails naming a
     /// gradient that holds NaN or Inf.
     pub fn update<B: Backend>(&mut self, step: &DrafterStep<B>, lr: f64, max_norm: f64) -> Result<f64> {
@@ -94,32 +94,21 @@ impl DeviceAdamW {
         let r = self.regions;
         let (lo, hi) = r.shard;
         let (stored, acc) = (<B::Elem as Elem>::BYTES, <<B::Elem as Elem>::Acc as Real>::BYTES);
-        let ops = step.backend().ops();
-        // Parameters `from..to` of the flat vector, their gradient read at `g`.
-        let update = |from: usize, to: usize, g: u64| {
-            let buffers = AdamWBuffers {
-                p: step.addr(r.master) + ((from - lo) * acc) as u64,
-                g,
-                m: step.addr(r.adam_m) + ((from - lo) * acc) as u64,
-                v: step.addr(r.adam_v) + ((from - lo) * acc) as u64,
-                p_stored: step.addr(step.layout.weights) + (from * stored) as u64,
-            };
-            ops.adamw_update(buffers, to - from, args)
+        let (g, g_is_stored) = match r.grads {
+            UpdateGrads::Accumulated(g) => (step.addr(g) + (lo * acc) as u64, false),
+            UpdateGrads::Stored => (step.addr(step.layout.grads) + (lo * stored) as u64, true),
         };
-        match r.grads {
-            UpdateGrads::Accumulated(g) => {
-                update(lo, hi, step.addr(g) + (lo * acc) as u64)?;
-                step.zero(g)?;
-            }
-            UpdateGrads::Chunked(chunk) => {
-                let len = chunk.bytes as usize / acc;
-                for from in (lo..hi).step_by(len) {
-                    let to = (from + len).min(hi);
-                    step.backend().zero(step.addr(chunk), (to - from) * acc)?;
-                    ops.accumulate(step.addr(chunk), step.addr(step.layout.grads) + (from * stored) as u64, to - from)?;
-                    update(from, to, step.addr(chunk))?;
-                }
-            }
+        let buffers = AdamWBuffers {
+            p: step.addr(r.master),
+            g,
+            g_is_stored,
+            m: step.addr(r.adam_m),
+            v: step.addr(r.adam_v),
+            p_stored: step.addr(step.layout.weights) + (lo * stored) as u64,
+        };
+        step.backend().ops().adamw_update(buffers, hi - lo, args)?;
+        if let Some(g) = r.grads.accumulator() {
+            step.zero(g)?;
         }
         Ok(norm)
     }

@@ -60,6 +60,7 @@ pub struct ElementwiseKernels {
     sum_squares_bf16: CudaFunction,
     accumulate_bf16: CudaFunction,
     adamw_update: CudaFunction,
+    adamw_update_bf16_grad: CudaFunction,
     fill_normal_bf16: CudaFunction,
 }
 
@@ -90,6 +91,7 @@ impl ElementwiseKernels {
             sum_squares_bf16: f("sum_squares_bf16")?,
             accumulate_bf16: f("accumulate_bf16")?,
             adamw_update: f("adamw_update")?,
+            adamw_update_bf16_grad: f("adamw_update_bf16_grad")?,
             fill_normal_bf16: f("fill_normal_bf16")?,
         })
     }
@@ -363,16 +365,20 @@ impl ElementwiseOps for ElementwiseKernels {
     }
 
     fn adamw_update(&self, buffers: AdamWBuffers, n: usize, a: AdamWArgs) -> Result<()> {
-        let AdamWBuffers { p, g, m, v, p_stored } = buffers;
+        let AdamWBuffers { p, g, g_is_stored, m, v, p_stored } = buffers;
         let nn = n as i64;
         // The kernel's hyper-parameters are fp32, as its arithmetic.
         let h = [a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.bc1, a.bc2, a.grad_scale].map(|x| x as f32);
-        let mut b = self.stream.launch_builder(&self.adamw_update);
+        let (f, name) = match g_is_stored {
+            true => (&self.adamw_update_bf16_grad, "adamw_update_bf16_grad"),
+            false => (&self.adamw_update, "adamw_update"),
+        };
+        let mut b = self.stream.launch_builder(f);
         b.arg(&p).arg(&g).arg(&m).arg(&v).arg(&p_stored).arg(&nn);
         for x in &h {
             b.arg(x);
         }
-        self.launch("adamw_update", b, Self::elementwise_cfg(n))
+        self.launch(name, b, Self::elementwise_cfg(n))
     }
 
     fn fill_normal(&self, dst: u64, n: usize, seed: u64, mean: f32, std: f32) -> Result<()> {

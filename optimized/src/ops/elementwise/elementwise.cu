@@ -613,15 +613,16 @@ extern "C" __global__ void accumulate_bf16(float* __restrict__ acc, const bf16* 
 }
 
 // Twin: twin.rs adamw_update (dflash_reference::optim::AdamW::step on one parameter), its
-// gradient first scaled by `grad_scale` (global-norm clipping). p, g, m, v [n] fp32 -> updated p, m, v and p_bf16 = bf16(p).
-// m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2; p -= lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*p).
-extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                                        float* __restrict__ v, bf16* __restrict__ p_bf16, long long n, float lr,
-                                        float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
-                                        float grad_scale) {
+// gradient first scaled by `grad_scale` (global-norm clipping). p, m, v [n] fp32, g [n] fp32 or
+// bf16 (a step's own gradients, read where the backward wrote them) -> updated p, m, v and
+// p_bf16 = bf16(p). m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2; p -= lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*p).
+template <typename G>
+__device__ void adamw(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+                      bf16* __restrict__ p_bf16, long long n, float lr, float beta1, float beta2, float eps,
+                      float weight_decay, float bc1, float bc2, float grad_scale) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float gi = g[i] * grad_scale;
+        const float gi = as_float(g[i]) * grad_scale;
         const float mi = beta1 * m[i] + (1.f - beta1) * gi;
         const float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
         const float pi = p[i] - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
@@ -630,6 +631,21 @@ extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __re
         p[i] = pi;
         p_bf16[i] = to_bf(pi);
     }
+}
+
+extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                        float* __restrict__ v, bf16* __restrict__ p_bf16, long long n, float lr,
+                                        float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
+                                        float grad_scale) {
+    adamw(p, g, m, v, p_bf16, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale);
+}
+
+extern "C" __global__ void adamw_update_bf16_grad(float* __restrict__ p, const bf16* __restrict__ g,
+                                                  float* __restrict__ m, float* __restrict__ v,
+                                                  bf16* __restrict__ p_bf16, long long n, float lr, float beta1,
+                                                  float beta2, float eps, float weight_decay, float bc1, float bc2,
+                                                  float grad_scale) {
+    adamw(p, g, m, v, p_bf16, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale);
 }
 
 // splitmix64: a well-mixed 64-bit hash of `z`.

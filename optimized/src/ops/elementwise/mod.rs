@@ -41,12 +41,14 @@ pub struct HeadNormRopeGrad {
     pub inv: u64,
 }
 
-/// Buffers of one AdamW update: master weights `p`, accumulated gradient `g`, moments `m`, `v`
-/// (arithmetic type), and the stored compute copy `p_stored` it writes.
+/// Buffers of one AdamW update: master weights `p`, moments `m`, `v` (arithmetic type), the
+/// gradient `g` (accumulated in the arithmetic type, or a step's own in the stored type when
+/// `g_is_stored`), and the stored compute copy `p_stored` it writes.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWBuffers {
     pub p: u64,
     pub g: u64,
+    pub g_is_stored: bool,
     pub m: u64,
     pub v: u64,
     pub p_stored: u64,

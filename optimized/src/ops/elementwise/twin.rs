@@ -283,7 +283,8 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
         let c = |x: f64| E::Acc::from_f64(x);
         let (one, lr, b1, b2) = (E::Acc::ONE, c(a.lr), c(a.beta1), c(a.beta2));
         for i in 0..n {
-            let gi = lda::<E::Acc>(b.g, i) * c(a.grad_scale);
+            let g = if b.g_is_stored { ld::<E>(b.g, i) } else { lda::<E::Acc>(b.g, i) };
+            let gi = g * c(a.grad_scale);
             let mi = b1 * lda::<E::Acc>(b.m, i) + (one - b1) * gi;
             let vi = b2 * lda::<E::Acc>(b.v, i) + (one - b2) * gi * gi;
             let p = lda::<E::Acc>(b.p, i);
