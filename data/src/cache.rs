@@ -63,35 +63,47 @@ impl KeyBuilder {
     }
 }
 
-/// `path`'s temporary name for writer `n` of process `pid`: `NAME.tmp.PID.N`.
-fn tmp_name(path: &Path, pid: u32, n: u64) -> PathBuf {
+/// This machine's name (Linux), which a temporary name carries: on a filesystem shared by
+/// several machines, a process id means something only on the machine that wrote it.
+fn host_name() -> Option<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let name = name.trim();
+    (!name.is_empty()).then(|| name.to_string())
+}
+
+/// `path`'s temporary name for writer `n` of process `pid` on machine `host`:
+/// `NAME.tmp.HOST.PID.N`.
+fn tmp_name(path: &Path, host: &str, pid: u32, n: u64) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp.{pid}.{n}"));
+    name.push(format!(".tmp.{host}.{pid}.{n}"));
     path.with_file_name(name)
 }
 
-/// Removes `path`'s temporary files left by processes that no longer run (on Linux, where
-/// `/proc` says; elsewhere none is removed). Errors are ignored: a leftover only takes space.
-fn remove_dead_writers(path: &Path) {
+/// Removes `path`'s temporary files left by processes of machine `host` that no longer run
+/// (where `/proc` says; none elsewhere, nor of other machines). Errors are ignored: a leftover
+/// only takes space.
+fn remove_dead_writers(path: &Path, host: &str) {
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else { return };
-    let prefix = format!("{}.tmp.", name.to_string_lossy());
+    let prefix = format!("{}.tmp.{host}.", name.to_string_lossy());
     let Ok(entries) = std::fs::read_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir }) else {
         return;
     };
     for entry in entries.flatten() {
         let file = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = file.strip_prefix(&prefix).and_then(|rest| rest.split('.').next()) else { continue };
+        // PID.N after the prefix (a host name with dots has its own prefix).
+        let Some((pid, n)) = file.strip_prefix(&prefix).and_then(|rest| rest.split_once('.')) else { continue };
         let alive = Path::new("/proc").join(pid).exists() || !Path::new("/proc/self").exists();
-        if pid.parse::<u32>().is_ok() && !alive {
+        if pid.parse::<u32>().is_ok() && n.parse::<u64>().is_ok() && !alive {
             let _ = std::fs::remove_file(entry.path());
         }
     }
 }
 
 /// Writes a cache: documents streamed in, then [`CacheWriter::finish`] renames it into place.
-/// Each writer has a temporary name of its own (process id and a counter), so processes that
-/// tokenize the same data at once (the ranks of one machine, started with the same options)
-/// each rename a whole file into place; the temporary files of writers that died are removed.
+/// Each writer has a temporary name of its own (machine, process id and a counter), so processes
+/// that tokenize the same data at once (the ranks of a run, started with the same options) each
+/// rename a whole file into place; the temporary files of this machine's writers that died are
+/// removed.
 pub struct CacheWriter {
     path: PathBuf,
     tmp: PathBuf,
@@ -105,9 +117,12 @@ pub struct CacheWriter {
 impl CacheWriter {
     pub fn create(path: &Path, key: &[u8; 32]) -> Result<Self> {
         static WRITERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        remove_dead_writers(path);
+        let host = host_name();
+        if let Some(host) = &host {
+            remove_dead_writers(path, host);
+        }
         let n = WRITERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = tmp_name(path, std::process::id(), n);
+        let tmp = tmp_name(path, host.as_deref().unwrap_or("unknown-host"), std::process::id(), n);
         let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let mut w = CacheWriter {
             path: path.to_owned(),
@@ -288,19 +303,24 @@ mod tests {
 
     /// Two writers of the same cache at once (two ranks tokenizing the same data): each writes a
     /// file of its own and renames it whole, so the cache is one writer's, never a mix; a dead
-    /// process's leftover is removed, a live one's kept.
+    /// process's leftover is removed, a live one's kept, another machine's kept.
     #[test]
     fn concurrent_writers_leave_a_whole_cache() {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("docs.cache");
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
-        let dead = tmp_name(&path, u32::MAX - 1, 0);
-        let live = tmp_name(&path, std::process::id(), 1 << 40);
-        std::fs::write(&dead, b"half").unwrap();
-        std::fs::write(&live, b"in progress").unwrap();
+        let host = host_name().expect("Linux names its host");
+        let dead = tmp_name(&path, &host, u32::MAX - 1, 0);
+        let live = tmp_name(&path, &host, std::process::id(), 1 << 40);
+        // A process of another machine sharing the folder: its id means nothing here.
+        let elsewhere = tmp_name(&path, &format!("other.{host}"), u32::MAX - 1, 0);
+        for (file, text) in [(&dead, "half"), (&live, "in progress"), (&elsewhere, "another machine's")] {
+            std::fs::write(file, text).unwrap();
+        }
         let key = [7u8; 32];
         let (mut a, mut b) = (CacheWriter::create(&path, &key).unwrap(), CacheWriter::create(&path, &key).unwrap());
         assert!(!dead.exists() && live.exists(), "the dead writer's file goes, the live one's stays");
+        assert!(elsewhere.exists(), "another machine's writer is never judged by this one's processes");
         let docs: Vec<Document> = (0..6).map(|_| doc(&mut rng)).collect();
         for (i, d) in docs.iter().enumerate() {
             a.push(d, 0, i as u64).unwrap();

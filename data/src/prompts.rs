@@ -25,13 +25,14 @@ pub struct Prompt {
 }
 
 /// Every line of `files` as a prompt (at most `max` of them in all: the files after the one that
-/// gives the last are not opened); an error when there is none.
+/// gives the last are not opened); an error naming a file that gives none.
 pub fn read_prompts(tok: &TargetTokenizer, files: &[PathBuf], opts: &RenderOptions, max: usize) -> Result<Vec<Prompt>> {
     let mut prompts = Vec::new();
     for file in files {
         if prompts.len() >= max {
             break;
         }
+        let before = prompts.len();
         let mut lines = Lines::open(file, Arc::new(AtomicU64::new(0)))?;
         'file: loop {
             let chunk = lines.chunk(256)?;
@@ -54,10 +55,9 @@ pub fn read_prompts(tok: &TargetTokenizer, files: &[PathBuf], opts: &RenderOptio
                 prompts.push(Prompt { file: file.clone(), line: line.number, tokens });
             }
         }
-    }
-    if prompts.is_empty() {
-        let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-        return Err(Error::option("prompts", format!("no prompt in {}", names.join(", "))));
+        if prompts.len() == before {
+            return Err(Error::option("prompts", format!("no prompt in {} (empty, or only blank lines)", file.display())));
+        }
     }
     Ok(prompts)
 }

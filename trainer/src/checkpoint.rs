@@ -355,6 +355,13 @@ pub fn check_latest(out: &Path) -> Result<()> {
 /// run stopped between writing it and updating `latest`); otherwise the newest complete one (the
 /// notes say why). Leftover `.tmp` folders are never considered.
 pub fn find_resumable(out: &Path) -> Result<Found> {
+    if !out.is_dir() {
+        return Err(Error::checkpoint(
+            out,
+            "no such folder: `--resume` takes a run's --out (on several machines every rank reads rank 0's, \
+             so it must be on a filesystem they share)",
+        ));
+    }
     let mut notes = Vec::new();
     let latest = out.join("latest");
     check_latest(out)?;

@@ -388,6 +388,7 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
     "max_nonfinite_in_a_row",
     "data_cache",
     "drafter_workers",
+    "shard_optimizer",
     "target_workers",
     "gpus",
     "rank",

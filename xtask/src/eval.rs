@@ -218,12 +218,16 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "#", "prompt", "generated", "tau", "spec tok/s", "plain tok/s", "identical"
     );
     if on_gpu {
-        // One untimed decode: the first launches load kernels and cuBLAS's heuristics.
+        // Untimed decodes of each kind: the first launches load kernels and cuBLAS's heuristics,
+        // and the plain decode allocates its token history.
         decoders.speculative(&prompts[0].tokens, 2.min(max_new), &sampling, &stop)?;
+        decoders.plain(&prompts[0].tokens, max_new, &sampling, &stop)?;
     }
     let mut acceptance = Acceptance::new(b);
     let (mut spec_secs, mut plain_secs) = (0.0, 0.0);
-    let (mut spec_tokens, mut plain_tokens) = (0, 0);
+    // The plain rate counts the tokens decoded: on the GPU a stop is looked for every few
+    // tokens, so a few past it are decoded (and dropped) too.
+    let (mut spec_tokens, mut plain_tokens, mut plain_decoded) = (0, 0, 0);
     let mut per_prompt = Vec::new();
     let mut parted = 0;
     for (i, p) in prompts.iter().enumerate() {
@@ -231,19 +235,22 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         let spec = decoders.speculative(&p.tokens, max_new, &sampling, &stop)?;
         let s = started.elapsed().as_secs_f64();
         let started = Instant::now();
-        let plain = decoders.plain(&p.tokens, max_new, &sampling, &stop)?;
+        let (plain, decoded) = decoders.plain(&p.tokens, max_new, &sampling, &stop)?;
         let g = started.elapsed().as_secs_f64();
         let identical = spec.tokens == plain;
         parted += usize::from(!identical);
         (spec_secs, plain_secs) = (spec_secs + s, plain_secs + g);
-        (spec_tokens, plain_tokens) = (spec_tokens + spec.tokens.len(), plain_tokens + plain.len());
+        spec_tokens += spec.tokens.len();
+        (plain_tokens, plain_decoded) = (plain_tokens + plain.len(), plain_decoded + decoded);
         acceptance.add(&spec);
-        let (spec_rate, plain_rate) = (spec.tokens.len() as f64 / s, plain.len() as f64 / g);
+        let (spec_rate, plain_rate) = (spec.tokens.len() as f64 / s, decoded as f64 / g);
+        // No tau of its own where the answer ended at the prefill's token (no verify step).
+        let tau = (!spec.accept_lengths.is_empty()).then(|| spec.tau());
         println!(
-            "{i:>5} {:>7} {:>9} {:>7.3} {:>11.1} {:>11.1} {:>9}",
+            "{i:>5} {:>7} {:>9} {:>7} {:>11.1} {:>11.1} {:>9}",
             p.tokens.len(),
             spec.tokens.len(),
-            spec.tau(),
+            tau.map_or("-".to_string(), |t| format!("{t:.3}")),
             spec_rate,
             plain_rate,
             if identical { "yes" } else { "NO" }
@@ -251,32 +258,37 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         per_prompt.push(json!({
             "file": p.file, "line": p.line, "prompt_tokens": p.tokens.len(),
             "generated_tokens": spec.tokens.len(), "plain_generated_tokens": plain.len(),
-            // No tau of its own where the answer ended at the prefill's token (no verify step).
-            "tau": (!spec.accept_lengths.is_empty()).then(|| spec.tau()),
+            "plain_decoded_tokens": decoded, "tau": tau,
             "accept_lengths": spec.accept_lengths, "tokens": spec.tokens, "identical_to_plain": identical,
             "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate,
         }));
     }
-    let (spec_rate, plain_rate) = (spec_tokens as f64 / spec_secs, plain_tokens as f64 / plain_secs);
+    let (spec_rate, plain_rate) = (spec_tokens as f64 / spec_secs, plain_decoded as f64 / plain_secs);
+    // Verify steps over all prompts: none (no tau) when every answer ended at its first token.
+    let steps = acceptance.reached[0];
     let report = json!({
         "target": target_dir, "drafter": drafter_dir, "device": decoders.describe(),
         "prompts": prompts.len(), "max_new_tokens": max_new, "stop_ids": stop, "ignore_eos": ignore_eos,
-        "generated_tokens": spec_tokens, "plain_generated_tokens": plain_tokens,
+        "generated_tokens": spec_tokens, "plain_generated_tokens": plain_tokens, "plain_decoded_tokens": plain_decoded,
         "block_size": b, "sampling": sampling_json(&sampling),
-        "tau_over_steps": acceptance.tau_over_steps(), "tau_over_prompts": acceptance.tau_over_prompts(),
-        "acceptance_per_position": acceptance.per_position(),
+        "tau_over_steps": (steps > 0).then(|| acceptance.tau_over_steps()),
+        "tau_over_prompts": (steps > 0).then(|| acceptance.tau_over_prompts()),
+        "acceptance_per_position": (steps > 0).then(|| acceptance.per_position()), "verify_steps": steps,
         "spec_tokens_per_s": spec_rate, "plain_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate,
         "all_identical_to_plain": parted == 0, "per_prompt": Value::Array(per_prompt), "date": utc_now(),
     });
     write_json(&out, &report)?;
-    println!(
-        "tau: {:.3} (mean of A+1 over all {} verify steps), {:.3} (mean of the prompts' taus)",
-        acceptance.tau_over_steps(),
-        acceptance.reached[0],
-        acceptance.tau_over_prompts()
-    );
-    let positions: Vec<String> = acceptance.per_position().iter().map(|a| format!("{:.0}", a * 100.0)).collect();
-    println!("accepted % at block positions 1..{}: [{}]", b - 1, positions.join(" "));
+    if steps > 0 {
+        println!(
+            "tau: {:.3} (mean of A+1 over all {steps} verify steps), {:.3} (mean of the prompts' taus)",
+            acceptance.tau_over_steps(),
+            acceptance.tau_over_prompts()
+        );
+        let positions: Vec<String> = acceptance.per_position().iter().map(|a| format!("{:.0}", a * 100.0)).collect();
+        println!("accepted % at block positions 1..{}: [{}]", b - 1, positions.join(" "));
+    } else {
+        println!("tau: - (no verify step: every answer ended at its first token)");
+    }
     println!(
         "decode: {spec_rate:.1} tokens/s speculative, {plain_rate:.1} tokens/s plain ({:.2}x; {spec_tokens} tokens generated; {})",
         spec_rate / plain_rate,
@@ -333,14 +345,15 @@ pub trait CachedDecoder {
         sampling: &Sampling,
         stop: &[u32],
     ) -> dflash_optimized::Result<SpecOutput>;
-    /// Plain decoding of up to `max_new` tokens, ending after the first id in `stop`.
+    /// Plain decoding of up to `max_new` tokens, ending after the first id in `stop`; with the
+    /// number of tokens decoded, those decoded past the stop before it was seen included.
     fn plain_until(
         &mut self,
         prompt: &[u32],
         max_new: usize,
         sampling: &Sampling,
         stop: &[u32],
-    ) -> dflash_optimized::Result<Vec<u32>>;
+    ) -> dflash_optimized::Result<(Vec<u32>, usize)>;
 }
 
 impl<T: DecodeTarget> CachedDecoder for SpecDecoder<T> {
@@ -368,8 +381,8 @@ impl<T: DecodeTarget> CachedDecoder for SpecDecoder<T> {
         max_new: usize,
         sampling: &Sampling,
         stop: &[u32],
-    ) -> dflash_optimized::Result<Vec<u32>> {
-        self.plain_decode_until(prompt, max_new, sampling, stop)
+    ) -> dflash_optimized::Result<(Vec<u32>, usize)> {
+        self.plain_decode_counted(prompt, max_new, sampling, stop)
     }
 }
 
@@ -439,11 +452,21 @@ impl Decoders {
         }
     }
 
-    fn plain(&mut self, prompt: &[u32], max_new: usize, sampling: &Sampling, stop: &[u32]) -> Result<Vec<u32>, String> {
+    /// [`CachedDecoder::plain_until`]: the tokens and the number decoded.
+    fn plain(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+    ) -> Result<(Vec<u32>, usize), String> {
         match self {
             Decoders::Gpu(d) => d.plain_until(prompt, max_new, sampling, stop).map_err(|e| e.to_string()),
             Decoders::Reference { target, .. } => {
-                plain_decode_until(target.as_ref(), prompt, max_new, sampling, stop).map_err(|e| e.to_string())
+                let tokens =
+                    plain_decode_until(target.as_ref(), prompt, max_new, sampling, stop).map_err(|e| e.to_string())?;
+                let decoded = tokens.len();
+                Ok((tokens, decoded))
             }
         }
     }

@@ -37,7 +37,7 @@ use dflash_trainer::plan::Plan;
 use dflash_trainer::real::{self, RealSetup};
 use dflash_trainer::rows::{RowFeatures, RowSource};
 use dflash_trainer::run::{
-    check_fresh_out, check_resumable, check_resume_config, prepare_fresh_out, Replace, RunInputs, RunSummary, TauProbe,
+    check_fresh_out, check_resumable, check_resume_config, lock_out, prepare_fresh_out, Replace, RunInputs, RunSummary, TauProbe,
     Trainer,
 };
 
@@ -244,14 +244,15 @@ fn replace(overwrite: bool) -> Replace {
     }
 }
 
-/// `--out` checked writable and free for a fresh run ([`check_fresh_out`]: a finished run there
-/// may be replaced only when `replace`), touching nothing but a probe file; by rank 0 alone (the
-/// other ranks write nothing there).
+/// `--out` checked writable, locked for this run ([`lock_out`]) and free for a fresh run
+/// ([`check_fresh_out`]: a finished run there may be replaced only when `replace`), touching
+/// nothing but a probe file and the lock; by rank 0 alone (the other ranks write nothing there).
 fn check_out(config: &RunConfig, launch: &Launch, resume: &Resume, replace: Replace) -> Result<(), String> {
     if launch.rank > 0 {
         return Ok(());
     }
     config.check_out().map_err(|e| e.to_string())?;
+    lock_out(&config.out).map_err(|e| e.to_string())?;
     if resume.is_none() {
         check_fresh_out(&config.out, replace).map_err(|e| e.to_string())?;
     }
@@ -1357,7 +1358,7 @@ fn cached_tau(
     let (mut acceptance, mut parted) = (Acceptance::new(drafter.config.block_size), 0);
     for prompt in prompts {
         let spec = decoder.speculative_until(prompt, new_tokens, &Sampling::Greedy, stop)?;
-        parted += usize::from(spec.tokens != decoder.plain_until(prompt, new_tokens, &Sampling::Greedy, stop)?);
+        parted += usize::from(spec.tokens != decoder.plain_until(prompt, new_tokens, &Sampling::Greedy, stop)?.0);
         acceptance.add(&spec);
     }
     Ok((acceptance.tau_over_steps(), parted))

@@ -45,7 +45,9 @@ const TINY: &[&str] = &[
 ];
 
 /// A few steps print the loss table and the evaluation, and leave the run folder: checkpoints,
-/// latest, metrics.jsonl, training.svg and a servable drafter that loads back.
+/// latest, metrics.jsonl, training.svg and a servable drafter that loads back. A fresh run
+/// replaces a finished run or a dead one's remains, never an unfinished run nor a folder a live
+/// run holds.
 #[test]
 fn short_training_run_saves_a_loadable_drafter() {
     let tmp = tempfile::tempdir().expect("temp dir");
@@ -122,6 +124,11 @@ fn short_training_run_saves_a_loadable_drafter() {
         !resumed.status.success() && stderr.contains("no complete checkpoint") && stderr.contains("fresh run"),
         "{stderr}"
     );
+    // A folder that does not exist (a typo, or a rank on a machine without rank 0's folder).
+    let missing = tmp.path().join("no-such-run");
+    let resumed = xtask(&["train", "--resume", missing.to_str().unwrap()]);
+    let stderr = text(&resumed.stderr);
+    assert!(!resumed.status.success() && stderr.contains("no such folder") && stderr.contains("share"), "{stderr}");
     let fresh = xtask(&args);
     assert!(fresh.status.success(), "{}", text(&fresh.stderr));
     assert!(
@@ -130,6 +137,27 @@ fn short_training_run_saves_a_loadable_drafter() {
         text(&fresh.stdout)
     );
     assert_eq!(losses(&dir), first);
+    // A folder another live run holds (its lock taken here) is refused, naming the holder, and
+    // nothing of it is touched.
+    let lock = std::fs::OpenOptions::new().write(true).open(dir.join(".lock")).unwrap();
+    lock.try_lock().unwrap();
+    std::fs::write(dir.join(".lock"), "process 4242 on elsewhere").unwrap();
+    let busy = xtask(&args);
+    let stderr = text(&busy.stderr);
+    assert!(!busy.status.success() && stderr.contains("in use by another run (process 4242 on elsewhere)"), "{stderr}");
+    assert_eq!(losses(&dir), first);
+    drop(lock);
+    // A run killed while writing its first checkpoint left only that temporary: a fresh run
+    // removes it.
+    let leftover = tmp.path().join("leftover");
+    std::fs::create_dir_all(leftover.join(".checkpoint-9.tmp")).unwrap();
+    std::fs::write(leftover.join(".checkpoint-9.tmp/training.safetensors"), "half").unwrap();
+    let mut fresh_args = vec!["train"];
+    fresh_args.extend(TINY);
+    fresh_args.extend(["--steps", "2", "--out", leftover.to_str().unwrap()]);
+    let result = xtask(&fresh_args);
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    assert!(!leftover.join(".checkpoint-9.tmp").exists(), "the dead run's temporary is removed");
     // `--tau-prompts 0` (the help's "0: none"): trained without the real tau, reported as none.
     let no_tau = tmp.path().join("no-tau");
     let mut args = vec!["train"];
@@ -977,8 +1005,8 @@ fn bad_real_runs_are_refused_before_any_work() {
 
 /// `cargo xtask eval` on a drafter a real run saved: every prompt decodes to exactly the target's
 /// greedy tokens, tau is reported both ways and within [1, B], the JSON says the same; a drafter
-/// of another target, an empty prompt file, a prompt past the context, the GPU (not built) and a
-/// bad prompt line are refused before decoding, each named.
+/// of another target, an empty prompt file (alone or after a good one), a prompt past the
+/// context, the GPU (not built) and a bad prompt line are refused before decoding, each named.
 #[test]
 fn eval_decodes_losslessly_and_refuses_bad_input() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1049,6 +1077,8 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
     let empty = tmp.path().join("empty.jsonl");
     std::fs::write(&empty, "\n").unwrap();
     refused(&["--prompts", empty.to_str().unwrap()], &["no prompt"]);
+    // Also after a file that gives prompts: the empty one is named.
+    refused(&["--prompts", p, empty.to_str().unwrap()], &["no prompt in", "empty.jsonl"]);
     let bad = tmp.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"hello\"}\n{not json\n").unwrap();
     refused(&["--prompts", bad.to_str().unwrap()], &["bad.jsonl", "line 2"]);
@@ -1137,7 +1167,8 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
 
 /// Data-parallel drafter workers through the binary (the host step, one thread each): 2 workers
 /// train like 1 with the same rows per step (losses within 1e-6: the same f32 sums in another
-/// grouping), and a 2-worker run's checkpoint resumes on 3 workers with the same next losses.
+/// grouping), and a 2-worker run's checkpoint resumes on 3 workers with the same next losses,
+/// a 2-worker run sharding the optimizer's on 1 worker without sharding.
 #[test]
 fn drafter_workers_train_like_one_and_resume_on_another_count() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1166,7 +1197,8 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     close(&loss_values(&two), &want, "2 workers vs 1");
     // The AdamW state sharded over the 2 workers: the same losses as the whole state.
     let split = tmp.path().join("split");
-    let mut args = real_args(&target, &cache, &split, &["--step", "host", "--steps", "6", "--rows-per-step", "3"]);
+    let extra = ["--step", "host", "--steps", "6", "--checkpoint-every", "3", "--rows-per-step", "3"];
+    let mut args = real_args(&target, &cache, &split, &extra);
     args.extend(["--drafter-workers", "2", "--shard-optimizer", "yes"].map(String::from));
     let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
     assert!(result.status.success(), "{}", text(&result.stderr));
@@ -1208,6 +1240,17 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
         "{stdout}"
     );
     close(&loss_values(&two), &want, "resumed on 3 workers vs 1");
+    // The sharded run back at step 3, resumed on 1 worker (the checkpoint holds the whole state).
+    std::fs::remove_dir_all(split.join("checkpoint-6")).unwrap();
+    std::fs::remove_file(split.join("latest")).unwrap();
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["train", "--resume", split.to_str().unwrap(), "--drafter-workers", "1", "--shard-optimizer", "no"])
+        .output()
+        .unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    assert!(stdout.contains("`shard_optimizer` changed from true to false"), "{stdout}");
+    close(&loss_values(&split), &want, "sharded on 2 workers, resumed unsharded on 1, vs 1");
     // Several workers need the host step.
     let mut args = real_args(&target, &cache, &tmp.path().join("gpu"), &["--drafter-workers", "2", "--steps", "2"]);
     args.extend(["--step".to_string(), "reference".to_string()]);

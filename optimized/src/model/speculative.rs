@@ -311,19 +311,24 @@ impl<T: DecodeTarget> SpecDecoder<T> {
     }
 
     /// [`SpecDecoder::greedy_decode`] that ends after the first token in `stop` (kept as the last
-    /// token) or at `max_new` tokens (the reference's `plain_decode_until` twin). The tokens stay
-    /// on the device: with a `stop`, they are read back every [`STOP_CHECK`] tokens to look for
-    /// one, so up to `STOP_CHECK - 1` tokens after it are decoded and dropped; an empty `stop`
-    /// reads them once at the end.
+    /// token) or at `max_new` tokens (the reference's `plain_decode_until` twin).
     pub fn greedy_decode_until(&mut self, prompt: &[u32], max_new: usize, stop: &[u32]) -> Result<Vec<u32>> {
+        Ok(self.greedy_decode_counted(prompt, max_new, stop)?.0)
+    }
+
+    /// [`SpecDecoder::greedy_decode_until`] with the number of tokens decoded (what a rate
+    /// counts). The tokens stay on the device: with a `stop`, they are read back every
+    /// [`STOP_CHECK`] tokens to look for one, so up to `STOP_CHECK - 1` tokens after it are
+    /// decoded and dropped; an empty `stop` reads them once at the end.
+    fn greedy_decode_counted(&mut self, prompt: &[u32], max_new: usize, stop: &[u32]) -> Result<(Vec<u32>, usize)> {
         self.check_prompt(prompt, max_new)?;
         if max_new == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), 0));
         }
         let first = self.prefill(prompt, &Sampling::Greedy)?;
         let mut out = vec![first]; // the tokens read back so far
         if stop.contains(&first) {
-            return Ok(out);
+            return Ok((out, 1));
         }
         let dev = self.target.backend();
         if self.history.as_ref().is_none_or(|(_, len)| *len < max_new) {
@@ -343,11 +348,12 @@ impl<T: DecodeTarget> SpecDecoder<T> {
                 out.extend(download::<u32, T::Backend>(self.target.backend(), at, written - read)?);
                 if let Some(s) = out[read..].iter().position(|t| stop.contains(t)) {
                     out.truncate(read + s + 1);
-                    break;
+                    return Ok((out, written));
                 }
             }
         }
-        Ok(out)
+        let decoded = out.len();
+        Ok((out, decoded))
     }
 
     /// Plain decoding under `sampling` (greedy: [`SpecDecoder::greedy_decode`]; sampled: each
@@ -365,8 +371,20 @@ impl<T: DecodeTarget> SpecDecoder<T> {
         sampling: &Sampling,
         stop: &[u32],
     ) -> Result<Vec<u32>> {
+        Ok(self.plain_decode_counted(prompt, max_new, sampling, stop)?.0)
+    }
+
+    /// [`SpecDecoder::plain_decode_until`] with the number of tokens decoded, dropped ones
+    /// included ([`SpecDecoder::greedy_decode_counted`]; sampling drops none).
+    pub fn plain_decode_counted(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+    ) -> Result<(Vec<u32>, usize)> {
         if let Sampling::Greedy = sampling {
-            return self.greedy_decode_until(prompt, max_new, stop);
+            return self.greedy_decode_counted(prompt, max_new, stop);
         }
         self.check_prompt(prompt, max_new)?;
         let mut out = Vec::with_capacity(max_new);
@@ -379,7 +397,8 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             self.target.decode(1, prompt.len() + out.len() - 1, 1)?;
             out.push(self.choose(sampling, 1, prompt.len() + out.len())?[0]);
         }
-        Ok(out)
+        let decoded = out.len();
+        Ok((out, decoded))
     }
 
     /// Greedy speculative decoding of `max_new` tokens (spec section 4): the output equals
