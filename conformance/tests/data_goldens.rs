@@ -9,6 +9,7 @@ use dflash_conformance::fixtures_dir;
 use dflash_data::format::{parse_record, prepare_messages, role, Record};
 use dflash_data::mask::{documents, Layout, RenderOptions, Rendered};
 use dflash_data::target::TargetTokenizer;
+use dflash_data::template::ChatTemplate;
 use serde_json::Value;
 
 fn data_dir() -> PathBuf {
@@ -65,8 +66,8 @@ fn conversations() -> Vec<String> {
 /// The texts the goldens' rows were encoded from: the whole render, or each turn's render.
 fn rendered(tok: &TargetTokenizer, record: &Record, layout: Layout, thinking: bool) -> Vec<String> {
     let Record::Chat { messages, tools } = record else { panic!("golden conversations are chats") };
-    let messages = prepare_messages(messages, None, thinking);
     let template = tok.template.as_ref().expect("template");
+    let messages = prepare_messages(messages, None, thinking, template.names_role("developer"));
     let render = |n: usize| template.render(&messages[..n], tools.as_ref(), false, thinking).expect("render");
     match layout {
         Layout::Whole => vec![render(messages.len())],
@@ -228,7 +229,8 @@ fn piecewise_encoding_is_off_for_a_first_piece_pre_tokenizer() {
 /// The other spellings of a conversation users bring give the documents of its `messages` form,
 /// token for token: SpecForge's `conversations` of `role`/`content`, ShareGPT's other assistant
 /// names, contents as lists of text parts (joined with newlines, as vLLM and SGLang serve them),
-/// and `tools` as a JSON string (an empty one: no tools).
+/// `tools` as a JSON string (an empty one: no tools), and a `developer` message as the `system`
+/// one (for templates, as the fixtures' Qwen and Llama, that name no developer role).
 #[test]
 fn other_spellings_of_a_conversation_give_its_documents() {
     let qwen = TargetTokenizer::load(&data_dir().join("tokenizer-qwen")).expect("qwen tokenizer");
@@ -258,11 +260,18 @@ fn other_spellings_of_a_conversation_give_its_documents() {
             r#"{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}], "tools": " "}"#.to_string(),
         ),
     ];
+    let developer = (
+        r#"{"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}"#.to_string(),
+        r#"{"messages": [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}"#.to_string(),
+    );
+    let llama = TargetTokenizer::load(&data_dir().join("tokenizer-llama")).expect("llama tokenizer");
     let opts = RenderOptions { thinking: false, system_prompt: None };
-    for (canonical, other) in &pairs {
+    let cases = pairs.iter().map(|p| (&qwen, p)).chain([(&qwen, &developer), (&llama, &developer)]);
+    for (tok, (canonical, other)) in cases {
+        assert!(!tok.template.as_ref().unwrap().names_role("developer"));
         let docs = |line: &str| {
             let record = parse_record(line).unwrap_or_else(|e| panic!("{line}: {e:?}"));
-            documents(&qwen, record, &opts).unwrap_or_else(|e| panic!("{line}: {e:?}")).docs
+            documents(tok, record, &opts).unwrap_or_else(|e| panic!("{line}: {e:?}")).docs
         };
         let (want, got) = (docs(canonical), docs(other));
         assert!(!want.is_empty() && want[0].loss_mask.iter().any(|&m| m), "{canonical}: a supervised document");
@@ -271,4 +280,11 @@ fn other_spellings_of_a_conversation_give_its_documents() {
             assert_eq!((&g.tokens, &g.loss_mask), (&w.tokens, &w.loss_mask), "{other} against {canonical}");
         }
     }
+    // A template that names a developer role renders it itself: the role is kept.
+    let source = "{% for m in messages %}{% if m.role == 'developer' %}D{% else %}{{ m.role }}{% endif %}{% endfor %}";
+    let knows = ChatTemplate::new(source.into(), std::path::Path::new("inline"), Vec::new()).unwrap();
+    assert!(knows.names_role("developer"));
+    let Record::Chat { messages, .. } = parse_record(&developer.1).unwrap() else { panic!("a chat") };
+    let first_role = |developer_role| role(&prepare_messages(&messages, None, false, developer_role)[0]);
+    assert_eq!((first_role(true), first_role(false)), (Some("developer"), Some("system")));
 }

@@ -22,8 +22,9 @@ pub enum Record {
     Tokens { ids: Vec<u32>, loss_mask: Vec<bool> },
 }
 
-/// Roles a chat message may have.
-pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+/// Roles a chat message may have (`developer`: the system message of newer OpenAI exports,
+/// [`prepare_messages`]).
+pub const ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
 /// Names of a message's reasoning (thinking) text, as transformers reads them.
 pub const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
@@ -301,11 +302,28 @@ fn sharegpt_messages(turns: &Value) -> Result<Vec<Value>, Skip> {
         .collect()
 }
 
-/// The messages a template renders: the system prompt (if given and the conversation has none)
-/// first; with thinking off, the reasoning removed (the drafter is served without it): the
-/// reasoning fields, and reasoning written inline in an assistant's `content` (what comes before
-/// its last `</think>`, as the Qwen3 templates split it).
-pub fn prepare_messages(messages: &[Value], system_prompt: Option<&str>, thinking: bool) -> Vec<Value> {
+/// The messages a template renders: `developer` messages as `system` ones unless the template
+/// names a developer role (`developer_role`; Qwen's templates drop a role they do not know,
+/// Llama's write it as a header of its own); the system prompt (if given and the conversation
+/// has none) first; with thinking off, the reasoning removed (the drafter is served without it):
+/// the reasoning fields, and reasoning written inline in an assistant's `content` (what comes
+/// before its last `</think>`, as the Qwen3 templates split it).
+pub fn prepare_messages(
+    messages: &[Value],
+    system_prompt: Option<&str>,
+    thinking: bool,
+    developer_role: bool,
+) -> Vec<Value> {
+    let as_system = |m: &Value| {
+        if developer_role || role(m) != Some("developer") {
+            return m.clone();
+        }
+        Value::from_iter(entries(m).into_iter().map(|(k, v)| match k.as_str() {
+            "role" => (k, Value::from("system")),
+            _ => (k, v),
+        }))
+    };
+    let messages: Vec<Value> = messages.iter().map(as_system).collect();
     let has_system = messages.first().is_some_and(|m| role(m) == Some("system"));
     let system = system_prompt
         .filter(|_| !has_system)

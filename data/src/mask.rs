@@ -116,7 +116,8 @@ fn chat_documents(
         }
     }
     let given = messages.len();
-    let messages = prepare_messages(messages, opts.system_prompt.as_deref(), opts.thinking);
+    let developer_role = template.names_role("developer");
+    let messages = prepare_messages(messages, opts.system_prompt.as_deref(), opts.thinking, developer_role);
     // Messages put before the given ones (the system prompt), for the given index in errors.
     let injected = messages.len() - given;
     let turns: Vec<usize> = (0..messages.len()).filter(|&i| role(&messages[i]) == Some("assistant")).collect();

@@ -81,7 +81,8 @@ fn prompt_tokens(tok: &TargetTokenizer, text: &str, opts: &RenderOptions) -> std
         }
         Record::Chat { messages, tools } => {
             let template = tok.template.as_ref().ok_or("the target folder has no chat template for a conversation")?;
-            let messages = prepare_messages(&messages, opts.system_prompt.as_deref(), opts.thinking);
+            let developer_role = template.names_role("developer");
+            let messages = prepare_messages(&messages, opts.system_prompt.as_deref(), opts.thinking, developer_role);
             let upto = messages.iter().position(|m| role(m) == Some("assistant")).unwrap_or(messages.len());
             if upto == 0 {
                 return Err("field `messages`: no message before the first assistant turn".into());

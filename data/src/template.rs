@@ -66,6 +66,11 @@ impl ChatTemplate {
         let template = self.env.get_template(NAME).map_err(|e| describe(&e))?;
         template.render(Value::from_iter(ctx)).map_err(|e| describe(&e))
     }
+
+    /// Whether the template names `role` as a string literal (it renders that role itself).
+    pub fn names_role(&self, role: &str) -> bool {
+        self.source.contains(&format!("\"{role}\"")) || self.source.contains(&format!("'{role}'"))
+    }
 }
 
 /// The error's message with its cause and line, without minijinja's debug dump.
