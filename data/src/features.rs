@@ -299,10 +299,12 @@ impl FeatureWriter {
     /// Opens `dir` for `index` (whose `shards` is ignored): a new cache, or the one there when its
     /// provenance, width and shard size match, continuing after its last complete shard (a listed
     /// shard missing or of another size is written again, with those after it: `rewritten` says
-    /// why). Fails, naming the differing entry, when a cache of other provenance is there;
-    /// leftover temporary files are removed.
+    /// why). Fails, naming the differing entry, when a cache of other provenance is there, or
+    /// when another process writes it (its lock, [`crate::lock`]); its own leftover temporary
+    /// files are removed.
     pub fn open(dir: &Path, mut index: FeatureIndex) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        crate::lock::lock_folder(dir, "out")?;
         let file = dir.join("index.json");
         index.format = FORMAT.to_string();
         index.shards.clear();
@@ -318,10 +320,23 @@ impl FeatureWriter {
             {
                 return Err(mismatch);
             }
-            let same = (old.hidden_size, &old.layer_ids, old.shard_bytes, old.documents, old.tokens)
-                == (index.hidden_size, &index.layer_ids, index.shard_bytes, index.documents, index.tokens);
-            if !same {
-                return Err(Error::field(&file, "index", "width, shard size or documents differ from this run's"));
+            let differ: Vec<String> = [
+                ("hidden_size", old.hidden_size.to_string(), index.hidden_size.to_string()),
+                ("layer_ids", format!("{:?}", old.layer_ids), format!("{:?}", index.layer_ids)),
+                ("shard_bytes (--shard-gb)", old.shard_bytes.to_string(), index.shard_bytes.to_string()),
+                ("documents", old.documents.to_string(), index.documents.to_string()),
+                ("tokens", old.tokens.to_string(), index.tokens.to_string()),
+            ]
+            .into_iter()
+            .filter(|(_, then, now)| then != now)
+            .map(|(name, then, now)| format!("{name} {then} in the cache, {now} now"))
+            .collect();
+            if !differ.is_empty() {
+                return Err(Error::field(
+                    &file,
+                    "index",
+                    format!("{}: the same options continue it, or choose another --out", differ.join("; ")),
+                ));
             }
             index.shards = old.shards;
             // A shard lost or cut short (a crash before the file system kept it, a copy that
@@ -341,9 +356,11 @@ impl FeatureWriter {
                 rewritten = Some(format!("{}: {why}; writing it again from document {from}", name.display()));
             }
         }
+        // The writer's own temporaries only (a shard's, the index's): nothing else of the folder.
         for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
             let path = entry.map_err(|e| Error::io(dir, e))?.path();
-            if path.extension().is_some_and(|x| x == "tmp") {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            if name == "index.json.tmp" || (name.starts_with("shard-") && name.ends_with(".safetensors.tmp")) {
                 std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
             }
         }

@@ -10,6 +10,7 @@
 //! - [`epoch`]: the held-out split and the order of each epoch;
 //! - [`cache`]: the tokenized cache; [`stats`]: the counts; [`pipeline`]: all of it in one pass;
 //! - [`features`]: the offline cache of the target's features per document;
+//! - [`lock`]: a folder locked by the process that writes it;
 //! - [`prompts`]: prompts for evaluation by speculative decoding.
 
 pub mod cache;
@@ -17,6 +18,7 @@ pub mod epoch;
 pub mod error;
 pub mod features;
 pub mod format;
+pub mod lock;
 pub mod mask;
 pub mod pipeline;
 pub mod prompts;

@@ -148,50 +148,13 @@ pub enum Replace {
     Any,
 }
 
-/// The run lock's file in a run folder.
-pub const RUN_LOCK: &str = ".lock";
-
-/// Takes the run folder `out`'s lock (an exclusive `flock` of `out/.lock`, which names the
-/// holder's process) for the rest of this process, so that two runs never write one folder at
-/// once (a run resumed while the one before still runs); a second call for the same folder
-/// holds it already. An error names the live process that holds it.
+/// Takes the run folder `out`'s lock for the rest of this process ([`dflash_data::lock`]), so
+/// that two runs never write one folder at once (a run resumed while the one before still runs).
 pub fn lock_out(out: &std::path::Path) -> Result<()> {
-    use std::io::Write;
-    static HELD: std::sync::Mutex<Vec<(std::path::PathBuf, std::fs::File)>> = std::sync::Mutex::new(Vec::new());
-    let path = out.join(RUN_LOCK);
-    let key = std::fs::canonicalize(out).map_err(|e| Error::io(out, e))?;
-    let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
-    if held.iter().any(|(p, _)| *p == key) {
-        return Ok(());
-    }
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| Error::io(&path, e))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let holder = std::fs::read_to_string(&path).unwrap_or_default();
-            let holder = holder.trim();
-            return Err(Error::option(
-                "out",
-                format!(
-                    "{} is in use by another run ({}): wait for it to end or stop it, or choose another --out",
-                    out.display(),
-                    if holder.is_empty() { "a live process holds its lock".to_string() } else { holder.to_string() }
-                ),
-            ));
-        }
-        Err(std::fs::TryLockError::Error(e)) => return Err(Error::io(&path, e)),
-    }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let holder = format!("process {} on {}", std::process::id(), host.trim());
-    file.set_len(0).and_then(|()| file.write_all(holder.as_bytes())).map_err(|e| Error::io(&path, e))?;
-    held.push((key, file));
-    Ok(())
+    dflash_data::lock::lock_folder(out, "out").map_err(|e| match e {
+        dflash_data::Error::Option { message, .. } => Error::option("out", format!("{message}, or choose another --out")),
+        other => Error::option("out", other.to_string()),
+    })
 }
 
 /// Whether `out` may take a fresh run, without touching it: `Ok(None)` when it holds no run,

@@ -17,10 +17,12 @@ a rerun continues after the last listed shard, writing again a listed shard that
 another size (and those after it). Non-finite features are refused, naming the document.
 """
 import argparse
+import fcntl
 import hashlib
 import json
 import math
 import os
+import socket
 import sys
 import time
 
@@ -177,13 +179,26 @@ def main():
     index = {"format": FORMAT, "provenance": provenance, "hidden_size": hidden, "layer_ids": ids,
              "shard_bytes": int(a.shard_gb * 1e9), "documents": len(docs), "tokens": header["tokens"], "shards": []}
     os.makedirs(a.out, exist_ok=True)
+    # The cache's lock (the Rust writer's too): no two writers at once; held until the process ends.
+    lock = open(os.path.join(a.out, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a live process holds its lock"
+        raise SystemExit(f"error: {a.out} is in use by another run ({holder}): wait for it to end or stop it")
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
     index_path = os.path.join(a.out, "index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
             old = json.load(f)
-        same = {k: old[k] for k in index if k != "shards"} == {k: index[k] for k in index if k != "shards"}
-        if not same:
-            raise SystemExit(f"error: {index_path}: a cache of other provenance or options; choose another --out")
+        differ = [f"{k}: {old.get(k)!r} in the cache, {index[k]!r} now" for k in index
+                  if k != "shards" and old.get(k) != index[k]]
+        if differ:
+            raise SystemExit(f"error: {index_path}: another cache ({'; '.join(differ)}); "
+                             "the same options continue it, or choose another --out")
         index["shards"] = old["shards"]
     # A listed shard lost or cut short: it and those after it are written again (their contents
     # are a function of the documents and the shard size).
@@ -198,8 +213,9 @@ def main():
             index["shards"] = index["shards"][:k]
             print(f"{path}: {why}; writing it again from document {shard['first_doc']}", file=sys.stderr)
             break
+    # The writer's own temporaries only (a shard's, the index's): nothing else of the folder.
     for name in os.listdir(a.out):
-        if name.endswith(".tmp"):
+        if name == "index.json.tmp" or (name.startswith("shard-") and name.endswith(".safetensors.tmp")):
             os.remove(os.path.join(a.out, name))
     write_synced(index_path, json.dumps(index, indent=2).encode())
     width = len(ids) * hidden

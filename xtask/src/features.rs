@@ -84,6 +84,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             ));
         }
         let (target_dir, data_opts) = data_options(&opts)?;
+        // A cache is made to train from, and `train --features` reads the target's config (sizes,
+        // RoPE, vocabulary) and its embedding and LM head: a target it cannot read is refused
+        // before any feature is computed.
+        TargetKind::from_file(&target_dir.join("config.json")).map_err(|e| {
+            format!(
+                "{e}: `train --features` reads the target's config and takes Qwen3, Llama and Qwen3.5/3.6 \
+                 hybrids only, so no run could train from this target's cache yet; nothing exported"
+            )
+        })?;
         let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
         let data = Dataset::prepare(&tokenizer, &files, &data_opts).map_err(|e| e.to_string())?;
         if let Some(warning) = data.stats().unended_warning() {

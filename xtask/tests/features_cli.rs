@@ -39,11 +39,12 @@ fn ok(out: &Output) -> String {
     stdout
 }
 
-/// Every file of a cache folder, by name.
+/// Every file of a cache folder, by name (but its writer's lock, which names the process).
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap() != dflash_data::lock::LOCK_FILE)
         .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
         .collect();
     v.sort();
@@ -98,6 +99,23 @@ fn the_cache_holds_every_document_with_the_reference_features() {
         assert_eq!(line["input_ids"], serde_json::json!(doc.tokens), "document {i}");
         assert_eq!(mask, doc.loss_mask, "document {i}");
     }
+    // A target `train --features` cannot read (an MoE's config): refused before the data is read.
+    let moe = tmp.path().join("moe");
+    std::fs::create_dir(&moe).unwrap();
+    for file in std::fs::read_dir(&target).unwrap().map(|e| e.unwrap().path()) {
+        std::fs::copy(&file, moe.join(file.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(target.join("config.json")).unwrap()).unwrap();
+    config["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+    std::fs::write(moe.join("config.json"), config.to_string()).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    c.current_dir(tmp.path()).arg("features").args(["--target", moe.to_str().unwrap()]);
+    c.args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap(), "--export-documents", "moe.jsonl"]);
+    let refused = run(c);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("Qwen3MoeForCausalLM") && stderr.contains("train --features"), "{stderr}");
+    assert!(!tmp.path().join("moe.jsonl").exists());
 }
 
 /// Waits until `out/index.json` lists a shard, then SIGKILLs `child` (the writer pauses after
@@ -134,6 +152,22 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     let out = run(command(&target, &resumed, &data, &["--layer-ids", "1"]));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("provenance.layer_ids"), "{stderr}");
+    // Another shard size: refused, naming both sizes.
+    let out = run(command(&target, &resumed, &data, &["--shard-gb", "0.00003"]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("shard_bytes (--shard-gb) 20000 in the cache, 30000 now"), "{stderr}");
+    // A cache another writer holds (its lock taken here): refused, naming the holder; the
+    // user's own `.tmp` files in the folder are never touched.
+    std::fs::write(resumed.join("notes.tmp"), "mine").unwrap();
+    let lock = std::fs::File::open(resumed.join(dflash_data::lock::LOCK_FILE)).unwrap();
+    lock.try_lock().unwrap();
+    let out = run(command(&target, &resumed, &data, &[]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("in use by another run"), "{stderr}");
+    drop(lock);
+    ok(&run(command(&target, &resumed, &data, &[])));
+    assert!(resumed.join("notes.tmp").exists(), "a file the writer did not make was removed");
+    std::fs::remove_file(resumed.join("notes.tmp")).unwrap();
 
     // A truncated shard is named by the reader; a rerun writes it (and those after it) again,
     // saying so, to the same bytes. A lost shard file is the same case.

@@ -1,0 +1,51 @@
+//! A folder's lock: an exclusive `flock` of `DIR/.lock` that names its holder, taken by a run
+//! (its `--out`) or a feature-cache writer (its cache) and held until the process ends, so that
+//! no two processes ever write one folder at once.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::{Error, Result};
+
+/// The lock's file in a locked folder.
+pub const LOCK_FILE: &str = ".lock";
+
+/// Takes `dir`'s lock for the rest of this process (a second call for the same folder holds it
+/// already). When another live process holds it, an error for `option` names that holder.
+pub fn lock_folder(dir: &Path, option: &str) -> Result<()> {
+    static HELD: Mutex<Vec<(PathBuf, std::fs::File)>> = Mutex::new(Vec::new());
+    let path = dir.join(LOCK_FILE);
+    let key = std::fs::canonicalize(dir).map_err(|e| Error::io(dir, e))?;
+    let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    if held.iter().any(|(p, _)| *p == key) {
+        return Ok(());
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| Error::io(&path, e))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = match holder.trim() {
+                "" => "a live process holds its lock".to_string(),
+                named => named.to_string(),
+            };
+            return Err(Error::option(
+                option,
+                format!("{} is in use by another run ({holder}): wait for it to end or stop it", dir.display()),
+            ));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(Error::io(&path, e)),
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let holder = format!("process {} on {}", std::process::id(), host.trim());
+    file.set_len(0).and_then(|()| file.write_all(holder.as_bytes())).map_err(|e| Error::io(&path, e))?;
+    held.push((key, file));
+    Ok(())
+}
