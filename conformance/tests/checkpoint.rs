@@ -107,6 +107,45 @@ fn fixture_target_config_round_trip(#[case] fixture: &str) -> TestResult {
     Ok(())
 }
 
+/// Fields transformers reads that a config may give in other places: a `rope_theta` inside
+/// `rope_scaling` (it wins over the top level's, and two objects must agree), and Qwen3's
+/// window without `layer_types` (`use_sliding_window`, `sliding_window`, `max_window_layers`:
+/// the layers from `max_window_layers` on slide; none without `use_sliding_window`).
+#[test]
+fn target_config_fields_read_as_transformers_reads_them() -> TestResult {
+    let file = fixtures_dir().join("target-qwen3").join("config.json");
+    let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file)?)?;
+    let parse = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let mut v = base.clone();
+        let map = v.as_object_mut().expect("an object");
+        map.remove("rope_parameters");
+        map.remove("layer_types");
+        edit(map);
+        TargetConfig::from_value(&file, &v)
+    };
+    let theta = parse(&|m| {
+        m.insert("rope_theta".into(), serde_json::json!(1e4));
+        m.insert("rope_scaling".into(), serde_json::json!({"rope_type": "default", "rope_theta": 1e6}));
+    })?;
+    assert_eq!(theta.dims.rope_theta, 1e6);
+    let disagree = parse(&|m| {
+        m.insert("rope_scaling".into(), serde_json::json!({"rope_type": "default", "rope_theta": 1e6}));
+        m.insert("rope_parameters".into(), serde_json::json!({"rope_type": "default", "rope_theta": 1e4}));
+    });
+    assert!(disagree.is_err_and(|e| e.to_string().contains("rope_parameters.rope_theta")));
+    let window = |use_it: bool| {
+        parse(&|m| {
+            m.insert("use_sliding_window".into(), serde_json::json!(use_it));
+            m.insert("sliding_window".into(), serde_json::json!(40));
+            m.insert("max_window_layers".into(), serde_json::json!(1));
+        })
+    };
+    let w = AttnKind::Sliding { window: 40 };
+    assert_eq!(window(true)?.dims.layer_kinds, [AttnKind::Full, w, w]);
+    assert_eq!(window(false)?.dims.layer_kinds, [AttnKind::Full; 3]);
+    Ok(())
+}
+
 /// The fixture drafter config survives `to_value` -> `from_value` unchanged.
 #[test]
 fn fixture_draft_config_round_trip() -> TestResult {

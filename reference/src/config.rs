@@ -249,8 +249,10 @@ impl RopeScaling {
 }
 
 /// `rope_theta` and the RoPE scaling: in `rope_scaling` (transformers 4, theta at the top level)
-/// or `rope_parameters` (transformers 5, theta inside). Variants other than `default`, `linear`,
-/// `llama3` and `yarn` (and a partial rotary factor) are refused, naming the key.
+/// or `rope_parameters` (transformers 5, theta inside). A theta inside either object wins over
+/// the top level's, as transformers reads it; two objects must agree on both. Variants other
+/// than `default`, `linear`, `llama3` and `yarn` (and a partial rotary factor) are refused,
+/// naming the key.
 fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
     // A factor at the top level too (transformers moves it into `rope_parameters`).
     let full_rotation = |f: &Fields| -> Result<()> {
@@ -263,12 +265,17 @@ fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeSc
     };
     full_rotation(f)?;
     let mut theta = f.opt_f64("rope_theta")?;
+    let mut inner_theta: Option<(&str, f64)> = None;
     let mut scaling = RopeScaling::Default;
     let mut seen: Option<(&str, RopeScaling)> = None;
     for key in ["rope_scaling", "rope_parameters"] {
         let Some(sub) = f.object(key)? else { continue };
-        if key == "rope_parameters" {
-            theta = sub.opt_f64("rope_theta")?.or(theta);
+        if let Some(t) = sub.opt_f64("rope_theta")? {
+            if let Some((first, earlier)) = inner_theta.filter(|&(_, earlier)| earlier != t) {
+                return Err(sub.error("rope_theta", format!("{t} disagrees with `{first}.rope_theta` {earlier}")));
+            }
+            inner_theta = Some((key, t));
+            theta = Some(t);
         }
         full_rotation(&sub)?;
         // The error names the key the file actually uses (`type` in older configs).
@@ -361,9 +368,25 @@ fn parse_rope(f: &Fields, max_position_embeddings: usize) -> Result<(f64, RopeSc
     Ok((theta, scaling))
 }
 
+/// transformers' Qwen3 default of `max_window_layers`.
+const QWEN3_MAX_WINDOW_LAYERS: usize = 28;
+
+/// Each layer's attention: `layer_types`; without it, as transformers' Qwen3 derives them, the
+/// layers from `max_window_layers` (default 28) on slide over `sliding_window` when
+/// `use_sliding_window` is true, and every layer is full otherwise.
 fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
     let Some(types) = f.opt_str_list("layer_types")? else {
-        return Ok(vec![AttnKind::Full; num_layers]);
+        if f.opt_bool("use_sliding_window")? != Some(true) {
+            return Ok(vec![AttnKind::Full; num_layers]);
+        }
+        let window = match f.opt_usize("sliding_window")? {
+            Some(window) if window > 0 => window,
+            _ => return Err(f.error("sliding_window", "use_sliding_window is true but no positive sliding_window is set")),
+        };
+        let from = f.opt_usize("max_window_layers")?.unwrap_or(QWEN3_MAX_WINDOW_LAYERS);
+        return Ok((0..num_layers)
+            .map(|i| if i >= from { AttnKind::Sliding { window } } else { AttnKind::Full })
+            .collect());
     };
     if types.len() != num_layers {
         return Err(

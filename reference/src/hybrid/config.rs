@@ -440,19 +440,23 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<HybridRope> {
         .into_iter()
         .flatten()
         .collect();
+    // The type first: a scaling's own fields (YaRN's `factor`) are then named by their type.
     for sub in &objects {
-        if let Some(unknown) = sub.keys().into_iter().find(|k| !KNOWN.contains(k)) {
-            return Err(sub.error(unknown, "unknown RoPE field (not implemented for the hybrid target)"));
-        }
         for kind_key in ["rope_type", "type"] {
             if let Some(kind) = sub.opt_str(kind_key)? {
                 if kind != "default" && kind != "mrope" {
                     return Err(sub.error(
                         kind_key,
-                        format!("unsupported RoPE type `{kind}` (the hybrid target implements `default` only)"),
+                        format!(
+                            "unsupported RoPE type `{kind}` (the hybrid target implements `default` only: remove a \
+                             long-context scaling block from the config to train at its native length)"
+                        ),
                     ));
                 }
             }
+        }
+        if let Some(unknown) = sub.keys().into_iter().find(|k| !KNOWN.contains(k)) {
+            return Err(sub.error(unknown, "unknown RoPE field (not implemented for the hybrid target)"));
         }
     }
     // Every place a field may be given, the top level first; all that are given must agree.
@@ -674,7 +678,7 @@ mod tests {
     #[test]
     fn bad_or_unknown_rope_fields_are_refused() {
         let cases: [(Value, &str); 9] = [
-            (json!({"rope_type": "yarn", "factor": 4.0}), "rope_parameters.factor`: unknown RoPE field"),
+            (json!({"rope_type": "yarn", "factor": 4.0}), "rope_parameters.rope_type`: unsupported RoPE type `yarn`"),
             (json!({"rope_type": "yarn"}), "rope_parameters.rope_type`: unsupported RoPE type `yarn`"),
             (json!({"type": "linear"}), "rope_parameters.type`: unsupported RoPE type `linear`"),
             (json!({"rope_theta": 1e7, "attention_factor": 1.0}), "rope_parameters.attention_factor`: unknown"),
