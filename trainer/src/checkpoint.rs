@@ -105,6 +105,10 @@ pub struct TrainState {
     pub data_sha256: String,
     /// sha256 of every other file of the checkpoint.
     pub files: BTreeMap<String, String>,
+    /// The processes the run had (`world_size`; absent in checkpoints from before it was kept),
+    /// which `run.toml` leaves out: a resumption on another count sums in other groups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processes: Option<usize>,
 }
 
 /// sha256 of `bytes`, hex.

@@ -72,7 +72,7 @@ impl LoopState {
         Some(ahead.chunks(n.max(1)).map(<[usize]>::to_vec).collect())
     }
 
-    fn to_state(&self, adam_t: i32, config_sha256: String, data_sha256: String) -> TrainState {
+    fn to_state(&self, adam_t: i32, (config_sha256, data_sha256): (String, String), processes: usize) -> TrainState {
         TrainState {
             format: checkpoint::FORMAT,
             step: self.step,
@@ -86,6 +86,7 @@ impl LoopState {
             config_sha256,
             data_sha256,
             files: Default::default(),
+            processes: Some(processes),
         }
     }
 }
@@ -380,6 +381,12 @@ impl<'a> Trainer<'a> {
         };
         let out = &self.inputs.config.out;
         let mut notes = Vec::new();
+        let processes = self.inputs.config.world_size.unwrap_or(1);
+        if let Some(then) = s.processes.filter(|&then| then != processes) {
+            notes.push(format!(
+                "`world_size` changed from {then} to {processes}: the next losses equal the uninterrupted run's within f32 rounding, not bitwise"
+            ));
+        }
         if !self.writes {
             notes.push(format!("resumed from {} at step {}", found.dir.display(), s.step));
             return Ok(notes);
@@ -518,8 +525,8 @@ impl<'a> Trainer<'a> {
                     let started = std::time::Instant::now();
                     let engine_state = engine.state()?;
                     let fetched = started.elapsed().as_secs_f64();
-                    let state =
-                        self.state.to_state(engine_state.t, self.config_sha256.clone(), self.data_sha256.clone());
+                    let hashes = (self.config_sha256.clone(), self.data_sha256.clone());
+                    let state = self.state.to_state(engine_state.t, hashes, c.world_size.unwrap_or(1));
                     let dir = checkpoint::write_checkpoint(
                         &out,
                         self.inputs.draft_config,

@@ -82,6 +82,30 @@ fn resume_is_exact_for_both_engines() {
     }
 }
 
+/// A checkpoint keeps the run's process count (which `run.toml` leaves out); resumed on another
+/// count, the resumption says so and that the losses then agree within f32 rounding only.
+#[test]
+fn a_resumption_on_another_process_count_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(dir.path(), fresh_seed(), 4);
+    c.checkpoint_every = 2;
+    c.world_size = Some(2);
+    let s = setup(&c);
+    {
+        let mut e = engine(&c, &s, StepKind::Host);
+        Trainer::new(inputs(&c, &s)).unwrap().run_steps(&mut e, 2).unwrap();
+    }
+    let found = find_resumable(dir.path()).unwrap();
+    assert_eq!(found.state.processes, Some(2));
+    for (world_size, noted) in [(Some(2), false), (None, true)] {
+        c.world_size = world_size;
+        let mut e = engine(&c, &s, StepKind::Host);
+        let notes = Trainer::new(inputs(&c, &s)).unwrap().resume(&mut e, &found).unwrap();
+        let said = notes.iter().any(|n| n.contains("`world_size` changed from 2 to 1") && n.contains("f32 rounding"));
+        assert_eq!(said, noted, "{world_size:?}: {notes:?}");
+    }
+}
+
 /// A checkpoint of format 1 (the training state beside the servable files) resumes as one of
 /// the current format: bitwise the same next losses.
 #[test]
