@@ -12,9 +12,11 @@ pub const PEAK_FLOPS: f64 = 989e12;
 
 /// How [`step_model_flops`] counts.
 pub const STEP_FLOP_CONVENTION: &str =
-    "model FLOPs of one step, no recompute: each trainable linear 3 x 2*rows*in*out \
-    (forward, input and weight gradients); fc 2 x (features need no gradient); the frozen LM head 2 x over the \
-    rows with CE weight; attention 3.5 x 4*head_dim*heads*allowed pairs per layer. MFU = FLOPs / (time x 989 TFLOP/s)";
+    "model FLOPs of one step over the rows' document tokens and kept blocks (padding is not counted), no \
+    checkpointing recompute: each trainable linear 3 x 2*rows*in*out (forward, input and weight gradients); fc 2 x \
+    (features need no gradient); the frozen LM head 2 x over the rows with CE weight; attention 3.5 x \
+    4*head_dim*heads*allowed pairs per layer (FlashAttention's count: its backward recomputes the scores). \
+    MFU = FLOPs / (time x 989 TFLOP/s)";
 
 /// How [`target_forward_flops`] counts.
 pub const TARGET_FLOP_CONVENTION: &str =

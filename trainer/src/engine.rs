@@ -945,11 +945,14 @@ impl<B: Backend> DeviceEngine<B> {
 /// The backend's accumulation type (fp32 on the GPU).
 type Acc<B> = <<B as Backend>::Elem as Elem>::Acc;
 
-/// Model FLOPs of the drafter's step on `p` (its weighted rows and allowed attention pairs).
+/// Model FLOPs of the drafter's step on `p`: its document tokens and kept blocks (padding is no
+/// model work), weighted rows and allowed attention pairs.
 fn step_flops(config: &DraftConfig, p: &PreparedRow) -> Result<f64> {
+    let layout = &p.input.layout;
+    let tokens = layout.doc_ids.as_ref().map_or(layout.context_len, |d| d.iter().filter(|&&id| id >= 0).count());
     let shape = StepShape {
-        context_len: p.input.layout.context_len,
-        num_anchors: p.input.layout.anchors.len(),
+        context_len: tokens,
+        num_anchors: layout.keep.iter().filter(|&&k| k).count(),
         lm_chunk_rows: 1,
     };
     let weighted = p.targets.weights.iter().filter(|&&w| w > 0.0).count();
@@ -1191,4 +1194,36 @@ fn upload_moments<B: Backend>(step: &DrafterStep<B>, adam: &mut DeviceAdamW, sta
     }
     adam.set_step_count(state.t);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row's padding (tail tokens of document -1, blocks kept false) adds no model FLOPs: the
+    /// same document with and without it, anchored alike, counts the same.
+    #[test]
+    fn padding_is_no_model_work() {
+        let config = crate::builtin::draft_config(&crate::config::RunConfig::builtin());
+        let width = config.num_features() * config.dims.hidden_size;
+        let mut rng = ChaCha8Rng::seed_from_u64(rand::random());
+        let (len, pad) = (rand::Rng::random_range(&mut rng, 24..48), rand::Rng::random_range(&mut rng, 1..16));
+        let row = |pad: usize| {
+            let s = len + pad;
+            let tokens = (0..s).map(|i| (i * 7 % 90) as u32).collect();
+            let loss_mask = (0..s).map(|i| (4..len).contains(&i)).collect();
+            let doc_ids = Some((0..s).map(|i| if i < len { 0 } else { -1 }).collect());
+            let positions = (0..s).map(|i| if i < len { i } else { 0 }).collect();
+            let features = Tensor::randn(0f32, 1.0, (s, width), &candle_core::Device::Cpu).unwrap();
+            TrainRow { tokens, loss_mask, doc_ids, positions, features }
+        };
+        let flops = |pad: usize, seed: u64| {
+            let mut draw = ChaCha8Rng::seed_from_u64(seed);
+            let prepared = PreparedRow::new(&row(pad), 64, config.block_size, 7.0, &mut draw).unwrap();
+            assert!(prepared.input.layout.keep.iter().any(|&k| !k), "blocks of padding expected");
+            step_flops(&config, &prepared).unwrap()
+        };
+        let seed = rand::random();
+        assert_eq!(flops(pad, seed), flops(0, seed), "{len} tokens and {pad} of padding");
+    }
 }
