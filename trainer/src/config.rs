@@ -547,12 +547,10 @@ impl RunConfig {
 
     /// Whether the step sums gradients in an fp32 accumulator on its device: several rows per
     /// update, or a run of workers (several drafter workers, target workers feeding them, or
-    /// several processes), whose gradients go through a reduction group.
-    pub fn accumulates_gradients(&self) -> bool {
-        self.rows_per_update() > 1
-            || self.drafter_workers > 1
-            || self.target_workers > 0
-            || self.world_size.unwrap_or(1) > 1
+    /// several processes: `world_size`, the launch's, from options or torchrun's variables),
+    /// whose gradients go through a reduction group.
+    pub fn accumulates_gradients(&self, world_size: usize) -> bool {
+        self.rows_per_update() > 1 || self.drafter_workers > 1 || self.target_workers > 0 || world_size > 1
     }
 
     /// Optimizer steps of the run over `train_rows` rows: `steps`, or `epochs` worth of rows.

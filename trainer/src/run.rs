@@ -334,6 +334,9 @@ pub struct RunSummary {
     /// them (`StepOutcome::waits`, summed).
     pub step_seconds: f64,
     pub waits: Option<(f64, f64)>,
+    /// The held-out evaluation (and real tau) the loop made after the last step, when it made
+    /// one: the run's final figures, not measured twice.
+    pub final_eval: Option<(dflash_reference::eval::EvalReport, Option<f64>)>,
 }
 
 impl<'a> Trainer<'a> {
@@ -517,6 +520,9 @@ impl<'a> Trainer<'a> {
                         None => None,
                     };
                     reporter.eval(step, e.loss, &e.accuracy, e.tau_hat, tau)?;
+                    if done == total {
+                        summary.final_eval = Some((e, tau));
+                    }
                 }
                 let checkpoint_now =
                     (c.checkpoint_every > 0 && done.is_multiple_of(c.checkpoint_every)) || done == total;

@@ -695,7 +695,7 @@ fn real_run(
             device_bytes: h200,
             beside: decoders,
             policies: &policies,
-            accumulate: config.accumulates_gradients(),
+            accumulate: config.accumulates_gradients(launch.world_size),
         };
         let chosen = match t {
             _ if config.features.is_some() => crate::plan::print_offline_plan(d, &run)?,
@@ -962,8 +962,11 @@ fn real_run(
     if launch.rank > 0 {
         return follower_end(launch, &summary, started);
     }
-    let eval_after = eval(engine.as_mut())?;
-    let tau_after = tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?;
+    // The loop's evaluation after the last step when it made one (the same evaluator and probe).
+    let (eval_after, tau_after) = match summary.final_eval.clone() {
+        Some((report, tau_after)) => (Some(report), tau_after),
+        None => (eval(engine.as_mut())?, tau.map(|t| t(engine.drafter()?)).transpose().map_err(err)?),
+    };
     let held_summary = eval_before.as_ref().zip(eval_after.as_ref()).map(|(b, a)| (held.len(), b, a));
     let (final_dir, svg) = report_end(&config, d, engine.as_mut(), &summary, held_summary)?;
     if let (Some(before), Some(after)) = (tau_before, tau_after) {
@@ -1285,7 +1288,8 @@ fn check_fits(
         false => ("the embedding table", dflash_optimized::memory::table_bytes(&d.dims, widths.0)),
     };
     let policy = *config.checkpointing.policies().last().expect("a policy");
-    let optimizer = OptimizerShape::whole(StepDims::new(d, shape).map_err(err)?.params, config.accumulates_gradients());
+    let accumulate = config.accumulates_gradients(launch.world_size);
+    let optimizer = OptimizerShape::whole(StepDims::new(d, shape).map_err(err)?.params, accumulate);
     let step = StepLayout::with_head(d, shape, policy, Some(optimizer), widths, !online).map_err(err)?.total_bytes();
     let decoders = match tau_context.filter(|_| launch.rank == 0) {
         Some(context) => dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths).map_err(err)?,
@@ -1301,7 +1305,13 @@ fn check_fits(
         }
         _ => ("the CPU".to_string(), dflash_optimized::backend::host::host_available_bytes().unwrap_or(u64::MAX)),
     };
-    if need <= free {
+    // On a GPU, room for what no plan item holds (cuBLAS's workspaces, NCCL's buffers, the
+    // driver's rounding), as the policy choice leaves it.
+    let headroom = match config.step {
+        StepKind::Gpu => dflash_optimized::memory::step::POLICY_HEADROOM,
+        _ => 0,
+    };
+    if need.saturating_add(headroom) <= free {
         return Ok(());
     }
     let size = metrics::size_text;
@@ -1313,14 +1323,15 @@ fn check_fits(
         ));
     }
     Err(format!(
-        "memory: the run needs at least {} on {device}, which has {} free: {fixed_name} {}, the step under its most frugal policy ({}) {}{}{}; lower --max-len or --anchors{}{}",
-        size(need),
+        "memory: the run needs at least {} on {device}, which has {} free: {fixed_name} {}, the step under its most frugal policy ({}) {}{}{}{}; lower --max-len or --anchors{}{}",
+        size(need.saturating_add(headroom)),
         size(free),
         size(fixed),
         policy.name(),
         size(step),
         if copies > 1 { format!(", both for each of {copies} drafter workers") } else { String::new() },
         if decoders > 0 { format!(", the real tau's decoders {}", size(decoders)) } else { String::new() },
+        if headroom > 0 { format!(", {} to spare for cuBLAS, NCCL and the driver", size(headroom)) } else { String::new() },
         if decoders > 0 { ", or --tau-prompts 0" } else { "" },
         if policy != Checkpointing::PerLayer { ", or --checkpointing per-layer" } else { "" },
     ))

@@ -529,6 +529,18 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
     assert!(!planned.join("metrics.jsonl").exists(), "--plan trained");
+    // One row per update: AdamW reads the step's own gradients; several processes (torchrun's
+    // variables alone) sum them in an fp32 accumulator, which the plan then holds.
+    let accumulates = |env: &[(&str, &str)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+        c.args(real_args(&target, &cache, &planned, &["--plan", "--step", "gpu", "--rows-per-step", "1"]));
+        c.envs(env.iter().copied());
+        let result = c.output().unwrap();
+        assert!(result.status.success(), "{env:?}: {}", text(&result.stderr));
+        text(&result.stdout).contains("accumulated gradients (fp32)")
+    };
+    let torchrun = [("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")];
+    assert_eq!((accumulates(&[]), accumulates(&torchrun)), (false, true));
     // With the AdamW state sharded over 2 drafter GPUs: per worker the whole accumulated
     // gradients (4 bytes per parameter) and half the masters and moments (12 / 2), against 16.
     let extra = ["--plan", "--step", "gpu", "--gpus", "0,1", "--drafter-workers", "2", "--shard-optimizer", "yes"];
@@ -1487,3 +1499,4 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
     let stderr = text(&result.stderr);
     assert!(!result.status.success() && stderr.contains("both for each of 2 drafter workers"), "{stderr}");
 }
+
