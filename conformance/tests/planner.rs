@@ -6,7 +6,7 @@
 use dflash_optimized::memory::failure::failure_modes;
 use dflash_optimized::memory::named::named_configs;
 use dflash_optimized::memory::step::{
-    plan_step, Checkpointing, MemoryPlan, OptimizerShape, StepDims, StepLayout, StepShape,
+    optimizer_shard, plan_step, Checkpointing, MemoryPlan, OptimizerShape, StepDims, StepLayout, StepShape,
 };
 use dflash_optimized::memory::{Lifetime, Region, ALIGN, BF16, F32};
 use rstest::rstest;
@@ -24,7 +24,9 @@ fn named_plans_snapshot() {
         out.push_str(&format!("== {}\n", p.name));
         for policy in Checkpointing::ALL {
             out.push_str(&format!("-- {}\n", policy.name()));
-            out.push_str(&plan_step(&p.config, p.shape, policy, false, true).expect("plan").render(device_bytes()));
+            out.push_str(
+                &plan_step(&p.config, p.shape, policy, false, (true, 1)).expect("plan").render(device_bytes()),
+            );
         }
         let fm = failure_modes(&p.config, p.shape, 256).expect("failure modes");
         out.push_str(&format!(
@@ -43,7 +45,7 @@ fn plan_items_add_up_and_policies_order() {
     for p in named_configs() {
         let plans: Vec<_> = Checkpointing::ALL
             .iter()
-            .map(|&policy| plan_step(&p.config, p.shape, policy, false, true).expect("plan"))
+            .map(|&policy| plan_step(&p.config, p.shape, policy, false, (true, 1)).expect("plan"))
             .collect();
         for plan in &plans {
             let outside: u64 = plan.persistent.iter().chain(&plan.saved).chain(&plan.transient).map(|i| i.bytes).sum();
@@ -197,7 +199,7 @@ fn absurd_configs_are_clear_errors(
     }
     let shape = StepShape { context_len: seq, num_anchors: anchors, lm_chunk_rows: 1024 };
     for policy in Checkpointing::ALL {
-        let err = plan_step(&config, shape, policy, false, true).expect_err(what).to_string();
+        let err = plan_step(&config, shape, policy, false, (true, 1)).expect_err(what).to_string();
         assert!(err.contains(needle), "{what}: `{needle}` missing from: {err}");
         // The failure modes are computed in checked arithmetic too: an error or a value, never a panic.
         let _ = failure_modes(&config, shape, 256);
@@ -221,7 +223,7 @@ fn qwen3_8b_target_and_its_drafter_fit_one_h200() {
     assert!(names.iter().any(|n| n.contains("LM head")), "the target holds the shared LM head: {names:?}");
     let shape = StepShape { context_len: 3072, num_anchors: 512, lm_chunk_rows: 1024 };
     for policy in Checkpointing::ALL {
-        let plan = plan_step(&drafter, shape, policy, true, true).expect("plan");
+        let plan = plan_step(&drafter, shape, policy, true, (true, 1)).expect("plan");
         assert!(plan.persistent.iter().all(|i| i.name != "frozen LM head"), "a second LM head is planned");
         let total = layout.total_bytes().expect("bytes") + plan.peak;
         assert!(total <= device_bytes(), "{policy:?}: {:.2} GB does not fit", total as f64 / 1e9);
@@ -261,7 +263,7 @@ fn the_27b_hybrid_and_its_drafter_fit_one_h200_at_4096() {
         StepShape { context_len: 4096, num_anchors: 512, lm_chunk_rows: 1024 },
         Checkpointing::PerLayer,
         true,
-        true,
+        (true, 1),
     )
     .expect("step");
     let total = plan.bytes + step.peak;
@@ -318,8 +320,8 @@ fn a_sharded_optimizer_state_divides_its_memory_by_the_workers() {
 fn one_row_per_update_plans_no_accumulator() {
     for p in named_configs() {
         for policy in Checkpointing::ALL {
-            let with = plan_step(&p.config, p.shape, policy, false, true).expect("plan");
-            let without = plan_step(&p.config, p.shape, policy, false, false).expect("plan");
+            let with = plan_step(&p.config, p.shape, policy, false, (true, 1)).expect("plan");
+            let without = plan_step(&p.config, p.shape, policy, false, (false, 1)).expect("plan");
             let params = StepDims::new(&p.config, p.shape).expect("dims").params as u64;
             let named = |plan: &MemoryPlan, name: &str| {
                 plan.persistent.iter().filter(|i| i.name.starts_with(name)).map(|i| i.bytes).sum::<u64>()
@@ -335,6 +337,32 @@ fn one_row_per_update_plans_no_accumulator() {
                 policy.name()
             );
             assert_eq!(with.persistent.len(), without.persistent.len() + 1, "{}: one item more", p.name);
+        }
+    }
+}
+
+/// The optimizer's state sharded over W workers: a worker's plan holds the largest shard's
+/// masters and moments (12 bytes per parameter of `optimizer_shard(P, 0, W)`, up to ALIGN of
+/// padding each) and the whole accumulator; nothing else changes (the peak falls by as much).
+#[test]
+fn a_sharded_plan_holds_the_largest_shard() {
+    for p in named_configs() {
+        let params = StepDims::new(&p.config, p.shape).expect("dims").params;
+        for workers in [2, 3, 8] {
+            let whole = plan_step(&p.config, p.shape, Checkpointing::PerLayer, false, (true, 1)).expect("plan");
+            let shard = plan_step(&p.config, p.shape, Checkpointing::PerLayer, false, (true, workers)).expect("plan");
+            let named = |plan: &MemoryPlan, name: &str| {
+                plan.persistent.iter().filter(|i| i.name.starts_with(name)).map(|i| i.bytes).sum::<u64>()
+            };
+            let (lo, hi) = optimizer_shard(params, 0, workers);
+            let state = |plan: &MemoryPlan| named(plan, "master weights") + named(plan, "AdamW moments");
+            let want = 12 * (hi - lo) as u64;
+            assert!(state(&shard) >= want && state(&shard) < want + 3 * ALIGN, "{} over {workers}", p.name);
+            let acc = "accumulated gradients";
+            assert_eq!(named(&shard, acc), named(&whole, acc), "{}: the accumulator stays whole", p.name);
+            // The items' placement pads each to ALIGN: the peak falls by the state's bytes, to that.
+            let (fell, freed) = (whole.peak - shard.peak, state(&whole) - state(&shard));
+            assert!(fell.abs_diff(freed) < 3 * ALIGN, "{} over {workers}: {fell} vs {freed}", p.name);
         }
     }
 }

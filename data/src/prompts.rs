@@ -56,7 +56,10 @@ pub fn read_prompts(tok: &TargetTokenizer, files: &[PathBuf], opts: &RenderOptio
             }
         }
         if prompts.len() == before {
-            return Err(Error::option("prompts", format!("no prompt in {} (empty, or only blank lines)", file.display())));
+            return Err(Error::option(
+                "prompts",
+                format!("no prompt in {} (empty, or only blank lines)", file.display()),
+            ));
         }
     }
     Ok(prompts)

@@ -381,7 +381,11 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
         }
         let window = match f.opt_usize("sliding_window")? {
             Some(window) if window > 0 => window,
-            _ => return Err(f.error("sliding_window", "use_sliding_window is true but no positive sliding_window is set")),
+            _ => {
+                return Err(
+                    f.error("sliding_window", "use_sliding_window is true but no positive sliding_window is set")
+                )
+            }
         };
         let from = f.opt_usize("max_window_layers")?.unwrap_or(QWEN3_MAX_WINDOW_LAYERS);
         return Ok((0..num_layers)

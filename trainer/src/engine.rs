@@ -950,11 +950,8 @@ type Acc<B> = <<B as Backend>::Elem as Elem>::Acc;
 fn step_flops(config: &DraftConfig, p: &PreparedRow) -> Result<f64> {
     let layout = &p.input.layout;
     let tokens = layout.doc_ids.as_ref().map_or(layout.context_len, |d| d.iter().filter(|&&id| id >= 0).count());
-    let shape = StepShape {
-        context_len: tokens,
-        num_anchors: layout.keep.iter().filter(|&&k| k).count(),
-        lm_chunk_rows: 1,
-    };
+    let shape =
+        StepShape { context_len: tokens, num_anchors: layout.keep.iter().filter(|&&k| k).count(), lm_chunk_rows: 1 };
     let weighted = p.targets.weights.iter().filter(|&&w| w > 0.0).count();
     // The allowed pairs of each distinct layer kind, counted once (full layers share one plan).
     let mut per_kind: Vec<(dflash_reference::config::AttnKind, u64)> = Vec::new();

@@ -153,7 +153,9 @@ pub enum Replace {
 /// that two runs never write one folder at once (a run resumed while the one before still runs).
 pub fn lock_out(out: &std::path::Path) -> Result<()> {
     dflash_data::lock::lock_folder(out, "out").map_err(|e| match e {
-        dflash_data::Error::Option { message, .. } => Error::option("out", format!("{message}, or choose another --out")),
+        dflash_data::Error::Option { message, .. } => {
+            Error::option("out", format!("{message}, or choose another --out"))
+        }
         other => Error::option("out", other.to_string()),
     })
 }

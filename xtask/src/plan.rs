@@ -110,7 +110,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         // Every size is checked: an absurd config is an error naming its field, before any output.
         let plans = Checkpointing::ALL
             .iter()
-            .map(|&policy| Ok((policy, plan_step(&config, shape, policy, false, ONE_ROW_ACCUMULATES)?)))
+            .map(|&policy| Ok((policy, plan_step(&config, shape, policy, false, (ONE_ROW_ACCUMULATES, 1))?)))
             .collect::<dflash_optimized::Result<Vec<_>>>()
             .map_err(|e| format!("{name}: {e}"))?;
         let fm = failure_modes(&config, shape, chunk_rows).map_err(|e| format!("{name}: {e}"))?;
@@ -139,7 +139,14 @@ const ONE_ROW_ACCUMULATES: bool = false;
 
 /// `xtask plan --target`'s plan: every policy at `shape` on one device of `device_bytes`.
 fn every_policy(shape: StepShape, device_bytes: u64) -> PlanFor<'static> {
-    PlanFor { shape, device_bytes, beside: 0, policies: &Checkpointing::ALL, accumulate: ONE_ROW_ACCUMULATES }
+    PlanFor {
+        shape,
+        device_bytes,
+        beside: 0,
+        policies: &Checkpointing::ALL,
+        accumulate: ONE_ROW_ACCUMULATES,
+        shards: 1,
+    }
 }
 
 /// The target's forward and its drafter's step on one GPU: each itemised, then the sum per policy.
@@ -196,6 +203,8 @@ pub struct PlanFor<'a> {
     pub beside: u64,
     pub policies: &'a [Checkpointing],
     pub accumulate: bool,
+    /// Drafter workers the optimizer's state is sharded over (1: each holds the whole).
+    pub shards: usize,
 }
 
 /// An offline run's step (from a feature cache: no target on the device) under each policy of
@@ -291,10 +300,10 @@ fn print_steps(
     what: &str,
 ) -> Result<Option<Checkpointing>, String> {
     let (shape, device_bytes, beside) = (run.shape, run.device_bytes, run.beside);
-    let (policies, accumulate) = (run.policies, run.accumulate);
+    let (policies, optimizer) = (run.policies, (run.accumulate, run.shards));
     let mut chosen = None;
     for &policy in policies {
-        let plan = plan_step(config, shape, policy, shared_head, accumulate).map_err(|e| e.to_string())?;
+        let plan = plan_step(config, shape, policy, shared_head, optimizer).map_err(|e| e.to_string())?;
         println!(
             "-- drafter step ({} policy, S={} N={}, {}):",
             policy.name(),
@@ -358,10 +367,11 @@ fn print_topology(
 ) -> Result<(), String> {
     let frugal = *run.policies.last().expect("a policy");
     // A drafter worker beside target workers keeps the gradient accumulator.
-    let step = plan_step(draft, run.shape, frugal, false, true).map_err(|e| e.to_string())?.peak;
+    let step = plan_step(draft, run.shape, frugal, false, (true, run.shards)).map_err(|e| e.to_string())?.peak;
     let tables = table_bytes(&draft.dims, dflash_optimized::memory::BF16);
     let drafter_alone = step.saturating_add(tables).saturating_add(POLICY_HEADROOM) <= run.device_bytes;
-    let shared = plan_step(draft, run.shape, frugal, true, run.accumulate).map_err(|e| e.to_string())?.peak;
+    let shared =
+        plan_step(draft, run.shape, frugal, true, (run.accumulate, run.shards)).map_err(|e| e.to_string())?.peak;
     let without_decoders = target_bytes.saturating_add(shared).saturating_add(POLICY_HEADROOM) <= run.device_bytes;
     if chosen.is_some() {
         println!("topology: one GPU holds both (the single-GPU trainer); more GPUs add data-parallel pairs");
@@ -402,7 +412,7 @@ pub fn print_hybrid_plan(
     run: &PlanFor,
 ) -> Result<Option<Checkpointing>, String> {
     let (shape, device_bytes, beside) = (run.shape, run.device_bytes, run.beside);
-    let (policies, accumulate) = (run.policies, run.accumulate);
+    let (policies, optimizer) = (run.policies, (run.accumulate, run.shards));
     use dflash_optimized::memory::hybrid::HybridTargetPlan;
     use dflash_optimized::memory::{BF16, F32};
     let err = |e: dflash_optimized::Error| e.to_string();
@@ -435,7 +445,7 @@ pub fn print_hybrid_plan(
     );
     let mut chosen = None;
     for &policy in policies {
-        let step = plan_step(draft, shape, policy, true, accumulate).map_err(err)?;
+        let step = plan_step(draft, shape, policy, true, optimizer).map_err(err)?;
         let total = plan.bytes.saturating_add(step.peak).saturating_add(beside);
         let fits = total <= device_bytes;
         if chosen.is_none() && total.saturating_add(POLICY_HEADROOM) <= device_bytes {

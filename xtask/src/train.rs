@@ -37,8 +37,8 @@ use dflash_trainer::plan::Plan;
 use dflash_trainer::real::{self, RealSetup};
 use dflash_trainer::rows::{RowFeatures, RowSource};
 use dflash_trainer::run::{
-    check_fresh_out, check_resumable, check_resume_config, lock_out, prepare_fresh_out, Replace, RunInputs, RunSummary, TauProbe,
-    Trainer,
+    check_fresh_out, check_resumable, check_resume_config, lock_out, prepare_fresh_out, Replace, RunInputs, RunSummary,
+    TauProbe, Trainer,
 };
 
 use crate::eval::{cached_decoders, CachedDecoder};
@@ -696,6 +696,7 @@ fn real_run(
             beside: decoders,
             policies: &policies,
             accumulate: config.accumulates_gradients(launch.world_size),
+            shards: if config.shard_optimizer { config.drafter_workers } else { 1 },
         };
         let chosen = match t {
             _ if config.features.is_some() => crate::plan::print_offline_plan(d, &run)?,

@@ -114,7 +114,10 @@ fn the_cache_holds_every_document_with_the_reference_features() {
     c.args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap(), "--export-documents", "moe.jsonl"]);
     let refused = run(c);
     let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success() && stderr.contains("Qwen3MoeForCausalLM") && stderr.contains("train --features"), "{stderr}");
+    assert!(
+        !refused.status.success() && stderr.contains("Qwen3MoeForCausalLM") && stderr.contains("train --features"),
+        "{stderr}"
+    );
     assert!(!tmp.path().join("moe.jsonl").exists());
 }
 
@@ -155,7 +158,10 @@ fn a_killed_run_resumes_to_the_same_cache_and_bad_caches_are_named() {
     // Another shard size: refused, naming both sizes.
     let out = run(command(&target, &resumed, &data, &["--shard-gb", "0.00003"]));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("shard_bytes (--shard-gb) 20000 in the cache, 30000 now"), "{stderr}");
+    assert!(
+        !out.status.success() && stderr.contains("shard_bytes (--shard-gb) 20000 in the cache, 30000 now"),
+        "{stderr}"
+    );
     // A cache another writer holds (its lock taken here): refused, naming the holder; the
     // user's own `.tmp` files in the folder are never touched.
     std::fs::write(resumed.join("notes.tmp"), "mine").unwrap();

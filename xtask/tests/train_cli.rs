@@ -1499,4 +1499,3 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
     let stderr = text(&result.stderr);
     assert!(!result.status.success() && stderr.contains("both for each of 2 drafter workers"), "{stderr}");
 }
-

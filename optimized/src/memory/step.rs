@@ -606,17 +606,20 @@ pub struct MemoryPlan {
 }
 
 /// The plan of one training step on the GPU (bf16 storage, fp32 arithmetic, with the optimizer's
-/// whole state and, when `accumulate`, its gradient accumulator: several rows per update or
-/// several workers) of `config` at `shape` under `policy`, holding its own LM head unless
-/// `shared_head` (the target's forward on the same GPU holds it).
+/// state, its largest shard over `shards` workers (1: the whole), and, when `accumulate`, its
+/// gradient accumulator: several rows per update or several workers) of `config` at `shape`
+/// under `policy`, holding its own LM head unless `shared_head` (the target's forward on the
+/// same GPU holds it).
 pub fn plan_step(
     config: &DraftConfig,
     shape: StepShape,
     policy: Checkpointing,
     shared_head: bool,
-    accumulate: bool,
+    (accumulate, shards): (bool, usize),
 ) -> Result<MemoryPlan> {
-    let optimizer = OptimizerShape::whole(StepDims::new(config, shape)?.params, accumulate);
+    let params = StepDims::new(config, shape)?.params;
+    // The first shard is the largest.
+    let optimizer = OptimizerShape { shard: optimizer_shard(params, 0, shards.max(1)), accumulate };
     Ok(StepLayout::with_head(config, shape, policy, Some(optimizer), (super::BF16, F32), !shared_head)?.plan())
 }
 
