@@ -26,3 +26,23 @@ pub fn fixtures_dir() -> PathBuf {
         false => PathBuf::from("fixtures"),
     }
 }
+
+/// A command line of `base` then `extra`, without the options of `base` that `extra` gives again
+/// (`--max-len` and `--max_len` alike; `--data`, which adds files, is kept): the CLIs refuse an
+/// option given twice, and a test's extra options replace its defaults.
+pub fn cli_args<S: AsRef<str>>(base: &[S], extra: &[&str]) -> Vec<String> {
+    let name = |arg: &str| arg.strip_prefix("--").map(|n| n.replace('-', "_"));
+    let replaced: Vec<String> = extra.iter().filter_map(|a| name(a)).filter(|n| n != "data").collect();
+    let mut out = Vec::new();
+    let mut keep = true;
+    for arg in base.iter().map(AsRef::as_ref) {
+        if let Some(n) = name(arg) {
+            keep = !replaced.contains(&n);
+        }
+        if keep {
+            out.push(arg.to_string());
+        }
+    }
+    out.extend(extra.iter().map(|a| a.to_string()));
+    out
+}

@@ -173,6 +173,26 @@ fn a_broken_target_folder_is_an_error_naming_the_file(
     assert_names(&err, names);
 }
 
+/// A tokenizer whose ids have a gap (a vocabulary entry past the others): its ids end one past
+/// the largest id, not at its count of tokens, and a `vocab_size` below that largest id is
+/// refused.
+#[test]
+fn the_tokenizers_ids_end_past_its_largest_id() {
+    let dir = copy_tokenizer("tokenizer-qwen");
+    let file = dir.path().join("tokenizer.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let before = TargetTokenizer::load(dir.path()).expect("loads").ids_end as u64;
+    let gap = before + rand::random_range(2..20);
+    json["model"]["vocab"]["zzgap"] = gap.into();
+    std::fs::write(&file, json.to_string()).unwrap();
+    let loaded = TargetTokenizer::load(dir.path()).expect("loads");
+    assert!((loaded.tokenizer.get_vocab_size(true) as u64) < gap, "a count below the largest id");
+    assert_eq!(loaded.ids_end as u64, gap + 1);
+    write(dir.path(), "config.json", format!("{{\"vocab_size\": {gap}}}").as_bytes());
+    let err = expect_error(TargetTokenizer::load(dir.path()));
+    assert_names(&err, &["tokenizer.json", &format!("ids up to {gap}"), &format!("vocab_size {gap}")]);
+}
+
 /// `chat_template.jinja` takes priority over the config's `chat_template`, as transformers loads
 /// them: its template is the one rendered, and a broken one is an error naming it (never quietly
 /// replaced by the config's).

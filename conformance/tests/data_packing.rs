@@ -336,8 +336,17 @@ mod pipeline {
             packing: false,
             ..DataOptions::new(tmp.path().join("c"))
         };
-        let data = Dataset::prepare(&tokenizer(), &[train], &opts).expect("prepare");
-        assert_eq!((data.train.len(), data.held_out.len()), (3, 1));
+        let data = Dataset::prepare(&tokenizer(), std::slice::from_ref(&train), &opts).expect("prepare");
+        assert_eq!((data.train.len(), data.held_out.len(), data.held_out_duplicates), (3, 1, 0));
+        // A held-out file holding a conversation of the data: that conversation is never trained
+        // on (its copies neither); held-out files holding every one of them are refused.
+        let mixed = write(&tmp.path().join("mixed.jsonl"), &format!("{CHAT}\n{SHAREGPT}\n{CHAT}\n"), false);
+        let eval = write(&tmp.path().join("eval2.jsonl"), &format!("{CHAT}\n"), false);
+        let opts = DataOptions { held_out: HeldOut::Files(vec![eval]), ..opts };
+        let data = Dataset::prepare(&tokenizer(), &[mixed], &opts).expect("prepare");
+        assert_eq!((data.train.len(), data.held_out.len(), data.held_out_duplicates), (1, 1, 2));
+        let err = Dataset::prepare(&tokenizer(), &[train], &opts).err().expect("no training document").to_string();
+        assert!(err.contains("every document of the data files (3) is also in the held-out files"), "{err}");
     }
 
     /// The held-out fraction is of conversations: the documents of a conversation made one per

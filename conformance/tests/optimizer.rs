@@ -58,7 +58,9 @@ fn global_norm(grads: &[Tensor]) -> f64 {
 
 /// Proves the schedule for many run lengths: linear warmup `peak*(s+1)/w` over
 /// `w = ceil(4% of steps)` steps reaching the peak, then a cosine from the peak to 0 at the
-/// last step that never increases; never negative, never above the peak.
+/// last step that never increases (0 at the last step whenever one follows the warmup, a single
+/// one too); never negative, never above the peak. A fraction whose product rounds above an
+/// integer (7% of 100 = 7.000000000000001) warms up over that integer.
 #[test]
 fn lr_warmup_then_cosine() {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -93,6 +95,9 @@ fn lr_warmup_then_cosine() {
                 lrs[s]
             );
         }
+        if total > warmup {
+            assert_eq!(lrs[total - 1], 0.0, "total {total}: the last step's lr");
+        }
         if total >= warmup + 2 {
             // A cosine from the peak at step `warmup` to 0 at step `total - 1`.
             let span = (total - 1 - warmup) as f64;
@@ -110,6 +115,12 @@ fn lr_warmup_then_cosine() {
             }
             assert!(lrs[total - 1] <= tol * peak, "total {total}: last lr {} is not ~0", lrs[total - 1]);
         }
+    }
+    for (frac, total, warmup) in [(0.07, 100, 7), (0.07, 300, 21), (0.04, 2501, 101), (0.1, 30, 3)] {
+        let peak = rng.random_range(1e-5..1e-1);
+        let top = lr_at(warmup - 1, total, peak, frac);
+        assert!((top - peak).abs() <= tol * peak, "{frac} of {total}: {top}, not the peak, at step {}", warmup - 1);
+        assert!(lr_at(warmup - 2, total, peak, frac) < peak, "{frac} of {total}: warmup ends at step {}", warmup - 1);
     }
 }
 

@@ -97,6 +97,9 @@ pub struct Dataset {
     pub seed: u64,
     /// Whether this run tokenized (false: the cache was reused).
     pub tokenized: bool,
+    /// Documents of the data files left out of training because a held-out file holds the same
+    /// conversation (held-out figures would otherwise measure rows the drafter trained on).
+    pub held_out_duplicates: usize,
 }
 
 impl Dataset {
@@ -165,10 +168,18 @@ impl Dataset {
                 cache.stats.skip_summary()
             )));
         }
-        let (train, held_out): (Vec<usize>, Vec<usize>) = match &opts.held_out {
+        let (mut train, held_out): (Vec<usize>, Vec<usize>) = match &opts.held_out {
             HeldOut::Fraction(f) => (0..cache.len()).partition(|&i| !held_out(cache.content_of(i), *f, opts.seed)),
             HeldOut::Files(_) => (0..cache.len()).partition(|&i| (cache.file_of(i) as usize) < files.len()),
         };
+        // A conversation in a held-out file is never trained on (a split copied out of the data
+        // without trimming it): by content, as the fraction's split keeps a conversation whole.
+        let held: std::collections::HashSet<u64> = held_out.iter().map(|&i| cache.content_of(i)).collect();
+        let before = train.len();
+        if matches!(opts.held_out, HeldOut::Files(_)) {
+            train.retain(|&i| !held.contains(&cache.content_of(i)));
+        }
+        let held_out_duplicates = before - train.len();
         if let (HeldOut::Files(held_files), true) = (&opts.held_out, held_out.is_empty()) {
             let names: Vec<String> = held_files.iter().map(|f| f.display().to_string()).collect();
             return Err(Error::option(
@@ -182,6 +193,9 @@ impl Dataset {
                     "every document is held out ({} conversations, each held out with probability `held_out`): more data, a smaller fraction, or a held-out file",
                     cache.stats.conversations
                 ),
+                HeldOut::Files(_) if held_out_duplicates > 0 => format!(
+                    "every document of the data files ({held_out_duplicates}) is also in the held-out files"
+                ),
                 HeldOut::Files(_) => "the data files hold no document; only the held-out files do".into(),
             }));
         }
@@ -190,7 +204,7 @@ impl Dataset {
         } else {
             Packing::OnePerRow
         };
-        Ok(Dataset { cache, train, held_out, packing, seed: opts.seed, tokenized })
+        Ok(Dataset { cache, train, held_out, packing, seed: opts.seed, tokenized, held_out_duplicates })
     }
 
     /// The stats of the tokenizing pass.

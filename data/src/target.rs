@@ -23,6 +23,8 @@ pub struct TargetTokenizer {
     pub template: Option<ChatTemplate>,
     /// Ids must be below this (the target's embedding rows).
     pub vocab_size: usize,
+    /// One past the largest id the tokenizer has (its base and added tokens).
+    pub ids_end: usize,
     /// The id padding tokens get in packed rows: `pad_token`, else `eos_token`, else 0.
     pub pad_id: u32,
     /// The end-of-turn ids a supervised assistant turn ends with: `eos_token`'s and those of
@@ -140,7 +142,8 @@ impl TargetTokenizer {
             .map(|(source, file)| ChatTemplate::new(source, &file, special_tokens.clone()))
             .transpose()?;
         let config_file = dir.join("config.json");
-        let tokenizer_vocab = tokenizer.get_vocab_size(true);
+        // One past the largest id (the count of tokens falls short of it where ids have gaps).
+        let tokenizer_vocab = tokenizer.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
         let vocab_size = if config_file.exists() {
             let config = read_json(&config_file)?;
             let v = config
@@ -154,7 +157,8 @@ impl TargetTokenizer {
                     &tok_file,
                     "vocab",
                     format!(
-                        "{tokenizer_vocab} tokens, more than the target's vocab_size {v} ({})",
+                        "ids up to {}, beyond the target's vocab_size {v} ({})",
+                        tokenizer_vocab - 1,
                         config_file.display()
                     ),
                 ));
@@ -181,6 +185,7 @@ impl TargetTokenizer {
             tokenizer,
             template,
             vocab_size,
+            ids_end: tokenizer_vocab,
             pad_id,
             end_ids,
             special_tokens,

@@ -23,14 +23,18 @@ impl Default for AdamWConfig {
 }
 
 /// Learning rate at `step` (0-based) of `total`: linear warmup over `ceil(warmup_frac*total)`
-/// steps to `peak`, then cosine to 0 at the last step.
+/// steps to `peak` (the product's rounding error aside: 7% of 100 is 7 steps), then cosine to 0
+/// at the last step (a single step after the warmup is that last step).
 pub fn lr_at(step: usize, total: usize, peak: f64, warmup_frac: f64) -> f64 {
-    let warmup = ((warmup_frac * total as f64).ceil() as usize).max(1);
+    let steps = warmup_frac * total as f64;
+    let warmup = ((steps - steps * 1e-12).ceil() as usize).max(1);
     if step < warmup {
         return peak * (step + 1) as f64 / warmup as f64;
     }
-    let span = total.saturating_sub(warmup + 1).max(1);
-    let progress = ((step - warmup) as f64 / span as f64).min(1.0);
+    let progress = match total.saturating_sub(warmup + 1) {
+        0 => 1.0,
+        span => ((step - warmup) as f64 / span as f64).min(1.0),
+    };
     peak * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 

@@ -402,6 +402,8 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
 pub const MAX_STEPS: usize = 1 << 40;
 /// The most rows of one update (`rows_per_step` x `grad_accum`): every one is held on the host.
 pub const MAX_ROWS_PER_UPDATE: usize = 1 << 16;
+/// The most held-out prompts of the real tau (each decoded at every evaluation).
+pub const MAX_TAU_PROMPTS: usize = 1 << 16;
 
 /// The block size of the built-in tiny drafter.
 pub const BUILTIN_BLOCK_SIZE: usize = 8;
@@ -540,6 +542,41 @@ impl RunConfig {
         c
     }
 
+    /// Refuses a run whose `epochs` over `train_rows` rows come to more than [`MAX_STEPS`] steps
+    /// (an explicit `steps` is checked by [`RunConfig::validate`]).
+    pub fn check_total_steps(&self, train_rows: usize) -> Result<()> {
+        match self.total_steps(train_rows) {
+            s if s > MAX_STEPS => Err(Error::option(
+                "epochs",
+                format!("{} over {train_rows} rows: {s} steps, at most {MAX_STEPS}", self.epochs.unwrap_or(1.0)),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every worker of a run of `world_size` processes steps a row of each update at least: a
+    /// worker with none would sit idle (and a target worker with none too).
+    pub fn check_rows_for_workers(&self, world_size: usize) -> Result<()> {
+        let rows = self.rows_per_update();
+        let drafters = self.drafter_workers.saturating_mul(world_size);
+        let (workers, what) = match self.target_workers.saturating_mul(world_size) {
+            t if t > drafters => (t, "target workers"),
+            _ => (drafters, "drafter workers"),
+        };
+        if rows < workers {
+            return Err(Error::option(
+                "rows_per_step",
+                format!(
+                    "{} x grad_accum {} = {rows} rows per update for {workers} {what}{}: each needs a row of every update (--rows-per-step {workers} or more)",
+                    self.rows_per_step,
+                    self.grad_accum,
+                    if world_size > 1 { format!(" over {world_size} processes") } else { String::new() }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Rows one optimizer step consumes.
     pub fn rows_per_update(&self) -> usize {
         self.rows_per_step.saturating_mul(self.grad_accum)
@@ -646,6 +683,15 @@ impl RunConfig {
         }
         // The prefill gives the first token; verify steps (tau) the ones after it.
         at_least("tau_tokens", self.tau_tokens, 2)?;
+        if self.tau_prompts > MAX_TAU_PROMPTS {
+            return Err(Error::option("tau_prompts", format!("{}: at most {MAX_TAU_PROMPTS}", self.tau_prompts)));
+        }
+        if self.step == StepKind::Reference && self.checkpointing != CheckpointingChoice::Auto {
+            return Err(Error::option(
+                "checkpointing",
+                "the `reference` step keeps every activation (autograd): checkpointing is the `host` and `gpu` steps'",
+            ));
+        }
         // A step's rows are all held on the host at once (a cached row is 126 MB for the 8B).
         if self.rows_per_step.checked_mul(self.grad_accum).is_none_or(|n| n > MAX_ROWS_PER_UPDATE) {
             return Err(Error::option(
@@ -814,6 +860,12 @@ impl RunConfig {
                 match self.held_out.parse::<f64>() {
                     Ok(f) if !(0.0..1.0).contains(&f) => {
                         return Err(Error::option("held_out", format!("{f}: a fraction in [0, 1), or a jsonl file")));
+                    }
+                    Ok(f) if f == 0.0 && self.tau_prompts > 0 => {
+                        return Err(Error::option(
+                            "tau_prompts",
+                            format!("{}, but `held_out` is 0: the real tau decodes held-out prompts (`--tau-prompts 0` trains without it)", self.tau_prompts),
+                        ));
                     }
                     Ok(_) => {}
                     Err(_) if !Path::new(&self.held_out).is_file() => {

@@ -120,7 +120,7 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
     let mask = match c.mask_token_id {
         Some(id) => id,
         None => {
-            let id = tokenizer.tokenizer.get_vocab_size(true);
+            let id = tokenizer.ids_end;
             if id >= vocab {
                 return Err(Error::option(
                     "mask_token_id",

@@ -113,6 +113,9 @@ pub struct RunInputs<'a> {
     /// leaves the host's cores idle (a CPU engine's step uses them all; reading ahead slowed a
     /// real CPU run by 13%).
     pub read_ahead: bool,
+    /// The run's processes (the launch's world size: from options or torchrun's variables),
+    /// which its checkpoints keep.
+    pub processes: usize,
 }
 
 /// The options whose change forbids resuming `saved` with `current`, as an error naming the
@@ -386,7 +389,7 @@ impl<'a> Trainer<'a> {
         };
         let out = &self.inputs.config.out;
         let mut notes = Vec::new();
-        let processes = self.inputs.config.world_size.unwrap_or(1);
+        let processes = self.inputs.processes;
         if let Some(then) = s.processes.filter(|&then| then != processes) {
             notes.push(format!(
                 "`world_size` changed from {then} to {processes}: the next losses equal the uninterrupted run's within f32 rounding, not bitwise"
@@ -534,7 +537,7 @@ impl<'a> Trainer<'a> {
                     let engine_state = engine.state()?;
                     let fetched = started.elapsed().as_secs_f64();
                     let hashes = (self.config_sha256.clone(), self.data_sha256.clone());
-                    let state = self.state.to_state(engine_state.t, hashes, c.world_size.unwrap_or(1));
+                    let state = self.state.to_state(engine_state.t, hashes, self.inputs.processes);
                     let dir = checkpoint::write_checkpoint(
                         &out,
                         self.inputs.draft_config,

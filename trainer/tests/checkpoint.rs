@@ -82,8 +82,9 @@ fn resume_is_exact_for_both_engines() {
     }
 }
 
-/// A checkpoint keeps the run's process count (which `run.toml` leaves out); resumed on another
-/// count, the resumption says so and that the losses then agree within f32 rounding only.
+/// A checkpoint keeps the run's process count (the launch's, which `run.toml` leaves out);
+/// resumed on another count, the resumption says so and that the losses then agree within f32
+/// rounding only.
 #[test]
 fn a_resumption_on_another_process_count_says_so() {
     let dir = tempfile::tempdir().unwrap();

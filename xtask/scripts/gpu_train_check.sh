@@ -61,12 +61,16 @@ EOF
 esac
 cp fixtures/data/tokenizer-qwen/* "$work/target/"
 
-args() { # args OUT STEP EXTRA...: the options of one training run into OUT
-  local dir=$1 step=$2
+args() { # args OUT STEP EXTRA...: the options of one training run into OUT (EXTRA's options
+  # replace these defaults: the CLI refuses an option given twice)
+  local dir=$1 step=$2 defaults=(--max-len 512 --anchors 64 --eval-rows 4) kept=() i
   shift 2
+  for ((i = 0; i < ${#defaults[@]}; i += 2)); do
+    [[ " $* " == *" ${defaults[i]} "* ]] || kept+=("${defaults[i]}" "${defaults[i + 1]}")
+  done
   echo train --target "$work/target" --data fixtures/data/conversations.jsonl \
-    --data-cache "$work/cache" --out "$dir" --step "$step" --max-len 512 --anchors 64 \
-    --target-layer-ids 1,2 --held-out 0.2 --lr 3e-3 --log-every 1 --eval-every 20 --eval-rows 4 \
+    --data-cache "$work/cache" --out "$dir" --step "$step" "${kept[@]}" \
+    --target-layer-ids 1,2 --held-out 0.2 --lr 3e-3 --log-every 1 --eval-every 20 \
     --checkpoint-every 20 --keep-checkpoints 2 "$@"
 }
 run() { "$bundle/xtask" $(args "$@"); }

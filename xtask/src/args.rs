@@ -25,7 +25,9 @@ impl Options {
                 ));
             }
             let value = it.next().ok_or_else(|| format!("option `--{name}` needs a value"))?;
-            values.insert(name.to_string(), value);
+            if values.insert(name.to_string(), value).is_some() {
+                return Err(format!("option `--{name}` given twice"));
+            }
         }
         Ok(Some(Options { values }))
     }

@@ -166,6 +166,7 @@ fn run_cli(cli: &Cli, launch: &mut Option<Option<Launch>>) -> Result<(), String>
         check_resume_config(&config, saved).map_err(err)?;
     }
     let launch = resolved.map_err(err)?;
+    config.check_rows_for_workers(launch.world_size).map_err(err)?;
     match config.target.is_some() {
         true => real_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
         false => builtin_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
@@ -429,6 +430,7 @@ fn builtin_run(
 ) -> Result<(), String> {
     let err = |e: dflash_trainer::Error| e.to_string();
     let draft_config = builtin::draft_config(&config);
+    config.check_total_steps(config.rows).map_err(err)?;
     let config = config.resolved(draft_config.block_size, config.rows);
     check_resume(&config, &resume, &mut resume_notes)?;
     if plan {
@@ -556,6 +558,7 @@ fn builtin_run(
         quiet: false,
         devices: devices(&config, launch),
         read_ahead: config.step == StepKind::Gpu,
+        processes: launch.world_size,
     };
     let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
     if launch.rank > 0 {
@@ -621,6 +624,12 @@ fn real_run(
     if let Some(warning) = stats.unended_warning() {
         println!("data: {warning}");
     }
+    if setup.dataset.held_out_duplicates > 0 {
+        println!(
+            "data: {} documents of the data files are also in the held-out file: left out of training",
+            setup.dataset.held_out_duplicates
+        );
+    }
     let dtype = if config.step == StepKind::Gpu { DType::BF16 } else { DType::F32 };
     // The reference target on the CPU: the reference engine's features, and its real tau (not
     // for `--plan`, which reads no features: the rows are lazy).
@@ -635,6 +644,7 @@ fn real_run(
         None => setup.features(dtype, RowFeatures::Online),
     };
     let (train_rows, held_rows) = setup.rows(&config, features).map_err(err)?;
+    config.check_total_steps(train_rows.len()).map_err(err)?;
     let config = config.resolved(d.block_size, train_rows.len());
     check_resume(&config, &resume, &mut resume_notes)?;
     // The checkpoint against these rows, before the target is loaded or evaluated (not for
@@ -958,6 +968,7 @@ fn real_run(
         quiet: false,
         devices,
         read_ahead: config.step == StepKind::Gpu,
+        processes: launch.world_size,
     };
     let summary = train_loop(inputs, engine.as_mut(), launch, &resume, resume_notes)?;
     if launch.rank > 0 {
@@ -1192,6 +1203,17 @@ impl Cli {
             }
             let mut value =
                 it.next_if(|v| !v.starts_with("--")).ok_or_else(|| format!("option `--{name}` needs a value"))?;
+            // Each option once (`--max-len` and `--max_len` are one), but `--data`, which adds files.
+            let key = name.replace('-', "_");
+            let given = match key.as_str() {
+                "config" => cli.config.is_some(),
+                "resume" => cli.resume.is_some(),
+                "data" => false,
+                _ => cli.overrides.iter().any(|(k, _)| k.replace('-', "_") == key),
+            };
+            if given {
+                return Err(format!("option `--{name}` given twice"));
+            }
             match name.as_str() {
                 "config" => cli.config = Some(PathBuf::from(value)),
                 "resume" => cli.resume = Some(PathBuf::from(value)),

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
+use dflash_conformance::cli_args;
 use dflash_conformance::target_cases::write_target_folder;
 use dflash_conformance::tolerance::{rel_error, GPU_KERNEL_BF16};
 use dflash_data::features::FeatureCache;
@@ -19,13 +20,15 @@ fn repo(path: &str) -> PathBuf {
 }
 
 fn command(target: &Path, out: &Path, data_cache: &Path, extra: &[&str]) -> Command {
+    let data = repo("fixtures/data/conversations.jsonl");
+    let base = [
+        ["--device", "cpu", "--target", target.to_str().unwrap(), "--data", data.to_str().unwrap()].as_slice(),
+        &["--out", out.to_str().unwrap(), "--cache", data_cache.to_str().unwrap()],
+        &["--max-len", "512", "--shard-gb", "0.00002", "--layer-ids", "0,1"],
+    ]
+    .concat();
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
-    c.arg("features")
-        .args(["--device", "cpu", "--target", target.to_str().unwrap()])
-        .args(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
-        .args(["--out", out.to_str().unwrap(), "--cache", data_cache.to_str().unwrap()])
-        .args(["--max-len", "512", "--shard-gb", "0.00002", "--layer-ids", "0,1"])
-        .args(extra);
+    c.arg("features").args(cli_args(&base, extra));
     c
 }
 

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use dflash_conformance::cli_args;
 use dflash_conformance::hybrid_cases::write_hybrid_target_folder;
 use dflash_conformance::target_cases::write_target_folder;
 use dflash_conformance::tolerance::{GPU_STEP_BF16, STEP_F32};
@@ -160,10 +161,11 @@ fn short_training_run_saves_a_loadable_drafter() {
     assert!(!leftover.join(".checkpoint-9.tmp").exists(), "the dead run's temporary is removed");
     // `--tau-prompts 0` (the help's "0: none"): trained without the real tau, reported as none.
     let no_tau = tmp.path().join("no-tau");
-    let mut args = vec!["train"];
-    args.extend(TINY);
-    args.extend(["--steps", "2", "--tau-prompts", "0", "--out", no_tau.to_str().unwrap()]);
-    let result = xtask(&args);
+    let args = cli_args(
+        &[&["train"], TINY].concat(),
+        &["--steps", "2", "--tau-prompts", "0", "--out", no_tau.to_str().unwrap()],
+    );
+    let result = xtask(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(result.status.success(), "{}", text(&result.stderr));
     assert!(!text(&result.stdout).contains("greedy speculative decoding"), "{}", text(&result.stdout));
     assert!(metrics(&no_tau).iter().filter(|v| v["kind"] == "eval").all(|v| v["tau"].is_null()));
@@ -205,6 +207,9 @@ fn bad_options_are_named_before_any_work() {
     let bad_toml_s = bad_toml.to_str().unwrap();
     let cases: Vec<(Vec<&str>, String)> = vec![
         (vec!["--stpes", "3"], "unknown option `--stpes`".into()),
+        (vec!["--lr", "6e-4", "--lr", "6e-3"], "option `--lr` given twice".into()),
+        (vec!["--max-len", "64", "--max_len", "96"], "option `--max_len` given twice".into()),
+        (vec!["--config", bad_toml_s, "--config", bad_toml_s], "option `--config` given twice".into()),
         (vec!["--steps"], "option `--steps` needs a value".into()),
         (vec!["--lr", "fast"], "option `--lr`: cannot parse `fast`".into()),
         (vec!["--steps", "0"], "option `steps`: 0: must be at least 1".into()),
@@ -214,6 +219,13 @@ fn bad_options_are_named_before_any_work() {
         (vec!["--step", "gpu"], "`gpu` needs `builtin_target = gpu`".into()),
         (vec!["--builtin-target", "huge"], "unknown target `huge`".into()),
         (vec!["--checkpointing", "some"], "unknown policy `some` (auto, none, selective or per-layer)".into()),
+        (vec!["--checkpointing", "none", "--step", "reference"], "option `checkpointing`: the `reference` step".into()),
+        (vec!["--tau-prompts", "9223372036854775807"], "option `tau_prompts`: 9223372036854775807: at most".into()),
+        (
+            vec!["--step", "host", "--drafter-workers", "5"],
+            "4 rows per update for 5 drafter workers: each needs a row of every update".into(),
+        ),
+        (vec!["--epochs", "1000000", "--rows", "5000000"], "option `epochs`: 1000000 over 5000000 rows".into()),
         (vec!["--lr", "NaN"], "option `lr`: NaN: must be a finite number".into()),
         (vec!["--lr", "inf"], "option `lr`: inf: must be a finite number".into()),
         (vec!["--lr", "0"], "option `lr`: 0: must be above 0".into()),
@@ -462,7 +474,7 @@ fn losses(out: &Path) -> Vec<(u64, u64)> {
 /// A real run's options on the CPU twins: the fixture conversations through a small random
 /// Qwen3 target folder ([`write_target_folder`]), rows of 256 tokens, 8 anchors.
 fn real_args(target: &Path, cache: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--target", target.to_str().unwrap()]
+    let args: Vec<String> = ["train", "--target", target.to_str().unwrap()]
         .into_iter()
         .chain(["--data", repo("fixtures/data/conversations.jsonl").to_str().unwrap()])
         .chain(["--data-cache", cache.to_str().unwrap(), "--out", out.to_str().unwrap()])
@@ -470,8 +482,7 @@ fn real_args(target: &Path, cache: &Path, out: &Path, extra: &[&str]) -> Vec<Str
         .chain(["--lr", "3e-3", "--log-every", "1", "--eval-rows", "2", "--eval-every", "4"])
         .map(String::from)
         .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
+    cli_args(&args, extra)
 }
 
 /// A real run of `extra` (over [`real_args`]) that succeeds: its stdout.
@@ -529,21 +540,23 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
         assert!(stdout.contains(expected), "--plan: no `{expected}` in\n{stdout}");
     }
     assert!(!planned.join("metrics.jsonl").exists(), "--plan trained");
-    // One row per update: AdamW reads the step's own gradients; several processes (torchrun's
-    // variables alone) sum them in an fp32 accumulator, which the plan then holds.
-    let accumulates = |env: &[(&str, &str)]| {
+    // One row per update: AdamW reads the step's own gradients (no fp32 accumulator in the
+    // plan); two processes (torchrun's variables alone) for one row per update are refused, one
+    // of them having no row to step.
+    let plan_with = |env: &[(&str, &str)]| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
         c.args(real_args(&target, &cache, &planned, &["--plan", "--step", "gpu", "--rows-per-step", "1"]));
-        c.envs(env.iter().copied());
-        let result = c.output().unwrap();
-        assert!(result.status.success(), "{env:?}: {}", text(&result.stderr));
-        text(&result.stdout).contains("accumulated gradients (fp32)")
+        c.envs(env.iter().copied()).output().unwrap()
     };
+    let single = plan_with(&[]);
+    assert!(single.status.success() && !text(&single.stdout).contains("accumulated gradients (fp32)"));
     let torchrun = [("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")];
-    assert_eq!((accumulates(&[]), accumulates(&torchrun)), (false, true));
+    let stderr = text(&plan_with(&torchrun).stderr);
+    assert!(stderr.contains("rows per update for 2 drafter workers over 2 processes"), "{stderr}");
     // With the AdamW state sharded over 2 drafter GPUs: per worker the whole accumulated
     // gradients (4 bytes per parameter) and half the masters and moments (12 / 2), against 16.
     let extra = ["--plan", "--step", "gpu", "--gpus", "0,1", "--drafter-workers", "2", "--shard-optimizer", "yes"];
+    let extra = [&extra[..], &["--rows-per-step", "2"]].concat();
     let stdout = run(&planned, &extra);
     let line = stdout.lines().find(|l| l.contains("sharded over 2 drafter workers")).expect("the sharded state's line");
     let gb: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
@@ -555,7 +568,8 @@ fn a_real_run_trains_online_offline_and_with_the_reference() {
     for (gpus, targets, beside) in
         [("1,0", "1", "0 target worker(s) beside it"), ("1,0,0", "2", "1 target worker(s) beside it")]
     {
-        let stdout = run(&planned, &["--plan", "--step", "gpu", "--gpus", gpus, "--target-workers", targets]);
+        let extra = ["--plan", "--step", "gpu", "--gpus", gpus, "--target-workers", targets, "--rows-per-step", "2"];
+        let stdout = run(&planned, &extra);
         for expected in
             ["a target worker: ", "and 2 feature slots of", "GPU 1: 1 target worker(s)", "its own LM head", beside]
         {
@@ -768,10 +782,9 @@ fn real_run_folders_paths_and_inputs() {
     std::fs::write(tmp.path().join("a.jsonl"), lines[..half].join("\n")).unwrap();
     std::fs::write(tmp.path().join("b.jsonl"), lines[half..].join("\n")).unwrap();
     let run = |args: &[&str]| {
-        let mut all = vec!["train", "--target", target.to_str().unwrap(), "--step", "host"];
-        all.extend(["--max-len", "256", "--anchors", "4", "--target-layer-ids", "0,1", "--held-out", "0.2"]);
-        all.extend(args);
-        Command::new(env!("CARGO_BIN_EXE_xtask")).args(&all).current_dir(tmp.path()).output().unwrap()
+        let mut base = vec!["train", "--target", target.to_str().unwrap(), "--step", "host"];
+        base.extend(["--max-len", "256", "--anchors", "4", "--target-layer-ids", "0,1", "--held-out", "0.2"]);
+        Command::new(env!("CARGO_BIN_EXE_xtask")).args(cli_args(&base, args)).current_dir(tmp.path()).output().unwrap()
     };
     let data_line = |out: &std::process::Output| {
         let stdout = text(&out.stdout);
@@ -913,8 +926,7 @@ fn bad_real_runs_are_refused_before_any_work() {
     let cache = tmp.path().join("data-cache");
     let out = tmp.path().join("out");
     let refuses = |target: &Path, extra: &[&str], want: &[&str]| {
-        let mut args = real_args(target, &cache, &out, &["--step", "host", "--steps", "2"]);
-        args.extend(extra.iter().map(|s| s.to_string()));
+        let args = cli_args(&real_args(target, &cache, &out, &["--step", "host", "--steps", "2"]), extra);
         let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
         let stderr = text(&result.stderr);
         assert!(!result.status.success(), "{extra:?} was accepted");
@@ -934,7 +946,7 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&["--rows-per-step", "1000000000000"], &["rows_per_step", "at most 65536 rows per update"]);
     fails(&["--grad-accum", "1000", "--rows-per-step", "1000"], &["rows_per_step", "grad_accum 1000"]);
     fails(&["--steps", "9000000000000000000"], &["steps", "at most 1099511627776"]);
-    fails(&["--tau-prompts", "4", "--held-out", "0"], &["tau_prompts", "no document is held out"]);
+    fails(&["--tau-prompts", "4", "--held-out", "0"], &["tau_prompts", "`held_out` is 0"]);
     fails(&["--tau-prompts", "1", "--tau-tokens", "5000"], &["tau_tokens", "beyond the target's 4096 positions"]);
     // An argument that is not UTF-8 text (a path in another encoding) is named, not a panic.
     use std::os::unix::ffi::OsStrExt;
@@ -980,7 +992,9 @@ fn bad_real_runs_are_refused_before_any_work() {
     fails(&gpu(&["--gpus", "1,1", "--drafter-workers", "2"]), &["gpus", "two drafter workers on GPU 1"]);
     // GPUs the machine lacks, before the data is read: none in CI, GPU 63 on a GPU machine.
     let mut args = real_args(&target, &cache, &out, &["--steps", "2"]);
-    args.extend(gpu(&["--gpus", "0,63", "--drafter-workers", "2"]).iter().map(|s| s.to_string()));
+    args.extend(
+        gpu(&["--gpus", "0,63", "--drafter-workers", "2", "--rows-per-step", "2"]).iter().map(|s| s.to_string()),
+    );
     let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
     let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
     assert!(!result.status.success(), "GPU 63 accepted");
@@ -1492,7 +1506,12 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
     // Host drafter workers share this machine's memory: each one's forward and step are counted.
     let (cache, out) = (tmp.path().join("cache"), tmp.path().join("run-workers"));
     let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(real_args(&target, &cache, &out, &["--step", "host", "--steps", "1", "--drafter-workers", "2"]))
+        .args(real_args(
+            &target,
+            &cache,
+            &out,
+            &["--step", "host", "--steps", "1", "--drafter-workers", "2", "--rows-per-step", "2"],
+        ))
         .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, "650000")
         .output()
         .unwrap();

@@ -59,6 +59,7 @@ pub fn inputs<'a>(c: &'a RunConfig, s: &'a BuiltinSetup) -> RunInputs<'a> {
         quiet: true,
         devices: 0,
         read_ahead: false,
+        processes: c.world_size.unwrap_or(1),
     }
 }
 
