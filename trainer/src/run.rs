@@ -389,6 +389,17 @@ impl<'a> Trainer<'a> {
         };
         let out = &self.inputs.config.out;
         let mut notes = Vec::new();
+        // A run extended (or shortened) on resumption: its schedule is the new length's from here.
+        let saved_total = checkpoint::load_config(&found.dir)?.steps;
+        if let Some(then) = saved_total.filter(|&then| then != self.total_steps) {
+            let c = self.inputs.config;
+            let (before, after) =
+                (lr_at(s.step, then, c.lr, c.warmup_frac), lr_at(s.step, self.total_steps, c.lr, c.warmup_frac));
+            notes.push(format!(
+                "the schedule is now that of {} steps (was {then}): step {}'s lr {after:.3e}, {before:.3e} under the old length",
+                self.total_steps, s.step
+            ));
+        }
         let processes = self.inputs.processes;
         if let Some(then) = s.processes.filter(|&then| then != processes) {
             notes.push(format!(

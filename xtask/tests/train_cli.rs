@@ -355,6 +355,8 @@ fn killed_and_resumed_run_has_the_uninterrupted_losses() {
     assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
     assert!(stdout.contains("falling back to") && stdout.contains("checkpoint-20"), "{stdout}");
     assert!(stdout.contains("`steps` changed from 24 to 26"), "{stdout}");
+    // The schedule's change is said with step 20's lr under each length.
+    assert!(stdout.contains("the schedule is now that of 26 steps (was 24): step 20's lr"), "{stdout}");
     let extended = losses(&out);
     assert_eq!(extended.len(), 26);
     // Step 20's loss is taken before its update, with the weights of the old schedule.
