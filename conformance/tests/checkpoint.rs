@@ -110,7 +110,7 @@ fn fixture_target_config_round_trip(#[case] fixture: &str) -> TestResult {
 /// Fields transformers reads that a config may give in other places: a `rope_theta` inside
 /// `rope_scaling` (it wins over the top level's, and two objects must agree), and Qwen3's
 /// window without `layer_types` (`use_sliding_window`, `sliding_window`, `max_window_layers`:
-/// the layers from `max_window_layers` on slide; none without `use_sliding_window`).
+/// the layers from `max_window_layers` on slide; none without `use_sliding_window` or a window).
 #[test]
 fn target_config_fields_read_as_transformers_reads_them() -> TestResult {
     let file = fixtures_dir().join("target-qwen3").join("config.json");
@@ -143,6 +143,12 @@ fn target_config_fields_read_as_transformers_reads_them() -> TestResult {
     let w = AttnKind::Sliding { window: 40 };
     assert_eq!(window(true)?.dims.layer_kinds, [AttnKind::Full, w, w]);
     assert_eq!(window(false)?.dims.layer_kinds, [AttnKind::Full; 3]);
+    // No window (null) with `use_sliding_window`: transformers keeps none, every layer full.
+    let unset = parse(&|m| {
+        m.insert("use_sliding_window".into(), serde_json::json!(true));
+        m.insert("sliding_window".into(), serde_json::Value::Null);
+    })?;
+    assert_eq!(unset.dims.layer_kinds, [AttnKind::Full; 3]);
     Ok(())
 }
 

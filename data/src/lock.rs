@@ -11,6 +11,11 @@ use crate::{Error, Result};
 /// The lock's file in a locked folder.
 pub const LOCK_FILE: &str = ".lock";
 
+/// Whether `e` says the filesystem has no locks (ENOSYS, ENOLCK, EOPNOTSUPP on Linux).
+fn unsupported(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::Unsupported || matches!(e.raw_os_error(), Some(38 | 37 | 95))
+}
+
 /// Takes `dir`'s lock for the rest of this process (a second call for the same folder holds it
 /// already). When another live process holds it, an error for `option` names that holder.
 pub fn lock_folder(dir: &Path, option: &str) -> Result<()> {
@@ -40,6 +45,12 @@ pub fn lock_folder(dir: &Path, option: &str) -> Result<()> {
                 option,
                 format!("{} is in use by another run ({holder}): wait for it to end or stop it", dir.display()),
             ));
+        }
+        // A filesystem without `flock` (Lustre's `noflock`, NFS without its lock daemon): the
+        // folder is used unlocked, and said so.
+        Err(std::fs::TryLockError::Error(e)) if unsupported(&e) => {
+            eprintln!("warning: {}: {e}: locking is not supported here, so nothing stops a second run from writing {} at once", path.display(), dir.display());
+            return Ok(());
         }
         Err(std::fs::TryLockError::Error(e)) => return Err(Error::io(&path, e)),
     }

@@ -373,19 +373,15 @@ const QWEN3_MAX_WINDOW_LAYERS: usize = 28;
 
 /// Each layer's attention: `layer_types`; without it, as transformers' Qwen3 derives them, the
 /// layers from `max_window_layers` (default 28) on slide over `sliding_window` when
-/// `use_sliding_window` is true, and every layer is full otherwise.
+/// `use_sliding_window` is true and a window is set, and every layer is full otherwise.
 fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<AttnKind>> {
     let Some(types) = f.opt_str_list("layer_types")? else {
         if f.opt_bool("use_sliding_window")? != Some(true) {
             return Ok(vec![AttnKind::Full; num_layers]);
         }
-        let window = match f.opt_usize("sliding_window")? {
-            Some(window) if window > 0 => window,
-            _ => {
-                return Err(
-                    f.error("sliding_window", "use_sliding_window is true but no positive sliding_window is set")
-                )
-            }
+        // transformers keeps no window when `sliding_window` is null: every layer full then.
+        let Some(window) = f.opt_usize("sliding_window")?.filter(|&w| w > 0) else {
+            return Ok(vec![AttnKind::Full; num_layers]);
         };
         let from = f.opt_usize("max_window_layers")?.unwrap_or(QWEN3_MAX_WINDOW_LAYERS);
         return Ok((0..num_layers)

@@ -554,27 +554,37 @@ impl RunConfig {
         }
     }
 
-    /// Every worker of a run of `world_size` processes steps a row of each update at least: a
-    /// worker with none would sit idle (and a target worker with none too).
-    pub fn check_rows_for_workers(&self, world_size: usize) -> Result<()> {
+    /// Which workers of a run of `world_size` processes would have no row of an update: fewer
+    /// rows per update than drafter workers (or target workers) over all processes; `None` when
+    /// each can have one.
+    pub fn workers_without_rows(&self, world_size: usize) -> Option<String> {
         let rows = self.rows_per_update();
         let drafters = self.drafter_workers.saturating_mul(world_size);
         let (workers, what) = match self.target_workers.saturating_mul(world_size) {
             t if t > drafters => (t, "target workers"),
             _ => (drafters, "drafter workers"),
         };
-        if rows < workers {
-            return Err(Error::option(
+        (rows < workers).then(|| {
+            format!(
+                "{} x grad_accum {} = {rows} rows per update for {workers} {what}{}",
+                self.rows_per_step,
+                self.grad_accum,
+                if world_size > 1 { format!(" over {world_size} processes") } else { String::new() }
+            )
+        })
+    }
+
+    /// Refuses a run whose workers would not each have a row of every update
+    /// ([`RunConfig::workers_without_rows`]).
+    pub fn check_rows_for_workers(&self, world_size: usize) -> Result<()> {
+        let need = self.drafter_workers.max(self.target_workers).saturating_mul(world_size);
+        match self.workers_without_rows(world_size) {
+            Some(why) => Err(Error::option(
                 "rows_per_step",
-                format!(
-                    "{} x grad_accum {} = {rows} rows per update for {workers} {what}{}: each needs a row of every update (--rows-per-step {workers} or more)",
-                    self.rows_per_step,
-                    self.grad_accum,
-                    if world_size > 1 { format!(" over {world_size} processes") } else { String::new() }
-                ),
-            ));
+                format!("{why}: each needs a row of every update (--rows-per-step {need} or more)"),
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Rows one optimizer step consumes.

@@ -17,6 +17,7 @@ a rerun continues after the last listed shard, writing again a listed shard that
 another size (and those after it). Non-finite features are refused, naming the document.
 """
 import argparse
+import errno
 import fcntl
 import hashlib
 import json
@@ -187,6 +188,11 @@ def main():
         lock.seek(0)
         holder = lock.read().strip() or "a live process holds its lock"
         raise SystemExit(f"error: {a.out} is in use by another run ({holder}): wait for it to end or stop it")
+    except OSError as e:  # a filesystem without locks (Lustre's noflock, NFS without lockd)
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+        print(f"warning: {a.out}/.lock: {e}: locking is not supported here, so nothing stops a second "
+              "writer of this cache", file=sys.stderr)
     lock.truncate(0)
     lock.write(f"process {os.getpid()} on {socket.gethostname()}")
     lock.flush()

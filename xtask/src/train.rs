@@ -166,7 +166,11 @@ fn run_cli(cli: &Cli, launch: &mut Option<Option<Launch>>) -> Result<(), String>
         check_resume_config(&config, saved).map_err(err)?;
     }
     let launch = resolved.map_err(err)?;
-    config.check_rows_for_workers(launch.world_size).map_err(err)?;
+    // A resumed run keeps its rows per update on any number of workers: some then sit idle.
+    match (&resume, config.workers_without_rows(launch.world_size)) {
+        (Some(_), Some(why)) => resume_notes.push(format!("{why}: some sit idle at every step")),
+        _ => config.check_rows_for_workers(launch.world_size).map_err(err)?,
+    }
     match config.target.is_some() {
         true => real_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),
         false => builtin_run(config, &launch, (cli.plan, cli.overwrite), resume, resume_notes),

@@ -178,7 +178,7 @@ struct FeedWorker {
 /// The target workers of a feed (see the module doc).
 pub struct FeedPool {
     workers: Vec<FeedWorker>,
-    /// Per drafter worker: how many rows were queued for it (its next target worker).
+    /// Per drafter worker: its next target worker (modulo their count), from `k*T/D` on.
     cursors: Vec<usize>,
     /// Nanoseconds the target workers waited for a free slot (the drafters' steps).
     waited_ns: Arc<AtomicU64>,
@@ -263,7 +263,10 @@ impl FeedPool {
                 .map_err(|e| Error::option("target_workers", format!("worker {t}: cannot start its thread: {e}")))?;
             workers.push(FeedWorker { rows, thread: Some(thread) });
         }
-        let pool = FeedPool { workers, cursors: (0..drafters.len()).collect(), waited_ns };
+        // Drafter k's rows start at target worker k*T/D: the drafters' rows of an update spread
+        // over all T target workers (staggered by one, 6 targets fed 2 x 3 rows would idle 2).
+        let cursors = (0..drafters.len()).map(|k| k * workers.len() / drafters.len()).collect();
+        let pool = FeedPool { workers, cursors, waited_ns };
         for (t, is_made) in made.into_iter().enumerate() {
             match is_made.recv() {
                 Ok(Ok(())) => {}
