@@ -1195,7 +1195,8 @@ fn eval_decodes_losslessly_and_refuses_bad_input() {
 
 /// Data-parallel drafter workers through the binary (the host step, one thread each): 2 workers
 /// train like 1 with the same rows per step (losses within 1e-6: the same f32 sums in another
-/// grouping), and a 2-worker run's checkpoint resumes on 3 workers with the same next losses,
+/// grouping), and a 2-worker run's checkpoint resumes on 3 workers with the same next losses
+/// (and on 4, more than its rows per update, saying that some idle),
 /// a 2-worker run sharding the optimizer's on 1 worker without sharding.
 #[test]
 fn drafter_workers_train_like_one_and_resume_on_another_count() {
@@ -1268,6 +1269,15 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
         "{stdout}"
     );
     close(&loss_values(&two), &want, "resumed on 3 workers vs 1");
+    // Resumed (extended by a step) on more workers than its rows per update: it runs, saying
+    // that some sit idle (a checkpoint's rows per update cannot change).
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["train", "--resume", two.to_str().unwrap(), "--drafter-workers", "4", "--steps", "7"])
+        .output()
+        .unwrap();
+    let stdout = text(&result.stdout);
+    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    assert!(stdout.contains("3 rows per update for 4 drafter workers: some sit idle at every step"), "{stdout}");
     // The sharded run back at step 3, resumed on 1 worker (the checkpoint holds the whole state).
     std::fs::remove_dir_all(split.join("checkpoint-6")).unwrap();
     std::fs::remove_file(split.join("latest")).unwrap();
