@@ -1255,15 +1255,25 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     assert!(train
         .iter()
         .all(|v| v["drafters_waited_s"].as_f64().is_some() && v["targets_waited_s"].as_f64().is_some()));
+    // `train --resume DIR EXTRA...` that succeeds: its stdout.
+    let resume = |dir: &Path, extra: &[&str]| {
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(["train", "--resume", dir.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stdout = text(&result.stdout);
+        assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+        stdout
+    };
+    // A run's folder back at its checkpoint of step 3.
+    let back_to_step_3 = |dir: &Path| {
+        std::fs::remove_dir_all(dir.join("checkpoint-6")).unwrap();
+        std::fs::remove_file(dir.join("latest")).unwrap();
+    };
     // The 2-worker run back at its checkpoint of step 3, resumed on 3 workers.
-    std::fs::remove_dir_all(two.join("checkpoint-6")).unwrap();
-    std::fs::remove_file(two.join("latest")).unwrap();
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(["train", "--resume", two.to_str().unwrap(), "--drafter-workers", "3"])
-        .output()
-        .unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    back_to_step_3(&two);
+    let stdout = resume(&two, &["--drafter-workers", "3"]);
     assert!(
         stdout.contains("3 data-parallel workers") && stdout.contains("`drafter_workers` changed from 2 to 3"),
         "{stdout}"
@@ -1271,22 +1281,11 @@ fn drafter_workers_train_like_one_and_resume_on_another_count() {
     close(&loss_values(&two), &want, "resumed on 3 workers vs 1");
     // Resumed (extended by a step) on more workers than its rows per update: it runs, saying
     // that some sit idle (a checkpoint's rows per update cannot change).
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(["train", "--resume", two.to_str().unwrap(), "--drafter-workers", "4", "--steps", "7"])
-        .output()
-        .unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    let stdout = resume(&two, &["--drafter-workers", "4", "--steps", "7"]);
     assert!(stdout.contains("3 rows per update for 4 drafter workers: some sit idle at every step"), "{stdout}");
     // The sharded run back at step 3, resumed on 1 worker (the checkpoint holds the whole state).
-    std::fs::remove_dir_all(split.join("checkpoint-6")).unwrap();
-    std::fs::remove_file(split.join("latest")).unwrap();
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(["train", "--resume", split.to_str().unwrap(), "--drafter-workers", "1", "--shard-optimizer", "no"])
-        .output()
-        .unwrap();
-    let stdout = text(&result.stdout);
-    assert!(result.status.success(), "{stdout}\n{}", text(&result.stderr));
+    back_to_step_3(&split);
+    let stdout = resume(&split, &["--drafter-workers", "1", "--shard-optimizer", "no"]);
     assert!(stdout.contains("`shard_optimizer` changed from true to false"), "{stdout}");
     close(&loss_values(&split), &want, "sharded on 2 workers, resumed unsharded on 1, vs 1");
     // Several workers need the host step.
