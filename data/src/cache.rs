@@ -63,14 +63,6 @@ impl KeyBuilder {
     }
 }
 
-/// This machine's name (Linux), which a temporary name carries: on a filesystem shared by
-/// several machines, a process id means something only on the machine that wrote it.
-fn host_name() -> Option<String> {
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
-    let name = name.trim();
-    (!name.is_empty()).then(|| name.to_string())
-}
-
 /// `path`'s temporary name for writer `n` of process `pid` on machine `host`:
 /// `NAME.tmp.HOST.PID.N`.
 fn tmp_name(path: &Path, host: &str, pid: u32, n: u64) -> PathBuf {
@@ -117,7 +109,7 @@ pub struct CacheWriter {
 impl CacheWriter {
     pub fn create(path: &Path, key: &[u8; 32]) -> Result<Self> {
         static WRITERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let host = host_name();
+        let host = crate::lock::host_name();
         if let Some(host) = &host {
             remove_dead_writers(path, host);
         }
@@ -309,7 +301,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("docs.cache");
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::rng().random());
-        let host = host_name().expect("Linux names its host");
+        let host = crate::lock::host_name().expect("Linux names its host");
         let dead = tmp_name(&path, &host, u32::MAX - 1, 0);
         let live = tmp_name(&path, &host, std::process::id(), 1 << 40);
         // A process of another machine sharing the folder: its id means nothing here.

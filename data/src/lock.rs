@@ -11,6 +11,14 @@ use crate::{Error, Result};
 /// The lock's file in a locked folder.
 pub const LOCK_FILE: &str = ".lock";
 
+/// This machine's name (Linux), which a lock's holder and a temporary name carry: on a
+/// filesystem shared by several machines, a process id means something only on its own.
+pub(crate) fn host_name() -> Option<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let name = name.trim();
+    (!name.is_empty()).then(|| name.to_string())
+}
+
 /// Whether `e` says the filesystem has no locks (ENOSYS, ENOLCK, EOPNOTSUPP on Linux).
 fn unsupported(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::Unsupported || matches!(e.raw_os_error(), Some(38 | 37 | 95))
@@ -50,12 +58,13 @@ pub fn lock_folder(dir: &Path, option: &str) -> Result<()> {
         // folder is used unlocked, and said so.
         Err(std::fs::TryLockError::Error(e)) if unsupported(&e) => {
             eprintln!("warning: {}: {e}: locking is not supported here, so nothing stops a second run from writing {} at once", path.display(), dir.display());
+            // Said once: a second call for the folder finds it held.
+            held.push((key, file));
             return Ok(());
         }
         Err(std::fs::TryLockError::Error(e)) => return Err(Error::io(&path, e)),
     }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let holder = format!("process {} on {}", std::process::id(), host.trim());
+    let holder = format!("process {} on {}", std::process::id(), host_name().unwrap_or_default());
     file.set_len(0).and_then(|()| file.write_all(holder.as_bytes())).map_err(|e| Error::io(&path, e))?;
     held.push((key, file));
     Ok(())

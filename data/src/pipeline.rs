@@ -174,9 +174,9 @@ impl Dataset {
         };
         // A conversation in a held-out file is never trained on (a split copied out of the data
         // without trimming it): by content, as the fraction's split keeps a conversation whole.
-        let held: std::collections::HashSet<u64> = held_out.iter().map(|&i| cache.content_of(i)).collect();
         let before = train.len();
         if matches!(opts.held_out, HeldOut::Files(_)) {
+            let held: std::collections::HashSet<u64> = held_out.iter().map(|&i| cache.content_of(i)).collect();
             train.retain(|&i| !held.contains(&cache.content_of(i)));
         }
         let held_out_duplicates = before - train.len();
