@@ -165,16 +165,18 @@ fn two_and_three_workers_train_like_one() {
         let got = losses(&mut dp, &setup, &c, 0..6, &mut ChaCha8Rng::seed_from_u64(4));
         close(&got, &want, &format!("{count} workers"));
         // The weights too (from worker 0; every replica applies the same update).
-        let (a, b) = (dp.state().unwrap(), StepEngine::state(&one).unwrap());
-        for ((name, x), y) in a.names.iter().zip(&a.params).zip(&b.params) {
-            let (x, y) = (
-                x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            );
-            let err = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
-            let scale = y.iter().map(|q| q.abs()).fold(0.0f32, f32::max);
-            assert!(f64::from(err / scale) <= DP_WEIGHTS_F32, "{count} workers: {name}: {err:.2e} of {scale:.2e}");
-        }
+        close_weights(&dp.state().unwrap(), &StepEngine::state(&one).unwrap(), &format!("{count} workers"));
+    }
+}
+
+/// Every weight of `a` within [`DP_WEIGHTS_F32`] of `b`'s (max error over max magnitude).
+fn close_weights(a: &EngineState, b: &EngineState, what: &str) {
+    for ((name, x), y) in a.names.iter().zip(&a.params).zip(&b.params) {
+        let (x, y) =
+            (x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), y.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let err = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+        let scale = y.iter().map(|q| q.abs()).fold(0.0f32, f32::max);
+        assert!(f64::from(err / scale) <= DP_WEIGHTS_F32, "{what}: {name}: {err:.2e} of {scale:.2e}");
     }
 }
 
@@ -384,8 +386,8 @@ fn workers_sum_their_gradient_buckets_during_the_backward() {
 
 /// Target workers feeding the drafter workers' slots (rows queued interleaved, slots given back
 /// after each step): the same features as the rows carry, so 1 target + 1 drafter worker gives
-/// the one engine's losses bitwise, and 2 targets + 2 drafters within the grouping bound; the
-/// train steps say how long each side waited.
+/// the one engine's losses bitwise, and 2 targets + 2 drafters (and 1 target + 2 drafters, its
+/// weights too) within the grouping bound; the train steps say how long each side waited.
 #[test]
 fn fed_workers_train_like_the_rows_own_features() {
     let c = config();
@@ -407,6 +409,14 @@ fn fed_workers_train_like_the_rows_own_features() {
         got.push(outcome.loss);
     }
     close(&got, &want, "2 target + 2 drafter workers");
+    // 1 target worker feeding 2 drafter workers: the one engine's losses and weights.
+    let mut single = engine(&setup, &c);
+    losses(&mut single, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(2));
+    let (pool, ends) = lookup_feed(&[0], &[0, 0], &setup);
+    let mut fed = grouped(2, &setup, &c, ends).with_feed(pool);
+    let got = losses(&mut fed, &setup, &c, 0..5, &mut ChaCha8Rng::seed_from_u64(2));
+    close(&got, &want, "1 target + 2 drafter workers");
+    close_weights(&fed.state().unwrap(), &StepEngine::state(&single).unwrap(), "1 target + 2 drafter workers");
     // Evaluation on worker 0 reads fed rows too: the same report as the one engine's.
     let held: &dyn RowSource = &setup.held_out;
     let (a, b) = (two.evaluate(held, 6, 4.0, 1).unwrap(), {
