@@ -52,9 +52,9 @@ options:
   --out FILE          results file                           (default results/eval-h200.json)
   --seed N            seed of the prompt and the random drafter (default 0)
   --commit SHA        the commit measured                    (default: commit.txt next to the binary)
-  --profile yes|no    print each operation's GPU time over one plain decode of 8 tokens of the 8B
-                      shape, and over one plain and one speculative decode of the built-in pair
-                      (default no)";
+  --profile yes|no    print each operation's GPU time over one plain and one speculative decode
+                      (random drafter) of 32 tokens of the 8B shape, and over one plain and one
+                      speculative decode of the built-in pair                   (default no)";
 
 const OPTIONS: &[&str] = &[
     "target",
@@ -130,14 +130,19 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     );
     let (plain_ms, ours_tokens) = timing.plain(&mut decoder, &prompt)?;
     if profile {
-        crate::bench::profile_once("one plain decode of 8 tokens (prefill included)", || {
-            decoder.greedy_decode(&prompt, 8)
+        crate::bench::profile_once("one plain decode of 32 tokens (prefill included)", || {
+            decoder.greedy_decode(&prompt, 32)
         })?;
     }
     let random_spec = match draft.is_some() {
         true => Some(timing.speculative(&mut decoder, &prompt)?),
         false => None,
     };
+    if profile && random_spec.is_some() {
+        crate::bench::profile_once("one speculative decode of 32 tokens, random drafter (prefill included)", || {
+            decoder.speculative_decode(&prompt, 32)
+        })?;
+    }
     drop(decoder);
 
     // The trained pair: the GPU built-in target and its drafter, plain and speculative.
