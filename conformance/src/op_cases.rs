@@ -5,7 +5,7 @@
 //! holds the f64 twins to the reference.
 
 use dflash_optimized::backend::{download, Allocation, Backend};
-use dflash_optimized::ops::constants::{GRAD_PARTS, NORM_PARTS};
+use dflash_optimized::ops::constants::{GRAD_PARTS, LINEAR_ROWS, NORM_PARTS};
 use dflash_optimized::ops::elementwise::{
     AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadNormRopeGrad, Heads, RmsNormGrad,
 };
@@ -318,24 +318,27 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         ],
     });
 
-    // One row through `Backend::linear` (the GPU's `linear_row`, batch-1 decoding) with beta 0
-    // and 1 (the residual), K past several 256-value strides of a warp and not a multiple of one.
+    // A few rows through `Backend::linear` (the GPU's decoding kernels: `linear_row` for one row,
+    // `linear_rows` up to LINEAR_ROWS) with beta 0 and 1 (the residual), K past several strides of
+    // a warp and not a multiple of one, N not a multiple of a CTA's columns.
     let (kr, nr) = (8 * rng.random_range(300..=700), rng.random_range(1..=3000));
-    let (xr, wr, yr) = (
-        buf.put(s, &draw_bf16(kr, 0.0, 1.0, &mut rng))?,
-        buf.put(s, &draw_bf16(nr * kr, 0.0, 1.0, &mut rng))?,
-        buf.put(s, &draw_bf16(nr, 0.0, 1.0, &mut rng))?,
-    );
-    let fresh = buf.zeros(s, nr)?;
-    dev.linear(xr, 1, kr, wr, nr, fresh, 0.0)?;
-    dev.linear(xr, 1, kr, wr, nr, yr, 1.0)?;
-    out.push(OpOutputs {
-        op: format!("linear of one row [1, {kr}] x [{nr}, {kr}]^T"),
-        outputs: vec![
-            ("linear", buf.get(s, fresh, nr)?, GPU_KERNEL_BF16),
-            ("linear + beta", buf.get(s, yr, nr)?, GPU_KERNEL_BF16),
-        ],
-    });
+    let wr = buf.put(s, &draw_bf16(nr * kr, 0.0, 1.0, &mut rng))?;
+    for mr in [1, rng.random_range(2..LINEAR_ROWS), LINEAR_ROWS] {
+        let (xr, yr) = (
+            buf.put(s, &draw_bf16(mr * kr, 0.0, 1.0, &mut rng))?,
+            buf.put(s, &draw_bf16(mr * nr, 0.0, 1.0, &mut rng))?,
+        );
+        let fresh = buf.zeros(s, mr * nr)?;
+        dev.linear(xr, mr, kr, wr, nr, fresh, 0.0)?;
+        dev.linear(xr, mr, kr, wr, nr, yr, 1.0)?;
+        out.push(OpOutputs {
+            op: format!("linear of {mr} rows [{mr}, {kr}] x [{nr}, {kr}]^T"),
+            outputs: vec![
+                ("linear", buf.get(s, fresh, mr * nr)?, GPU_KERNEL_BF16),
+                ("linear + beta", buf.get(s, yr, mr * nr)?, GPU_KERNEL_BF16),
+            ],
+        });
+    }
 
     // The rows' argmax, exact: a vocab of a multiple of 8 and one of another, on bf16 values
     // (exact in every storage) with deliberate ties (the maximum copied to a later and to an

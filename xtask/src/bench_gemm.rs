@@ -1,10 +1,17 @@
 //! `xtask bench gemm` (GPU machine): the cuBLAS bf16 `linear` of the training step checked
 //! against the CPU (candle f32 on the same bf16 values) and timed with CUDA events on the
-//! matmul shapes of the Qwen3-8B drafter step; writes `results/gemm-h200.json`.
+//! matmul shapes of the Qwen3-8B drafter step; then decoding's linear layers (1 and 16 rows of
+//! the Qwen3-8B shapes): cuBLAS against `linear_row` and `linear_rows`, in GB/s of weight read;
+//! writes `results/gemm-h200.json`.
 
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
+use cudarc::driver::DevicePtr;
+use dflash_optimized::backend::cuda::Cuda;
+use dflash_optimized::backend::Backend;
+use dflash_optimized::device::gpu::Gpu;
+use dflash_optimized::ops::constants::LINEAR_ROWS;
 use dflash_optimized::ops::matmul::cuda::Blas;
 use half::bf16;
 use rand::SeedableRng;
@@ -38,6 +45,15 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
     ("qwen3-8b gate/up_proj", 8192, 12288, 4096),
     ("qwen3-8b down_proj", 8192, 4096, 12288),
     ("qwen3-8b lm_head chunk", 1024, 151936, 4096),
+];
+
+/// (name, n, k) of decoding's linear layers on the Qwen3-8B shape, timed at 1 and 16 rows.
+const DECODE_SHAPES: &[(&str, usize, usize)] = &[
+    ("q/o_proj", 4096, 4096),
+    ("k/v_proj", 1024, 4096),
+    ("gate_up_proj", 24576, 4096),
+    ("down_proj", 4096, 12288),
+    ("lm_head", 151936, 4096),
 ];
 
 fn random_bf16(n: usize, rng: &mut ChaCha8Rng) -> Vec<bf16> {
@@ -92,13 +108,55 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         let ms = gpu.time_ms(warmup, iters, || blas.linear(&dx, &dw, &mut dy, (m, n, k))).map_err(err)?;
         let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
         println!("{name:<26} {ms:>10.3} {tflops:>10.1}");
-        rows.push(json!({"shape": name, "m": m, "n": n, "k": k, "ms": ms, "tflops": tflops,
-            "check_rel_error": rel, "date": date, "gpu": gpu_name, "commit": commit}));
+        rows.push(json!({"shape": name, "m": m, "n": n, "k": k, "ms": ms, "tflops": tflops}));
+    }
+    decode_rows(&gpu, (warmup, iters), &mut rng, &mut rows)?;
+    for row in rows.iter_mut() {
+        row["check_rel_error"] = json!(rel);
+        row["date"] = json!(date);
+        row["gpu"] = json!(gpu_name);
+        row["commit"] = json!(commit);
     }
     write_json(&out, &Value::Array(rows))?;
     println!("wrote {}", out.display());
     if rel >= GEMM_BF16_TOLERANCE {
         return Err(format!("cuBLAS linear relative error {rel:.2e} above {GEMM_BF16_TOLERANCE:.0e}"));
+    }
+    Ok(())
+}
+
+/// Decoding's linear layers at 1 and 16 rows ([`DECODE_SHAPES`]): cuBLAS, `linear_row` (1 row)
+/// and `linear_rows`, each in GB/s of weight read (the bound of batch-1 decoding); a row each.
+fn decode_rows(
+    gpu: &Gpu,
+    (warmup, iters): (usize, usize),
+    rng: &mut ChaCha8Rng,
+    rows: &mut Vec<Value>,
+) -> Result<(), String> {
+    let err = |e: dflash_optimized::Error| e.to_string();
+    let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
+    let (stream, blas, dev) = (gpu.stream(), Blas::new(gpu).map_err(err)?, Cuda::new(gpu, 128).map_err(err)?);
+    let kernels = dev.ops();
+    println!("{:<26} {:>4} {:>10} {:>10} {:>10}", "decode linear", "rows", "cuBLAS", "row", "rows");
+    for &(name, n, k) in DECODE_SHAPES {
+        let w = stream.clone_htod(&random_bf16(n * k, rng)).map_err(gpu_err)?;
+        for m in [1, LINEAR_ROWS] {
+            let x = stream.clone_htod(&random_bf16(m * k, rng)).map_err(gpu_err)?;
+            let mut y = stream.alloc_zeros::<bf16>(m * n).map_err(gpu_err)?;
+            let gb_per_s = |ms: f64| (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
+            let cublas = gpu.time_ms(warmup, iters, || blas.linear(&x, &w, &mut y, (m, n, k))).map_err(err)?;
+            let (xp, wp, yp) = (x.device_ptr(stream).0, w.device_ptr(stream).0, y.device_ptr(stream).0);
+            let row = match m {
+                1 => Some(gpu.time_ms(warmup, iters, || kernels.linear_row(xp, wp, yp, n, k, 0.0)).map_err(err)?),
+                _ => None,
+            };
+            let many = gpu.time_ms(warmup, iters, || kernels.linear_rows(xp, wp, yp, m, n, k, 0.0)).map_err(err)?;
+            let cell = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.0}", gb_per_s(ms)));
+            println!("{name:<26} {m:>4} {:>10} {:>10} {:>10}  GB/s", cell(Some(cublas)), cell(row), cell(Some(many)));
+            rows.push(json!({"shape": format!("decode {name}"), "m": m, "n": n, "k": k,
+                "cublas_gb_per_s": gb_per_s(cublas), "linear_row_gb_per_s": row.map(gb_per_s),
+                "linear_rows_gb_per_s": gb_per_s(many)}));
+        }
     }
     Ok(())
 }

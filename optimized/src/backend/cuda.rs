@@ -123,10 +123,15 @@ impl Backend for Cuda {
     }
 
     /// One row (batch-1 decoding) through `linear_row`, which reads `w` at full bandwidth where
-    /// cuBLAS's choices for `m = 1` reach half of it; more rows through cuBLAS.
+    /// cuBLAS's choices for `m = 1` reach half of it; up to `LINEAR_ROWS` (a verify block, the
+    /// drafter's block) through `linear_rows`, where cuBLAS's reach a seventh to four fifths of
+    /// it (H100, `bench eval --profile yes`); more rows through cuBLAS.
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
-        match rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
-            true => self.kernels.linear_row(x, w, y, n, k, beta),
+        if rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
+            return self.kernels.linear_row(x, w, y, n, k, beta);
+        }
+        match ElementwiseKernels::takes_linear_rows(x, w, rows, k) {
+            true => self.kernels.linear_rows(x, w, y, rows, n, k, beta),
             false => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
         }
     }

@@ -8,7 +8,8 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_TILES, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD,
+    MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
@@ -54,6 +55,7 @@ pub struct ElementwiseKernels {
     ce_grad_rows: CudaFunction,
     argmax_rows: CudaFunction,
     linear_row: CudaFunction,
+    linear_rows: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -85,6 +87,7 @@ impl ElementwiseKernels {
             ce_grad_rows: f("ce_grad_rows")?,
             argmax_rows: f("argmax_rows")?,
             linear_row: f("linear_row")?,
+            linear_rows: f("linear_rows")?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -162,6 +165,37 @@ impl ElementwiseKernels {
             shared_mem_bytes: 0,
         };
         self.launch("linear_row", b, cfg)
+    }
+
+    /// Whether [`ElementwiseKernels::linear_rows`] takes `y [m, n] = x [m, k] @ w [n, k]^T`: `m`
+    /// from 1 to [`LINEAR_ROWS`], besides what `linear_row` needs (else the caller uses cuBLAS).
+    pub fn takes_linear_rows(x: u64, w: u64, m: usize, k: usize) -> bool {
+        (1..=LINEAR_ROWS).contains(&m) && Self::takes_linear_row(x, w, k)
+    }
+
+    /// `y [m, n] = x [m, k] @ w [n, k]^T + beta * y` (bf16, fp32 accumulation on the tensor
+    /// cores) for up to [`LINEAR_ROWS`] rows: a verify block's and the drafter block's linear
+    /// layers, bound by reading `w` once; each row's result the same for every `m`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_rows(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
+        if !Self::takes_linear_rows(x, w, m, k) {
+            return Err(Error::invalid(
+                "linear_rows",
+                format!("m = {m} must be 1 to {LINEAR_ROWS} and k = {k} a multiple of 8, x and w 16-byte aligned"),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (rows, cols, inner) = (i32_of("m", m)?, i32_of("n", n)?, i32_of("k", k)?);
+        let mut b = self.stream.launch_builder(&self.linear_rows);
+        b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&inner).arg(&beta);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(8 * LINEAR_ROWS_TILES) as u32, 1, 1),
+            block_dim: (32 * LINEAR_ROWS_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("linear_rows", b, cfg)
     }
 
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).

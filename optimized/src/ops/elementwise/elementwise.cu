@@ -521,6 +521,83 @@ extern "C" __global__ void linear_row(const bf16* __restrict__ x, const bf16* __
     if (lane == 0) y[row] = to_bf(beta == 0.f ? acc : acc + beta * to_f(y[row]));
 }
 
+// d += a b on the tensor cores (mma.sync m16n8k16, row.col, bf16 operands, fp32 accumulators).
+// Fragments (g = lane / 4, t = lane % 4): a[0] (row g, k 2t, 2t+1), a[1] (row g+8), a[2] (row g,
+// k 2t+8, 2t+9), a[3] (row g+8, k +8); b[0] (k 2t, 2t+1, col g), b[1] (k +8); d[0], d[1] (row g,
+// cols 2t, 2t+1), d[2], d[3] (row g+8).
+__device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Twin: ops/matmul/twin.rs matmul of up to LINEAR_ROWS rows (`Backend::linear` on the host). The
+// linear layers of a verify block and of the drafter's block, bound like `linear_row` by reading
+// the weight once, on the tensor cores: a CTA owns 8 * LINEAR_ROWS_TILES output columns and its
+// LINEAR_ROWS_WARPS warps split k in chunks of 32 (chunk c to warp c % warps). A lane loads 16
+// bytes of a weight row and of x rows g and g+8 at the same 8 k and feeds two mmas with them: k
+// is permuted alike in both operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e
+// and 8t+6+e), which leaves every dot product unchanged. Rows at or past m are zeros. The warps'
+// partial sums are added in warp order through shared memory (deterministic); a row's result does
+// not depend on the other rows, so m = 1 and m = 16 give the same row bit for bit.
+// x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
+// x and w 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
+    linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
+                float beta) {
+    __shared__ float partial[LINEAR_ROWS_WARPS][LINEAR_ROWS_TILES * 4][WARP];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int g = lane / 4, t = lane % 4;
+    const int col0 = blockIdx.x * 8 * LINEAR_ROWS_TILES;
+    float acc[LINEAR_ROWS_TILES][4];
+#pragma unroll
+    for (int j = 0; j < LINEAR_ROWS_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const bf16* x_lo = x + (size_t)g * k;
+    const bf16* x_hi = x + (size_t)(g + 8) * k;
+    const int chunks = (k + 31) / 32;
+#pragma unroll 4
+    for (int c = warp; c < chunks; c += LINEAR_ROWS_WARPS) {
+        const int kk = 32 * c + 8 * t;
+        const bool in_k = kk < k;
+        uint4 wv[LINEAR_ROWS_TILES];
+#pragma unroll
+        for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
+            const int col = col0 + 8 * j + g;
+            wv[j] = in_k && col < n ? __ldcs(reinterpret_cast<const uint4*>(w + (size_t)col * k + kk)) : zero;
+        }
+        const uint4 lo = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
+        const uint4 hi = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
+#pragma unroll
+        for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
+            mma_bf16(acc[j], lo.x, hi.x, lo.y, hi.y, wv[j].x, wv[j].y);
+            mma_bf16(acc[j], lo.z, hi.z, lo.w, hi.w, wv[j].z, wv[j].w);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < LINEAR_ROWS_TILES; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) partial[warp][4 * j + r][lane] = acc[j][r];
+    __syncthreads();
+    // Value v of the CTA: accumulator r = v / WARP % 4 of tile v / (4 WARP) in lane v % WARP.
+    for (int v = threadIdx.x; v < LINEAR_ROWS_TILES * 4 * WARP; v += blockDim.x) {
+        const int slot = v / WARP, from = v % WARP;
+        float sum = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < LINEAR_ROWS_WARPS; ++wi) sum += partial[wi][slot][from];
+        const int j = slot / 4, r = slot % 4;
+        const int row = from / 4 + (r >= 2 ? 8 : 0);
+        const int col = col0 + 8 * j + 2 * (from % 4) + (r % 2);
+        if (row < m && col < n) {
+            bf16* out = y + (size_t)row * n + col;
+            *out = to_bf(beta == 0.f ? sum : sum + beta * to_f(*out));
+        }
+    }
+}
+
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
 // row whose value 0 is NaN gives 0, as candle keeps a NaN it starts from). One CTA per row, 8
 // logits per load when vocab % 8 == 0 (rows 16-byte aligned), else one at a time; a (value,
@@ -585,12 +662,49 @@ extern "C" __global__ void scatter_rows(const bf16* __restrict__ src, const unsi
 __device__ __forceinline__ float as_float(float x) { return x; }
 __device__ __forceinline__ float as_float(bf16 x) { return to_f(x); }
 
-// partial [gridDim.x] = this CTA's share of sum(x^2) over x [n] (NaN and Inf propagate).
+__device__ __forceinline__ bool aligned_to(const void* p, unsigned bytes) {
+    return reinterpret_cast<unsigned long long>(p) % bytes == 0;
+}
+
+// 4 consecutive values as floats, one 16-byte (fp32) or 8-byte (bf16) access.
+__device__ __forceinline__ void load4(const float* p, float out[4]) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+}
+__device__ __forceinline__ void load4(const bf16* p, float out[4]) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+}
+__device__ __forceinline__ void store4(float* p, const float in[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
+}
+__device__ __forceinline__ void store4(bf16* p, const float in[4]) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(in[0], in[1]), b = __floats2bfloat162_rn(in[2], in[3]);
+    uint2 raw;
+    raw.x = *reinterpret_cast<const unsigned*>(&a);
+    raw.y = *reinterpret_cast<const unsigned*>(&b);
+    *reinterpret_cast<uint2*>(p) = raw;
+}
+
+// partial [gridDim.x] = this CTA's share of sum(x^2) over x [n] (NaN and Inf propagate): 4 values
+// per access where x is aligned to them, then the rest one at a time.
 template <typename T>
 __device__ void sum_squares(const T* __restrict__ x, float* __restrict__ partial, long long n) {
     __shared__ float scratch[WARP];
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
     float s = 0.f;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    long long done = 0;
+    if (aligned_to(x, 4 * sizeof(T))) {
+        for (long long q = first; q < n / 4; q += stride) {
+            float v[4];
+            load4(x + 4 * q, v);
+            s += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+        }
+        done = n / 4 * 4;
+    }
+    for (long long i = done + first; i < n; i += stride) {
         const float v = as_float(x[i]);
         s += v * v;
     }
@@ -616,16 +730,44 @@ extern "C" __global__ void accumulate_bf16(float* __restrict__ acc, const bf16* 
 // gradient first scaled by `grad_scale` (global-norm clipping). p, m, v [n] fp32, g [n] fp32 or
 // bf16 (a step's own gradients, read where the backward wrote them) -> updated p, m, v and
 // p_bf16 = bf16(p). m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2; p -= lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*p).
+// One value's update (`adamw`'s arithmetic, in one place for both of its loops).
+struct AdamWStep {
+    float lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale;
+    __device__ __forceinline__ void apply(float g, float& p, float& m, float& v) const {
+        const float gi = g * grad_scale;
+        m = beta1 * m + (1.f - beta1) * gi;
+        v = beta2 * v + (1.f - beta2) * gi * gi;
+        p = p - lr * ((m / bc1) / (sqrtf(v / bc2) + eps) + weight_decay * p);
+    }
+};
+
+// 4 values per thread and access where every buffer is aligned to them (bound by HBM: 28 bytes a
+// value with bf16 gradients), then the rest one at a time.
 template <typename G>
 __device__ void adamw(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
-                      bf16* __restrict__ p_bf16, long long n, float lr, float beta1, float beta2, float eps,
-                      float weight_decay, float bc1, float bc2, float grad_scale) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        const float gi = as_float(g[i]) * grad_scale;
-        const float mi = beta1 * m[i] + (1.f - beta1) * gi;
-        const float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
-        const float pi = p[i] - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * p[i]);
+                      bf16* __restrict__ p_bf16, long long n, const AdamWStep step) {
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if (aligned_to(p, 16) && aligned_to(m, 16) && aligned_to(v, 16) && aligned_to(g, 4 * sizeof(G)) &&
+        aligned_to(p_bf16, 8)) {
+        for (long long q = first; q < n / 4; q += stride) {
+            float pv[4], gv[4], mv[4], vv[4];
+            load4(p + 4 * q, pv);
+            load4(g + 4 * q, gv);
+            load4(m + 4 * q, mv);
+            load4(v + 4 * q, vv);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) step.apply(gv[j], pv[j], mv[j], vv[j]);
+            store4(m + 4 * q, mv);
+            store4(v + 4 * q, vv);
+            store4(p + 4 * q, pv);
+            store4(p_bf16 + 4 * q, pv);
+        }
+        done = n / 4 * 4;
+    }
+    for (long long i = done + first; i < n; i += stride) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        step.apply(as_float(g[i]), pi, mi, vi);
         m[i] = mi;
         v[i] = vi;
         p[i] = pi;
@@ -637,7 +779,7 @@ extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __re
                                         float* __restrict__ v, bf16* __restrict__ p_bf16, long long n, float lr,
                                         float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2,
                                         float grad_scale) {
-    adamw(p, g, m, v, p_bf16, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale);
+    adamw(p, g, m, v, p_bf16, n, AdamWStep{lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale});
 }
 
 extern "C" __global__ void adamw_update_bf16_grad(float* __restrict__ p, const bf16* __restrict__ g,
@@ -645,7 +787,7 @@ extern "C" __global__ void adamw_update_bf16_grad(float* __restrict__ p, const b
                                                   bf16* __restrict__ p_bf16, long long n, float lr, float beta1,
                                                   float beta2, float eps, float weight_decay, float bc1, float bc2,
                                                   float grad_scale) {
-    adamw(p, g, m, v, p_bf16, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale);
+    adamw(p, g, m, v, p_bf16, n, AdamWStep{lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale});
 }
 
 // splitmix64: a well-mixed 64-bit hash of `z`.
