@@ -1286,13 +1286,14 @@ pub(crate) fn forward_bytes(
     .map_err(|e| e.to_string())
 }
 
-/// Refuses, before the target is loaded or anything allocated, a run whose least memory on its
-/// drafter device exceeds what the device has free: the target's forward (online) or the
-/// embedding table (offline), the step under its most frugal policy, and the real tau's
-/// decoders, in the step's storage (the first two once per drafter worker of a host step, which
-/// all share this machine's memory). A lower bound of what the engine then lays out (which picks
-/// the fastest policy that fits); runs with target workers or a sharded optimizer are checked by
-/// the engine alone.
+/// Refuses, before the target is loaded or anything allocated, a run whose least memory on one
+/// of its devices exceeds what that device has free. Each worker counts on its device: a drafter
+/// worker its step under its most frugal policy (its optimizer shard when sharded) and the
+/// target's forward (online, unfed) or the embedding table (offline, or fed by target workers);
+/// a target worker its forward without the LM head and its feature slots; rank 0's first drafter
+/// worker also the real tau's decoders. A host step's workers all count in this machine's
+/// memory. A lower bound of what the engines then lay out (each picks the fastest policy that
+/// fits).
 fn check_fits(
     config: &RunConfig,
     launch: &Launch,
@@ -1300,68 +1301,108 @@ fn check_fits(
     shape: StepShape,
     tau_context: Option<usize>,
 ) -> Result<(), String> {
-    use dflash_optimized::memory::step::StepLayout;
-    use dflash_optimized::memory::step::{OptimizerShape, StepDims};
-    if config.target_workers > 0 || config.shard_optimizer || config.step == StepKind::Reference {
+    use dflash_optimized::memory::step::{optimizer_shard, OptimizerShape, StepDims, StepLayout};
+    if config.step == StepKind::Reference {
         return Ok(());
     }
     let err = |e: dflash_optimized::Error| e.to_string();
     let (t, d) = (&setup.target_config, &setup.draft_config);
     let widths = storage_widths(config.step);
     let online = setup.cache.is_none();
+    let fed = online && config.target_workers > 0;
     let (s, ids) = (shape.context_len, &d.target_layer_ids);
-    let (fixed_name, fixed) = match online {
+    let (fixed_name, fixed) = match online && !fed {
         true => ("the target's forward", forward_bytes(t, ids, s, widths, true)?),
         false => ("the embedding table", dflash_optimized::memory::table_bytes(&d.dims, widths.0)),
     };
     let policy = *config.checkpointing.policies().last().expect("a policy");
     let accumulate = config.accumulates_gradients(launch.world_size);
-    let optimizer = OptimizerShape::whole(StepDims::new(d, shape).map_err(err)?.params, accumulate);
-    let step = StepLayout::with_head(d, shape, policy, Some(optimizer), widths, !online).map_err(err)?.total_bytes();
+    let params = StepDims::new(d, shape).map_err(err)?.params;
+    let shards = if config.shard_optimizer { config.drafter_workers.max(1) } else { 1 };
+    let optimizer = OptimizerShape { shard: optimizer_shard(params, 0, shards), accumulate };
+    let step =
+        StepLayout::with_head(d, shape, policy, Some(optimizer), widths, !online || fed).map_err(err)?.total_bytes();
     let decoders = match tau_context.filter(|_| launch.rank == 0) {
         Some(context) => dflash_optimized::model::speculative::decoders_bytes(t, d, context, widths).map_err(err)?,
         None => 0,
     };
-    // Host drafter workers each hold their forward (or table) and step in the one host memory.
-    let copies = if config.step == StepKind::Host { config.drafter_workers.max(1) as u64 } else { 1 };
-    let need = fixed.saturating_add(step).saturating_mul(copies).saturating_add(decoders);
-    let (device, free) = match config.step {
-        StepKind::Gpu => {
-            let gpu = crate::gpu_conformance::open_gpu_at(launch.topology(config).1[0])?;
-            (gpu.name().to_string(), gpu.available_bytes().map_err(err)?)
+    let (target_gpus, drafter_gpus) = launch.topology(config);
+    let target_worker = match fed {
+        true => {
+            let slot = (s as u64).saturating_mul((ids.len() * t.hidden_size()) as u64).saturating_mul(widths.0);
+            let slots = dflash_trainer::dist::feed::slots_per_target(drafter_gpus.len()) as u64;
+            forward_bytes(t, ids, s, widths, false)?.saturating_add(slot.saturating_mul(slots))
         }
-        _ => ("the CPU".to_string(), dflash_optimized::backend::host::host_available_bytes().unwrap_or(u64::MAX)),
+        false => 0,
     };
+    // What each device holds: (device, [(what, bytes)]); the host step's devices are one memory.
+    let host = config.step == StepKind::Host;
+    let mut devices: Vec<(usize, Vec<(String, u64)>)> = Vec::new();
+    let mut hold = |device: usize, what: String, bytes: u64| {
+        let device = if host { 0 } else { device };
+        match devices.iter_mut().find(|d| d.0 == device) {
+            Some(d) => d.1.push((what, bytes)),
+            None => devices.push((device, vec![(what, bytes)])),
+        }
+    };
+    for (k, &g) in drafter_gpus.iter().enumerate() {
+        hold(g, format!("drafter worker {k}: {fixed_name}"), fixed);
+        hold(g, format!("drafter worker {k}: the step under its most frugal policy ({})", policy.name()), step);
+        if k == 0 && decoders > 0 {
+            hold(g, "the real tau's decoders".to_string(), decoders);
+        }
+    }
+    if fed {
+        for (k, &g) in target_gpus.iter().enumerate() {
+            hold(g, format!("target worker {k}: the target's forward and its feature slots"), target_worker);
+        }
+    }
     // On a GPU, room for what no plan item holds (cuBLAS's workspaces, NCCL's buffers, the
     // driver's rounding), as the policy choice leaves it.
-    let headroom = match config.step {
-        StepKind::Gpu => dflash_optimized::memory::step::POLICY_HEADROOM,
-        _ => 0,
-    };
-    if need.saturating_add(headroom) <= free {
-        return Ok(());
-    }
+    let headroom = if config.step == StepKind::Gpu { dflash_optimized::memory::step::POLICY_HEADROOM } else { 0 };
     let size = metrics::size_text;
-    if online && fixed > free {
+    for (device, items) in devices {
+        let need = items.iter().fold(headroom, |a, i| a.saturating_add(i.1));
+        let (name, free) = match host {
+            false => {
+                let gpu = crate::gpu_conformance::open_gpu_at(device)?;
+                (format!("GPU {device} ({})", gpu.name()), gpu.available_bytes().map_err(err)?)
+            }
+            true => {
+                ("the CPU".to_string(), dflash_optimized::backend::host::host_available_bytes().unwrap_or(u64::MAX))
+            }
+        };
+        if need <= free {
+            continue;
+        }
+        if online && !fed && fixed > free {
+            return Err(format!(
+                "memory: the target's forward alone needs {} on {name}, which has {} free: its features cached offline first (`cargo xtask features`, then `--features CACHE`), or target workers on GPUs of their own (`--target-workers`, `--gpus`)",
+                size(fixed),
+                size(free)
+            ));
+        }
+        let listed: Vec<String> = items.iter().map(|(what, bytes)| format!("{what} {}", size(*bytes))).collect();
         return Err(format!(
-            "memory: the target's forward alone needs {} on {device}, which has {} free: its features cached offline first (`cargo xtask features`, then `--features CACHE`), or target workers on GPUs of their own (`--target-workers`, `--gpus`)",
-            size(fixed),
-            size(free)
+            "memory: the run needs at least {} on {name}, which has {} free: {}{}; lower --max-len or --anchors{}{}{}",
+            size(need),
+            size(free),
+            listed.join(", "),
+            if headroom > 0 {
+                format!(", {} to spare for cuBLAS, NCCL and the driver", size(headroom))
+            } else {
+                String::new()
+            },
+            if decoders > 0 { ", or --tau-prompts 0" } else { "" },
+            if policy != Checkpointing::PerLayer { ", or --checkpointing per-layer" } else { "" },
+            if !host && items.len() > 2 + usize::from(decoders > 0) {
+                ", or fewer workers on it (`--gpus`)"
+            } else {
+                ""
+            },
         ));
     }
-    Err(format!(
-        "memory: the run needs at least {} on {device}, which has {} free: {fixed_name} {}, the step under its most frugal policy ({}) {}{}{}{}; lower --max-len or --anchors{}{}",
-        size(need.saturating_add(headroom)),
-        size(free),
-        size(fixed),
-        policy.name(),
-        size(step),
-        if copies > 1 { format!(", both for each of {copies} drafter workers") } else { String::new() },
-        if decoders > 0 { format!(", the real tau's decoders {}", size(decoders)) } else { String::new() },
-        if headroom > 0 { format!(", {} to spare for cuBLAS, NCCL and the driver", size(headroom)) } else { String::new() },
-        if decoders > 0 { ", or --tau-prompts 0" } else { "" },
-        if policy != Checkpointing::PerLayer { ", or --checkpointing per-layer" } else { "" },
-    ))
+    Ok(())
 }
 
 /// The GPUs a run's model FLOPs run on, for the MFU: every process's distinct GPUs with the

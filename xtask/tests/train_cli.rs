@@ -1462,8 +1462,8 @@ fn processes_joined_through_the_rendezvous_train_like_one() {
     assert!(started.elapsed() < Duration::from_secs(120), "{:?}", started.elapsed());
 }
 
-/// A run whose least memory (the target's forward, the step under per-layer checkpointing) is
-/// above what the device has free (here 8 GB: the CPU twins, with the host's memory set by the
+/// A run whose least memory (the target's forward, the step under per-layer checkpointing; each
+/// worker's on its device) is above what the device has free (here 8 GB: the CPU twins, with the host's memory set by the
 /// test hook) is refused naming the parts, before the drafter is initialized or the target loaded,
 /// and nothing is written to its folder; a target whose forward alone is above it is told to
 /// cache its features offline or give the target GPUs of its own.
@@ -1514,18 +1514,35 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
         assert!(!out.join("metrics.jsonl").exists(), "the run folder was written");
         assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
     }
-    // Host drafter workers share this machine's memory: each one's forward and step are counted.
-    let (cache, out) = (tmp.path().join("cache"), tmp.path().join("run-workers"));
-    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(real_args(
-            &target,
-            &cache,
-            &out,
-            &["--step", "host", "--steps", "1", "--drafter-workers", "2", "--rows-per-step", "2"],
-        ))
-        .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, "650000")
-        .output()
-        .unwrap();
-    let stderr = text(&result.stderr);
-    assert!(!result.status.success() && stderr.contains("both for each of 2 drafter workers"), "{stderr}");
+    // Host workers share this machine's memory: each drafter worker's forward and step, and each
+    // target worker's forward and feature slots, are counted.
+    let workers = [
+        (
+            &["--drafter-workers", "2"][..],
+            &["drafter worker 0: the target's forward", "drafter worker 1: the step"][..],
+        ),
+        (
+            &["--drafter-workers", "1", "--target-workers", "2"][..],
+            &["drafter worker 0: the embedding table", "target worker 1: the target's forward and its feature slots"][..],
+        ),
+    ];
+    for (i, (extra, needles)) in workers.into_iter().enumerate() {
+        let (cache, out) = (tmp.path().join("cache"), tmp.path().join(format!("run-workers-{i}")));
+        let mut args = vec!["--step", "host", "--steps", "1", "--rows-per-step", "2"];
+        args.extend(extra);
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(real_args(&target, &cache, &out, &args))
+            .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, "650000")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
+        assert!(!result.status.success(), "{stdout}");
+        for needle in needles {
+            assert!(
+                stderr.contains(needle) && stderr.contains("on the CPU, which has 0.65 MB free"),
+                "`{needle}`: {stderr}"
+            );
+        }
+        assert!(!stdout.contains("target forward") && !stdout.contains("target worker"), "work began:\n{stdout}");
+    }
 }
