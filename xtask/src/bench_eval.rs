@@ -11,6 +11,7 @@ use dflash_conformance::decode_cases::builtin_pair;
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
+use dflash_optimized::model::target_forward::TargetForward;
 use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
@@ -138,6 +139,21 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         true => Some(timing.speculative(&mut decoder, &prompt)?),
         false => None,
     };
+    // The same steps with cuBLAS for the verify and drafter blocks' linear layers (`linear_rows`'
+    // fallback): what the kernel gains.
+    let cublas_spec = match draft.is_some() {
+        true => {
+            let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, on: bool| {
+                decoder.target.backend().set_rows_kernel(on);
+                decoder.drafter.as_ref().map(|d| d.backend().set_rows_kernel(on));
+            };
+            set(&decoder, false);
+            let timed = timing.speculative(&mut decoder, &prompt);
+            set(&decoder, true);
+            Some(timed?)
+        }
+        false => None,
+    };
     if profile && random_spec.is_some() {
         crate::bench::profile_once("one speculative decode of 32 tokens, random drafter (prefill included)", || {
             decoder.speculative_decode(&prompt, 32)
@@ -209,6 +225,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                     "verify_steps": out.accept_lengths.len(),
                     "step_ms_over_plain_token_ms": step_over_token,
                     "projected_speedup_at_builtin_tau": builtin_tau / step_over_token,
+                    "cublas_rows_spec_tokens_per_s": cublas_spec.as_ref().map(|(ms, _)| rate(*ms)),
                 })
             }),
             "tokens_agreeing_with_hf": agree,
@@ -255,6 +272,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             rate(*ms),
             out.tau()
         );
+        if let Some((ms, _)) = &cublas_spec {
+            println!("{:<58} {:>10.1}", "  the same, its blocks' linear layers through cuBLAS", rate(*ms));
+        }
         let r = &result["random_drafter_8b"];
         println!(
             "a verify step costs {:.3} plain tokens on the 8B shape: {:.2}x at the built-in pair's tau {builtin_tau:.2} \

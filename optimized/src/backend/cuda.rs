@@ -1,6 +1,7 @@
 //! The GPU as a backend: the device's memory pool, cuBLAS, the attention kernels,
 //! `elementwise.cu` and `gdn.cu`, all on the GPU's one stream.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
@@ -34,6 +35,9 @@ pub struct Cuda {
     gdn: GdnKernels,
     blas: Blas,
     available: u64,
+    /// Whether `linear` takes 2 to `LINEAR_ROWS` rows through `linear_rows` (the default) or
+    /// through cuBLAS (the fallback, for benches that compare them).
+    rows_kernel: AtomicBool,
 }
 
 impl Cuda {
@@ -48,7 +52,14 @@ impl Cuda {
             gdn: GdnKernels::load(gpu)?,
             blas: Blas::new(gpu)?,
             available: gpu.available_bytes()?,
+            rows_kernel: AtomicBool::new(true),
         })
+    }
+
+    /// Sends `linear`'s 2 to `LINEAR_ROWS` rows through `linear_rows` (`true`, the default) or
+    /// through cuBLAS.
+    pub fn set_rows_kernel(&self, on: bool) {
+        self.rows_kernel.store(on, Ordering::Relaxed);
     }
 }
 
@@ -130,7 +141,7 @@ impl Backend for Cuda {
         if rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
             return self.kernels.linear_row(x, w, y, n, k, beta);
         }
-        match ElementwiseKernels::takes_linear_rows(x, w, rows, k) {
+        match self.rows_kernel.load(Ordering::Relaxed) && ElementwiseKernels::takes_linear_rows(x, w, rows, k) {
             true => self.kernels.linear_rows(x, w, y, rows, n, k, beta),
             false => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
         }

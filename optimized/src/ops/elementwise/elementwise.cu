@@ -534,15 +534,19 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Chunks of 32 k a `linear_rows` warp loads before it multiplies any (the weight bytes in flight).
+#define LINEAR_ROWS_AHEAD 4
+
 // Twin: ops/matmul/twin.rs matmul of up to LINEAR_ROWS rows (`Backend::linear` on the host). The
 // linear layers of a verify block and of the drafter's block, bound like `linear_row` by reading
 // the weight once, on the tensor cores: a CTA owns 8 * LINEAR_ROWS_TILES output columns and its
-// LINEAR_ROWS_WARPS warps split k in chunks of 32 (chunk c to warp c % warps). A lane loads 16
-// bytes of a weight row and of x rows g and g+8 at the same 8 k and feeds two mmas with them: k
-// is permuted alike in both operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e
-// and 8t+6+e), which leaves every dot product unchanged. Rows at or past m are zeros. The warps'
-// partial sums are added in warp order through shared memory (deterministic); a row's result does
-// not depend on the other rows, so m = 1 and m = 16 give the same row bit for bit.
+// LINEAR_ROWS_WARPS warps split k in chunks of 32 (chunk c to warp c % warps), each warp loading
+// LINEAR_ROWS_AHEAD chunks before multiplying them. A lane loads 16 bytes of a weight row and of
+// x rows g and g+8 at the same 8 k and feeds two mmas with them: k is permuted alike in both
+// operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e and 8t+6+e), which leaves
+// every dot product unchanged. Rows at or past m are zeros. The warps' partial sums are added in
+// warp order through shared memory (deterministic); a row's result does not depend on the other
+// rows, so every m gives a row the same bits.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
@@ -558,24 +562,34 @@ extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const bf16* x_lo = x + (size_t)g * k;
     const bf16* x_hi = x + (size_t)(g + 8) * k;
+    const bf16* w_rows[LINEAR_ROWS_TILES];
+    bool col_in[LINEAR_ROWS_TILES];
+#pragma unroll
+    for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
+        const int col = col0 + 8 * j + g;
+        col_in[j] = col < n;
+        w_rows[j] = w + (size_t)(col_in[j] ? col : 0) * k;
+    }
     const int chunks = (k + 31) / 32;
-#pragma unroll 4
-    for (int c = warp; c < chunks; c += LINEAR_ROWS_WARPS) {
-        const int kk = 32 * c + 8 * t;
-        const bool in_k = kk < k;
-        uint4 wv[LINEAR_ROWS_TILES];
+    for (int c0 = warp; c0 < chunks; c0 += LINEAR_ROWS_WARPS * LINEAR_ROWS_AHEAD) {
+        uint4 wv[LINEAR_ROWS_AHEAD][LINEAR_ROWS_TILES], lo[LINEAR_ROWS_AHEAD], hi[LINEAR_ROWS_AHEAD];
 #pragma unroll
-        for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
-            const int col = col0 + 8 * j + g;
-            wv[j] = in_k && col < n ? __ldcs(reinterpret_cast<const uint4*>(w + (size_t)col * k + kk)) : zero;
-        }
-        const uint4 lo = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
-        const uint4 hi = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
+        for (int u = 0; u < LINEAR_ROWS_AHEAD; ++u) {
+            const int kk = 32 * (c0 + u * LINEAR_ROWS_WARPS) + 8 * t;
+            const bool in_k = kk < k;
 #pragma unroll
-        for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
-            mma_bf16(acc[j], lo.x, hi.x, lo.y, hi.y, wv[j].x, wv[j].y);
-            mma_bf16(acc[j], lo.z, hi.z, lo.w, hi.w, wv[j].z, wv[j].w);
+            for (int j = 0; j < LINEAR_ROWS_TILES; ++j)
+                wv[u][j] = in_k && col_in[j] ? __ldcs(reinterpret_cast<const uint4*>(w_rows[j] + kk)) : zero;
+            lo[u] = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
+            hi[u] = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
         }
+#pragma unroll
+        for (int u = 0; u < LINEAR_ROWS_AHEAD; ++u)
+#pragma unroll
+            for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
+                mma_bf16(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
+                mma_bf16(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
+            }
     }
 #pragma unroll
     for (int j = 0; j < LINEAR_ROWS_TILES; ++j)
