@@ -145,7 +145,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         true => {
             let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, on: bool| {
                 decoder.target.backend().set_rows_kernel(on);
-                decoder.drafter.as_ref().map(|d| d.backend().set_rows_kernel(on));
+                if let Some(d) = decoder.drafter.as_ref() {
+                    d.backend().set_rows_kernel(on);
+                }
             };
             set(&decoder, false);
             let timed = timing.speculative(&mut decoder, &prompt);
