@@ -319,9 +319,13 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     });
 
     // A few rows through `Backend::linear` (the GPU's decoding kernels: `linear_row` for one row,
-    // `linear_rows` up to LINEAR_ROWS) with beta 0 and 1 (the residual), K past several strides of
-    // a warp and not a multiple of one, N not a multiple of a CTA's columns.
-    let (kr, nr) = (8 * rng.random_range(300..=700), rng.random_range(1..=3000));
+    // `linear_rows` up to LINEAR_ROWS) with beta 0 and 1 (the residual), K past several 256-value
+    // strides of a warp and never a multiple of 32 (a chunk's tail), N never a multiple of 32 (a
+    // CTA's columns).
+    let (kr, nr) = (
+        32 * rng.random_range(75..=175) + 8 * rng.random_range(1..4),
+        32 * rng.random_range(0..=90) + rng.random_range(1..32),
+    );
     let wr = buf.put(s, &draw_bf16(nr * kr, 0.0, 1.0, &mut rng))?;
     for mr in [1, rng.random_range(2..LINEAR_ROWS), LINEAR_ROWS] {
         let (xr, yr) = (

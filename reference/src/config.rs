@@ -516,6 +516,10 @@ pub enum TargetArch {
     Qwen3,
     /// `LlamaForCausalLM`: no q/k norm.
     Llama,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention with sparse MoE MLPs, which this project does
+    /// not run: its sizes derive the drafter, its tables are the drafter's, and its features
+    /// come from a cache written by transformers (`xtask/scripts/features_transformers.py`).
+    Qwen3Moe,
 }
 
 impl TargetArch {
@@ -524,6 +528,7 @@ impl TargetArch {
         match self {
             TargetArch::Qwen3 => "Qwen3ForCausalLM",
             TargetArch::Llama => "LlamaForCausalLM",
+            TargetArch::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -531,11 +536,35 @@ impl TargetArch {
         match self {
             TargetArch::Qwen3 => "qwen3",
             TargetArch::Llama => "llama",
+            TargetArch::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
+    /// Whether this project runs the architecture's forward (an MoE target's features come
+    /// from a feature cache only).
+    pub fn runs_here(self) -> bool {
+        self != TargetArch::Qwen3Moe
+    }
+}
+
+impl TargetConfig {
+    /// Refuses `what` (work that runs the target's forward) on a target whose forward this
+    /// project does not run, saying how to train from it instead.
+    pub fn check_runs_here(&self, what: &str) -> Result<()> {
+        match self.arch.runs_here() {
+            true => Ok(()),
+            false => Err(Error::invalid(
+                "target",
+                format!(
+                    "{what} runs the target's forward, which this project does not run for {} (a sparse MoE): write its features with transformers (`xtask/scripts/features_transformers.py`, README) and train from them (`train --features CACHE`, `--tau-prompts 0`)",
+                    self.arch.hf_name()
+                ),
+            )),
         }
     }
 }
 
-/// A dense Qwen3 or Llama target model's config.
+/// A Qwen3 or Llama target model's config (dense; or a Qwen3 MoE, known by its sizes only).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TargetConfig {
     pub arch: TargetArch,
@@ -711,13 +740,15 @@ impl TargetConfig {
     /// Validates a parsed target config; `file` names the source in errors.
     pub fn from_value(file: &Path, value: &Value) -> Result<Self> {
         let f = Fields::top(file, value)?;
-        let supported = [TargetArch::Qwen3, TargetArch::Llama];
+        let supported = [TargetArch::Qwen3, TargetArch::Llama, TargetArch::Qwen3Moe];
         let archs = f.opt_str_list("architectures")?.ok_or_else(|| f.error("architectures", "missing"))?;
         let arch = supported.into_iter().find(|a| archs.first().map(String::as_str) == Some(a.hf_name())).ok_or_else(
             || {
                 f.error(
                     "architectures",
-                    format!("unsupported architecture {archs:?} (supported: Qwen3ForCausalLM, LlamaForCausalLM)"),
+                    format!(
+                        "unsupported architecture {archs:?} (supported: Qwen3ForCausalLM, LlamaForCausalLM; Qwen3MoeForCausalLM from a feature cache)"
+                    ),
                 )
             },
         )?;

@@ -152,6 +152,11 @@ impl TargetKind {
     /// `model.visual.*` and a tied model's head); any other extra tensor of a hybrid is refused.
     pub fn check_checkpoint(&self, dir: &Path) -> Result<Vec<String>> {
         match self {
+            // Only the tables of a target whose layers run elsewhere (features from a cache).
+            TargetKind::Dense(c) if !c.arch.runs_here() => {
+                let unused = check_checkpoint(dir, &table_shapes(c), |_| None)?;
+                Ok(unused.into_iter().filter(|n| !n.starts_with("model.layers.") && n != "model.norm.weight").collect())
+            }
             TargetKind::Dense(c) => check_checkpoint(dir, &target_param_shapes(c), |_| None),
             TargetKind::Hybrid(c) => c.check_checkpoint(dir),
         }
@@ -227,6 +232,16 @@ pub struct TargetOutput {
     pub hidden: Vec<Tensor>,
 }
 
+/// HF key and shape of the embedding table and the LM head (none when tied) of `config`.
+fn table_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
+    let (v, h) = (config.dims.vocab_size, config.dims.hidden_size);
+    let mut shapes = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    if !config.tie_word_embeddings {
+        shapes.push(("lm_head.weight".to_string(), vec![v, h]));
+    }
+    shapes
+}
+
 /// HF key and shape of every weight of a target with `config` (no `lm_head` when tied).
 pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
     let c = &config.dims;
@@ -259,6 +274,7 @@ pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
 impl TargetModel {
     /// Builds every weight from `make(name, shape)`.
     pub fn from_fn(config: TargetConfig, mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>) -> Result<Self> {
+        config.check_runs_here("the reference target")?;
         let weights = target_param_shapes(&config)
             .into_iter()
             .map(|(name, shape)| Ok((name.clone(), make(&name, &shape)?)))
@@ -337,7 +353,7 @@ impl TargetModel {
             let xn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
             let (q, k) = (linear(&xn, w("self_attn.q_proj.weight"))?, linear(&xn, w("self_attn.k_proj.weight"))?);
             let (q, k) = match self.config.arch {
-                TargetArch::Qwen3 => (
+                TargetArch::Qwen3 | TargetArch::Qwen3Moe => (
                     head_rms_norm(&q, c.num_heads, w("self_attn.q_norm.weight"), eps)?,
                     head_rms_norm(&k, c.num_kv_heads, w("self_attn.k_norm.weight"), eps)?,
                 ),

@@ -1335,38 +1335,47 @@ fn check_fits(
         }
         false => 0,
     };
-    // What each device holds: (device, [(what, bytes)]); the host step's devices are one memory.
+    // What each device holds; the host step's devices are one memory.
     let host = config.step == StepKind::Host;
-    let mut devices: Vec<(usize, Vec<(String, u64)>)> = Vec::new();
-    let mut hold = |device: usize, what: String, bytes: u64| {
+    let mut devices: Vec<DeviceHold> = Vec::new();
+    let mut hold = |device: usize, what: Held, name: String, bytes: u64| {
         let device = if host { 0 } else { device };
-        match devices.iter_mut().find(|d| d.0 == device) {
-            Some(d) => d.1.push((what, bytes)),
-            None => devices.push((device, vec![(what, bytes)])),
-        }
+        let at = match devices.iter().position(|d| d.device == device) {
+            Some(at) => at,
+            None => {
+                devices.push(DeviceHold { device, items: Vec::new(), workers: 0, kinds: Vec::new() });
+                devices.len() - 1
+            }
+        };
+        let d = &mut devices[at];
+        d.items.push((name, bytes));
+        d.workers += usize::from(what != Held::Decoders && what != Held::DrafterStep);
+        d.kinds.push(what);
     };
     for (k, &g) in drafter_gpus.iter().enumerate() {
-        hold(g, format!("drafter worker {k}: {fixed_name}"), fixed);
-        hold(g, format!("drafter worker {k}: the step under its most frugal policy ({})", policy.name()), step);
+        hold(g, Held::DrafterFixed, format!("drafter worker {k}: {fixed_name}"), fixed);
+        let name = format!("drafter worker {k}: the step under its most frugal policy ({})", policy.name());
+        hold(g, Held::DrafterStep, name, step);
         if k == 0 && decoders > 0 {
-            hold(g, "the real tau's decoders".to_string(), decoders);
+            hold(g, Held::Decoders, "the real tau's decoders".to_string(), decoders);
         }
     }
     if fed {
         for (k, &g) in target_gpus.iter().enumerate() {
-            hold(g, format!("target worker {k}: the target's forward and its feature slots"), target_worker);
+            let name = format!("target worker {k}: the target's forward and its feature slots");
+            hold(g, Held::TargetWorker, name, target_worker);
         }
     }
     // On a GPU, room for what no plan item holds (cuBLAS's workspaces, NCCL's buffers, the
     // driver's rounding), as the policy choice leaves it.
     let headroom = if config.step == StepKind::Gpu { dflash_optimized::memory::step::POLICY_HEADROOM } else { 0 };
     let size = metrics::size_text;
-    for (device, items) in devices {
-        let need = items.iter().fold(headroom, |a, i| a.saturating_add(i.1));
+    for d in devices {
+        let need = d.items.iter().fold(headroom, |a, i| a.saturating_add(i.1));
         let (name, free) = match host {
             false => {
-                let gpu = crate::gpu_conformance::open_gpu_at(device)?;
-                (format!("GPU {device} ({})", gpu.name()), gpu.available_bytes().map_err(err)?)
+                let gpu = crate::gpu_conformance::open_gpu_at(d.device)?;
+                (format!("GPU {} ({})", d.device, gpu.name()), gpu.available_bytes().map_err(err)?)
             }
             true => {
                 ("the CPU".to_string(), dflash_optimized::backend::host::host_available_bytes().unwrap_or(u64::MAX))
@@ -1375,16 +1384,36 @@ fn check_fits(
         if need <= free {
             continue;
         }
-        if online && !fed && fixed > free {
+        // A forward that alone cannot fit: the online step's own, or a target worker's.
+        let forward = match (online && !fed, d.kinds.contains(&Held::TargetWorker)) {
+            (true, _) => Some(fixed),
+            (false, true) => Some(target_worker),
+            (false, false) => None,
+        };
+        if let Some(forward) = forward.filter(|&f| f > free) {
             return Err(format!(
                 "memory: the target's forward alone needs {} on {name}, which has {} free: its features cached offline first (`cargo xtask features`, then `--features CACHE`), or target workers on GPUs of their own (`--target-workers`, `--gpus`)",
-                size(fixed),
+                size(forward),
                 size(free)
             ));
         }
-        let listed: Vec<String> = items.iter().map(|(what, bytes)| format!("{what} {}", size(*bytes))).collect();
+        let has = |kind: Held| d.kinds.contains(&kind);
+        let mut hints = vec!["lower --max-len"];
+        if has(Held::DrafterStep) {
+            hints.push("or --anchors");
+            if policy != Checkpointing::PerLayer {
+                hints.push("or --checkpointing per-layer");
+            }
+        }
+        if has(Held::Decoders) {
+            hints.push("or --tau-prompts 0");
+        }
+        if !host && d.workers > 1 {
+            hints.push("or fewer workers on it (`--gpus`)");
+        }
+        let listed: Vec<String> = d.items.iter().map(|(what, bytes)| format!("{what} {}", size(*bytes))).collect();
         return Err(format!(
-            "memory: the run needs at least {} on {name}, which has {} free: {}{}; lower --max-len or --anchors{}{}{}",
+            "memory: the run needs at least {} on {name}, which has {} free: {}{}; {}",
             size(need),
             size(free),
             listed.join(", "),
@@ -1393,16 +1422,29 @@ fn check_fits(
             } else {
                 String::new()
             },
-            if decoders > 0 { ", or --tau-prompts 0" } else { "" },
-            if policy != Checkpointing::PerLayer { ", or --checkpointing per-layer" } else { "" },
-            if !host && items.len() > 2 + usize::from(decoders > 0) {
-                ", or fewer workers on it (`--gpus`)"
-            } else {
-                ""
-            },
+            hints.join(", "),
         ));
     }
     Ok(())
+}
+
+/// What [`check_fits`] counts on a device.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// A drafter worker's target forward or embedding table (one per drafter worker).
+    DrafterFixed,
+    DrafterStep,
+    Decoders,
+    /// A target worker's forward and feature slots.
+    TargetWorker,
+}
+
+/// One device's share of a run in [`check_fits`]: its items `(what, bytes)`, its workers.
+struct DeviceHold {
+    device: usize,
+    items: Vec<(String, u64)>,
+    workers: usize,
+    kinds: Vec<Held>,
 }
 
 /// The GPUs a run's model FLOPs run on, for the MFU: every process's distinct GPUs with the

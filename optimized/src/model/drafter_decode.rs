@@ -73,13 +73,13 @@ impl<B: Backend> DrafterDecode<B> {
         r.at(self.base)
     }
 
-    /// Loads every weight from `get(checkpoint_key, shape)` (a drafter's named parameters), as
-    /// stored values; gate and up are stacked.
     /// The backend the drafter decodes on.
     pub fn backend(&self) -> &B {
         &self.dev
     }
 
+    /// Loads every weight from `get(checkpoint_key, shape)` (a drafter's named parameters), as
+    /// stored values; gate and up are stacked.
     pub fn load_weights(&mut self, get: impl Fn(&str, &[usize]) -> dflash_reference::Result<Tensor>) -> Result<()> {
         let z = self.layout.dims;
         let put = |r: Region, name: &str, shape: &[usize]| -> Result<()> {
