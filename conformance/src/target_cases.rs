@@ -69,6 +69,19 @@ pub fn write_target_folder(dir: &std::path::Path, seed: u64) -> dflash_reference
     Ok(model)
 }
 
+/// A copy of the target folder `from` at `to` whose `config.json` is `edit`ed (another
+/// architecture's target with the same files).
+pub fn copy_target_folder(from: &std::path::Path, to: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    std::fs::create_dir_all(to).unwrap();
+    for file in std::fs::read_dir(from).unwrap().map(|e| e.unwrap().path()) {
+        std::fs::copy(&file, to.join(file.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join("config.json")).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(to.join("config.json"), config.to_string()).unwrap();
+}
+
 /// A row of documents of `lengths` tokens (positions restarting at 0), then `pad` padding tokens.
 pub fn packed_row(lengths: &[usize], pad: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Row {
     let mut row = Row { tokens: vec![], loss_mask: vec![], doc_ids: vec![], positions: vec![] };

@@ -274,7 +274,7 @@ pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
 impl TargetModel {
     /// Builds every weight from `make(name, shape)`.
     pub fn from_fn(config: TargetConfig, mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>) -> Result<Self> {
-        config.check_runs_here("the reference target")?;
+        config.check_runs_here("building the reference target")?;
         let weights = target_param_shapes(&config)
             .into_iter()
             .map(|(name, shape)| Ok((name.clone(), make(&name, &shape)?)))

@@ -74,6 +74,17 @@ pub fn prepare(c: &RunConfig, devices: impl FnOnce() -> Result<()>) -> Result<Re
     }
     let config_file = target_dir.join("config.json");
     let target_config = TargetKind::from_file(&config_file)?;
+    // A target known by its sizes only (an MoE): its features from a cache, no real tau.
+    if let TargetKind::Dense(t) = &target_config {
+        let refuse =
+            |option: &str, what: &str| t.check_runs_here(what).map_err(|e| Error::option(option, e.to_string()));
+        if c.features.is_none() {
+            refuse("features", "training without `--features`")?;
+        }
+        if c.tau_prompts > 0 {
+            refuse("tau_prompts", "the real tau")?;
+        }
+    }
     let layers = target_config.num_layers();
     target_config.check_row_len(c.max_len, &config_file).map_err(|why| Error::option("max_len", why))?;
     // The real tau decodes a prompt of a token at least, then up to `tau_tokens` and a block.

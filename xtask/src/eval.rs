@@ -129,6 +129,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     // Everything checked before decoding: the drafter against the target, every prompt's length.
     let err = |e: dflash_reference::Error| e.to_string();
     let target_config = TargetKind::from_file(&target_dir.join("config.json")).map_err(err)?;
+    if let TargetKind::Dense(t) = &target_config {
+        t.check_runs_here("`eval`").map_err(err)?;
+    }
     let draft_config = DraftConfig::from_file(&drafter_dir.join("config.json")).map_err(|e| {
         match drafter_dir.join("drafter/config.json").is_file() {
             true => format!("{e} (a run folder? its final drafter is {})", drafter_dir.join("drafter").display()),

@@ -89,8 +89,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         // before any feature is computed.
         TargetKind::from_file(&target_dir.join("config.json")).map_err(|e| {
             format!(
-                "{e}: `train --features` reads the target's config and takes Qwen3, Llama and Qwen3.5/3.6 \
-                 hybrids only, so no run could train from this target's cache yet; nothing exported"
+                "{e}: `train --features` reads the target's config and takes Qwen3, Llama, Qwen3 MoE and \
+                 Qwen3.5/3.6 hybrids only, so no run could train from this target's cache yet; nothing exported"
             )
         })?;
         let tokenizer = TargetTokenizer::load(&target_dir).map_err(|e| e.to_string())?;
@@ -120,6 +120,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     let (target_dir, data_opts) = data_options(&opts)?;
     let config = TargetKind::from_file(&target_dir.join("config.json")).map_err(|e| e.to_string())?;
+    if let TargetKind::Dense(t) = &config {
+        t.check_runs_here("`features`").map_err(|e| format!("{e} (`--export-documents` writes its documents)"))?;
+    }
     let layers = config.num_layers();
     let layer_ids: Vec<usize> = match opts.get("layer-ids", String::new())? {
         s if s.is_empty() => training_target_layer_ids(layers, 5),

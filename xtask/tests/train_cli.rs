@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use dflash_conformance::cli_args;
 use dflash_conformance::hybrid_cases::write_hybrid_target_folder;
-use dflash_conformance::target_cases::write_target_folder;
+use dflash_conformance::target_cases::{copy_target_folder, write_target_folder};
 use dflash_conformance::tolerance::{GPU_STEP_BF16, STEP_F32};
 use rand::Rng;
 
@@ -1545,4 +1545,85 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
         }
         assert!(!stdout.contains("target forward") && !stdout.contains("target worker"), "work began:\n{stdout}");
     }
+}
+
+/// A Qwen3 MoE target (`Qwen3MoeForCausalLM`), known here by its sizes: from a feature cache of
+/// its provenance (what `xtask/scripts/features_transformers.py` writes; here the features of its
+/// dense twin, which has the same attention, sizes and tables), it trains exactly as the dense
+/// twin does from the same cache; every command that would run its forward (training without
+/// `--features`, the real tau, `features`, `eval`) is refused naming the way to train from it,
+/// while `features --export-documents` writes its documents.
+#[test]
+fn an_moe_target_trains_from_a_feature_cache_and_its_forward_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dense, moe, cache) = (tmp.path().join("dense"), tmp.path().join("moe"), tmp.path().join("data-cache"));
+    write_target_folder(&dense, rand::rng().random()).unwrap();
+    copy_target_folder(&dense, &moe, |config| {
+        config["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+        config["model_type"] = "qwen3_moe".into();
+        for (key, value) in [("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 16)] {
+            config[key] = value.into();
+        }
+    });
+
+    // The dense twin's cache, then the same features under the MoE target's provenance.
+    let (features, moe_features) = (tmp.path().join("features"), tmp.path().join("moe-features"));
+    write_features(&dense, &cache, &features);
+    std::fs::create_dir(&moe_features).unwrap();
+    for file in std::fs::read_dir(&features).unwrap().map(|e| e.unwrap().path()) {
+        std::fs::copy(&file, moe_features.join(file.file_name().unwrap())).unwrap();
+    }
+    let index_file = moe_features.join("index.json");
+    let mut index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_file).unwrap()).unwrap();
+    let moe_provenance = dflash_data::features::provenance(&moe, &[0, 1], &[0; 32]).unwrap();
+    assert_ne!(index["provenance"]["target_config"].as_str(), Some(moe_provenance["target_config"].as_str()));
+    index["provenance"]["target_config"] = moe_provenance["target_config"].clone().into();
+    std::fs::write(&index_file, index.to_string()).unwrap();
+
+    let steps = ["--step", "host", "--steps", "4"];
+    let (dense_out, moe_out) = (tmp.path().join("dense-run"), tmp.path().join("moe-run"));
+    run_real(&dense, &cache, &dense_out, &[&steps[..], &["--features", features.to_str().unwrap()]].concat());
+    let stdout =
+        run_real(&moe, &cache, &moe_out, &[&steps[..], &["--features", moe_features.to_str().unwrap()]].concat());
+    assert!(stdout.contains("Qwen3MoeForCausalLM"), "{stdout}");
+    let losses = loss_values(&moe_out);
+    assert!(losses.len() == 4 && losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert_eq!(losses, loss_values(&dense_out), "the MoE target's run against its dense twin's");
+    let drafter = moe_out.join("drafter");
+    let config = dflash_reference::config::DraftConfig::from_file(&drafter.join("config.json")).unwrap();
+    assert_eq!((config.dims.hidden_size, config.dims.intermediate_size, config.target_layer_ids), (32, 48, vec![0, 1]));
+
+    // Whatever would run its forward is refused, naming how to train from it.
+    let refused = |args: Vec<String>, needles: &[&str]| {
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask")).args(&args).output().unwrap();
+        let stderr = text(&result.stderr);
+        assert!(!result.status.success(), "{args:?} ran:\n{}", text(&result.stdout));
+        for needle in ["Qwen3MoeForCausalLM", "features_transformers.py"].iter().chain(needles) {
+            assert!(stderr.contains(needle), "{args:?}: `{needle}` missing from\n{stderr}");
+        }
+    };
+    let out = tmp.path().join("refused");
+    refused(real_args(&moe, &cache, &out, &steps), &["option `features`", "training without `--features`"]);
+    let tau = [&steps[..], &["--features", moe_features.to_str().unwrap(), "--tau-prompts", "1"]].concat();
+    refused(real_args(&moe, &cache, &out, &tau), &["option `tau_prompts`", "the real tau"]);
+    assert!(!out.join("metrics.jsonl").exists(), "a refused run began");
+    let data = repo("fixtures/data/conversations.jsonl");
+    let (moe_dir, data) = (moe.to_str().unwrap(), data.to_str().unwrap());
+    let features_args = ["features", "--device", "cpu", "--target", moe_dir, "--data", data, "--out"];
+    let features_out = tmp.path().join("refused-features");
+    refused(
+        [&features_args[..], &[features_out.to_str().unwrap()]].concat().iter().map(|s| s.to_string()).collect(),
+        &["`features` runs", "--export-documents"],
+    );
+    let eval = ["eval", "--target", moe_dir, "--drafter", drafter.to_str().unwrap(), "--prompts", data];
+    refused(eval.iter().map(|s| s.to_string()).collect(), &["`eval` runs"]);
+    let docs = tmp.path().join("moe-docs.jsonl");
+    let export = ["features", "--target", moe_dir, "--data", data, "--cache", cache.to_str().unwrap()];
+    let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(export)
+        .args(["--max-len", "256", "--held-out", "0.2", "--export-documents", docs.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", text(&result.stderr));
+    assert!(std::fs::read_to_string(&docs).unwrap().lines().count() > 1);
 }

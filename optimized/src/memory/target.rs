@@ -226,7 +226,7 @@ impl TargetLayout {
         with_features: bool,
         decode: Option<(usize, usize)>,
     ) -> Result<Self> {
-        config.check_runs_here("the target's forward")?;
+        config.check_runs_here("laying out its forward")?;
         let c = &config.dims;
         let last = *layer_ids.iter().max().ok_or_else(|| Error::invalid("target_layer_ids", "is empty"))?;
         if last >= c.num_layers() {
