@@ -182,6 +182,16 @@ fn plan_target(
     };
     let t = &target.dims;
     let config = draft.unwrap_or_else(|| DraftConfig::for_target(&target, 5, 16, (t.vocab_size - 1) as u32, 5));
+    if !target.arch.runs_here() {
+        // Known by its sizes: it trains from a feature cache only.
+        println!(
+            "{}: {} trains from a feature cache (its forward does not run here)",
+            file.display(),
+            target.arch.hf_name()
+        );
+        print_offline_plan(&config, &every_policy(shape, device_bytes))?;
+        return Ok(());
+    }
     print_target_plan(&file.display().to_string(), &target, &config, &every_policy(shape, device_bytes))?;
     Ok(())
 }

@@ -1617,6 +1617,14 @@ fn an_moe_target_trains_from_a_feature_cache_and_its_forward_is_refused() {
     );
     let eval = ["eval", "--target", moe_dir, "--drafter", drafter.to_str().unwrap(), "--prompts", data];
     refused(eval.iter().map(|s| s.to_string()).collect(), &["`eval` runs"]);
+    // `plan --target` shows the offline plan: no forward on the device.
+    let plan = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["plan", "--target", moe_dir, "--seq", "64", "--anchors", "8"])
+        .output()
+        .unwrap();
+    let stdout = text(&plan.stdout);
+    assert!(plan.status.success(), "{}", text(&plan.stderr));
+    assert!(stdout.contains("trains from a feature cache") && stdout.contains("== offline"), "{stdout}");
     let docs = tmp.path().join("moe-docs.jsonl");
     let export = ["features", "--target", moe_dir, "--data", data, "--cache", cache.to_str().unwrap()];
     let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
