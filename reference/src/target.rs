@@ -131,15 +131,19 @@ impl TargetKind {
         }
     }
 
+    /// Whether the LM head is the embedding table.
+    pub fn tie_word_embeddings(&self) -> bool {
+        match self {
+            TargetKind::Dense(c) => c.tie_word_embeddings,
+            TargetKind::Hybrid(c) => c.tie_word_embeddings,
+        }
+    }
+
     /// The frozen embedding table and LM head (the table when tied) from the weights `set`.
     pub fn frozen_head(&self, set: &WeightSet, dtype: DType) -> Result<FrozenHead> {
         let (v, h) = (self.vocab_size(), self.hidden_size());
-        let tied = match self {
-            TargetKind::Dense(c) => c.tie_word_embeddings,
-            TargetKind::Hybrid(c) => c.tie_word_embeddings,
-        };
         let embed = set.get(&self.checkpoint_name("model.embed_tokens.weight"), &[v, h], dtype)?;
-        let lm_head = match tied {
+        let lm_head = match self.tie_word_embeddings() {
             true => embed.clone(),
             false => set.get("lm_head.weight", &[v, h], dtype)?,
         };

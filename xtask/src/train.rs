@@ -1292,7 +1292,7 @@ pub(crate) fn forward_bytes(
 /// target's forward (online, unfed) or the embedding table (offline, or fed by target workers);
 /// a target worker its forward without the LM head and its feature slots; rank 0's first drafter
 /// worker also the real tau's decoders. A host step's workers all count in this machine's
-/// memory. A lower bound of what the engines then lay out (each picks the fastest policy that
+/// memory, with the tables read from the target (f32) that its offline or fed workers share. A lower bound of what the engines then lay out (each picks the fastest policy that
 /// fits).
 fn check_fits(
     config: &RunConfig,
@@ -1349,7 +1349,7 @@ fn check_fits(
         };
         let d = &mut devices[at];
         d.items.push((name, bytes));
-        d.workers += usize::from(what != Held::Decoders && what != Held::DrafterStep);
+        d.workers += usize::from(matches!(what, Held::DrafterFixed | Held::TargetWorker));
         d.kinds.push(what);
     };
     for (k, &g) in drafter_gpus.iter().enumerate() {
@@ -1365,6 +1365,12 @@ fn check_fits(
             let name = format!("target worker {k}: the target's forward and its feature slots");
             hold(g, Held::TargetWorker, name, target_worker);
         }
+    }
+    // The host step's workers share the tables read from the target (f32) beside their steps.
+    if host && (!online || fed) {
+        let tables = dflash_optimized::memory::table_bytes(&d.dims, 4);
+        let copies = if t.tie_word_embeddings() { 1 } else { 2 };
+        hold(0, Held::Tables, "the tables read from the target (f32)".to_string(), tables.saturating_mul(copies));
     }
     // On a GPU, room for what no plan item holds (cuBLAS's workspaces, NCCL's buffers, the
     // driver's rounding), as the policy choice leaves it.
@@ -1437,6 +1443,8 @@ enum Held {
     Decoders,
     /// A target worker's forward and feature slots.
     TargetWorker,
+    /// The host step's frozen tables, shared by its workers.
+    Tables,
 }
 
 /// One device's share of a run in [`check_fits`]: its items `(what, bytes)`, its workers.

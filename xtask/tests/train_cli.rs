@@ -1514,8 +1514,9 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
         assert!(!out.join("metrics.jsonl").exists(), "the run folder was written");
         assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
     }
-    // Host workers share this machine's memory: each drafter worker's forward and step, and each
-    // target worker's forward and feature slots, are counted.
+    // Host workers share this machine's memory: each drafter worker's forward and step, each
+    // target worker's forward and feature slots, and the tables the fed workers share, are
+    // counted.
     let workers = [
         (
             &["--drafter-workers", "2"][..],
@@ -1523,7 +1524,11 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
         ),
         (
             &["--drafter-workers", "1", "--target-workers", "2"][..],
-            &["drafter worker 0: the embedding table", "target worker 1: the target's forward and its feature slots"][..],
+            &[
+                "drafter worker 0: the embedding table",
+                "target worker 1: the target's forward and its feature slots",
+                "the tables read from the target (f32)",
+            ][..],
         ),
     ];
     for (i, (extra, needles)) in workers.into_iter().enumerate() {
