@@ -195,7 +195,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let rate = |ms: f64| new_tokens as f64 / (ms * 1e-3);
     // Batch-1 decoding reads every weight once per token: the bandwidth ceiling of plain decoding.
     let weight_bytes = 2.0 * decoded_params(&config);
-    let ceiling = H200_BYTES_PER_S / weight_bytes;
+    let ceiling = decode_bytes_per_s(gpu.name()) / weight_bytes;
     let ours_rate = rate(plain_ms);
     let builtin_tau = builtin_out.tau();
     let builtin_speedup = builtin_plain_ms / builtin_spec_ms;
@@ -265,7 +265,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         "transformers generate (same checkpoint and prompt)",
         f(&result["hf_decode_tokens_per_s"])
     );
-    let label = format!("weight-bandwidth ceiling ({:.1} GB per token at 4 TB/s)", weight_bytes / 1e9);
+    let label = format!(
+        "weight-bandwidth ceiling ({:.1} GB per token at {:.1} TB/s)",
+        weight_bytes / 1e9,
+        decode_bytes_per_s(gpu.name()) / 1e12
+    );
     println!("{label:<58} {ceiling:>10.1}");
     if let Some((ms, out)) = &random_spec {
         println!(
@@ -299,9 +303,16 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     Ok(())
 }
 
-/// The HBM bandwidth batch-1 decoding can reach on the H200 (about 4 TB/s of the 4.8 specified),
-/// the basis for the plain-decoding ceiling.
-const H200_BYTES_PER_S: f64 = 4.0e12;
+/// The HBM bandwidth batch-1 decoding can reach on the GPU named `gpu`: on the H200 about 4 TB/s
+/// of the 4.8 specified (the basis for the plain-decoding ceiling), on an H100 the same
+/// share of its 3.35 TB/s.
+fn decode_bytes_per_s(gpu: &str) -> f64 {
+    const H200: f64 = 4.0e12;
+    match gpu.contains("H100") {
+        true => H200 * 3.35 / 4.8,
+        false => H200,
+    }
+}
 
 /// Parameters read per decoded token: every layer, the final norm and the LM head (the embedding
 /// table only as the head when tied: one row of it is negligible).
