@@ -540,6 +540,11 @@ impl TargetArch {
         }
     }
 
+    /// Whether its attention norms q and k per head (Qwen3's, dense or MoE).
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, TargetArch::Qwen3 | TargetArch::Qwen3Moe)
+    }
+
     /// Whether this project runs the architecture's forward (an MoE target's features come
     /// from a feature cache only).
     pub fn runs_here(self) -> bool {
@@ -556,7 +561,7 @@ impl TargetConfig {
             false => Err(Error::invalid(
                 "target",
                 format!(
-                    "{what} runs the target's forward, which this project does not run for {} (a sparse MoE): write its features with transformers (`xtask/scripts/features_transformers.py`, README) and train from them (`train --features CACHE`, `--tau-prompts 0`)",
+                    "{what} needs the forward of {} (a sparse MoE), which this project does not run: its drafters train from features written by transformers (`features --export-documents`, then `xtask/scripts/features_transformers.py`; README), with `train --features CACHE --tau-prompts 0`",
                     self.arch.hf_name()
                 ),
             )),

@@ -9,7 +9,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::attention::dense_attention;
-use crate::config::{DraftConfig, TargetArch, TargetConfig};
+use crate::config::{DraftConfig, TargetConfig};
 use crate::data::{document_runs, Row};
 use crate::drafter::{is_norm, random_normal, FrozenHead};
 use crate::error::{Error, Result};
@@ -264,7 +264,7 @@ pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
             p("mlp.up_proj.weight", vec![i, h]),
             p("mlp.down_proj.weight", vec![h, i]),
         ]);
-        if config.arch == TargetArch::Qwen3 {
+        if config.arch.has_qk_norm() {
             shapes.extend([p("self_attn.q_norm.weight", vec![d]), p("self_attn.k_norm.weight", vec![d])]);
         }
     }
@@ -278,7 +278,7 @@ pub fn target_param_shapes(config: &TargetConfig) -> Vec<(String, Vec<usize>)> {
 impl TargetModel {
     /// Builds every weight from `make(name, shape)`.
     pub fn from_fn(config: TargetConfig, mut make: impl FnMut(&str, &[usize]) -> Result<Tensor>) -> Result<Self> {
-        config.check_runs_here("building the reference target")?;
+        config.check_runs_here("the reference target's layers")?;
         let weights = target_param_shapes(&config)
             .into_iter()
             .map(|(name, shape)| Ok((name.clone(), make(&name, &shape)?)))
@@ -356,14 +356,12 @@ impl TargetModel {
             let w = |name: &str| self.w(&format!("model.layers.{l}.{name}"));
             let xn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
             let (q, k) = (linear(&xn, w("self_attn.q_proj.weight"))?, linear(&xn, w("self_attn.k_proj.weight"))?);
-            let (q, k) = match self.config.arch {
-                TargetArch::Qwen3 | TargetArch::Qwen3Moe => (
+            let (q, k) = match self.config.arch.has_qk_norm() {
+                true => (
                     head_rms_norm(&q, c.num_heads, w("self_attn.q_norm.weight"), eps)?,
                     head_rms_norm(&k, c.num_kv_heads, w("self_attn.k_norm.weight"), eps)?,
                 ),
-                TargetArch::Llama => {
-                    (q.reshape((t, c.num_heads, c.head_dim))?, k.reshape((t, c.num_kv_heads, c.head_dim))?)
-                }
+                false => (q.reshape((t, c.num_heads, c.head_dim))?, k.reshape((t, c.num_kv_heads, c.head_dim))?),
             };
             let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
             let v = linear(&xn, w("self_attn.v_proj.weight"))?.reshape((t, c.num_kv_heads, c.head_dim))?;

@@ -121,7 +121,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let (target_dir, data_opts) = data_options(&opts)?;
     let config = TargetKind::from_file(&target_dir.join("config.json")).map_err(|e| e.to_string())?;
     if let TargetKind::Dense(t) = &config {
-        t.check_runs_here("`features`").map_err(|e| format!("{e} (`--export-documents` writes its documents)"))?;
+        t.check_runs_here("`features` without `--export-documents`").map_err(|e| e.to_string())?;
     }
     let layers = config.num_layers();
     let layer_ids: Vec<usize> = match opts.get("layer-ids", String::new())? {

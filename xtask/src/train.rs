@@ -1327,13 +1327,15 @@ fn check_fits(
         None => 0,
     };
     let (target_gpus, drafter_gpus) = launch.topology(config);
-    let target_worker = match fed {
+    // A target worker's forward (no LM head) and its feature slots.
+    let (worker_forward, target_worker) = match fed {
         true => {
+            let forward = forward_bytes(t, ids, s, widths, false)?;
             let slot = (s as u64).saturating_mul((ids.len() * t.hidden_size()) as u64).saturating_mul(widths.0);
             let slots = dflash_trainer::dist::feed::slots_per_target(drafter_gpus.len()) as u64;
-            forward_bytes(t, ids, s, widths, false)?.saturating_add(slot.saturating_mul(slots))
+            (forward, forward.saturating_add(slot.saturating_mul(slots)))
         }
-        false => 0,
+        false => (0, 0),
     };
     // What each device holds; the host step's devices are one memory.
     let host = config.step == StepKind::Host;
@@ -1392,15 +1394,19 @@ fn check_fits(
         }
         // A forward that alone cannot fit: the online step's own, or a target worker's.
         let forward = match (online && !fed, d.kinds.contains(&Held::TargetWorker)) {
-            (true, _) => Some(fixed),
-            (false, true) => Some(target_worker),
+            (true, _) => Some((fixed, "or target workers on GPUs of their own (`--target-workers`, `--gpus`)")),
+            (false, true) if !host => {
+                Some((worker_forward, "or a GPU of more memory for each target worker (`--gpus`)"))
+            }
+            (false, true) => Some((worker_forward, "")),
             (false, false) => None,
         };
-        if let Some(forward) = forward.filter(|&f| f > free) {
+        if let Some((forward, or)) = forward.filter(|f| f.0 > free) {
             return Err(format!(
-                "memory: the target's forward alone needs {} on {name}, which has {} free: its features cached offline first (`cargo xtask features`, then `--features CACHE`), or target workers on GPUs of their own (`--target-workers`, `--gpus`)",
+                "memory: the target's forward alone needs {} on {name}, which has {} free: its features cached offline first (`cargo xtask features`, then `--features CACHE`){}",
                 size(forward),
-                size(free)
+                size(free),
+                if or.is_empty() { String::new() } else { format!(", {or}") }
             ));
         }
         let has = |kind: Held| d.kinds.contains(&kind);

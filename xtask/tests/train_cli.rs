@@ -1552,10 +1552,11 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
     }
 }
 
-/// A Qwen3 MoE target (`Qwen3MoeForCausalLM`), known here by its sizes: from a feature cache of
-/// its provenance (what `xtask/scripts/features_transformers.py` writes; here the features of its
-/// dense twin, which has the same attention, sizes and tables), it trains exactly as the dense
-/// twin does from the same cache; every command that would run its forward (training without
+/// A Qwen3 MoE target (`Qwen3MoeForCausalLM`, a checkpoint with routers and experts), known here
+/// by its sizes: from a feature cache of its provenance (what
+/// `xtask/scripts/features_transformers.py` writes; here the features of its dense twin, which has
+/// the same attention, sizes and tables), it trains exactly as the dense twin does from the same
+/// cache; every command that would run its forward (training without
 /// `--features`, the real tau, `features`, `eval`) is refused naming the way to train from it,
 /// while `features --export-documents` writes its documents.
 #[test]
@@ -1570,6 +1571,20 @@ fn an_moe_target_trains_from_a_feature_cache_and_its_forward_is_refused() {
             config[key] = value.into();
         }
     });
+    // Its checkpoint as a Qwen3 MoE's: each layer's dense MLP replaced by a router and experts.
+    let weights = moe.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    tensors.retain(|name, _| !["gate_proj", "up_proj", "down_proj"].iter().any(|p| name.contains(&format!("mlp.{p}"))));
+    let random = |shape: &[usize]| candle_core::Tensor::randn(0f32, 0.1, shape, &candle_core::Device::Cpu).unwrap();
+    for l in 0..3 {
+        tensors.insert(format!("model.layers.{l}.mlp.gate.weight"), random(&[4, 32]));
+        for e in 0..4 {
+            for (p, shape) in [("gate_proj", [16, 32]), ("up_proj", [16, 32]), ("down_proj", [32, 16])] {
+                tensors.insert(format!("model.layers.{l}.mlp.experts.{e}.{p}.weight"), random(&shape));
+            }
+        }
+    }
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
 
     // The dense twin's cache, then the same features under the MoE target's provenance.
     let (features, moe_features) = (tmp.path().join("features"), tmp.path().join("moe-features"));
@@ -1581,8 +1596,10 @@ fn an_moe_target_trains_from_a_feature_cache_and_its_forward_is_refused() {
     let index_file = moe_features.join("index.json");
     let mut index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_file).unwrap()).unwrap();
     let moe_provenance = dflash_data::features::provenance(&moe, &[0, 1], &[0; 32]).unwrap();
-    assert_ne!(index["provenance"]["target_config"].as_str(), Some(moe_provenance["target_config"].as_str()));
-    index["provenance"]["target_config"] = moe_provenance["target_config"].clone().into();
+    for key in ["target_config", "target_weights"] {
+        assert_ne!(index["provenance"][key].as_str(), Some(moe_provenance[key].as_str()));
+        index["provenance"][key] = moe_provenance[key].clone().into();
+    }
     std::fs::write(&index_file, index.to_string()).unwrap();
 
     let steps = ["--step", "host", "--steps", "4"];
@@ -1618,10 +1635,10 @@ fn an_moe_target_trains_from_a_feature_cache_and_its_forward_is_refused() {
     let features_out = tmp.path().join("refused-features");
     refused(
         [&features_args[..], &[features_out.to_str().unwrap()]].concat().iter().map(|s| s.to_string()).collect(),
-        &["`features` runs", "--export-documents"],
+        &["`features` without `--export-documents` needs"],
     );
     let eval = ["eval", "--target", moe_dir, "--drafter", drafter.to_str().unwrap(), "--prompts", data];
-    refused(eval.iter().map(|s| s.to_string()).collect(), &["`eval` runs"]);
+    refused(eval.iter().map(|s| s.to_string()).collect(), &["`eval` needs"]);
     // `plan --target` shows the offline plan: no forward on the device.
     let plan = Command::new(env!("CARGO_BIN_EXE_xtask"))
         .args(["plan", "--target", moe_dir, "--seq", "64", "--anchors", "8"])

@@ -9,7 +9,7 @@
 //!
 //! Shapes: T tokens per launch, H hidden, I SwiGLU, nh/nkv heads of d, F tapped layers, V vocab.
 
-use dflash_reference::config::{TargetArch, TargetConfig};
+use dflash_reference::config::TargetConfig;
 
 use super::attention::causal_plans_bytes;
 use super::{add, bytes_of, check_fits, gb, mul_usize, Arena, Item, Lifetime, Region};
@@ -226,7 +226,7 @@ impl TargetLayout {
         with_features: bool,
         decode: Option<(usize, usize)>,
     ) -> Result<Self> {
-        config.check_runs_here("laying out its forward")?;
+        config.check_runs_here("laying out the target's forward")?;
         let c = &config.dims;
         let last = *layer_ids.iter().max().ok_or_else(|| Error::invalid("target_layer_ids", "is empty"))?;
         if last >= c.num_layers() {
@@ -260,7 +260,7 @@ impl TargetLayout {
             true => Some(ar.take("target LM head (the drafter's, shared)", Model, "lm_head", &[z.v, z.h], e)?),
             false => None,
         };
-        let qwen3 = config.arch == TargetArch::Qwen3;
+        let qwen3 = config.arch.has_qk_norm();
         let shape = z.layer_shape();
         let layers = (0..z.layers)
             .map(|_| TargetLayerWeights::take(&mut ar, "target layer weights", shape, qwen3, e))

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
-use dflash_reference::config::{AttnKind, TargetArch, TargetConfig};
+use dflash_reference::config::{AttnKind, TargetConfig};
 use dflash_reference::data::{document_runs, Row};
 use dflash_reference::ops::rope_tables_scaled;
 
@@ -359,12 +359,13 @@ impl<B: Backend> TargetForward<B> {
             let sides = [(at(s.q_pre), w.q_norm, at(s.q), s.inv_q, z.nh), (k_pre, w.k_norm, k, s.inv_k, z.nkv)];
             for (pre, norm, out, inv, heads) in sides {
                 let dims = Heads { tokens: t, heads, head_dim: z.d };
-                match (self.config.arch, norm) {
-                    (TargetArch::Qwen3, Some(norm)) => {
+                // The layout holds q/k norms exactly for the architectures that have them.
+                match norm {
+                    Some(norm) => {
                         let f = HeadNormRope { x: pre, w: at(norm), cos, sin };
                         ops.head_norm_rope_forward(f, out, at(inv), dims, eps)?
                     }
-                    _ => ops.rope_forward(pre, cos, sin, out, dims)?,
+                    None => ops.rope_forward(pre, cos, sin, out, dims)?,
                 }
             }
             let kind = self.config.dims.layer_kinds[l];
