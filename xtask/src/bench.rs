@@ -5,7 +5,8 @@ const HELP: &str = "usage: xtask bench <benchmark> [options]
 
 benchmarks:
   attention   our attention vs PyTorch flex_attention and SDPA         (results/attention-h200.json)
-  gemm        the cuBLAS bf16 linear: checked against the CPU, timed   (results/gemm-h200.json)
+  gemm        the cuBLAS bf16 linear: checked against the CPU, timed; decoding's linear layers
+              (cuBLAS, linear_row, linear_rows) in GB/s                (results/gemm-h200.json)
   step        the GPU training step per policy vs PyTorch, MFU, peaks  (results/step-h200.json)
   target      the target forward (features) vs transformers, 8B shape (results/target-h200.json)
   hybrid      the hybrid target forward vs transformers (fla and torch), 27B layer shapes
@@ -52,16 +53,15 @@ pub fn profile_once<T>(what: &str, run: impl FnOnce() -> dflash_optimized::Resul
 pub fn print_profile(what: &str, ops: &[(String, f64, usize)]) {
     let total: f64 = ops.iter().map(|o| o.1).sum();
     println!("profile of {what}: {total:.2} ms in {} operations", ops.iter().map(|o| o.2).sum::<usize>());
-    for kind in ["gemm", "attention", ""] {
-        let ms: f64 = ops
-            .iter()
-            .filter(|o| match kind {
-                "" => !o.0.starts_with("gemm") && !o.0.starts_with("attention"),
-                _ => o.0.starts_with(kind),
-            })
-            .map(|o| o.1)
-            .sum();
-        println!("  {:<12} {ms:>8.2} ms", if kind.is_empty() { "other" } else { kind });
+    // Matmuls: cuBLAS's and the decoding kernels' (`linear_row`, `linear_rows`).
+    let kind_of = |name: &str| match name {
+        n if n.starts_with("gemm") || n.starts_with("linear_row") => "matmul",
+        n if n.starts_with("attention") => "attention",
+        _ => "other",
+    };
+    for kind in ["matmul", "attention", "other"] {
+        let ms: f64 = ops.iter().filter(|o| kind_of(&o.0) == kind).map(|o| o.1).sum();
+        println!("  {kind:<12} {ms:>8.2} ms");
     }
     for (name, ms, count) in ops.iter().take(40) {
         println!("  {ms:>8.3} ms {count:>4}x  {name}");
