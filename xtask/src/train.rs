@@ -1345,13 +1345,12 @@ fn check_fits(
         let at = match devices.iter().position(|d| d.device == device) {
             Some(at) => at,
             None => {
-                devices.push(DeviceHold { device, items: Vec::new(), workers: 0, kinds: Vec::new() });
+                devices.push(DeviceHold { device, items: Vec::new(), kinds: Vec::new() });
                 devices.len() - 1
             }
         };
         let d = &mut devices[at];
         d.items.push((name, bytes));
-        d.workers += usize::from(matches!(what, Held::DrafterFixed | Held::TargetWorker));
         d.kinds.push(what);
     };
     for (k, &g) in drafter_gpus.iter().enumerate() {
@@ -1420,7 +1419,9 @@ fn check_fits(
         if has(Held::Decoders) {
             hints.push("or --tau-prompts 0");
         }
-        if !host && d.workers > 1 {
+        // A worker: a drafter's fixed part (one per drafter worker) or a target worker.
+        let workers = d.kinds.iter().filter(|k| matches!(k, Held::DrafterFixed | Held::TargetWorker)).count();
+        if !host && workers > 1 {
             hints.push("or fewer workers on it (`--gpus`)");
         }
         let listed: Vec<String> = d.items.iter().map(|(what, bytes)| format!("{what} {}", size(*bytes))).collect();
@@ -1453,11 +1454,10 @@ enum Held {
     Tables,
 }
 
-/// One device's share of a run in [`check_fits`]: its items `(what, bytes)`, its workers.
+/// One device's share of a run in [`check_fits`]: its items `(what, bytes)` and their kinds.
 struct DeviceHold {
     device: usize,
     items: Vec<(String, u64)>,
-    workers: usize,
     kinds: Vec<Held>,
 }
 

@@ -1486,6 +1486,21 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
         ),
         ((1u64 << 23).to_string(), "8", &["memory: the target's forward alone needs", "cargo xtask features"][..]),
     ];
+    // The run with the host memory set to `available`: refused, its stderr naming `free` and each
+    // of `needles`; its stdout.
+    let refused = |args: &[String], available: &str, free: &str, needles: &[&str]| -> String {
+        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(args)
+            .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, available)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
+        assert!(!result.status.success(), "{stdout}");
+        for needle in needles {
+            assert!(stderr.contains(needle) && stderr.contains(free), "`{needle}`: {stderr}");
+        }
+        stdout
+    };
     for (seq, anchors, needles) in cases {
         let (cache, out) = (tmp.path().join("cache"), tmp.path().join(format!("run-{seq}")));
         let mut args = real_args(&target, &cache, &out, &["--step", "host", "--steps", "1"]);
@@ -1494,19 +1509,7 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
             args[at + 1] = value.to_string();
         }
         let started = Instant::now();
-        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-            .args(&args)
-            .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, (8u64 << 30).to_string())
-            .output()
-            .unwrap();
-        let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
-        assert!(!result.status.success(), "{stdout}");
-        for needle in needles {
-            assert!(
-                stderr.contains(needle) && stderr.contains("on the CPU, which has 8.59 GB free"),
-                "`{needle}`: {stderr}"
-            );
-        }
+        let stdout = refused(&args, &(8u64 << 30).to_string(), "on the CPU, which has 8.59 GB free", needles);
         assert!(
             !stdout.contains("trainable parameters") && !stdout.contains("target forward"),
             "work began:\n{stdout}"
@@ -1535,19 +1538,8 @@ fn a_run_that_cannot_fit_is_refused_before_the_target_is_loaded() {
         let (cache, out) = (tmp.path().join("cache"), tmp.path().join(format!("run-workers-{i}")));
         let mut args = vec!["--step", "host", "--steps", "1", "--rows-per-step", "2"];
         args.extend(extra);
-        let result = Command::new(env!("CARGO_BIN_EXE_xtask"))
-            .args(real_args(&target, &cache, &out, &args))
-            .env(dflash_optimized::backend::host::HOST_AVAILABLE_ENV, "650000")
-            .output()
-            .unwrap();
-        let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
-        assert!(!result.status.success(), "{stdout}");
-        for needle in needles {
-            assert!(
-                stderr.contains(needle) && stderr.contains("on the CPU, which has 0.65 MB free"),
-                "`{needle}`: {stderr}"
-            );
-        }
+        let stdout =
+            refused(&real_args(&target, &cache, &out, &args), "650000", "on the CPU, which has 0.65 MB free", needles);
         assert!(!stdout.contains("target forward") && !stdout.contains("target worker"), "work began:\n{stdout}");
     }
 }
