@@ -135,8 +135,9 @@ impl Backend for Cuda {
 
     /// One row (batch-1 decoding) through `linear_row`, which reads `w` at full bandwidth where
     /// cuBLAS's choices for `m = 1` reach half of it; up to `LINEAR_ROWS` (a verify block, the
-    /// drafter's block) through `linear_rows`, where cuBLAS's reach a seventh to four fifths of
-    /// it (H100, `bench eval --profile yes`); more rows through cuBLAS.
+    /// drafter's block) through `linear_rows`, level with cuBLAS on the 8B shape's layers and
+    /// cheaper to launch (`results/gemm-h100.json`, `results/eval-h100.json`); more rows
+    /// through cuBLAS.
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
         if rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
             return self.kernels.linear_row(x, w, y, n, k, beta);
