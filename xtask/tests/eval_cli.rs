@@ -154,7 +154,8 @@ fn eval_takes_prompts_that_fill_the_context_exactly() {
     let prompts = tmp.path().join("p.jsonl");
     let len = rand::rng().random_range(1..20);
     std::fs::write(&prompts, json!({"input_ids": vec![5; len]}).to_string()).unwrap();
-    let max_new = rand::rng().random_range(1..30);
+    // eval takes at least 2 new tokens (a verify step follows the prefill's token).
+    let max_new = rand::rng().random_range(2..30);
     let config_file = target.join("config.json");
     let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&config_file).unwrap()).unwrap();
     config["max_position_embeddings"] = json!(len + max_new + 4 - 1);
