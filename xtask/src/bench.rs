@@ -49,10 +49,16 @@ pub fn profile_once<T>(what: &str, run: impl FnOnce() -> dflash_optimized::Resul
 }
 
 /// Profiled operations by total GPU time, the longest first (`device::profile::report`), with
-/// totals per kind: what `what` spent.
-pub fn print_profile(what: &str, ops: &[(String, f64, usize)]) {
+/// totals per kind: what `what` spent; and the GPU time from the first operation's start to the
+/// last one's end, whose excess over the operations' sum the GPU spent idle between them.
+pub fn print_profile(what: &str, report: &dflash_optimized::device::profile::Report) {
+    let ops = &report.ops;
     let total: f64 = ops.iter().map(|o| o.1).sum();
-    println!("profile of {what}: {total:.2} ms in {} operations", ops.iter().map(|o| o.2).sum::<usize>());
+    println!(
+        "profile of {what}: {total:.2} ms in {} operations; {:.2} ms from the first start to the last end",
+        ops.iter().map(|o| o.2).sum::<usize>(),
+        report.span_ms
+    );
     // Matmuls: cuBLAS's and the decoding kernels' (`linear_row`, `linear_rows`).
     let kind_of = |name: &str| match name {
         n if n.starts_with("gemm") || n.starts_with("linear_row") => "matmul",

@@ -274,9 +274,9 @@ fn print_kernel_times(gpu: &Gpu, case: &AttnCase) -> Result<(), String> {
     profile::enable(true);
     let run = bench_case(gpu, case, 2, 3);
     profile::enable(false);
-    let ops = profile::report().map_err(|e| e.to_string())?;
+    let report = profile::report().map_err(|e| e.to_string())?;
     run.map_err(|e| e.to_string())?;
-    for (name, ms, count) in ops {
+    for (name, ms, count) in report.ops {
         println!("      {:>8.3} ms/call  {name}", ms / count as f64);
     }
     Ok(())

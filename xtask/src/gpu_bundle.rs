@@ -151,19 +151,66 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 
 /// Compiles every kernel module with NVRTC when its library opens here (`LD_LIBRARY_PATH`, and
 /// `CUDA_HOME` for `cuda_bf16.h`), so a kernel that does not compile fails here rather than on the
-/// GPU machine; says so when it cannot.
+/// GPU machine; says so when it cannot. Where `CUDA_HOME/bin/ptxas` exists too, assembles each
+/// module for sm_90a and prints every kernel's registers, spills and static shared memory
+/// ([`kernel_resources`]): a kernel past 128 registers runs one 256-thread CTA per SM, and spills
+/// cost local-memory traffic.
 fn compile_kernels() -> Result<(), String> {
     use dflash_optimized::device::gpu::{compile, nvrtc_present};
     if !nvrtc_present() {
         println!("kernels: not compiled here (no NVRTC library; set LD_LIBRARY_PATH and CUDA_HOME to check them)");
         return Ok(());
     }
+    let cuda_home = std::env::var("CUDA_HOME").unwrap_or_else(|_| "/usr/local/cuda".to_string());
+    let ptxas = Path::new(&cuda_home).join("bin/ptxas");
     for (module, source) in dflash_optimized::ops::sources::compiled_modules() {
         let started = std::time::Instant::now();
-        compile(&module, &source).map_err(|e| e.to_string())?;
+        let ptx = compile(&module, &source).map_err(|e| e.to_string())?;
         println!("kernels: {module} compiles with NVRTC ({:.1}s)", started.elapsed().as_secs_f64());
+        if ptxas.is_file() {
+            for line in kernel_resources(&ptxas, &module, &ptx.to_src())? {
+                println!("  {line}");
+            }
+        }
+    }
+    if !ptxas.is_file() {
+        println!("kernels: registers not reported ({} is missing)", ptxas.display());
     }
     Ok(())
+}
+
+/// `kernel: N registers, S bytes spilled, M bytes shared` for each kernel of `ptx`, and ptxas's
+/// warnings (a wgmma serialised, say), from `ptxas -arch=sm_90a -v` (the PTX written to a
+/// temporary file and removed).
+fn kernel_resources(ptxas: &Path, module: &str, ptx: &str) -> Result<Vec<String>, String> {
+    let file = std::env::temp_dir().join(format!("dflash-{module}-{}.ptx", std::process::id()));
+    std::fs::write(&file, ptx).map_err(|e| format!("{}: {e}", file.display()))?;
+    let out = Command::new(ptxas)
+        .args(["-arch=sm_90a", "-v", "-o", "/dev/null"])
+        .arg(&file)
+        .output()
+        .map_err(|e| format!("running {}: {e}", ptxas.display()));
+    let _ = std::fs::remove_file(&file);
+    let out = out?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("ptxas on module `{module}` failed:\n{log}"));
+    }
+    // ptxas -v: "Compiling entry function 'NAME' ...", then "N bytes spill stores, ..." and
+    // "Used R registers, ... S bytes smem ..." for that function.
+    let (mut lines, mut name, mut spill) = (Vec::new(), String::new(), String::new());
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            name = rest.split('\'').next().unwrap_or("").to_string();
+        } else if line.contains("spill stores") {
+            spill = line.split(':').next_back().unwrap_or("").trim().to_string();
+        } else if let Some(rest) = line.split("Used ").nth(1) {
+            lines.push(format!("{name}: used {}; {spill}", rest.trim()));
+        } else if line.contains("warning") || line.contains("Performance Loss") {
+            lines.push(line.trim().to_string());
+        }
+    }
+    Ok(lines)
 }
 
 /// Adds `/gpu-bundle/` to the repository's `.git/info/exclude` when it is not there (the bundle

@@ -34,22 +34,35 @@ pub fn scope<R>(stream: &CudaStream, name: impl FnOnce() -> String, f: impl FnOn
     Ok(out)
 }
 
-/// `(name, total ms, count)` of every operation recorded since the last report, longest total
-/// first (waits for the recorded work); clears the records.
-pub fn report() -> Result<Vec<(String, f64, usize)>> {
+/// What [`report`] found: `(name, total ms, count)` per operation, longest total first, and
+/// the GPU time from the first operation's start to the last one's end (the operations' sum
+/// plus the GPU's idle time between them: launch gaps and waits on the host).
+pub struct Report {
+    pub ops: Vec<(String, f64, usize)>,
+    pub span_ms: f64,
+}
+
+/// Every operation recorded since the last report (waits for the recorded work); clears the
+/// records.
+pub fn report() -> Result<Report> {
     let records = std::mem::take(&mut *RECORDS.lock().unwrap_or_else(|p| p.into_inner()));
+    let event_err = |e| Error::Gpu(format!("profiling event: {e}"));
     let mut totals: Vec<(String, f64, usize)> = Vec::new();
-    for (name, start, end) in records {
-        end.synchronize().map_err(|e| Error::Gpu(format!("profiling event: {e}")))?;
-        let ms = f64::from(start.elapsed_ms(&end).map_err(|e| Error::Gpu(format!("profiling event: {e}")))?);
-        match totals.iter_mut().find(|t| t.0 == name) {
+    for (name, start, end) in &records {
+        end.synchronize().map_err(event_err)?;
+        let ms = f64::from(start.elapsed_ms(end).map_err(event_err)?);
+        match totals.iter_mut().find(|t| &t.0 == name) {
             Some(t) => {
                 t.1 += ms;
                 t.2 += 1;
             }
-            None => totals.push((name, ms, 1)),
+            None => totals.push((name.clone(), ms, 1)),
         }
     }
     totals.sort_by(|a, b| b.1.total_cmp(&a.1));
-    Ok(totals)
+    let span_ms = match (records.first(), records.last()) {
+        (Some(first), Some(last)) => f64::from(first.1.elapsed_ms(&last.2).map_err(event_err)?),
+        _ => 0.0,
+    };
+    Ok(Report { ops: totals, span_ms })
 }
