@@ -234,6 +234,16 @@ fn measure_ours(
         per_seq.push((ms, peak));
         if profile {
             crate::bench::profile_once(&format!("one forward of S={seq}"), || forward.run(&[&row]))?;
+            // Whether the host holds the GPU up: run() returns before the GPU has finished
+            // unless the host waits on it or launches slower than the GPU runs.
+            let started = std::time::Instant::now();
+            forward.run(&[&row]).map_err(err)?;
+            let queued = started.elapsed().as_secs_f64() * 1e3;
+            dflash_optimized::backend::Backend::synchronize(forward.backend()).map_err(err)?;
+            println!(
+                "one forward of S={seq}: run() returned after {queued:.2} ms, the GPU finished after {:.2} ms (host clock)",
+                started.elapsed().as_secs_f64() * 1e3
+            );
         }
     }
     Ok(Ours { gpu: gpu.name().to_string(), per_seq, planned: forward.layout.total_bytes().map_err(err)? })
