@@ -35,8 +35,8 @@ const HELP: &str = "usage: xtask bench train [options]     (on the GPU machine)
 
 One training row per optimizer step, end to end: the target's forward (layers 0..=33 of a random
 Qwen3-8B-shaped checkpoint, bf16; made there by `bench target`'s script when missing) writes the
-features where the drafter's step reads them, the step (5 layers, block 16, per-layer
-checkpointing) and AdamW on the device; rows of S random tokens, every token supervised, N
+features where the drafter's step reads them, the step (5 layers, block 16, checkpointing as
+`--checkpointing` says) and AdamW on the device; rows of S random tokens, every token supervised, N
 anchors re-drawn every step. Median of CUDA-event timings after warm-up of whole optimizer steps.
 Offline: the same steps with each row's features read from a feature cache on disk (written
 first to the temporary folder, so read from the page cache, as a warm cache) by the trainer's
@@ -54,10 +54,12 @@ options:
   --out FILE      results file                (default results/train-h200.json)
   --seed N        seed of tokens, anchors, init (default 0)
   --profile yes|no  print each operation's GPU time in one more step per shape (default no)
+  --checkpointing POLICY  our step's policy: per-layer (the PyTorch pipeline's), selective or
+                  none; each object records it    (default per-layer)
   --commit SHA    the commit measured         (default: commit.txt next to the binary)";
 
 const OPTIONS: &[&str] =
-    &["target", "shapes", "warmup", "iters", "torch", "python", "out", "seed", "commit", "profile"];
+    &["target", "shapes", "warmup", "iters", "torch", "python", "out", "seed", "commit", "profile", "checkpointing"];
 
 /// What our engine measured at one shape.
 struct Measured {
@@ -92,6 +94,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     let with_torch = opts.yes_no("torch", true)?;
     let profile = opts.yes_no("profile", false)?;
+    let policy_name: String = opts.get("checkpointing", "per-layer".to_string())?;
+    let policy = Checkpointing::from_name(&policy_name)
+        .ok_or_else(|| format!("option `--checkpointing`: `{policy_name}` is not none, selective or per-layer"))?;
     let python: String = opts.get("python", "python3".to_string())?;
     let target_script = gpu_bundle::bundled_file("target_torch.py", "xtask/bench/target_torch.py");
     let script = gpu_bundle::bundled_file("train_torch.py", "xtask/bench/train_torch.py");
@@ -114,7 +119,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     draft.check_target(&target).map_err(|e| e.to_string())?;
 
     let gpu = Arc::new(open_gpu()?);
-    let (online, offline) = measure_ours(&gpu, &dir, &target, &draft, &shapes, (warmup, iters, seed), profile)?;
+    let (online, offline) = measure_ours(&gpu, &dir, &target, &draft, &shapes, (warmup, iters, seed), profile, policy)?;
     let mut errors = Vec::new();
     let (date, name) = (utc_now(), gpu.name().to_string());
     drop(gpu);
@@ -127,6 +132,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "shape": format!("S={s} N={n}"),
             "seq": s,
             "anchors": n,
+            "checkpointing": policy.name(),
             "ours_ms_per_step": on.ms,
             "ours_samples_per_s": per_s(on.ms),
             "ours_tokens_per_s": per_s(on.ms) * s as f64,
@@ -357,7 +363,8 @@ impl RowSource for CachedRows {
 }
 
 /// Online (the target's forward in the engine) and offline (features read from a cache on disk)
-/// per shape.
+/// per shape, the step checkpointing by `policy`.
+#[allow(clippy::too_many_arguments)]
 fn measure_ours(
     gpu: &Arc<Gpu>,
     dir: &Path,
@@ -366,6 +373,7 @@ fn measure_ours(
     shapes: &[(usize, usize)],
     (warmup, iters, seed): (usize, usize, u64),
     profile: bool,
+    policy: Checkpointing,
 ) -> Result<(Vec<Measured>, Vec<Measured>), String> {
     let err = |e: dflash_optimized::Error| e.to_string();
     let started = std::time::Instant::now();
@@ -393,16 +401,9 @@ fn measure_ours(
     };
     let adamw = AdamWConfig { lr: 6e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
     let head_dim = draft.dims.head_dim;
-    // Per-layer checkpointing, as the PyTorch pipeline's step.
     let engine_of = |frozen: Frozen<Cuda>| -> Result<DeviceEngine<Cuda>, String> {
         let g = gpu.clone();
-        Ok(DeviceEngine::new(
-            move || Cuda::new(&g, head_dim),
-            copy()?,
-            frozen,
-            adamw.clone(),
-            &[Checkpointing::PerLayer],
-        ))
+        Ok(DeviceEngine::new(move || Cuda::new(&g, head_dim), copy()?, frozen, adamw.clone(), &[policy]))
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut frozen = Frozen::Target(Box::new(forward));

@@ -7,11 +7,8 @@ pub const TILE_K: usize = 64;
 pub const WG_ROWS: usize = 64;
 /// Query rows staged per step of the key-major attention backward.
 pub const DKDV_CHUNK: usize = 64;
-/// Most K/V stages of the query-major attention kernels (`attention::cuda::kv_stages` takes
-/// fewer where the stages would not fit a CTA's shared memory).
-pub const MAX_KV_STAGES: usize = 4;
-/// Dynamic shared memory one CTA can have on the H100 / H200 (227 KB).
-pub const MAX_CTA_SHARED_BYTES: usize = 227 * 1024;
+/// K/V stages of the query-major attention kernels.
+pub const KV_STAGES: usize = 3;
 /// bf16 values per 16-byte vector load of the elementwise kernels.
 pub const VEC: usize = 8;
 /// 8-column chunks one thread of `rms_norm_backward` holds: rows of at most this many x
@@ -65,6 +62,7 @@ pub fn prelude() -> String {
         ("TILE_K", TILE_K),
         ("WG_ROWS", WG_ROWS),
         ("DKDV_CHUNK", DKDV_CHUNK),
+        ("KV_STAGES", KV_STAGES),
         ("VEC", VEC),
         ("MAX_CHUNKS_PER_THREAD", MAX_CHUNKS_PER_THREAD),
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),

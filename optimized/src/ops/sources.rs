@@ -21,15 +21,11 @@ pub const KERNEL_SOURCES: &[(&str, &str)] =
 /// Head dims the attention kernels are built for (multiples of 64 up to 256).
 pub const ATTENTION_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
 
-/// The per-head-dim `#define`s of `attention.cu`: `HEAD_DIM`, the query-major kernels' K/V
-/// stages, whether the forward defers P.V, and the key-major stage size.
+/// The per-head-dim `#define`s of `attention.cu`: `HEAD_DIM` and the key-major stage size.
 pub fn attention_defines(head_dim: usize) -> String {
-    use super::attention::cuda::{dkdv_stage_bytes, forward_defers_pv, kv_stages};
     format!(
-        "#define HEAD_DIM {head_dim}\n#define KV_STAGES {}\n#define FORWARD_DEFERS_PV {}\n#define DKDV_STAGE_BYTES {}\n",
-        kv_stages(head_dim),
-        u8::from(forward_defers_pv(head_dim)),
-        dkdv_stage_bytes(head_dim)
+        "#define HEAD_DIM {head_dim}\n#define DKDV_STAGE_BYTES {}\n",
+        super::attention::cuda::dkdv_stage_bytes(head_dim)
     )
 }
 

@@ -11,8 +11,8 @@
 // 16w..16w+15 in the accumulator layout of mma.sync m16n8k16. Shared tiles are 128-byte swizzled: a
 // [rows][HEAD_DIM] tile is stored as PANELS panels [rows][64] (one 128-byte line per row), the
 // 16-byte chunk c of row r at chunk c ^ (r % 8); every tile starts 1024-byte aligned. HEAD_DIM (a
-// multiple of 64), KV_STAGES and DKDV_STAGE_BYTES are defined per head dim, and the shared
-// constants (TILE_K, WG_ROWS, DKDV_CHUNK) for every kernel, by the host before compilation
+// multiple of 64) and DKDV_STAGE_BYTES are defined per head dim, and the shared constants (TILE_K,
+// WG_ROWS, DKDV_CHUNK, KV_STAGES) for every kernel, by the host before compilation
 // (optimized/src/ops/sources.rs, constants.rs).
 
 #include <cuda_bf16.h>
@@ -180,9 +180,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // One online-softmax step of this lane's two rows over a tile of raw scores s (masked keys at
 // -inf): s becomes the probabilities exp2(s * scale_log2 - m) against the new running max m (log2
-// domain), l is rescaled to it, and alpha is the factor the output accumulator takes (rescale).
-__device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float m[2], float l[2], float alpha[2],
+// domain), l is rescaled to it and so is acc, unless no row of the warp moved its max.
+__device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc[DN][4], float m[2], float l[2],
                                                float scale_log2) {
+    float alpha[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; i2++) {
         float mx = -INFINITY;
@@ -201,11 +202,6 @@ __device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float m[2
         l[i2] = l[i2] * alpha[i2] + sum;
         m[i2] = m_new;
     }
-}
-
-// acc's two rows of this lane times their online-softmax factors, unless no row of the warp moved
-// its max.
-__device__ __forceinline__ void rescale(float acc[DN][4], const float alpha[2]) {
     if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int nd = 0; nd < DN; nd++) {
@@ -386,44 +382,15 @@ __device__ __forceinline__ void frags_times_tile_t(float d[8][4], const u32 a[DK
     for (int kk = 0; kk < DK; kk++) wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, 64, kk), kk > 0);
 }
 
-// acc (64 x HEAD_DIM) += A (64 x 16, k-step kk, in registers) . tile rows 16kk..16kk+15.
-__device__ __forceinline__ void frag_times_tile_rows(float acc[DN][4], const u32 a[4], const bf16* tile, int kk) {
-#pragma unroll
-    for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, 64, kk, pn));
-}
-
 // acc (64 x HEAD_DIM) += P (64 x 64 in accumulator layout, rounded to bf16) . tile (64 x HEAD_DIM).
 __device__ __forceinline__ void regs_times_tile(float acc[DN][4], const float p[8][4], const bf16* tile) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
         u32 a[4];
         pack_a(a, p, kk);
-        frag_times_tile_rows(acc, a, tile, kk);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, 64, kk, pn));
     }
-}
-
-// acc (64 x HEAD_DIM) += P (64 x 64, its four k-steps' A fragments pa) . tile (64 x HEAD_DIM).
-__device__ __forceinline__ void frags_times_tile(float acc[DN][4], const u32 pa[4][4], const bf16* tile) {
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) frag_times_tile_rows(acc, pa[kk], tile, kk);
-}
-
-// Keeps x in its registers, and the code around in its order, up to this point: the registers an
-// asynchronous wgmma reads or writes are not reused or read before its wait (CUTLASS's
-// warpgroup_fence_operand).
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&x)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) asm volatile("" : "+f"(x[i][j])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(u32 (&x)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(x[i][j])::"memory");
 }
 
 // Row rho of a group as (head hh, row r), rho = hh * R + r, through a float reciprocal of R:
@@ -488,12 +455,9 @@ __device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
     return a;
 }
 
-// KV_STAGES K/V stages of the query-major kernels (3, or 4 where they fit; attention/cuda.rs
-// kv_stages): tiles land KV_AHEAD = KV_STAGES - 3 tiles ahead of the one computed. Once walk tile
-// i has landed for the whole CTA (one barrier per tile), tile i + KV_AHEAD + 1 starts loading into
-// the stage of tile i - 2, which every thread finished before that barrier (the forward still
-// reads tile i - 1's V during tile i); warpgroups never drift apart by a tile.
-#define KV_AHEAD (KV_STAGES - 3)
+// KV_STAGES (3) K/V stages of the query-major kernels: tile i loads into stage (i + 1) % 3 while
+// tile i is computed; that stage last held tile i - 2, which every thread finished before passing
+// tile i - 1's landing barrier: one barrier per tile, and warpgroups may drift apart by a tile.
 
 // A CTA of the query-major kernels: a group of R * G rows takes ceil(R * G / 64) (at most
 // two) warpgroups, and a CTA holds blockDim.x / 128 warpgroups: one or two groups, which share
@@ -540,24 +504,19 @@ __device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk&
     cp_async_commit();
 }
 
-// Walks the CTA's K/V tiles through the stage ring: body(t, tK, tV, next_own) for every tile t of
-// this warpgroup's own walk, once tile t has landed for the whole CTA (next_own: the walk's next
-// tile is the warpgroup's too, so its stage ring still holds t's stage then); then waits for
-// every load.
+// Walks the CTA's K/V tiles through the stage ring: body(t, tK, tV) for every tile t of this
+// warpgroup's own walk, once tile t has landed for the whole CTA; then waits for every load.
 template <typename Body>
 __device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* sV, const bf16* k, const bf16* v,
                                               int num_keys, int nkv, int kh, Body body) {
     const int n = w.all.count();
-#pragma unroll
-    for (int j = 0; j <= KV_AHEAD; j++) kv_ring_load(sK, sV, w.all, j, n, k, v, num_keys, nkv, kh);
+    kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
     for (int i = 0; i < n; i++) {
         const int t = w.all.tile(i);
-        land_tiles(min(KV_AHEAD, n - 1 - i));
-        kv_ring_load(sK, sV, w.all, i + KV_AHEAD + 1, n, k, v, num_keys, nkv, kh);
-        if (visits(w.own, t)) {  // uniform across the warpgroup
-            const bool next_own = i + 1 < n && visits(w.own, w.all.tile(i + 1));
-            body(t, sK + (i % KV_STAGES) * TILE_K * HEAD_DIM, sV + (i % KV_STAGES) * TILE_K * HEAD_DIM, next_own);
-        }
+        kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
+        land_tiles(i + 1 < n);
+        if (visits(w.own, t))  // uniform across the warpgroup
+            body(t, sK + (i % KV_STAGES) * TILE_K * HEAD_DIM, sV + (i % KV_STAGES) * TILE_K * HEAD_DIM);
     }
     cp_async_wait_all();
 }
@@ -568,12 +527,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
     float* __restrict__ lse, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    bf16* sK = align_1024(smem);                       // [KV_STAGES][TILE_K][HEAD_DIM]
-    bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;     // [KV_STAGES][TILE_K][HEAD_DIM]
-    bf16* sZero = sV + KV_STAGES * TILE_K * HEAD_DIM;  // [TILE_K][HEAD_DIM] zeros when FORWARD_DEFERS_PV
-    if (FORWARD_DEFERS_PV)  // visible to wgmma after the walk's first landing barrier
-        for (int i = threadIdx.x; i < TILE_K * HEAD_DIM / 8; i += blockDim.x)
-            reinterpret_cast<uint4*>(sZero)[i] = make_uint4(0u, 0u, 0u, 0u);
+    bf16* sK = align_1024(smem);                    // [KV_STAGES][TILE_K][HEAD_DIM]
+    bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;  // [KV_STAGES][TILE_K][HEAD_DIM]
     const int kh = blockIdx.x, tq = threadIdx.x % 4;
     const WgRows w = wg_rows(groups, group_rows, nh / nkv, num_queries, window);
     const LaneRows lr = wg_lane_rows(groups, w, group_rows, nh / nkv, kh, num_queries, window, causal_in_block);
@@ -586,45 +541,16 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    // A tile's step: s = q K^T while the previous tile's deferred P.V runs, its online softmax,
-    // acc *= alpha once that product has landed, then its own P.V deferred to the next tile or
-    // run now (at the end of a run of the warpgroup's tiles). acc takes the same operations in the
-    // same order as without deferral. Every tile issues both products, the first of a run with a
-    // tile of zeros as V (exact zeros added; pa is only ever written by packing), so no wgmma is
-    // in flight across a branch and none waits on a register written elsewhere.
-    u32 pa[4][4] = {};               // the deferred tile's probabilities (A fragments)
-    const bf16* deferred = sZero;    // its V tile, or zeros
-    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV, bool next_own) {
-        float s[TILE_K / 8][4], alpha[2];
-        fence_regs(pa);  // pa and acc written before the products start
-        fence_regs(acc);
+    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV) {
+        float s[TILE_K / 8][4];
         wg_fence();
         frags_times_tile_t(s, qa, tK);
-        wg_commit();
-        if (FORWARD_DEFERS_PV) {
-            frags_times_tile(acc, pa, deferred);
-            wg_commit();
-        }
-        wg_wait<FORWARD_DEFERS_PV ? 1 : 0>();
-        fence_regs(s);
+        wg_commit_wait();
         if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
-        online_softmax(s, m, l, alpha, scale_log2);
-        if (FORWARD_DEFERS_PV) {
-            wg_wait<0>();
-            fence_regs(pa);
-            fence_regs(acc);
-        }
-        rescale(acc, alpha);
-        const bool defer = FORWARD_DEFERS_PV && next_own;
-        deferred = defer ? tV : sZero;
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) pack_a(pa[kk], s, kk);
-        if (!defer) {
-            wg_fence();
-            frags_times_tile(acc, pa, tV);
-            wg_commit_wait();
-            fence_regs(acc);
-        }
+        online_softmax(s, acc, m, l, scale_log2);
+        wg_fence();
+        regs_times_tile(acc, s, tV);
+        wg_commit_wait();
     });
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
@@ -654,7 +580,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
 #pragma unroll
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
-    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV, bool) {
+    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV) {
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         wg_fence();
         frags_times_tile_t(s, qa, tK);

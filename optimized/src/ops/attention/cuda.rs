@@ -10,7 +10,7 @@ use super::ranges::KeyRanges;
 use super::AttnShape;
 use crate::device::gpu::Gpu;
 use crate::device::profile;
-use crate::ops::constants::{DKDV_CHUNK, MAX_CTA_SHARED_BYTES, MAX_KV_STAGES, TILE_K, WG_ROWS};
+use crate::ops::constants::{DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
 use crate::ops::sources::{attention_source, ATTENTION_HEAD_DIMS};
 use crate::{Error, Result};
 
@@ -101,37 +101,10 @@ pub struct AttentionKernels {
     dkdv: CudaFunction,
 }
 
-/// Dynamic shared memory of the forward and the dQ pass at `stages` K/V stages of `head_dim`:
-/// swizzled K and V tiles, and 1024 bytes to align them (q and dout stay in registers).
-fn kv_stage_bytes(head_dim: usize, stages: usize) -> usize {
-    1024 + stages * 2 * TILE_K * head_dim * 2
-}
-
-/// K/V stages of the query-major kernels at `head_dim` (`KV_STAGES` in `attention.cu`): the
-/// most, up to [`MAX_KV_STAGES`], that fit a CTA's shared memory, and at least the 3 of the
-/// forward's ring (4 up to head dim 192, 3 at 256).
-pub fn kv_stages(head_dim: usize) -> usize {
-    (3..=MAX_KV_STAGES).rev().find(|&s| kv_stage_bytes(head_dim, s) <= MAX_CTA_SHARED_BYTES).unwrap_or(3)
-}
-
-/// Dynamic shared memory of the dQ pass: [`kv_stages`] stages of swizzled K and V tiles of
-/// `head_dim`, and 1024 bytes to align them (q and dout stay in registers).
+/// Dynamic shared memory of the forward and the dQ pass: `KV_STAGES` stages of swizzled K and V
+/// tiles of `head_dim`, and 1024 bytes to align them (q and dout stay in registers).
 pub fn query_major_shared_bytes(head_dim: usize) -> usize {
-    kv_stage_bytes(head_dim, kv_stages(head_dim))
-}
-
-/// Whether the forward defers each tile's P.V product into the next tile's step, where it runs
-/// while that tile's softmax is computed (`FORWARD_DEFERS_PV` in `attention.cu`): up to head dim
-/// 128, where the previous tile's probabilities fit beside the accumulator and q in a thread's
-/// registers (ptxas: 205 registers at 128, no spills).
-pub fn forward_defers_pv(head_dim: usize) -> bool {
-    head_dim <= 128
-}
-
-/// Dynamic shared memory of the forward: the dQ pass's, and a tile of zeros (`TILE_K` x
-/// `head_dim` bf16) where it defers P.V ([`forward_defers_pv`]).
-pub fn forward_shared_bytes(head_dim: usize) -> usize {
-    query_major_shared_bytes(head_dim) + if forward_defers_pv(head_dim) { TILE_K * head_dim * 2 } else { 0 }
+    1024 + KV_STAGES * 2 * TILE_K * head_dim * 2
 }
 
 /// One stage of the key-major pass: swizzled q and dout rows (`DKDV_CHUNK` x `head_dim` bf16
@@ -169,7 +142,7 @@ impl AttentionKernels {
         };
         Ok(AttentionKernels {
             head_dim,
-            forward: function("attention_forward", forward_shared_bytes(head_dim))?,
+            forward: function("attention_forward", query_major_shared_bytes(head_dim))?,
             dsum: function("attention_backward_dsum", 0)?,
             dq: function("attention_backward_dq", query_major_shared_bytes(head_dim))?,
             dkdv: function("attention_backward_dkdv", dkdv_shared_bytes(head_dim))?,
@@ -205,13 +178,12 @@ impl AttentionKernels {
         Ok((plan.groups.len() as u32).div_ceil(if rows <= WG_ROWS { 2 } else { 1 }))
     }
 
-    /// Grid (KV heads, CTAs of row groups), two warpgroups per CTA, `smem` bytes of dynamic
-    /// shared memory.
-    fn query_major_config(shape: AttnShape, ctas: u32, smem: usize) -> LaunchConfig {
+    /// Grid (KV heads, CTAs of row groups), two warpgroups per CTA.
+    fn query_major_config(&self, shape: AttnShape, ctas: u32) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (shape.num_kv_heads as u32, ctas, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: smem as u32,
+            shared_mem_bytes: query_major_shared_bytes(self.head_dim) as u32,
         }
     }
 
@@ -230,7 +202,7 @@ impl AttentionKernels {
             return Ok(());
         }
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
-        let cfg = Self::query_major_config(shape, ctas, forward_shared_bytes(self.head_dim));
+        let cfg = self.query_major_config(shape, ctas);
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups);
         plan_args.push(&mut b);
@@ -272,7 +244,7 @@ impl AttentionKernels {
             )?;
         }
         if ctas > 0 {
-            let cfg = Self::query_major_config(shape, ctas, query_major_shared_bytes(self.head_dim));
+            let cfg = self.query_major_config(shape, ctas);
             let mut b = stream.launch_builder(&self.dq);
             b.arg(&dp.groups);
             plan_args.push(&mut b);
