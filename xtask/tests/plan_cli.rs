@@ -140,7 +140,7 @@ fn plan_target_and_bench_target_options() {
         stdout.contains("topology: the drafter's step alone") && stdout.contains("shorter rows or fewer anchors"),
         "{stdout}"
     );
-    let cases: [(&[&str], &str); 30] = [
+    let cases: [(&[&str], &str); 31] = [
         (&["plan", "--target", "no-such-target"], "no-such-target/config.json"),
         (&["bench", "target", "--seqs", "3072,0"], "option `--seqs`"),
         (&["bench", "target", "--seqs", "many"], "`many` is not a token count"),
@@ -152,6 +152,7 @@ fn plan_target_and_bench_target_options() {
         (&["bench", "train", "--iters", "0"], "--iters must be at least 1"),
         (&["bench", "train", "--torch", "maybe"], "option `--torch`"),
         (&["bench", "train", "--profile", "maybe"], "option `--profile`"),
+        (&["bench", "train", "--checkpointing", "some"], "`some` is not none, selective or per-layer"),
         (&["bench", "eval", "--new-tokens", "0"], "--new-tokens"),
         (&["bench", "eval", "--prompt-tokens", "0"], "--prompt-tokens"),
         (&["bench", "eval", "--iters", "0"], "--iters"),
