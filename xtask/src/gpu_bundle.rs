@@ -152,9 +152,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 /// Compiles every kernel module with NVRTC when its library opens here (`LD_LIBRARY_PATH`, and
 /// `CUDA_HOME` for `cuda_bf16.h`), so a kernel that does not compile fails here rather than on the
 /// GPU machine; says so when it cannot. Where `CUDA_HOME/bin/ptxas` exists too, assembles each
-/// module for sm_90a and prints every kernel's registers, spills and static shared memory
-/// ([`kernel_resources`]): a kernel past 128 registers runs one 256-thread CTA per SM, and spills
-/// cost local-memory traffic.
+/// module for sm_90a and prints every kernel's registers, barriers, stack and spills, and ptxas's
+/// notes ([`kernel_resources`]): a kernel past 128 registers runs one 256-thread CTA per SM,
+/// spills cost local-memory traffic, and a serialised wgmma loses its overlap.
 fn compile_kernels() -> Result<(), String> {
     use dflash_optimized::device::gpu::{compile, nvrtc_present};
     if !nvrtc_present() {
@@ -179,9 +179,8 @@ fn compile_kernels() -> Result<(), String> {
     Ok(())
 }
 
-/// `kernel: N registers, S bytes spilled, M bytes shared` for each kernel of `ptx`, and ptxas's
-/// warnings (a wgmma serialised, say), from `ptxas -arch=sm_90a -v` (the PTX written to a
-/// temporary file and removed).
+/// What `ptxas -arch=sm_90a -v` says of `ptx`'s kernels ([`ptxas_summary`]; the PTX written to
+/// a temporary file and removed).
 fn kernel_resources(ptxas: &Path, module: &str, ptx: &str) -> Result<Vec<String>, String> {
     let file = std::env::temp_dir().join(format!("dflash-{module}-{}.ptx", std::process::id()));
     std::fs::write(&file, ptx).map_err(|e| format!("{}: {e}", file.display()))?;
@@ -196,21 +195,27 @@ fn kernel_resources(ptxas: &Path, module: &str, ptx: &str) -> Result<Vec<String>
     if !out.status.success() {
         return Err(format!("ptxas on module `{module}` failed:\n{log}"));
     }
-    // ptxas -v: "Compiling entry function 'NAME' ...", then "N bytes spill stores, ..." and
-    // "Used R registers, ... S bytes smem ..." for that function.
+    Ok(ptxas_summary(&log))
+}
+
+/// `KERNEL: used R registers, ...; S bytes stack frame, ... spill loads` per kernel of a
+/// `ptxas -v` log, and its warnings and notes on serialised wgmma as they are.
+fn ptxas_summary(log: &str) -> Vec<String> {
+    // Per kernel: "Compiling entry function 'NAME' ...", then "N bytes stack frame, N bytes spill
+    // stores, N bytes spill loads", then "Used R registers, ...".
     let (mut lines, mut name, mut spill) = (Vec::new(), String::new(), String::new());
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             name = rest.split('\'').next().unwrap_or("").to_string();
         } else if line.contains("spill stores") {
-            spill = line.split(':').next_back().unwrap_or("").trim().to_string();
+            spill = line.trim().to_string();
         } else if let Some(rest) = line.split("Used ").nth(1) {
             lines.push(format!("{name}: used {}; {spill}", rest.trim()));
         } else if line.contains("warning") || line.contains("Performance Loss") {
             lines.push(line.trim().to_string());
         }
     }
-    Ok(lines)
+    lines
 }
 
 /// Adds `/gpu-bundle/` to the repository's `.git/info/exclude` when it is not there (the bundle
@@ -235,4 +240,42 @@ fn ensure_excluded(root: &Path) -> Result<(), String> {
         writeln!(f, "{text}{separator}{line}")
     })
     .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ptxas_summary;
+
+    /// A `ptxas -v` log as ptxas 13.5 writes it (attention.cu at head dim 192, cut to two
+    /// kernels): a line per kernel with its spills, and the note on serialised wgmma kept.
+    #[test]
+    fn the_ptxas_log_gives_each_kernels_registers_and_spills() {
+        let log = "\
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'attention_backward_dq'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'attention_backward_dq' for 'sm_90a'
+ptxas info    : Function properties for attention_backward_dq
+    336 bytes stack frame, 524 bytes spill stores, 444 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 336 bytes cumulative stack size
+ptxas info    : Compile time = 778.717 ms
+ptxas info    : Compiling entry function 'attention_forward' for 'sm_90a'
+ptxas info    : Function properties for attention_forward
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 192 registers, used 1 barriers
+ptxas info    : Compile time = 633.431 ms
+";
+        let lines = ptxas_summary(log);
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert!(lines[0].contains("C7512") && lines[0].contains("'attention_backward_dq'"), "{}", lines[0]);
+        assert_eq!(
+            lines[1],
+            "attention_backward_dq: used 255 registers, used 1 barriers, 336 bytes cumulative stack size; \
+             336 bytes stack frame, 524 bytes spill stores, 444 bytes spill loads"
+        );
+        assert_eq!(
+            lines[2],
+            "attention_forward: used 192 registers, used 1 barriers; 0 bytes stack frame, 0 bytes spill stores, \
+             0 bytes spill loads"
+        );
+    }
 }
