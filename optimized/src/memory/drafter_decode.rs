@@ -3,13 +3,15 @@
 //! followed by the `B` slots of the block drafted now, and the scratch of one block and of one
 //! append of up to `M` context rows, as a typed layout over one allocation
 //! (`model::drafter_decode` consumes it). The embedding table and the LM head are the target's.
+//! An append's normed rows end where the block's normed rows begin, so that a draft projects the
+//! rows appended with it and its block into keys and values in one pass per layer.
 //!
 //! Shapes: H hidden, I SwiGLU, nh/nkv heads of d, F*H feature width, V vocab, B block, C context.
 
 use dflash_reference::config::DraftConfig;
 
 use super::target::{LayerShape, TargetLayerWeights};
-use super::{add, check_fits, mul_usize, Arena, Item, Lifetime, Region};
+use super::{add, bytes_of, check_fits, mul_usize, Arena, Item, Lifetime, Region};
 use crate::{Error, Result};
 
 /// Sizes of the drafter at inference, checked.
@@ -40,8 +42,9 @@ impl DrafterDecodeDims {
     }
 }
 
-/// The key scratch of `rows` tokens through a layer (the block, or a context append); their
-/// positions are consecutive, so their RoPE tables are rows of the position tables.
+/// The key scratch of `rows` tokens through a layer (a context append, or a draft's appended
+/// rows and block); their positions are consecutive, so their RoPE tables are rows of the
+/// position tables.
 #[derive(Clone, Copy, Debug)]
 pub struct RowsScratch {
     pub k_pre: Region,
@@ -63,13 +66,15 @@ pub struct DrafterDecodeLayout {
     /// Per layer, keys (after norm and RoPE) and values `[C+B, nkv*d]`.
     pub k_cache: Vec<Region>,
     pub v_cache: Vec<Region>,
-    /// A context append: the projected features `[M, H]`, normed into `ctx [M, H]` (`inv [M]`).
+    /// A context append of `n <= M` rows: the projected features `[M, H]` (rows `0..n`), normed
+    /// into the last `n` rows of `ctx [M, H]` (`inv [M]`), which `xn` follows.
     pub append: RowsScratch,
     pub ctx_pre: Region,
     pub ctx: Region,
     pub ctx_inv: Region,
     /// The block: token ids (u32 `[B]`: the bonus, then the mask id), residual `x [B, H]`, normed
-    /// `xn [B, H]`, `inv [B]`.
+    /// `xn [B, H]` (right after `ctx`), `inv [B]`; its key scratch holds `2B` rows (up to `B`
+    /// appended rows and the block).
     pub block: RowsScratch,
     pub tokens: Region,
     pub x: Region,
@@ -147,14 +152,18 @@ impl DrafterDecodeLayout {
         const APPEND: &str = "drafter context append scratch";
         let append = rows(&mut ar, APPEND, z.m)?;
         let ctx_pre = ar.take(APPEND, Layer, "ctx_pre", &[z.m, z.h], e)?;
-        let ctx = ar.take(APPEND, Layer, "ctx", &[z.m, z.h], e)?;
+        // ctx then xn, one region: an append's rows and the block's adjacent.
+        let ctx_xn_rows = add("append rows + block", z.m as u64, z.b as u64)? as usize;
+        let ctx_xn = ar.take(APPEND, Layer, "ctx | xn", &[ctx_xn_rows, z.h], e)?;
+        let ctx_bytes = bytes_of("ctx", &[z.m, z.h], e)?;
+        let ctx = Region { offset: ctx_xn.offset, bytes: ctx_bytes };
+        let xn = ctx_xn.skip(ctx_bytes);
         let ctx_inv = ar.take(APPEND, Layer, "ctx inv", &[z.m], a)?;
         const BLOCK: &str = "drafter block scratch";
-        let block = rows(&mut ar, BLOCK, z.b)?;
+        let block = rows(&mut ar, BLOCK, mul_usize("appended rows + block", 2, z.b)?)?;
         let mut s = |what: &str, dims: &[usize], w: u64| ar.take(BLOCK, Layer, what, dims, w);
         let tokens = s("tokens", &[z.b], 4)?;
         let x = s("x", &[z.b, z.h], e)?;
-        let xn = s("xn", &[z.b, z.h], e)?;
         let inv = s("inv", &[z.b], a)?;
         let q_pre = s("q_pre", &[z.b, z.qd], e)?;
         let q = s("q", &[z.b, z.qd], e)?;

@@ -1,5 +1,7 @@
 //! The drafter at inference (spec section 4), over a backend: the committed positions' features
-//! are projected once into each layer's context K/V cache ([`DrafterDecode::append_context`]);
+//! are projected once into each layer's context K/V cache (a prompt's by
+//! [`DrafterDecode::append_context`], a verify step's accepted rows by the next draft, each layer
+//! projecting them and the block in one pass, as one launch per projection);
 //! each draft runs the block `[bonus, MASK x (B-1)]` at positions `n..n+B` through the layers,
 //! its own K/V written into the cache's slots after the context and recomputed every step, under
 //! the DFlash plan of one block anchored at `n` (context `[0, n)`, the block bidirectional in full
@@ -22,6 +24,16 @@ use crate::ops::attention::AttnShape;
 use crate::ops::elementwise::{ElementwiseOps, HeadNormRope, Heads};
 use crate::ops::{arithmetic, bytes_of, stored, Elem, Real};
 use crate::{Error, Result};
+
+/// The context's last rows that a draft appends before drafting ([`DrafterDecode::draft`]):
+/// the features `[rows, F*H]` at address `features`, of positions `past..past+rows`, which end
+/// where the draft's block begins.
+#[derive(Clone, Copy, Debug)]
+pub struct ContextRows {
+    pub features: u64,
+    pub past: usize,
+    pub rows: usize,
+}
 
 /// The attention plans of one draft: a block after `n` context positions, per layer kind.
 pub struct DraftPlans<B: Backend> {
@@ -128,31 +140,44 @@ impl<B: Backend> DrafterDecode<B> {
         self.dev.ops().head_norm_rope_forward(f, self.at(lay.k_cache[l]) + skip, self.at(rows.inv_k), dims, eps)
     }
 
-    /// Appends the features `[n, F*H]` at address `features` (the target's, of positions
-    /// `past..past+n`) to the context: `ctx = hidden_norm(features W_fc^T)`, then each layer's
-    /// keys and values of `ctx` into its cache at `past`.
-    pub fn append_context(&self, features: u64, past: usize, n: usize) -> Result<()> {
+    /// Where the normed context rows of an append of `n` rows go: the last `n` rows of `ctx`,
+    /// which the block's normed rows `xn` follow.
+    fn ctx_rows(&self, n: usize) -> u64 {
+        let z = self.layout.dims;
+        self.at(self.layout.ctx) + ((z.m - n) * z.h * B::Elem::BYTES) as u64
+    }
+
+    /// `ctx = hidden_norm(features W_fc^T)` of `n` rows of features `[n, F*H]` at address
+    /// `features`, into [`DrafterDecode::ctx_rows`] (`n <= M`).
+    fn project_context(&self, features: u64, n: usize) -> Result<()> {
         let (z, lay) = (self.layout.dims, &self.layout);
+        let eps = self.config.dims.rms_norm_eps;
+        self.dev.linear(features, n, z.fw, self.at(lay.fc), z.h, self.at(lay.ctx_pre), 0.0)?;
+        let (pre, inv) = (self.at(lay.ctx_pre), self.at(lay.ctx_inv));
+        self.dev.ops().rms_norm_forward(pre, self.at(lay.hidden_norm), self.ctx_rows(n), inv, n, z.h, eps)
+    }
+
+    /// Refuses an append of `n` rows at `past` that the context cannot take.
+    fn check_append(&self, past: usize, n: usize) -> Result<()> {
+        let z = self.layout.dims;
         if n == 0 || n > z.m || past + n > z.c {
             return Err(Error::invalid(
                 "drafter context",
                 format!("{n} rows at {past}: appends of 1..={} rows within a context of {}", z.m, z.c),
             ));
         }
-        let eps = self.config.dims.rms_norm_eps;
-        self.dev.linear(features, n, z.fw, self.at(lay.fc), z.h, self.at(lay.ctx_pre), 0.0)?;
-        let ops = self.dev.ops();
-        ops.rms_norm_forward(
-            self.at(lay.ctx_pre),
-            self.at(lay.hidden_norm),
-            self.at(lay.ctx),
-            self.at(lay.ctx_inv),
-            n,
-            z.h,
-            eps,
-        )?;
-        for (l, w) in lay.layers.iter().enumerate() {
-            self.keys_values(l, w, self.at(lay.ctx), &lay.append, past, n)?;
+        Ok(())
+    }
+
+    /// Appends the features `[n, F*H]` at address `features` (the target's, of positions
+    /// `past..past+n`) to the context: `ctx = hidden_norm(features W_fc^T)`, then each layer's
+    /// keys and values of `ctx` into its cache at `past`. (A draft takes the rows that the last
+    /// verify step accepted itself: [`ContextRows`].)
+    pub fn append_context(&self, features: u64, past: usize, n: usize) -> Result<()> {
+        self.check_append(past, n)?;
+        self.project_context(features, n)?;
+        for (l, w) in self.layout.layers.iter().enumerate() {
+            self.keys_values(l, w, self.ctx_rows(n), &self.layout.append, past, n)?;
         }
         Ok(())
     }
@@ -176,9 +201,30 @@ impl<B: Backend> DrafterDecode<B> {
 
     /// Drafts the block of `plans` (after a context of `plans.n` positions) opened by the bonus
     /// token whose id (u32) is at device address `bonus`: the proposals `d_1..d_{B-1}` (u32) are
-    /// written to address `out`. Nothing goes through the host.
-    pub fn draft(&self, plans: &DraftPlans<B>, bonus: u64, out: u64) -> Result<()> {
+    /// written to address `out`. With `appended`, the context's last rows are appended first and
+    /// each layer projects them and the block into keys and values in one pass. Nothing goes
+    /// through the host.
+    pub fn draft(&self, plans: &DraftPlans<B>, appended: Option<ContextRows>, bonus: u64, out: u64) -> Result<()> {
         let (z, lay, n) = (self.layout.dims, &self.layout, plans.n);
+        // The rows whose keys and values each layer writes: from `first`, `rows` of them at `x`.
+        let (first, rows, kv_x) = match appended {
+            Some(c) => {
+                if c.past + c.rows != n || c.rows > z.b {
+                    return Err(Error::invalid(
+                        "drafter context",
+                        format!(
+                            "{} rows appended at {} with a draft after {n} positions: a draft appends at most \
+                             the {} rows before its block",
+                            c.rows, c.past, z.b
+                        ),
+                    ));
+                }
+                self.check_append(c.past, c.rows)?;
+                self.project_context(c.features, c.rows)?;
+                (c.past, c.rows + z.b, self.ctx_rows(c.rows))
+            }
+            None => (n, z.b, self.at(lay.xn)),
+        };
         self.dev.copy(self.at(lay.tokens), bonus, 4)?;
         let (cos, sin) = self.rope(n);
         let eps = self.config.dims.rms_norm_eps;
@@ -202,7 +248,8 @@ impl<B: Backend> DrafterDecode<B> {
                 Heads { tokens: z.b, heads: z.nh, head_dim: z.d },
                 eps,
             )?;
-            self.keys_values(l, w, xn, &lay.block, n, z.b)?;
+            // The appended rows (ctx) end where the block's (xn) begin.
+            self.keys_values(l, w, kv_x, &lay.block, first, rows)?;
             let plan = &plans.plans[&self.config.dims.layer_kinds[l]];
             let qkv = (self.at(lay.q), self.at(lay.k_cache[l]), self.at(lay.v_cache[l]));
             self.dev.attention_forward(plan, shape, qkv, (self.at(lay.out), self.at(lay.lse)))?;

@@ -8,7 +8,7 @@
 //! one round trip per step). The target keeps the accepted prefix of the block ([`DecodeTarget`]:
 //! the dense target's K/V caches roll back by decoding the next block at the accepted length, the
 //! hybrid's GatedDeltaNet states advance by the accepted tokens); the accepted positions'
-//! features extend the drafter's context cache.
+//! features extend the drafter's context cache as the next draft's first rows.
 
 use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::hybrid::HybridConfig;
@@ -19,7 +19,7 @@ use crate::backend::{download, Allocation, Backend};
 use crate::memory::drafter_decode::DrafterDecodeLayout;
 use crate::memory::hybrid::HybridLayout;
 use crate::memory::target::TargetLayout;
-use crate::model::drafter_decode::DrafterDecode;
+use crate::model::drafter_decode::{ContextRows, DrafterDecode};
 use crate::model::hybrid_forward::{HybridDecodePlans, HybridForward};
 use crate::model::target_forward::{DecodePlans, TargetForward};
 use crate::ops::bytes_of;
@@ -449,10 +449,9 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             let drafter = self.drafter.as_ref().expect("checked above");
             // The step's plans first (their uploads wait for the queued work), then its work.
             let (draft_plans, verify_plans) = (drafter.plans(n)?, self.target.decode_plans(n, b)?);
-            if let Some((past, rows)) = pending.take() {
-                drafter.append_context(self.target.features_addr(), past, rows)?;
-            }
-            drafter.draft(&draft_plans, bonus_at, verify + 4)?;
+            let appended =
+                pending.take().map(|(past, rows)| ContextRows { features: self.target.features_addr(), past, rows });
+            drafter.draft(&draft_plans, appended, bonus_at, verify + 4)?;
             if proposals.is_empty() {
                 // Once per prompt, as the prefill's: a drafter with non-finite weights is refused
                 // (as the reference refuses it), not decoded as proposals of token 0.
