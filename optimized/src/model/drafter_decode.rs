@@ -206,7 +206,8 @@ impl<B: Backend> DrafterDecode<B> {
     /// through the host.
     pub fn draft(&self, plans: &DraftPlans<B>, appended: Option<ContextRows>, bonus: u64, out: u64) -> Result<()> {
         let (z, lay, n) = (self.layout.dims, &self.layout, plans.n);
-        // The rows whose keys and values each layer writes: from `first`, `rows` of them at `x`.
+        // The rows whose keys and values each layer writes: `rows` of them at `kv_x`, from
+        // position `first`.
         let (first, rows, kv_x) = match appended {
             Some(c) => {
                 if c.past + c.rows != n || c.rows > z.b {
