@@ -207,6 +207,7 @@ fn ptxas_summary(log: &str) -> Vec<String> {
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             name = rest.split('\'').next().unwrap_or("").to_string();
+            spill.clear();
         } else if line.contains("spill stores") {
             spill = line.trim().to_string();
         } else if let Some(rest) = line.split("Used ").nth(1) {
