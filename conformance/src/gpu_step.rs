@@ -22,7 +22,7 @@ pub use crate::attention_cases::rel_error;
 use crate::gdn_cases::run_gdn_ops;
 use crate::op_cases::{run_ops, OpOutputs};
 use crate::setups::{gpu_draft_case, DraftCase};
-use crate::tolerance::{Tolerance, GPU_STEP_BF16, STEP_F32, STEP_F64};
+use crate::tolerance::{Tolerance, GPU_KERNEL_BF16, GPU_STEP_BF16, STEP_F32, STEP_F64};
 
 /// Gradients of the same step under two checkpointing policies.
 pub const POLICIES_AGREE: Tolerance = Tolerance {
@@ -228,7 +228,58 @@ pub fn rounded_to(case: DraftCase, storage: DType) -> Result<DraftCase> {
 pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let got = kernel_cases(&Cuda::new(gpu, 64)?, seed)?;
     let want = kernel_cases(&Host::<f64>::default(), seed)?;
-    Ok(compare_ops(&got, &want))
+    let mut checks = compare_ops(&got, &want);
+    checks.extend(linear_rows_variant_checks(gpu, seed)?);
+    Ok(checks)
+}
+
+/// Each variant of `linear_rows` (`LinearRowsVariant`) against the product in f64 of the same
+/// bf16 inputs, and against the variant `linear_rows` chooses, bit for bit (they add the same
+/// products in the same order): 1, some and 16 rows, beta 0 and 1, n past a CTA's columns and k
+/// past a chunk.
+pub fn linear_rows_variant_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
+    use crate::op_cases::{draw_bf16, Buffers, Kind};
+    use dflash_optimized::ops::constants::LINEAR_ROWS;
+    use dflash_optimized::ops::elementwise::cuda::LinearRowsVariant;
+    let dev = Cuda::new(gpu, 64)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x11ea);
+    let mut buf = Buffers::new(&dev);
+    let (k, n) = (32 * rng.random_range(20..=60) + 8 * rng.random_range(1..4), 32 * rng.random_range(100..=300) + 13);
+    let (xv, wv) = (draw_bf16(LINEAR_ROWS * k, 0.0, 1.0, &mut rng), draw_bf16(n * k, 0.0, 1.0, &mut rng));
+    let yv = draw_bf16(LINEAR_ROWS * n, 0.0, 1.0, &mut rng);
+    let (x, w) = (buf.put(Kind::Stored, &xv)?, buf.put(Kind::Stored, &wv)?);
+    let mut checks = Vec::new();
+    for m in [1, rng.random_range(2..LINEAR_ROWS), LINEAR_ROWS] {
+        for beta in [0.0f32, 1.0] {
+            let want: Vec<f64> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    let dot: f64 = (0..k).map(|j| xv[r * k + j] * wv[c * k + j]).sum();
+                    dot + f64::from(beta) * yv[i]
+                })
+                .collect();
+            let chosen = buf.put(Kind::Stored, &yv[..m * n])?;
+            dev.ops().linear_rows(x, w, chosen, m, n, k, beta)?;
+            let chosen = buf.get(Kind::Stored, chosen, m * n)?;
+            let mut errors = Vec::new();
+            for v in LinearRowsVariant::ALL {
+                let y = buf.put(Kind::Stored, &yv[..m * n])?;
+                dev.ops().linear_rows_variant(v, x, w, y, (m, n, k), beta)?;
+                let got = buf.get(Kind::Stored, y, m * n)?;
+                let differ = got.iter().zip(&chosen).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                errors.push((format!("{v:?} vs f64"), rel_error(&got, &want)));
+                errors.push((format!("{v:?} vs the chosen variant (values differing)"), differ as f64));
+            }
+            // The bit-for-bit rows carry counts: a tolerance of the bf16 bound passes only 0.
+            checks.push(GpuCheck {
+                name: format!("op linear_rows variants, {m} rows [{m}, {k}] x [{n}, {k}]^T, beta {beta}"),
+                errors,
+                tolerance: GPU_KERNEL_BF16.rel,
+                memory: None,
+            });
+        }
+    }
+    Ok(checks)
 }
 
 /// Every kernel's op case on backend `dev`: the elementwise ops and the matmul, then the

@@ -27,8 +27,6 @@ pub const GRAD_PARTS: usize = 528;
 pub const NORM_PARTS: usize = 1056;
 /// Most rows `linear_rows` takes: one mma's 16 (a verify block of 16 tokens, the drafter's block).
 pub const LINEAR_ROWS: usize = 16;
-/// 8-column mma tiles of a `linear_rows` warp: a CTA's 32 output columns.
-pub const LINEAR_ROWS_TILES: usize = 4;
 /// Warps of a `linear_rows` CTA, splitting k.
 pub const LINEAR_ROWS_WARPS: usize = 8;
 /// CTAs of the grid-stride elementwise kernels (2 waves of 132 SMs x 8).
@@ -67,7 +65,6 @@ pub fn prelude() -> String {
         ("MAX_CHUNKS_PER_THREAD", MAX_CHUNKS_PER_THREAD),
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),
         ("LINEAR_ROWS", LINEAR_ROWS),
-        ("LINEAR_ROWS_TILES", LINEAR_ROWS_TILES),
         ("LINEAR_ROWS_WARPS", LINEAR_ROWS_WARPS),
         ("GDN_CHUNK", GDN_CHUNK),
         ("GDN_THREADS", GDN_THREADS),

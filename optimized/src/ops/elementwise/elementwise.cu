@@ -534,70 +534,69 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Chunks of 32 k a `linear_rows` warp loads before it multiplies any (the weight bytes in flight).
-#define LINEAR_ROWS_AHEAD 4
-
 // Twin: ops/matmul/twin.rs matmul of up to LINEAR_ROWS rows (`Backend::linear` on the host). The
 // linear layers of a verify block and of the drafter's block, bound like `linear_row` by reading
-// the weight once, on the tensor cores: a CTA owns 8 * LINEAR_ROWS_TILES output columns and its
+// the weight once, on the tensor cores: a CTA owns 8 * TILES output columns and its
 // LINEAR_ROWS_WARPS warps split k in chunks of 32 (chunk c to warp c % warps), each warp loading
-// LINEAR_ROWS_AHEAD chunks before multiplying them. A lane loads 16 bytes of a weight row and of
-// x rows g and g+8 at the same 8 k and feeds two mmas with them: k is permuted alike in both
-// operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e and 8t+6+e), which leaves
-// every dot product unchanged. Rows at or past m are zeros. The warps' partial sums are added in
-// warp order through shared memory (deterministic); a row's result does not depend on the other
-// rows, so every m gives a row the same bits.
+// AHEAD chunks (the weight bytes in flight) before multiplying them. A lane loads 16 bytes of a
+// weight row and of x rows g and g+8 at the same 8 k and feeds two mmas with them: k is permuted
+// alike in both operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e and
+// 8t+6+e), which leaves every dot product unchanged. Rows at or past m are zeros. The warps'
+// partial sums are added in warp order through shared memory (deterministic); a row's result
+// does not depend on the other rows, and a column's sums do not depend on TILES or AHEAD (each
+// warp adds its chunks in k order), so every m and every variant gives an output the same bits.
+// The variants trade CTAs for x loads: fewer columns per CTA, more CTAs on a narrow layer.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
-    linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
-                float beta) {
-    __shared__ float partial[LINEAR_ROWS_WARPS][LINEAR_ROWS_TILES * 4][WARP];
+template <int TILES, int AHEAD>
+__device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                 bf16* __restrict__ y, int m, int n, int k, float beta) {
+    __shared__ float partial[LINEAR_ROWS_WARPS][TILES * 4][WARP];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int g = lane / 4, t = lane % 4;
-    const int col0 = blockIdx.x * 8 * LINEAR_ROWS_TILES;
-    float acc[LINEAR_ROWS_TILES][4];
+    const int col0 = blockIdx.x * 8 * TILES;
+    float acc[TILES][4];
 #pragma unroll
-    for (int j = 0; j < LINEAR_ROWS_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int j = 0; j < TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const bf16* x_lo = x + (size_t)g * k;
     const bf16* x_hi = x + (size_t)(g + 8) * k;
-    const bf16* w_rows[LINEAR_ROWS_TILES];
-    bool col_in[LINEAR_ROWS_TILES];
+    const bf16* w_rows[TILES];
+    bool col_in[TILES];
 #pragma unroll
-    for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
+    for (int j = 0; j < TILES; ++j) {
         const int col = col0 + 8 * j + g;
         col_in[j] = col < n;
         w_rows[j] = w + (size_t)(col_in[j] ? col : 0) * k;
     }
     const int chunks = (k + 31) / 32;
-    for (int c0 = warp; c0 < chunks; c0 += LINEAR_ROWS_WARPS * LINEAR_ROWS_AHEAD) {
-        uint4 wv[LINEAR_ROWS_AHEAD][LINEAR_ROWS_TILES], lo[LINEAR_ROWS_AHEAD], hi[LINEAR_ROWS_AHEAD];
+    for (int c0 = warp; c0 < chunks; c0 += LINEAR_ROWS_WARPS * AHEAD) {
+        uint4 wv[AHEAD][TILES], lo[AHEAD], hi[AHEAD];
 #pragma unroll
-        for (int u = 0; u < LINEAR_ROWS_AHEAD; ++u) {
+        for (int u = 0; u < AHEAD; ++u) {
             const int kk = 32 * (c0 + u * LINEAR_ROWS_WARPS) + 8 * t;
             const bool in_k = kk < k;
 #pragma unroll
-            for (int j = 0; j < LINEAR_ROWS_TILES; ++j)
+            for (int j = 0; j < TILES; ++j)
                 wv[u][j] = in_k && col_in[j] ? __ldcs(reinterpret_cast<const uint4*>(w_rows[j] + kk)) : zero;
             lo[u] = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
             hi[u] = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
         }
 #pragma unroll
-        for (int u = 0; u < LINEAR_ROWS_AHEAD; ++u)
+        for (int u = 0; u < AHEAD; ++u)
 #pragma unroll
-            for (int j = 0; j < LINEAR_ROWS_TILES; ++j) {
+            for (int j = 0; j < TILES; ++j) {
                 mma_bf16(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
                 mma_bf16(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
             }
     }
 #pragma unroll
-    for (int j = 0; j < LINEAR_ROWS_TILES; ++j)
+    for (int j = 0; j < TILES; ++j)
 #pragma unroll
         for (int r = 0; r < 4; ++r) partial[warp][4 * j + r][lane] = acc[j][r];
     __syncthreads();
     // Value v of the CTA: accumulator r = v / WARP % 4 of tile v / (4 WARP) in lane v % WARP.
-    for (int v = threadIdx.x; v < LINEAR_ROWS_TILES * 4 * WARP; v += blockDim.x) {
+    for (int v = threadIdx.x; v < TILES * 4 * WARP; v += blockDim.x) {
         const int slot = v / WARP, from = v % WARP;
         float sum = 0.f;
 #pragma unroll
@@ -610,6 +609,24 @@ extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
             *out = to_bf(beta == 0.f ? sum : sum + beta * to_f(*out));
         }
     }
+}
+
+// The variants of linear_rows_body: linear_rows_t<TILES> (8 * TILES columns a CTA), AHEAD chunks
+// in flight a warp (ops/elementwise/cuda.rs LinearRowsVariant).
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
+    linear_rows_t1(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
+                   float beta) {
+    linear_rows_body<1, 8>(x, w, y, m, n, k, beta);
+}
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
+    linear_rows_t2(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
+                   float beta) {
+    linear_rows_body<2, 4>(x, w, y, m, n, k, beta);
+}
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
+    linear_rows_t4(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
+                   float beta) {
+    linear_rows_body<4, 4>(x, w, y, m, n, k, beta);
 }
 
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
