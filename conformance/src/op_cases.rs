@@ -158,7 +158,14 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
     let (cos, sin) = (table(cos)?, table(sin)?);
     let hx = draw_bf16(m, 0.0, 2.0, &mut rng);
     let hw = draw_bf16(d, 1.0, 0.3, &mut rng);
-    let f = HeadNormRope { x: buf.put(s, &hx)?, w: buf.put(s, &hw)?, cos: buf.put(a, &cos)?, sin: buf.put(a, &sin)? };
+    let row = dims.heads * d;
+    let f = HeadNormRope {
+        x: buf.put(s, &hx)?,
+        x_row: row,
+        w: buf.put(s, &hw)?,
+        cos: buf.put(a, &cos)?,
+        sin: buf.put(a, &sin)?,
+    };
     let (hy, hinv) = (buf.zeros(s, m)?, buf.zeros(a, t * dims.heads)?);
     ops.head_norm_rope_forward(f, hy, hinv, dims, eps)?;
     let label = format!("[{t}, {}, {d}]", dims.heads);
@@ -170,10 +177,32 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         ],
     });
     let ry = buf.zeros(s, m)?;
-    ops.rope_forward(f.x, f.cos, f.sin, ry, dims)?;
+    ops.rope_forward(f.x, row, f.cos, f.sin, ry, dims)?;
     out.push(OpOutputs {
         op: format!("rope_forward {label}"),
         outputs: vec![("y", buf.get(s, ry, m)?, GPU_KERNEL_BF16)],
+    });
+    // The same heads read as the leading columns of wider rows (the q or k of a stacked
+    // [q | k | v] projection): x's tokens `wide` values apart, the gap filled with other values.
+    let wide = row + 8 * rng.random_range(1..=64);
+    let hx_wide: Vec<f64> = (0..t)
+        .flat_map(|tok| {
+            let mut r = hx[tok * row..(tok + 1) * row].to_vec();
+            r.extend(draw_bf16(wide - row, 0.0, 2.0, &mut rng));
+            r
+        })
+        .collect();
+    let fw = HeadNormRope { x: buf.put(s, &hx_wide)?, x_row: wide, ..f };
+    let (wy, winv, wry) = (buf.zeros(s, m)?, buf.zeros(a, t * dims.heads)?, buf.zeros(s, m)?);
+    ops.head_norm_rope_forward(fw, wy, winv, dims, eps)?;
+    ops.rope_forward(fw.x, wide, fw.cos, fw.sin, wry, dims)?;
+    out.push(OpOutputs {
+        op: format!("head_norm_rope_forward and rope_forward {label}, x rows {wide} apart"),
+        outputs: vec![
+            ("y", buf.get(s, wy, m)?, GPU_KERNEL_BF16),
+            ("inv", buf.get(a, winv, t * dims.heads)?, KERNEL_F32),
+            ("rope y", buf.get(s, wry, m)?, GPU_KERNEL_BF16),
+        ],
     });
     let hdy = draw_bf16(m, 0.0, 1.0, &mut rng);
     let g = HeadNormRopeGrad { dy: buf.put(s, &hdy)?, fwd: f, inv: buf.put(a, &inv_rms(&hx, d, eps))? };

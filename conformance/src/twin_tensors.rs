@@ -126,6 +126,7 @@ fn head_inputs<B: Backend>(
     let (tokens, heads, head_dim) = x.dims3()?;
     let f = HeadNormRope {
         x: b.put(Kind::Stored, &values(x)?)?,
+        x_row: heads * head_dim,
         w: b.put(Kind::Stored, &values(w)?)?,
         cos: b.put(Kind::Acc, &values(cos)?)?,
         sin: b.put(Kind::Acc, &values(sin)?)?,
@@ -161,7 +162,7 @@ pub fn rope_forward(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let mut b = Buffers::new(dev);
         let (f, dims) = head_inputs(&mut b, x, &ones, cos, sin)?;
         let y = b.zeros(Kind::Stored, x.elem_count())?;
-        dev.ops().rope_forward(f.x, f.cos, f.sin, y, dims)?;
+        dev.ops().rope_forward(f.x, f.x_row, f.cos, f.sin, y, dims)?;
         tensor(b.get(Kind::Stored, y, x.elem_count())?, x.dims(), x.dtype())
     })
 }

@@ -194,6 +194,17 @@ impl Backend for Tight {
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> dflash_optimized::Result<()> {
         self.host.copy(dst, src, bytes)
     }
+    fn copy_strided(
+        &self,
+        dst: u64,
+        dp: usize,
+        src: u64,
+        sp: usize,
+        width: usize,
+        rows: usize,
+    ) -> dflash_optimized::Result<()> {
+        self.host.copy_strided(dst, dp, src, sp, width, rows)
+    }
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> dflash_optimized::Result<()> {
         self.host.copy_from_peer(dst, src, bytes)
     }

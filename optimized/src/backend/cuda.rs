@@ -105,6 +105,44 @@ impl Backend for Cuda {
         copy_device::<u8>(&self.stream, dst, src, bytes)
     }
 
+    fn copy_strided(
+        &self,
+        dst: u64,
+        dst_pitch: usize,
+        src: u64,
+        src_pitch: usize,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        if rows <= 1 || (dst_pitch == width && src_pitch == width) {
+            return self.copy(dst, src, width * rows);
+        }
+        use cudarc::driver::sys;
+        let copy = sys::CUDA_MEMCPY2D_st {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch,
+            WidthInBytes: width,
+            Height: rows,
+        };
+        // SAFETY: callers pass live device buffers holding `rows` rows at their pitches; the
+        // stream orders the copy.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| crate::Error::Gpu(format!("strided copy of {rows} rows of {width} bytes: {e}")))
+    }
+
     /// Through unified addressing (`cuMemcpyAsync` finds both devices from the addresses), peer
     /// to peer where the source's pool shares it ([`Gpu::share_pool_with`]).
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {

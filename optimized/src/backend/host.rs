@@ -141,6 +141,18 @@ impl<E: Elem> Backend for Host<E> {
         Ok(())
     }
 
+    fn copy_strided(
+        &self,
+        dst: u64,
+        dst_pitch: usize,
+        src: u64,
+        src_pitch: usize,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        (0..rows).try_for_each(|r| self.copy(dst + (r * dst_pitch) as u64, src + (r * src_pitch) as u64, width))
+    }
+
     /// Every CPU "device" shares the host's memory: a plain copy.
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         self.copy(dst, src, bytes)

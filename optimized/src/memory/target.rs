@@ -71,6 +71,12 @@ pub struct LayerShape {
 }
 
 impl TargetLayerWeights {
+    /// Whether q, k and v lie back to back: one stacked `[qd + 2 kd, H]` weight that a single
+    /// projection reads.
+    pub fn qkv_stacked(&self) -> bool {
+        self.q.offset + self.q.bytes == self.k.offset && self.k.offset + self.k.bytes == self.v.offset
+    }
+
     /// One layer's weights taken from `ar` as `item`, `elem` bytes per value; q/k norms when
     /// `head_norms` (Qwen3 and the drafter).
     pub fn take(ar: &mut Arena, item: &'static str, z: LayerShape, head_norms: bool, elem: u64) -> Result<Self> {

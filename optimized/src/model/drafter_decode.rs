@@ -131,6 +131,7 @@ impl<B: Backend> DrafterDecode<B> {
         let (cos, sin) = self.rope(first);
         let f = HeadNormRope {
             x: self.at(rows.k_pre),
+            x_row: z.kd,
             w: self.at(w.k_norm.expect("drafter layers have k norms")),
             cos,
             sin,
@@ -138,6 +139,45 @@ impl<B: Backend> DrafterDecode<B> {
         let dims = Heads { tokens: n, heads: z.nkv, head_dim: z.d };
         let eps = self.config.dims.rms_norm_eps;
         self.dev.ops().head_norm_rope_forward(f, self.at(lay.k_cache[l]) + skip, self.at(rows.inv_k), dims, eps)
+    }
+
+    /// Whether layer `w` projects `rows` rows through its stacked q/k/v weight into the `gate_up`
+    /// scratch (free until the MLP): `[rows, qd + 2 kd]` must fit there.
+    fn stacked(&self, w: &TargetLayerWeights, rows: usize) -> bool {
+        let z = self.layout.dims;
+        w.qkv_stacked() && ((rows * (z.qd + 2 * z.kd) * B::Elem::BYTES) as u64) <= self.layout.gate_up.bytes
+    }
+
+    /// A draft's q, k and v of layer `l` in one projection of the `rows` rows at `x` (the
+    /// appended rows, then the block) through the stacked weight: q of the block's rows (the last
+    /// B, RoPE `(cos, sin)` of the block's positions) from their columns; k and v of every row into
+    /// the caches from position `first`.
+    fn stacked_qkv(
+        &self,
+        l: usize,
+        w: &TargetLayerWeights,
+        x: u64,
+        (first, rows): (usize, usize),
+        q_norm: u64,
+        (cos, sin): (u64, u64),
+    ) -> Result<()> {
+        let (z, lay, ops) = (self.layout.dims, &self.layout, self.dev.ops());
+        let (e, eps) = (B::Elem::BYTES, self.config.dims.rms_norm_eps);
+        let width = z.qd + 2 * z.kd;
+        let qkv = self.at(lay.gate_up);
+        self.dev.linear(x, rows, z.h, self.at(w.q), width, qkv, 0.0)?;
+        let block_q = qkv + ((rows - z.b) * width * e) as u64;
+        let f = HeadNormRope { x: block_q, x_row: width, w: q_norm, cos, sin };
+        let q_heads = Heads { tokens: z.b, heads: z.nh, head_dim: z.d };
+        ops.head_norm_rope_forward(f, self.at(lay.q), self.at(lay.inv_q), q_heads, eps)?;
+        let skip = (first * z.kd * e) as u64;
+        let (k_cos, k_sin) = self.rope(first);
+        let k_norm = self.at(w.k_norm.expect("drafter layers have k norms"));
+        let f = HeadNormRope { x: qkv + (z.qd * e) as u64, x_row: width, w: k_norm, cos: k_cos, sin: k_sin };
+        let k_heads = Heads { tokens: rows, heads: z.nkv, head_dim: z.d };
+        ops.head_norm_rope_forward(f, self.at(lay.k_cache[l]) + skip, self.at(lay.block.inv_k), k_heads, eps)?;
+        let v = qkv + ((z.qd + z.kd) * e) as u64;
+        self.dev.copy_strided(self.at(lay.v_cache[l]) + skip, z.kd * e, v, width * e, z.kd * e, rows)
     }
 
     /// Where the normed context rows of an append of `n` rows go: the last `n` rows of `ctx`,
@@ -235,22 +275,17 @@ impl<B: Backend> DrafterDecode<B> {
         let shape = AttnShape { num_heads: z.nh, num_kv_heads: z.nkv, head_dim: z.d };
         for (l, w) in lay.layers.iter().enumerate() {
             ops.rms_norm_forward(x, self.at(w.input_norm), xn, inv, z.b, z.h, eps)?;
-            self.dev.linear(xn, z.b, z.h, self.at(w.q), z.qd, self.at(lay.q_pre), 0.0)?;
-            let f = HeadNormRope {
-                x: self.at(lay.q_pre),
-                w: self.at(w.q_norm.expect("drafter layers have q norms")),
-                cos,
-                sin,
-            };
-            ops.head_norm_rope_forward(
-                f,
-                self.at(lay.q),
-                self.at(lay.inv_q),
-                Heads { tokens: z.b, heads: z.nh, head_dim: z.d },
-                eps,
-            )?;
-            // The appended rows (ctx) end where the block's (xn) begin.
-            self.keys_values(l, w, kv_x, &lay.block, first, rows)?;
+            // The appended rows (ctx) end where the block's (xn) begin: `rows` rows at kv_x.
+            let q_norm = self.at(w.q_norm.expect("drafter layers have q norms"));
+            let q_heads = Heads { tokens: z.b, heads: z.nh, head_dim: z.d };
+            if self.stacked(w, rows) {
+                self.stacked_qkv(l, w, kv_x, (first, rows), q_norm, (cos, sin))?;
+            } else {
+                self.dev.linear(xn, z.b, z.h, self.at(w.q), z.qd, self.at(lay.q_pre), 0.0)?;
+                let f = HeadNormRope { x: self.at(lay.q_pre), x_row: z.qd, w: q_norm, cos, sin };
+                ops.head_norm_rope_forward(f, self.at(lay.q), self.at(lay.inv_q), q_heads, eps)?;
+                self.keys_values(l, w, kv_x, &lay.block, first, rows)?;
+            }
             let plan = &plans.plans[&self.config.dims.layer_kinds[l]];
             let qkv = (self.at(lay.q), self.at(lay.k_cache[l]), self.at(lay.v_cache[l]));
             self.dev.attention_forward(plan, shape, qkv, (self.at(lay.out), self.at(lay.lse)))?;

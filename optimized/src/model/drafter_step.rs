@@ -616,7 +616,7 @@ impl<B: Backend> DrafterStep<B> {
             Side::Q => (a.q_pre, w.q_norm, a.inv_q, s.q, i.cos_q, i.sin_q, z.q, z.nh),
             Side::K => (a.k_pre, w.k_norm, a.inv_k, s.k, i.cos_k, i.sin_k, z.k, z.nkv),
         };
-        let f = HeadNormRope { x: at(x), w: norm.w, cos: at(cos), sin: at(sin) };
+        let f = HeadNormRope { x: at(x), x_row: heads * z.d, w: norm.w, cos: at(cos), sin: at(sin) };
         (f, Heads { tokens, heads, head_dim: z.d }, norm, at(inv), at(y))
     }
 

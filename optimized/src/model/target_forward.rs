@@ -343,29 +343,34 @@ impl<B: Backend> TargetForward<B> {
                 }
                 _ => (at(s.k), at(s.v)),
             };
-            // One token (batch-1 decoding): q, k and v in one pass over the stacked weights, the
-            // row [q | k | v] written at q_pre (which holds T >= 1 + 2 kd / qd rows).
-            let qkv_bytes = ((z.qd + 2 * z.kd) as u64) * e;
-            let k_pre = if t == 1 && contiguous(&[w.q, w.k, w.v]) && s.q_pre.bytes >= qkv_bytes {
-                self.dev.linear(xn, 1, z.h, at(w.q), z.qd + 2 * z.kd, at(s.q_pre), 0.0)?;
-                self.dev.copy(v, at(s.q_pre) + ((z.qd + z.kd) as u64) * e, z.kd * e as usize)?;
-                at(s.q_pre) + z.qd as u64 * e
+            // Where q_pre holds the launch's rows of [q | k | v] (batch-1 decoding and verify
+            // blocks; q_pre holds T rows of q, so t <= T qd / (qd + 2 kd)): q, k and v in one pass
+            // over the stacked weights, q and k read in place by their head norms, v copied into
+            // its cache. Else (long launches) three projections.
+            let width = z.qd + 2 * z.kd;
+            let stacked = w.qkv_stacked() && s.q_pre.bytes >= (t * width) as u64 * e;
+            let (q_pre, k_pre) = if stacked {
+                self.dev.linear(xn, t, z.h, at(w.q), width, at(s.q_pre), 0.0)?;
+                let (pitch, kd) = (width * e as usize, z.kd * e as usize);
+                self.dev.copy_strided(v, kd, at(s.q_pre) + ((z.qd + z.kd) as u64) * e, pitch, kd, t)?;
+                (at(s.q_pre), at(s.q_pre) + z.qd as u64 * e)
             } else {
                 self.dev.linear(xn, t, z.h, at(w.q), z.qd, at(s.q_pre), 0.0)?;
                 self.dev.linear(xn, t, z.h, at(w.k), z.kd, at(s.k_pre), 0.0)?;
                 self.dev.linear(xn, t, z.h, at(w.v), z.kd, v, 0.0)?;
-                at(s.k_pre)
+                (at(s.q_pre), at(s.k_pre))
             };
-            let sides = [(at(s.q_pre), w.q_norm, at(s.q), s.inv_q, z.nh), (k_pre, w.k_norm, k, s.inv_k, z.nkv)];
+            let sides = [(q_pre, w.q_norm, at(s.q), s.inv_q, z.nh), (k_pre, w.k_norm, k, s.inv_k, z.nkv)];
             for (pre, norm, out, inv, heads) in sides {
                 let dims = Heads { tokens: t, heads, head_dim: z.d };
+                let x_row = if stacked { width } else { heads * z.d };
                 // The layout holds q/k norms exactly for the architectures that have them.
                 match norm {
                     Some(norm) => {
-                        let f = HeadNormRope { x: pre, w: at(norm), cos, sin };
+                        let f = HeadNormRope { x: pre, x_row, w: at(norm), cos, sin };
                         ops.head_norm_rope_forward(f, out, at(inv), dims, eps)?
                     }
-                    None => ops.rope_forward(pre, cos, sin, out, dims)?,
+                    None => ops.rope_forward(pre, x_row, cos, sin, out, dims)?,
                 }
             }
             let kind = self.config.dims.layer_kinds[l];
@@ -429,9 +434,4 @@ impl<B: Backend> TargetForward<B> {
         let n = self.tokens * self.layout.dims.fw;
         Ok(download::<B::Elem, B>(&self.dev, self.features_addr(), n)?.into_iter().map(Elem::to_f64).collect())
     }
-}
-
-/// Whether `regions` follow one another without a gap (one matrix of their rows).
-fn contiguous(regions: &[Region]) -> bool {
-    regions.windows(2).all(|p| p[0].offset + p[0].bytes == p[1].offset)
 }

@@ -327,7 +327,8 @@ impl ElementwiseOps for ElementwiseKernels {
 
     fn head_norm_rope_forward(&self, f: HeadNormRope, y: u64, inv: u64, dims: Heads, eps: f64) -> Result<()> {
         let eps = eps as f32;
-        let (HeadNormRope { x, w, cos, sin }, Heads { tokens, heads, head_dim: d }) = (f, dims);
+        HeadNormRope::check_row(f.x_row, dims)?;
+        let (HeadNormRope { x, x_row, w, cos, sin }, Heads { tokens, heads, head_dim: d }) = (f, dims);
         Self::check_head_dim(d)?;
         let rows = tokens * heads;
         if rows == 0 {
@@ -335,14 +336,16 @@ impl ElementwiseOps for ElementwiseKernels {
         }
         let (t, h, dd) = (i32_of("tokens", tokens)?, i32_of("heads", heads)?, i32_of("head_dim", d)?);
         let mut b = self.stream.launch_builder(&self.head_norm_rope_forward);
-        b.arg(&x).arg(&w).arg(&cos).arg(&sin).arg(&y).arg(&inv).arg(&t).arg(&h).arg(&dd).arg(&eps);
+        let xr = i32_of("x row", x_row)?;
+        b.arg(&x).arg(&w).arg(&cos).arg(&sin).arg(&y).arg(&inv).arg(&t).arg(&h).arg(&dd).arg(&xr).arg(&eps);
         let warps = ROW_THREADS / 32;
         let cfg =
             LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
         self.launch("head_norm_rope_forward", b, cfg)
     }
 
-    fn rope_forward(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
+    fn rope_forward(&self, x: u64, x_row: usize, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
+        HeadNormRope::check_row(x_row, dims)?;
         let Heads { tokens, heads, head_dim: d } = dims;
         Self::check_head_dim(d)?;
         let rows = tokens * heads;
@@ -351,7 +354,8 @@ impl ElementwiseOps for ElementwiseKernels {
         }
         let (t, h, dd) = (i32_of("tokens", tokens)?, i32_of("heads", heads)?, i32_of("head_dim", d)?);
         let mut b = self.stream.launch_builder(&self.rope_forward);
-        b.arg(&x).arg(&cos).arg(&sin).arg(&y).arg(&t).arg(&h).arg(&dd);
+        let xr = i32_of("x row", x_row)?;
+        b.arg(&x).arg(&cos).arg(&sin).arg(&y).arg(&t).arg(&h).arg(&dd).arg(&xr);
         let warps = ROW_THREADS / 32;
         let cfg =
             LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
@@ -359,7 +363,8 @@ impl ElementwiseOps for ElementwiseKernels {
     }
 
     fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()> {
-        let HeadNormRopeGrad { dy, fwd: HeadNormRope { x, w, cos, sin }, inv } = g;
+        g.fwd.check_contiguous(dims)?;
+        let HeadNormRopeGrad { dy, fwd: HeadNormRope { x, w, cos, sin, .. }, inv } = g;
         let Heads { tokens, heads, head_dim: d } = dims;
         Self::check_head_dim(d)?;
         if tokens * heads == 0 {

@@ -178,16 +178,17 @@ __device__ __forceinline__ void rope_lane(const float* v, const float* __restric
 
 // Twin: twin.rs head_norm_rope_forward (RMSNorm over the head dim, then RoPE). One warp
 // per (token, head) row.
-// x [T, heads, d], w [d], cos/sin [T, d] (fp32) -> y [T, heads, d], inv [T*heads].
+// x [T, heads, d] (token t's heads at x + t * x_row), w [d], cos/sin [T, d] (fp32)
+// -> y [T, heads, d], inv [T*heads].
 extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                   const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                                   bf16* __restrict__ y, float* __restrict__ inv, int tokens, int heads,
-                                                  int d, float eps) {
+                                                  int d, int x_row, float eps) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= tokens * heads) return;
     const int t = row / heads, per_lane = d / WARP;
     float v[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
-    load_lane(x + (size_t)row * d, lane, per_lane, v);
+    load_lane(x + (size_t)t * x_row + (size_t)(row % heads) * d, lane, per_lane, v);
     load_lane(w, lane, per_lane, wv);
     float ss = 0.f;
 #pragma unroll
@@ -203,15 +204,16 @@ extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, co
 }
 
 // Twin: twin.rs rope_forward (RoPE alone, for targets without q/k norms). One warp per
-// (token, head) row. x [T, heads, d], cos/sin [T, d] (fp32) -> y [T, heads, d].
+// (token, head) row. x [T, heads, d] (token t's heads at x + t * x_row), cos/sin [T, d] (fp32)
+// -> y [T, heads, d].
 extern "C" __global__ void rope_forward(const bf16* __restrict__ x, const float* __restrict__ cos_t,
                                         const float* __restrict__ sin_t, bf16* __restrict__ y, int tokens, int heads,
-                                        int d) {
+                                        int d, int x_row) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= tokens * heads) return;
     const int t = row / heads, per_lane = d / WARP;
     float v[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
-    load_lane(x + (size_t)row * d, lane, per_lane, v);
+    load_lane(x + (size_t)t * x_row + (size_t)(row % heads) * d, lane, per_lane, v);
     rope_lane(v, cos_t + (size_t)t * d, sin_t + (size_t)t * d, lane, per_lane, out);
     store_lane(y + (size_t)row * d, lane, per_lane, out);
 }

@@ -22,14 +22,45 @@ pub struct RmsNormGrad {
     pub dres: Option<u64>,
 }
 
-/// Inputs of [`ElementwiseOps::head_norm_rope_forward`]: `x [T, heads, d]`, the head norm's
-/// weight `w [d]` and the RoPE tables `cos`, `sin` `[T, d]`.
+/// Inputs of [`ElementwiseOps::head_norm_rope_forward`]: `x [T, heads, d]` with its tokens
+/// `x_row` values apart (`heads * d` when contiguous; more when x is the q or k columns of a
+/// stacked `[q | k | v]` projection), the head norm's weight `w [d]` and the RoPE tables `cos`,
+/// `sin` `[T, d]`.
 #[derive(Clone, Copy, Debug)]
 pub struct HeadNormRope {
     pub x: u64,
+    pub x_row: usize,
     pub w: u64,
     pub cos: u64,
     pub sin: u64,
+}
+
+impl HeadNormRope {
+    /// Refuses tokens of x closer than `heads * d` values or at an odd distance (the kernels
+    /// load pairs of values).
+    pub fn check_row(x_row: usize, dims: Heads) -> Result<()> {
+        if x_row < dims.heads * dims.head_dim || !x_row.is_multiple_of(2) {
+            return Err(crate::Error::invalid(
+                "head x rows",
+                format!("{x_row} values apart: need an even distance of at least {} x {}", dims.heads, dims.head_dim),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses an `x` whose tokens are not `heads * d` apart (the backward takes contiguous x).
+    pub fn check_contiguous(&self, dims: Heads) -> Result<()> {
+        if self.x_row != dims.heads * dims.head_dim {
+            return Err(crate::Error::invalid(
+                "head_norm_rope_backward",
+                format!(
+                    "x rows {} values apart; the backward takes contiguous [T, {}, {}]",
+                    self.x_row, dims.heads, dims.head_dim
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Inputs of [`ElementwiseOps::head_norm_rope_backward`]: the output gradient and the
@@ -102,7 +133,7 @@ pub trait ElementwiseOps {
     fn head_norm_rope_forward(&self, f: HeadNormRope, y: u64, inv: u64, dims: Heads, eps: f64) -> Result<()>;
 
     /// `y [T, heads, d] = rope(x)` with the tables `cos`, `sin` `[T, d]` (targets without q/k norms).
-    fn rope_forward(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()>;
+    fn rope_forward(&self, x: u64, x_row: usize, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()>;
 
     /// `dx [T, heads, d]` through RoPE and the head norm, `dw [d] :=` (via `partial`); `dx` may be
     /// `dy`.

@@ -124,12 +124,14 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
     }
 
     fn head_norm_rope_forward(&self, f: HeadNormRope, y: u64, inv: u64, dims: Heads, eps: f64) -> Result<()> {
+        HeadNormRope::check_row(f.x_row, dims)?;
         let Heads { tokens, heads, head_dim: d } = dims;
         let (half, eps) = (d / 2, E::Acc::from_f64(eps));
         for row in 0..tokens * heads {
             let (t, base) = (row / heads, row * d);
-            let rr = inv_rms::<E>(f.x, base, d, eps);
-            let normed = |i: usize| ld::<E>(f.x, base + i) * rr * ld::<E>(f.w, i);
+            let from = t * f.x_row + row % heads * d;
+            let rr = inv_rms::<E>(f.x, from, d, eps);
+            let normed = |i: usize| ld::<E>(f.x, from + i) * rr * ld::<E>(f.w, i);
             let out: Vec<E::Acc> = (0..d)
                 .map(|i| {
                     let rot = if i < half { -normed(i + half) } else { normed(i - half) };
@@ -142,15 +144,17 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
         Ok(())
     }
 
-    fn rope_forward(&self, x: u64, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
+    fn rope_forward(&self, x: u64, x_row: usize, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
+        HeadNormRope::check_row(x_row, dims)?;
         let Heads { tokens, heads, head_dim: d } = dims;
         let half = d / 2;
         for row in 0..tokens * heads {
             let (t, base) = (row / heads, row * d);
+            let from = t * x_row + row % heads * d;
             let out: Vec<E::Acc> = (0..d)
                 .map(|i| {
-                    let rot = if i < half { -ld::<E>(x, base + i + half) } else { ld::<E>(x, base + i - half) };
-                    ld::<E>(x, base + i) * lda::<E::Acc>(cos, t * d + i) + rot * lda::<E::Acc>(sin, t * d + i)
+                    let rot = if i < half { -ld::<E>(x, from + i + half) } else { ld::<E>(x, from + i - half) };
+                    ld::<E>(x, from + i) * lda::<E::Acc>(cos, t * d + i) + rot * lda::<E::Acc>(sin, t * d + i)
                 })
                 .collect();
             out.into_iter().enumerate().for_each(|(i, v)| st::<E>(y, base + i, v));
@@ -159,6 +163,7 @@ impl<E: Elem> ElementwiseOps for ElementwiseTwin<E> {
     }
 
     fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()> {
+        g.fwd.check_contiguous(dims)?;
         let Heads { tokens, heads, head_dim: d } = dims;
         let half = d / 2;
         let (cos, sin) = (g.fwd.cos, g.fwd.sin);
