@@ -277,12 +277,12 @@ impl<B: Backend> DrafterDecode<B> {
             ops.rms_norm_forward(x, self.at(w.input_norm), xn, inv, z.b, z.h, eps)?;
             // The appended rows (ctx) end where the block's (xn) begin: `rows` rows at kv_x.
             let q_norm = self.at(w.q_norm.expect("drafter layers have q norms"));
-            let q_heads = Heads { tokens: z.b, heads: z.nh, head_dim: z.d };
             if self.stacked(w, rows) {
                 self.stacked_qkv(l, w, kv_x, (first, rows), q_norm, (cos, sin))?;
             } else {
                 self.dev.linear(xn, z.b, z.h, self.at(w.q), z.qd, self.at(lay.q_pre), 0.0)?;
                 let f = HeadNormRope { x: self.at(lay.q_pre), x_row: z.qd, w: q_norm, cos, sin };
+                let q_heads = Heads { tokens: z.b, heads: z.nh, head_dim: z.d };
                 ops.head_norm_rope_forward(f, self.at(lay.q), self.at(lay.inv_q), q_heads, eps)?;
                 self.keys_values(l, w, kv_x, &lay.block, first, rows)?;
             }
