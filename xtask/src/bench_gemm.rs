@@ -52,6 +52,7 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
 const DECODE_SHAPES: &[(&str, usize, usize)] = &[
     ("q/o_proj", 4096, 4096),
     ("k/v_proj", 1024, 4096),
+    ("qkv_proj (stacked)", 6144, 4096),
     ("gate_up_proj", 24576, 4096),
     ("down_proj", 4096, 12288),
     ("lm_head", 151936, 4096),
@@ -140,9 +141,15 @@ fn decode_rows(
     let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let (stream, blas, dev) = (gpu.stream(), Blas::new(gpu).map_err(err)?, Cuda::new(gpu, 128).map_err(err)?);
     let kernels = dev.ops();
+    let names: Vec<String> = LinearRowsVariant::ALL.iter().map(|v| format!("{v:?}")).collect();
     println!(
-        "{:<26} {:>4} {:>10} {:>10} {:>10} {:>16}",
-        "decode linear", "rows", "cuBLAS", "row", "rows", "rows T1/T2/T4"
+        "{:<26} {:>4} {:>10} {:>10} {:>10} {:>30}",
+        "decode linear",
+        "rows",
+        "cuBLAS",
+        "row",
+        "rows",
+        format!("rows {}", names.join("/"))
     );
     for &(name, n, k) in DECODE_SHAPES {
         // As in decoding, the weights come from HBM, not from L2: copies of at least 256 MB in
@@ -185,7 +192,7 @@ fn decode_rows(
             let cell = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.0}", gb_per_s(ms)));
             let each: Vec<String> = variants.values().map(|g| format!("{:.0}", g.as_f64().unwrap_or(0.0))).collect();
             println!(
-                "{name:<26} {m:>4} {:>10} {:>10} {:>10} {:>16}  GB/s ({:?})",
+                "{name:<26} {m:>4} {:>10} {:>10} {:>10} {:>30}  GB/s ({:?})",
                 cell(Some(cublas)),
                 cell(row),
                 cell(Some(many)),

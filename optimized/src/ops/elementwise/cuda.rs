@@ -8,8 +8,7 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS,
-    ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
@@ -21,28 +20,49 @@ const LINEAR_ROW_THREADS: u32 = 256;
 /// SMs of the H100 and H200 (SXM), which `linear_rows`' choice of variant fills.
 const SMS: usize = 132;
 
-/// A variant of `linear_rows` (`elementwise.cu` `linear_rows_t<tiles>`): `8 * tiles` output
-/// columns a CTA. Every variant gives the same bits; they differ in CTAs and x loads per weight
-/// byte.
+/// A variant of `linear_rows` (`elementwise.cu` `linear_rows_t<tiles>[w]`): `8 * tiles` output
+/// columns a CTA of 8 warps (`w`: 16). Every variant gives the same bits; they differ in CTAs,
+/// warps a CTA and x loads per weight byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinearRowsVariant {
-    /// 8 columns a CTA, 8 chunks of 32 k in flight a warp.
+    /// 8 columns a CTA of 8 warps, 8 chunks of 32 k in flight a warp.
     T1,
-    /// 16 columns a CTA, 4 chunks in flight.
+    /// 16 columns a CTA of 8 warps, 4 chunks in flight.
     T2,
-    /// 32 columns a CTA, 4 chunks in flight.
+    /// 32 columns a CTA of 8 warps, 4 chunks in flight.
     T4,
+    /// `T1` with 16 warps a CTA.
+    T1w,
+    /// `T2` with 16 warps a CTA.
+    T2w,
+    /// `T4` with 16 warps a CTA.
+    T4w,
 }
 
 impl LinearRowsVariant {
-    pub const ALL: [LinearRowsVariant; 3] = [LinearRowsVariant::T1, LinearRowsVariant::T2, LinearRowsVariant::T4];
+    pub const ALL: [LinearRowsVariant; 6] = [
+        LinearRowsVariant::T1,
+        LinearRowsVariant::T2,
+        LinearRowsVariant::T4,
+        LinearRowsVariant::T1w,
+        LinearRowsVariant::T2w,
+        LinearRowsVariant::T4w,
+    ];
 
     /// Output columns of one CTA.
     pub fn columns(self) -> usize {
         match self {
-            LinearRowsVariant::T1 => 8,
-            LinearRowsVariant::T2 => 16,
-            LinearRowsVariant::T4 => 32,
+            LinearRowsVariant::T1 | LinearRowsVariant::T1w => 8,
+            LinearRowsVariant::T2 | LinearRowsVariant::T2w => 16,
+            LinearRowsVariant::T4 | LinearRowsVariant::T4w => 32,
+        }
+    }
+
+    /// Warps of one CTA.
+    pub fn warps(self) -> usize {
+        match self {
+            LinearRowsVariant::T1 | LinearRowsVariant::T2 | LinearRowsVariant::T4 => 8,
+            LinearRowsVariant::T1w | LinearRowsVariant::T2w | LinearRowsVariant::T4w => 16,
         }
     }
 
@@ -58,6 +78,9 @@ impl LinearRowsVariant {
             LinearRowsVariant::T1 => "linear_rows_t1",
             LinearRowsVariant::T2 => "linear_rows_t2",
             LinearRowsVariant::T4 => "linear_rows_t4",
+            LinearRowsVariant::T1w => "linear_rows_t1w",
+            LinearRowsVariant::T2w => "linear_rows_t2w",
+            LinearRowsVariant::T4w => "linear_rows_t4w",
         }
     }
 }
@@ -99,7 +122,7 @@ pub struct ElementwiseKernels {
     ce_grad_rows: CudaFunction,
     argmax_rows: CudaFunction,
     linear_row: CudaFunction,
-    linear_rows: [CudaFunction; 3],
+    linear_rows: Vec<CudaFunction>,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -131,7 +154,7 @@ impl ElementwiseKernels {
             ce_grad_rows: f("ce_grad_rows")?,
             argmax_rows: f("argmax_rows")?,
             linear_row: f("linear_row")?,
-            linear_rows: [f("linear_rows_t1")?, f("linear_rows_t2")?, f("linear_rows_t4")?],
+            linear_rows: LinearRowsVariant::ALL.iter().map(|v| f(v.name())).collect::<Result<_>>()?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -252,7 +275,7 @@ impl ElementwiseKernels {
         b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&inner).arg(&beta);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(variant.columns()) as u32, 1, 1),
-            block_dim: (32 * LINEAR_ROWS_WARPS as u32, 1, 1),
+            block_dim: (32 * variant.warps() as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         self.launch(variant.name(), b, cfg)

@@ -538,28 +538,34 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 
 // Twin: ops/matmul/twin.rs matmul of up to LINEAR_ROWS rows (`Backend::linear` on the host). The
 // linear layers of a verify block and of the drafter's block, bound like `linear_row` by reading
-// the weight once, on the tensor cores: a CTA owns 8 * TILES output columns and its
-// LINEAR_ROWS_WARPS warps split k in chunks of 32 (chunk c to warp c % warps), each warp loading
-// AHEAD chunks (the weight bytes in flight) before multiplying them. A lane loads 16 bytes of a
-// weight row and of x rows g and g+8 at the same 8 k and feeds two mmas with them: k is permuted
-// alike in both operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e and
-// 8t+6+e), which leaves every dot product unchanged. Rows at or past m are zeros. The warps'
-// partial sums are added in warp order through shared memory (deterministic); a row's result
-// does not depend on the other rows, and a column's sums do not depend on TILES or AHEAD (each
-// warp adds its chunks in k order), so every m and every variant gives an output the same bits.
-// The variants trade CTAs for x loads: fewer columns per CTA, more CTAs on a narrow layer.
+// the weight once, on the tensor cores: a CTA owns 8 * TILES output columns and its WARPS warps
+// split k in chunks of 32, chunk c going to k group c % LINEAR_ROWS_GROUPS and group q to warp
+// q % WARPS; a warp loads AHEAD chunks (the weight bytes in flight) before multiplying them. A
+// lane loads 16 bytes of a weight row and of x rows g and g+8 at the same 8 k and feeds two mmas
+// with them: k is permuted alike in both operands (mma k 2t+e and 2t+8+e are phys 8t+e and
+// 8t+2+e, then 8t+4+e and 8t+6+e), which leaves every dot product unchanged. Rows at or past m
+// are zeros. Each group adds its chunks in k order; the groups' sums are added in group order
+// through shared memory (deterministic). A row's result does not depend on the other rows, and a
+// column's sums depend on neither TILES, AHEAD nor WARPS, so every m and every variant gives an
+// output the same bits. The variants trade CTAs for x loads (fewer columns per CTA, more CTAs on
+// a narrow layer) and warps per CTA for CTAs per SM.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
-template <int TILES, int AHEAD>
+template <int TILES, int AHEAD, int WARPS>
 __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                  bf16* __restrict__ y, int m, int n, int k, float beta) {
-    __shared__ float partial[LINEAR_ROWS_WARPS][TILES * 4][WARP];
+    constexpr int GROUPS = LINEAR_ROWS_GROUPS, SLOTS = GROUPS / WARPS;
+    static_assert(GROUPS % WARPS == 0 && (WARPS * AHEAD) % GROUPS == 0, "a warp's chunks keep their groups");
+    __shared__ float partial[GROUPS][TILES * 4][WARP];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int g = lane / 4, t = lane % 4;
     const int col0 = blockIdx.x * 8 * TILES;
-    float acc[TILES][4];
+    // acc[s]: group warp + s * WARPS (chunk c0 + u * WARPS of a pass is in slot u % SLOTS).
+    float acc[SLOTS][TILES][4];
 #pragma unroll
-    for (int j = 0; j < TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int s = 0; s < SLOTS; ++s)
+#pragma unroll
+        for (int j = 0; j < TILES; ++j) acc[s][j][0] = acc[s][j][1] = acc[s][j][2] = acc[s][j][3] = 0.f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const bf16* x_lo = x + (size_t)g * k;
     const bf16* x_hi = x + (size_t)(g + 8) * k;
@@ -572,11 +578,11 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
         w_rows[j] = w + (size_t)(col_in[j] ? col : 0) * k;
     }
     const int chunks = (k + 31) / 32;
-    for (int c0 = warp; c0 < chunks; c0 += LINEAR_ROWS_WARPS * AHEAD) {
+    for (int c0 = warp; c0 < chunks; c0 += WARPS * AHEAD) {
         uint4 wv[AHEAD][TILES], lo[AHEAD], hi[AHEAD];
 #pragma unroll
         for (int u = 0; u < AHEAD; ++u) {
-            const int kk = 32 * (c0 + u * LINEAR_ROWS_WARPS) + 8 * t;
+            const int kk = 32 * (c0 + u * WARPS) + 8 * t;
             const bool in_k = kk < k;
 #pragma unroll
             for (int j = 0; j < TILES; ++j)
@@ -588,21 +594,23 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
         for (int u = 0; u < AHEAD; ++u)
 #pragma unroll
             for (int j = 0; j < TILES; ++j) {
-                mma_bf16(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
-                mma_bf16(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
+                mma_bf16(acc[u % SLOTS][j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
+                mma_bf16(acc[u % SLOTS][j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
             }
     }
 #pragma unroll
-    for (int j = 0; j < TILES; ++j)
+    for (int s = 0; s < SLOTS; ++s)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) partial[warp][4 * j + r][lane] = acc[j][r];
+        for (int j = 0; j < TILES; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) partial[warp + s * WARPS][4 * j + r][lane] = acc[s][j][r];
     __syncthreads();
     // Value v of the CTA: accumulator r = v / WARP % 4 of tile v / (4 WARP) in lane v % WARP.
     for (int v = threadIdx.x; v < TILES * 4 * WARP; v += blockDim.x) {
         const int slot = v / WARP, from = v % WARP;
         float sum = 0.f;
 #pragma unroll
-        for (int wi = 0; wi < LINEAR_ROWS_WARPS; ++wi) sum += partial[wi][slot][from];
+        for (int q = 0; q < GROUPS; ++q) sum += partial[q][slot][from];
         const int j = slot / 4, r = slot % 4;
         const int row = from / 4 + (r >= 2 ? 8 : 0);
         const int col = col0 + 8 * j + 2 * (from % 4) + (r % 2);
@@ -613,23 +621,20 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
     }
 }
 
-// The variants of linear_rows_body: linear_rows_t<TILES> (8 * TILES columns a CTA), AHEAD chunks
-// in flight a warp (ops/elementwise/cuda.rs LinearRowsVariant).
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
-    linear_rows_t1(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
-                   float beta) {
-    linear_rows_body<1, 8>(x, w, y, m, n, k, beta);
-}
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
-    linear_rows_t2(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
-                   float beta) {
-    linear_rows_body<2, 4>(x, w, y, m, n, k, beta);
-}
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP)
-    linear_rows_t4(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
-                   float beta) {
-    linear_rows_body<4, 4>(x, w, y, m, n, k, beta);
-}
+// The variants of linear_rows_body: linear_rows_t<TILES>[w] (8 * TILES columns a CTA; w: 16
+// warps, else 8), AHEAD chunks in flight a warp (ops/elementwise/cuda.rs LinearRowsVariant).
+#define LINEAR_ROWS_VARIANT(NAME, TILES, AHEAD, WARPS)                                                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * WARP, 16 / WARPS)                                        \
+        NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,   \
+             float beta) {                                                                                        \
+        linear_rows_body<TILES, AHEAD, WARPS>(x, w, y, m, n, k, beta);                                            \
+    }
+LINEAR_ROWS_VARIANT(linear_rows_t1, 1, 8, 8)
+LINEAR_ROWS_VARIANT(linear_rows_t2, 2, 4, 8)
+LINEAR_ROWS_VARIANT(linear_rows_t4, 4, 4, 8)
+LINEAR_ROWS_VARIANT(linear_rows_t1w, 1, 8, 16)
+LINEAR_ROWS_VARIANT(linear_rows_t2w, 2, 4, 16)
+LINEAR_ROWS_VARIANT(linear_rows_t4w, 4, 4, 16)
 
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
 // row whose value 0 is NaN gives 0, as candle keeps a NaN it starts from). One CTA per row, 8
