@@ -37,32 +37,42 @@ pub enum LinearRowsVariant {
     T2w,
     /// `T4` with 16 warps a CTA.
     T4w,
+    /// 8 columns a CTA of 8 warps, 4 chunks a pass, the next pass's loads in flight while one
+    /// multiplies.
+    T1p,
+    /// `T1p` with 16 columns, 2 chunks a pass.
+    T2p,
+    /// `T1p` with 32 columns, 2 chunks a pass.
+    T4p,
 }
 
 impl LinearRowsVariant {
-    pub const ALL: [LinearRowsVariant; 6] = [
+    pub const ALL: [LinearRowsVariant; 9] = [
         LinearRowsVariant::T1,
         LinearRowsVariant::T2,
         LinearRowsVariant::T4,
         LinearRowsVariant::T1w,
         LinearRowsVariant::T2w,
         LinearRowsVariant::T4w,
+        LinearRowsVariant::T1p,
+        LinearRowsVariant::T2p,
+        LinearRowsVariant::T4p,
     ];
 
     /// Output columns of one CTA.
     pub fn columns(self) -> usize {
         match self {
-            LinearRowsVariant::T1 | LinearRowsVariant::T1w => 8,
-            LinearRowsVariant::T2 | LinearRowsVariant::T2w => 16,
-            LinearRowsVariant::T4 | LinearRowsVariant::T4w => 32,
+            LinearRowsVariant::T1 | LinearRowsVariant::T1w | LinearRowsVariant::T1p => 8,
+            LinearRowsVariant::T2 | LinearRowsVariant::T2w | LinearRowsVariant::T2p => 16,
+            LinearRowsVariant::T4 | LinearRowsVariant::T4w | LinearRowsVariant::T4p => 32,
         }
     }
 
     /// Warps of one CTA.
     pub fn warps(self) -> usize {
         match self {
-            LinearRowsVariant::T1 | LinearRowsVariant::T2 | LinearRowsVariant::T4 => 8,
             LinearRowsVariant::T1w | LinearRowsVariant::T2w | LinearRowsVariant::T4w => 16,
+            _ => 8,
         }
     }
 
@@ -81,6 +91,9 @@ impl LinearRowsVariant {
             LinearRowsVariant::T1w => "linear_rows_t1w",
             LinearRowsVariant::T2w => "linear_rows_t2w",
             LinearRowsVariant::T4w => "linear_rows_t4w",
+            LinearRowsVariant::T1p => "linear_rows_t1p",
+            LinearRowsVariant::T2p => "linear_rows_t2p",
+            LinearRowsVariant::T4p => "linear_rows_t4p",
         }
     }
 }

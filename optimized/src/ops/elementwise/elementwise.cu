@@ -551,7 +551,7 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 // a narrow layer) and warps per CTA for CTAs per SM.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
-template <int TILES, int AHEAD, int WARPS>
+template <int TILES, int AHEAD, int WARPS, bool PIPE>
 __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                  bf16* __restrict__ y, int m, int n, int k, float beta) {
     constexpr int GROUPS = LINEAR_ROWS_GROUPS, SLOTS = GROUPS / WARPS;
@@ -577,26 +577,49 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
         col_in[j] = col < n;
         w_rows[j] = w + (size_t)(col_in[j] ? col : 0) * k;
     }
-    const int chunks = (k + 31) / 32;
-    for (int c0 = warp; c0 < chunks; c0 += WARPS * AHEAD) {
+    // A pass: chunks c0 + u * WARPS (u < AHEAD) of the warp; past k, zeros (no loads).
+    struct Pass {
         uint4 wv[AHEAD][TILES], lo[AHEAD], hi[AHEAD];
+    };
+    const auto load = [&](int c0, Pass& p) {
 #pragma unroll
         for (int u = 0; u < AHEAD; ++u) {
             const int kk = 32 * (c0 + u * WARPS) + 8 * t;
             const bool in_k = kk < k;
 #pragma unroll
             for (int j = 0; j < TILES; ++j)
-                wv[u][j] = in_k && col_in[j] ? __ldcs(reinterpret_cast<const uint4*>(w_rows[j] + kk)) : zero;
-            lo[u] = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
-            hi[u] = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
+                p.wv[u][j] = in_k && col_in[j] ? __ldcs(reinterpret_cast<const uint4*>(w_rows[j] + kk)) : zero;
+            p.lo[u] = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
+            p.hi[u] = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
         }
+    };
+    const auto multiply = [&](const Pass& p) {
 #pragma unroll
         for (int u = 0; u < AHEAD; ++u)
 #pragma unroll
             for (int j = 0; j < TILES; ++j) {
-                mma_bf16(acc[u % SLOTS][j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
-                mma_bf16(acc[u % SLOTS][j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
+                mma_bf16(acc[u % SLOTS][j], p.lo[u].x, p.hi[u].x, p.lo[u].y, p.hi[u].y, p.wv[u][j].x, p.wv[u][j].y);
+                mma_bf16(acc[u % SLOTS][j], p.lo[u].z, p.hi[u].z, p.lo[u].w, p.hi[u].w, p.wv[u][j].z, p.wv[u][j].w);
             }
+    };
+    const int chunks = (k + 31) / 32, step = WARPS * AHEAD;
+    if (PIPE) {
+        // Two passes in registers: the next one's loads in flight while this one multiplies (a
+        // pass wholly past k adds nothing and is skipped).
+        Pass a, b;
+        load(warp, a);
+        for (int c0 = warp; c0 < chunks; c0 += 2 * step) {
+            if (c0 + step < chunks) load(c0 + step, b);
+            multiply(a);
+            if (c0 + 2 * step < chunks) load(c0 + 2 * step, a);
+            if (c0 + step < chunks) multiply(b);
+        }
+    } else {
+        for (int c0 = warp; c0 < chunks; c0 += step) {
+            Pass a;
+            load(c0, a);
+            multiply(a);
+        }
     }
 #pragma unroll
     for (int s = 0; s < SLOTS; ++s)
@@ -623,18 +646,21 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
 
 // The variants of linear_rows_body: linear_rows_t<TILES>[w] (8 * TILES columns a CTA; w: 16
 // warps, else 8), AHEAD chunks in flight a warp (ops/elementwise/cuda.rs LinearRowsVariant).
-#define LINEAR_ROWS_VARIANT(NAME, TILES, AHEAD, WARPS)                                                              \
+#define LINEAR_ROWS_VARIANT(NAME, TILES, AHEAD, WARPS, PIPE)                                                              \
     extern "C" __global__ void __launch_bounds__(WARPS * WARP, 16 / WARPS)                                        \
         NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,   \
              float beta) {                                                                                        \
-        linear_rows_body<TILES, AHEAD, WARPS>(x, w, y, m, n, k, beta);                                            \
+        linear_rows_body<TILES, AHEAD, WARPS, PIPE>(x, w, y, m, n, k, beta);                                          \
     }
-LINEAR_ROWS_VARIANT(linear_rows_t1, 1, 8, 8)
-LINEAR_ROWS_VARIANT(linear_rows_t2, 2, 4, 8)
-LINEAR_ROWS_VARIANT(linear_rows_t4, 4, 4, 8)
-LINEAR_ROWS_VARIANT(linear_rows_t1w, 1, 8, 16)
-LINEAR_ROWS_VARIANT(linear_rows_t2w, 2, 4, 16)
-LINEAR_ROWS_VARIANT(linear_rows_t4w, 4, 4, 16)
+LINEAR_ROWS_VARIANT(linear_rows_t1, 1, 8, 8, false)
+LINEAR_ROWS_VARIANT(linear_rows_t2, 2, 4, 8, false)
+LINEAR_ROWS_VARIANT(linear_rows_t4, 4, 4, 8, false)
+LINEAR_ROWS_VARIANT(linear_rows_t1w, 1, 8, 16, false)
+LINEAR_ROWS_VARIANT(linear_rows_t2w, 2, 4, 16, false)
+LINEAR_ROWS_VARIANT(linear_rows_t4w, 4, 4, 16, false)
+LINEAR_ROWS_VARIANT(linear_rows_t1p, 1, 4, 8, true)
+LINEAR_ROWS_VARIANT(linear_rows_t2p, 2, 2, 8, true)
+LINEAR_ROWS_VARIANT(linear_rows_t4p, 4, 2, 8, true)
 
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
 // row whose value 0 is NaN gives 0, as candle keeps a NaN it starts from). One CTA per row, 8
