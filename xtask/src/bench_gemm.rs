@@ -12,7 +12,6 @@ use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::constants::LINEAR_ROWS;
-use dflash_optimized::ops::elementwise::cuda::LinearRowsVariant;
 use dflash_optimized::ops::matmul::cuda::Blas;
 use half::bf16;
 use rand::SeedableRng;
@@ -141,16 +140,7 @@ fn decode_rows(
     let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let (stream, blas, dev) = (gpu.stream(), Blas::new(gpu).map_err(err)?, Cuda::new(gpu, 128).map_err(err)?);
     let kernels = dev.ops();
-    let names: Vec<String> = LinearRowsVariant::ALL.iter().map(|v| format!("{v:?}")).collect();
-    println!(
-        "{:<26} {:>4} {:>10} {:>10} {:>10} {:>30}",
-        "decode linear",
-        "rows",
-        "cuBLAS",
-        "row",
-        "rows",
-        format!("rows {}", names.join("/"))
-    );
+    println!("{:<26} {:>4} {:>10} {:>10} {:>10}", "decode linear", "rows", "cuBLAS", "row", "rows");
     for &(name, n, k) in DECODE_SHAPES {
         // As in decoding, the weights come from HBM, not from L2: copies of at least 256 MB in
         // all, one call on each per timed iteration.
@@ -179,30 +169,11 @@ fn decode_rows(
             let many = gpu
                 .time_ms(warmup, iters, || wps.iter().try_for_each(|&wp| kernels.linear_rows(xp, wp, yp, m, n, k, 0.0)))
                 .map_err(err)?;
-            // Each variant of `linear_rows` (the same bits; `many` is the one it chooses).
-            let mut variants = serde_json::Map::new();
-            for v in LinearRowsVariant::ALL {
-                let ms = gpu
-                    .time_ms(warmup, iters, || {
-                        wps.iter().try_for_each(|&wp| kernels.linear_rows_variant(v, xp, wp, yp, (m, n, k), 0.0))
-                    })
-                    .map_err(err)?;
-                variants.insert(format!("{v:?}"), json!(gb_per_s(ms)));
-            }
             let cell = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.0}", gb_per_s(ms)));
-            let each: Vec<String> = variants.values().map(|g| format!("{:.0}", g.as_f64().unwrap_or(0.0))).collect();
-            println!(
-                "{name:<26} {m:>4} {:>10} {:>10} {:>10} {:>30}  GB/s ({:?})",
-                cell(Some(cublas)),
-                cell(row),
-                cell(Some(many)),
-                each.join("/"),
-                LinearRowsVariant::for_columns(n)
-            );
+            println!("{name:<26} {m:>4} {:>10} {:>10} {:>10}  GB/s", cell(Some(cublas)), cell(row), cell(Some(many)));
             rows.push(json!({"shape": format!("decode {name}"), "m": m, "n": n, "k": k,
                 "cublas_gb_per_s": gb_per_s(cublas), "linear_row_gb_per_s": row.map(gb_per_s),
-                "linear_rows_gb_per_s": gb_per_s(many), "linear_rows_variant": format!("{:?}", LinearRowsVariant::for_columns(n)),
-                "linear_rows_variants_gb_per_s": variants}));
+                "linear_rows_gb_per_s": gb_per_s(many)}));
         }
     }
     Ok(())

@@ -27,9 +27,10 @@ pub const GRAD_PARTS: usize = 528;
 pub const NORM_PARTS: usize = 1056;
 /// Most rows `linear_rows` takes: one mma's 16 (a verify block of 16 tokens, the drafter's block).
 pub const LINEAR_ROWS: usize = 16;
-/// k groups of `linear_rows`: chunk c of 32 k is added into group c % this, the groups in order
-/// at the end (fixed, so that a variant's warps per CTA do not change the bits).
-pub const LINEAR_ROWS_GROUPS: usize = 16;
+/// Output columns of a `linear_rows` CTA (one mma's 8).
+pub const LINEAR_ROWS_COLUMNS: usize = 8;
+/// Warps of a `linear_rows` CTA, splitting k.
+pub const LINEAR_ROWS_WARPS: usize = 8;
 /// CTAs of the grid-stride elementwise kernels (2 waves of 132 SMs x 8).
 pub const ELEMENTWISE_CTAS: u32 = 2112;
 
@@ -66,7 +67,7 @@ pub fn prelude() -> String {
         ("MAX_CHUNKS_PER_THREAD", MAX_CHUNKS_PER_THREAD),
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),
         ("LINEAR_ROWS", LINEAR_ROWS),
-        ("LINEAR_ROWS_GROUPS", LINEAR_ROWS_GROUPS),
+        ("LINEAR_ROWS_WARPS", LINEAR_ROWS_WARPS),
         ("GDN_CHUNK", GDN_CHUNK),
         ("GDN_THREADS", GDN_THREADS),
         ("GDN_STATE_THREADS", GDN_STATE_THREADS),

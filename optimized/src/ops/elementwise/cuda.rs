@@ -8,7 +8,8 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD,
+    MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
@@ -16,87 +17,6 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKer
 
 /// Threads of a `linear_row` CTA: 8 warps, one output each.
 const LINEAR_ROW_THREADS: u32 = 256;
-
-/// SMs of the H100 and H200 (SXM), which `linear_rows`' choice of variant fills.
-const SMS: usize = 132;
-
-/// A variant of `linear_rows` (`elementwise.cu` `linear_rows_t<tiles>[w]`): `8 * tiles` output
-/// columns a CTA of 8 warps (`w`: 16). Every variant gives the same bits; they differ in CTAs,
-/// warps a CTA and x loads per weight byte.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LinearRowsVariant {
-    /// 8 columns a CTA of 8 warps, 8 chunks of 32 k in flight a warp.
-    T1,
-    /// 16 columns a CTA of 8 warps, 4 chunks in flight.
-    T2,
-    /// 32 columns a CTA of 8 warps, 4 chunks in flight.
-    T4,
-    /// `T1` with 16 warps a CTA.
-    T1w,
-    /// `T2` with 16 warps a CTA.
-    T2w,
-    /// `T4` with 16 warps a CTA.
-    T4w,
-    /// 8 columns a CTA of 8 warps, 4 chunks a pass, the next pass's loads in flight while one
-    /// multiplies.
-    T1p,
-    /// `T1p` with 16 columns, 2 chunks a pass.
-    T2p,
-    /// `T1p` with 32 columns, 2 chunks a pass.
-    T4p,
-}
-
-impl LinearRowsVariant {
-    pub const ALL: [LinearRowsVariant; 9] = [
-        LinearRowsVariant::T1,
-        LinearRowsVariant::T2,
-        LinearRowsVariant::T4,
-        LinearRowsVariant::T1w,
-        LinearRowsVariant::T2w,
-        LinearRowsVariant::T4w,
-        LinearRowsVariant::T1p,
-        LinearRowsVariant::T2p,
-        LinearRowsVariant::T4p,
-    ];
-
-    /// Output columns of one CTA.
-    pub fn columns(self) -> usize {
-        match self {
-            LinearRowsVariant::T1 | LinearRowsVariant::T1w | LinearRowsVariant::T1p => 8,
-            LinearRowsVariant::T2 | LinearRowsVariant::T2w | LinearRowsVariant::T2p => 16,
-            LinearRowsVariant::T4 | LinearRowsVariant::T4w | LinearRowsVariant::T4p => 32,
-        }
-    }
-
-    /// Warps of one CTA.
-    pub fn warps(self) -> usize {
-        match self {
-            LinearRowsVariant::T1w | LinearRowsVariant::T2w | LinearRowsVariant::T4w => 16,
-            _ => 8,
-        }
-    }
-
-    /// The variant for `n` output columns: the widest CTA whose grid still covers two waves of
-    /// the SMs (so a CTA's loads overlap another's sums), else the narrowest.
-    pub fn for_columns(n: usize) -> LinearRowsVariant {
-        let waves = |v: LinearRowsVariant| n.div_ceil(v.columns()) >= 2 * SMS;
-        [LinearRowsVariant::T4, LinearRowsVariant::T2].into_iter().find(|&v| waves(v)).unwrap_or(LinearRowsVariant::T1)
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            LinearRowsVariant::T1 => "linear_rows_t1",
-            LinearRowsVariant::T2 => "linear_rows_t2",
-            LinearRowsVariant::T4 => "linear_rows_t4",
-            LinearRowsVariant::T1w => "linear_rows_t1w",
-            LinearRowsVariant::T2w => "linear_rows_t2w",
-            LinearRowsVariant::T4w => "linear_rows_t4w",
-            LinearRowsVariant::T1p => "linear_rows_t1p",
-            LinearRowsVariant::T2p => "linear_rows_t2p",
-            LinearRowsVariant::T4p => "linear_rows_t4p",
-        }
-    }
-}
 
 /// Columns one thread of `rms_norm_backward` holds: rows of at most this many x `ROW_THREADS`.
 const MAX_COLS_PER_THREAD: usize = MAX_CHUNKS_PER_THREAD * VEC;
@@ -135,7 +55,7 @@ pub struct ElementwiseKernels {
     ce_grad_rows: CudaFunction,
     argmax_rows: CudaFunction,
     linear_row: CudaFunction,
-    linear_rows: Vec<CudaFunction>,
+    linear_rows: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -167,7 +87,7 @@ impl ElementwiseKernels {
             ce_grad_rows: f("ce_grad_rows")?,
             argmax_rows: f("argmax_rows")?,
             linear_row: f("linear_row")?,
-            linear_rows: LinearRowsVariant::ALL.iter().map(|v| f(v.name())).collect::<Result<_>>()?,
+            linear_rows: f("linear_rows")?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -255,24 +175,9 @@ impl ElementwiseKernels {
 
     /// `y [m, n] = x [m, k] @ w [n, k]^T + beta * y` (bf16, fp32 accumulation on the tensor
     /// cores) for up to [`LINEAR_ROWS`] rows: a verify block's and the drafter block's linear
-    /// layers, bound by reading `w` once; each row's result the same for every `m`. The variant
-    /// is [`LinearRowsVariant::for_columns`]'s.
+    /// layers, bound by reading `w` once; each row's result the same for every `m`.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_rows(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
-        self.linear_rows_variant(LinearRowsVariant::for_columns(n), x, w, y, (m, n, k), beta)
-    }
-
-    /// [`ElementwiseKernels::linear_rows`] through `variant` (the same bits from each; `bench
-    /// gemm` times them all).
-    pub fn linear_rows_variant(
-        &self,
-        variant: LinearRowsVariant,
-        x: u64,
-        w: u64,
-        y: u64,
-        (m, n, k): (usize, usize, usize),
-        beta: f32,
-    ) -> Result<()> {
         if !Self::takes_linear_rows(x, w, m, k) {
             return Err(Error::invalid(
                 "linear_rows",
@@ -283,15 +188,14 @@ impl ElementwiseKernels {
             return Ok(());
         }
         let (rows, cols, inner) = (i32_of("m", m)?, i32_of("n", n)?, i32_of("k", k)?);
-        let index = LinearRowsVariant::ALL.iter().position(|&v| v == variant).expect("every variant is in ALL");
-        let mut b = self.stream.launch_builder(&self.linear_rows[index]);
+        let mut b = self.stream.launch_builder(&self.linear_rows);
         b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&inner).arg(&beta);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(variant.columns()) as u32, 1, 1),
-            block_dim: (32 * variant.warps() as u32, 1, 1),
+            grid_dim: (n.div_ceil(LINEAR_ROWS_COLUMNS) as u32, 1, 1),
+            block_dim: (32 * LINEAR_ROWS_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(variant.name(), b, cfg)
+        self.launch("linear_rows", b, cfg)
     }
 
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).
