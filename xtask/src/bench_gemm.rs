@@ -12,6 +12,7 @@ use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::constants::LINEAR_ROWS;
+use dflash_optimized::ops::elementwise::cuda::LinearRowsGrid;
 use dflash_optimized::ops::matmul::cuda::Blas;
 use half::bf16;
 use rand::SeedableRng;
@@ -129,7 +130,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
 }
 
 /// Decoding's linear layers at 1 and 16 rows ([`DECODE_SHAPES`]): cuBLAS, `linear_row` (1 row)
-/// and `linear_rows`, each in GB/s of weight read (the bound of batch-1 decoding); a row each.
+/// and `linear_rows` (on each of its grids), each in GB/s of weight read (the bound of batch-1
+/// decoding); a row each.
 fn decode_rows(
     gpu: &Gpu,
     (warmup, iters): (usize, usize),
@@ -140,7 +142,10 @@ fn decode_rows(
     let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let (stream, blas, dev) = (gpu.stream(), Blas::new(gpu).map_err(err)?, Cuda::new(gpu, 128).map_err(err)?);
     let kernels = dev.ops();
-    println!("{:<26} {:>4} {:>10} {:>10} {:>10}", "decode linear", "rows", "cuBLAS", "row", "rows");
+    println!(
+        "{:<26} {:>4} {:>10} {:>10} {:>10} {:>12}",
+        "decode linear", "rows", "cuBLAS", "row", "rows", "rows walked"
+    );
     for &(name, n, k) in DECODE_SHAPES {
         // As in decoding, the weights come from HBM, not from L2: copies of at least 256 MB in
         // all, one call on each per timed iteration.
@@ -169,11 +174,18 @@ fn decode_rows(
             let many = gpu
                 .time_ms(warmup, iters, || wps.iter().try_for_each(|&wp| kernels.linear_rows(xp, wp, yp, m, n, k, 0.0)))
                 .map_err(err)?;
+            let walked = gpu
+                .time_ms(warmup, iters, || {
+                    wps.iter().try_for_each(|&wp| {
+                        kernels.linear_rows_grid(LinearRowsGrid::Persistent, xp, wp, yp, (m, n, k), 0.0)
+                    })
+                })
+                .map_err(err)?;
             let cell = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.0}", gb_per_s(ms)));
             println!("{name:<26} {m:>4} {:>10} {:>10} {:>10}  GB/s", cell(Some(cublas)), cell(row), cell(Some(many)));
             rows.push(json!({"shape": format!("decode {name}"), "m": m, "n": n, "k": k,
                 "cublas_gb_per_s": gb_per_s(cublas), "linear_row_gb_per_s": row.map(gb_per_s),
-                "linear_rows_gb_per_s": gb_per_s(many)}));
+                "linear_rows_gb_per_s": gb_per_s(many), "linear_rows_persistent_gb_per_s": gb_per_s(walked)}));
         }
     }
     Ok(())

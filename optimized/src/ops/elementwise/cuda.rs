@@ -18,6 +18,25 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKer
 /// Threads of a `linear_row` CTA: 8 warps, one output each.
 const LINEAR_ROW_THREADS: u32 = 256;
 
+/// The grid of `linear_rows`: the same bits on each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearRowsGrid {
+    /// A CTA for each 8 output columns.
+    PerTile,
+    /// At most the CTAs that fit the SMs at once (2 each), each walking its tiles in turn: a
+    /// CTA's x rows stay in L1 across its tiles when k is small enough.
+    Persistent,
+}
+
+impl LinearRowsGrid {
+    /// The grid `linear_rows` launches (the H100 measurements of `bench gemm`).
+    pub const CHOSEN: LinearRowsGrid = LinearRowsGrid::PerTile;
+    pub const ALL: [LinearRowsGrid; 2] = [LinearRowsGrid::PerTile, LinearRowsGrid::Persistent];
+}
+
+/// CTAs of `linear_rows` an SM holds at once (its `__launch_bounds__`).
+const LINEAR_ROWS_CTAS_PER_SM: usize = 2;
+
 /// Columns one thread of `rms_norm_backward` holds: rows of at most this many x `ROW_THREADS`.
 const MAX_COLS_PER_THREAD: usize = MAX_CHUNKS_PER_THREAD * VEC;
 
@@ -56,6 +75,8 @@ pub struct ElementwiseKernels {
     argmax_rows: CudaFunction,
     linear_row: CudaFunction,
     linear_rows: CudaFunction,
+    /// SMs of the GPU (the persistent grid of `linear_rows`).
+    sms: usize,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -88,6 +109,7 @@ impl ElementwiseKernels {
             argmax_rows: f("argmax_rows")?,
             linear_row: f("linear_row")?,
             linear_rows: f("linear_rows")?,
+            sms: gpu.sm_count()?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -175,9 +197,24 @@ impl ElementwiseKernels {
 
     /// `y [m, n] = x [m, k] @ w [n, k]^T + beta * y` (bf16, fp32 accumulation on the tensor
     /// cores) for up to [`LINEAR_ROWS`] rows: a verify block's and the drafter block's linear
-    /// layers, bound by reading `w` once; each row's result the same for every `m`.
+    /// layers, bound by reading `w` once; each row's result the same for every `m`. The grid is
+    /// [`LinearRowsGrid::CHOSEN`].
     #[allow(clippy::too_many_arguments)]
     pub fn linear_rows(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
+        self.linear_rows_grid(LinearRowsGrid::CHOSEN, x, w, y, (m, n, k), beta)
+    }
+
+    /// [`ElementwiseKernels::linear_rows`] on `grid` (the same bits on each; `bench gemm` times
+    /// both).
+    pub fn linear_rows_grid(
+        &self,
+        grid: LinearRowsGrid,
+        x: u64,
+        w: u64,
+        y: u64,
+        (m, n, k): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<()> {
         if !Self::takes_linear_rows(x, w, m, k) {
             return Err(Error::invalid(
                 "linear_rows",
@@ -190,8 +227,13 @@ impl ElementwiseKernels {
         let (rows, cols, inner) = (i32_of("m", m)?, i32_of("n", n)?, i32_of("k", k)?);
         let mut b = self.stream.launch_builder(&self.linear_rows);
         b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&inner).arg(&beta);
+        let tiles = n.div_ceil(LINEAR_ROWS_COLUMNS);
+        let ctas = match grid {
+            LinearRowsGrid::PerTile => tiles,
+            LinearRowsGrid::Persistent => tiles.min(LINEAR_ROWS_CTAS_PER_SM * self.sms),
+        };
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(LINEAR_ROWS_COLUMNS) as u32, 1, 1),
+            grid_dim: (ctas as u32, 1, 1),
             block_dim: (32 * LINEAR_ROWS_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };

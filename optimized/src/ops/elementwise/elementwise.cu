@@ -547,9 +547,9 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 // phys 8t+e and 8t+2+e, then 8t+4+e and 8t+6+e), which leaves every dot product unchanged. Rows
 // at or past m are zeros. A chain adds its chunks in k order; the chains' sums are added in chain
 // order through shared memory (deterministic), and a row's result does not depend on the other
-// rows, so every m gives a row the same bits. Measured on the H100 (bench gemm) against CTAs of
-// 16 and 32 columns, of 16 warps, and passes double-buffered in registers: none was faster by
-// more than 2% on any of the 8B shape's layers at 16 rows, most were slower.
+// rows, so every m gives a row the same bits, whatever the grid. Measured on the H100 (bench
+// gemm) against CTAs of 16 and 32 columns, of 16 warps, and passes double-buffered in registers:
+// none was faster by more than 2% on any of the 8B shape's layers at 16 rows, most were slower.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
@@ -559,48 +559,52 @@ extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
     __shared__ float partial[CHAINS][4][WARP];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int g = lane / 4, t = lane % 4;
-    const int col0 = blockIdx.x * 8;
-    // acc[s]: chain warp + s * warps (chunk c0 + u * warps of a pass is in acc[u % 2]).
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const bf16* x_lo = x + (size_t)g * k;
     const bf16* x_hi = x + (size_t)(g + 8) * k;
-    const bool col_in = col0 + g < n;
-    const bf16* w_row = w + (size_t)(col_in ? col0 + g : 0) * k;
     const int chunks = (k + 31) / 32;
-    for (int c0 = warp; c0 < chunks; c0 += LINEAR_ROWS_WARPS * AHEAD) {
-        uint4 wv[AHEAD], lo[AHEAD], hi[AHEAD];
+    // Tile c of 8 columns; a grid smaller than the tiles walks them (ops/elementwise/cuda.rs
+    // LinearRowsGrid).
+    for (int col0 = blockIdx.x * 8; col0 < n; col0 += gridDim.x * 8) {
+        // acc[s]: chain warp + s * warps (chunk c0 + u * warps of a pass is in acc[u % 2]).
+        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const bool col_in = col0 + g < n;
+        const bf16* w_row = w + (size_t)(col_in ? col0 + g : 0) * k;
+        for (int c0 = warp; c0 < chunks; c0 += LINEAR_ROWS_WARPS * AHEAD) {
+            uint4 wv[AHEAD], lo[AHEAD], hi[AHEAD];
 #pragma unroll
-        for (int u = 0; u < AHEAD; ++u) {
-            const int kk = 32 * (c0 + u * LINEAR_ROWS_WARPS) + 8 * t;
-            const bool in_k = kk < k;
-            wv[u] = in_k && col_in ? __ldcs(reinterpret_cast<const uint4*>(w_row + kk)) : zero;
-            lo[u] = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
-            hi[u] = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
+            for (int u = 0; u < AHEAD; ++u) {
+                const int kk = 32 * (c0 + u * LINEAR_ROWS_WARPS) + 8 * t;
+                const bool in_k = kk < k;
+                wv[u] = in_k && col_in ? __ldcs(reinterpret_cast<const uint4*>(w_row + kk)) : zero;
+                lo[u] = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
+                hi[u] = in_k && g + 8 < m ? *reinterpret_cast<const uint4*>(x_hi + kk) : zero;
+            }
+#pragma unroll
+            for (int u = 0; u < AHEAD; ++u) {
+                mma_bf16(acc[u % 2], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u].x, wv[u].y);
+                mma_bf16(acc[u % 2], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u].z, wv[u].w);
+            }
         }
 #pragma unroll
-        for (int u = 0; u < AHEAD; ++u) {
-            mma_bf16(acc[u % 2], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u].x, wv[u].y);
-            mma_bf16(acc[u % 2], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u].z, wv[u].w);
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) partial[warp + s * LINEAR_ROWS_WARPS][r][lane] = acc[s][r];
+        __syncthreads();
+        // Value v of the tile: accumulator r = v / WARP of lane v % WARP.
+        if (threadIdx.x < 4 * WARP) {
+            const int r = threadIdx.x / WARP, from = threadIdx.x % WARP;
+            float sum = 0.f;
+#pragma unroll
+            for (int q = 0; q < CHAINS; ++q) sum += partial[q][r][from];
+            const int row = from / 4 + (r >= 2 ? 8 : 0);
+            const int col = col0 + 2 * (from % 4) + (r % 2);
+            if (row < m && col < n) {
+                bf16* out = y + (size_t)row * n + col;
+                *out = to_bf(beta == 0.f ? sum : sum + beta * to_f(*out));
+            }
         }
-    }
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) partial[warp + s * LINEAR_ROWS_WARPS][r][lane] = acc[s][r];
-    __syncthreads();
-    // Value v of the CTA: accumulator r = v / WARP of lane v % WARP.
-    if (threadIdx.x < 4 * WARP) {
-        const int r = threadIdx.x / WARP, from = threadIdx.x % WARP;
-        float sum = 0.f;
-#pragma unroll
-        for (int q = 0; q < CHAINS; ++q) sum += partial[q][r][from];
-        const int row = from / 4 + (r >= 2 ? 8 : 0);
-        const int col = col0 + 2 * (from % 4) + (r % 2);
-        if (row < m && col < n) {
-            bf16* out = y + (size_t)row * n + col;
-            *out = to_bf(beta == 0.f ? sum : sum + beta * to_f(*out));
-        }
+        __syncthreads();
     }
 }
 
