@@ -541,8 +541,8 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 // the weight once, on the tensor cores: a CTA owns 8 output columns (one mma's) and its
 // LINEAR_ROWS_WARPS warps split k in chunks of 32, chunk c to warp c % warps; a warp loads AHEAD
 // chunks (the weight bytes in flight) before multiplying them, into two accumulators by turns
-// (chunk c into chain c % (2 warps)): two independent mma chains, 3 to 13% faster per layer at
-// 16 rows on the H100 than one (results/gemm-h100*.json). A lane loads 16 bytes of a weight row and of x rows g and g+8 at the same 8 k
+// (chunk c into chain c % (2 warps)): two independent mma chains, 2 to 13% faster per layer at
+// 16 rows on the H100 than one (two runs: results/gemm-h100*.json). A lane loads 16 bytes of a weight row and of x rows g and g+8 at the same 8 k
 // and feeds two mmas with them: k is permuted alike in both operands (mma k 2t+e and 2t+8+e are
 // phys 8t+e and 8t+2+e, then 8t+4+e and 8t+6+e), which leaves every dot product unchanged. Rows
 // at or past m are zeros. A chain adds its chunks in k order; the chains' sums are added in chain
