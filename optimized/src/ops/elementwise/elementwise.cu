@@ -542,14 +542,15 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 // LINEAR_ROWS_WARPS warps split k in chunks of 32, chunk c to warp c % warps; a warp loads AHEAD
 // chunks (the weight bytes in flight) before multiplying them, into two accumulators by turns
 // (chunk c into chain c % (2 warps)): two independent mma chains, 2 to 13% faster per layer at
-// 16 rows on the H100 than one (two runs: results/gemm-h100*.json). A lane loads 16 bytes of a weight row and of x rows g and g+8 at the same 8 k
-// and feeds two mmas with them: k is permuted alike in both operands (mma k 2t+e and 2t+8+e are
-// phys 8t+e and 8t+2+e, then 8t+4+e and 8t+6+e), which leaves every dot product unchanged. Rows
-// at or past m are zeros. A chain adds its chunks in k order; the chains' sums are added in chain
-// order through shared memory (deterministic), and a row's result does not depend on the other
-// rows, so every m gives a row the same bits, whatever the grid. Measured on the H100 (bench
-// gemm) against CTAs of 16 and 32 columns, of 16 warps, and passes double-buffered in registers:
-// none was faster by more than 2% on any of the 8B shape's layers at 16 rows, most were slower.
+// 16 rows on the H100 than one (two runs: results/gemm-h100*.json). A lane loads 16 bytes of a
+// weight row and of x rows g and g+8 at the same 8 k and feeds two mmas with them: k is permuted
+// alike in both operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e and
+// 8t+6+e), which leaves every dot product unchanged. Rows at or past m are zeros. A chain adds
+// its chunks in k order; the chains' sums are added in chain order through shared memory
+// (deterministic), and a row's result does not depend on the other rows, so every m gives a row
+// the same bits, whatever the grid. Measured on the H100 (bench gemm) against CTAs of 16 and 32
+// columns, of 16 warps, and passes double-buffered in registers: none was faster by more than 2%
+// on any of the 8B shape's layers at 16 rows, most were slower.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
