@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::ranges::KeyRanges;
 use super::AttnShape;
@@ -21,26 +21,29 @@ fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Gpu(format!("{what}: {e:?}"))
 }
 
-/// An attention plan uploaded to the device: the row groups (6 u32 each) and the KV-tile
-/// group ranges (2 u32 each) of the key-major backward.
+/// An attention plan uploaded to the device in one copy: the row groups (6 u32 each), then the
+/// KV-tile group ranges (2 u32 each) of the key-major backward, then one 0 (so that either list,
+/// empty, still has an address to pass).
 pub struct DeviceKeyRanges {
     pub plan: KeyRanges,
-    groups: CudaSlice<u32>,
-    kv_ranges: CudaSlice<u32>,
+    /// Owns the memory `groups` and `kv_ranges` point into.
+    _data: CudaSlice<u32>,
+    groups: u64,
+    kv_ranges: u64,
 }
 
 impl DeviceKeyRanges {
-    /// Uploads `plan`.
+    /// Uploads `plan` (one host-to-device copy: a decode step uploads its plans each step).
     pub fn upload(stream: &Arc<CudaStream>, plan: &KeyRanges) -> Result<Self> {
-        let groups: Vec<u32> =
+        let mut words: Vec<u32> =
             plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
-        let kv_ranges: Vec<u32> = plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]).collect();
-        let upload = |v: &[u32]| stream.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
-        Ok(DeviceKeyRanges {
-            plan: plan.clone(),
-            groups: upload(&groups).map_err(gpu_err("upload plan groups"))?,
-            kv_ranges: upload(&kv_ranges).map_err(gpu_err("upload plan KV-tile ranges"))?,
-        })
+        let kv_at = words.len();
+        words.extend(plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]));
+        words.push(0);
+        let data = stream.clone_htod(&words).map_err(gpu_err("upload an attention plan"))?;
+        let base = data.device_ptr(stream).0;
+        let kv_ranges = base + (kv_at * std::mem::size_of::<u32>()) as u64;
+        Ok(DeviceKeyRanges { plan: plan.clone(), _data: data, groups: base, kv_ranges })
     }
 
     /// The plan's scalar kernel arguments.
