@@ -13,7 +13,7 @@ use dflash_conformance::hybrid_cases::{hybrid_check, random_hybrid_cases, Hybrid
 use dflash_conformance::target_cases::packed_row;
 use dflash_conformance::tolerance::{Tolerance, HYBRID_BF16};
 use dflash_optimized::backend::host::{Host, HostAlloc};
-use dflash_optimized::backend::Backend;
+use dflash_optimized::backend::{Backend, Pitched};
 use dflash_optimized::model::hybrid_forward::HybridForward;
 use dflash_optimized::ops::attention::ranges::KeyRanges;
 use dflash_optimized::ops::attention::AttnShape;
@@ -194,16 +194,8 @@ impl Backend for Tight {
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> dflash_optimized::Result<()> {
         self.host.copy(dst, src, bytes)
     }
-    fn copy_strided(
-        &self,
-        dst: u64,
-        dp: usize,
-        src: u64,
-        sp: usize,
-        width: usize,
-        rows: usize,
-    ) -> dflash_optimized::Result<()> {
-        self.host.copy_strided(dst, dp, src, sp, width, rows)
+    fn copy_strided(&self, dst: Pitched, src: Pitched, width: usize, rows: usize) -> dflash_optimized::Result<()> {
+        self.host.copy_strided(dst, src, width, rows)
     }
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> dflash_optimized::Result<()> {
         self.host.copy_from_peer(dst, src, bytes)

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::{Allocation, Backend};
+use super::{Allocation, Backend, Pitched};
 use crate::device::buffer::{copy_device, download_device, zero_device, Buf};
 use crate::device::gpu::Gpu;
 use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
@@ -105,17 +105,9 @@ impl Backend for Cuda {
         copy_device::<u8>(&self.stream, dst, src, bytes)
     }
 
-    fn copy_strided(
-        &self,
-        dst: u64,
-        dst_pitch: usize,
-        src: u64,
-        src_pitch: usize,
-        width: usize,
-        rows: usize,
-    ) -> Result<()> {
-        if rows <= 1 || (dst_pitch == width && src_pitch == width) {
-            return self.copy(dst, src, width * rows);
+    fn copy_strided(&self, dst: Pitched, src: Pitched, width: usize, rows: usize) -> Result<()> {
+        if rows <= 1 || (dst.pitch == width && src.pitch == width) {
+            return self.copy(dst.addr, src.addr, width * rows);
         }
         use cudarc::driver::sys;
         let copy = sys::CUDA_MEMCPY2D_st {
@@ -123,16 +115,16 @@ impl Backend for Cuda {
             srcY: 0,
             srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
             srcHost: std::ptr::null(),
-            srcDevice: src,
+            srcDevice: src.addr,
             srcArray: std::ptr::null_mut(),
-            srcPitch: src_pitch,
+            srcPitch: src.pitch,
             dstXInBytes: 0,
             dstY: 0,
             dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
             dstHost: std::ptr::null_mut(),
-            dstDevice: dst,
+            dstDevice: dst.addr,
             dstArray: std::ptr::null_mut(),
-            dstPitch: dst_pitch,
+            dstPitch: dst.pitch,
             WidthInBytes: width,
             Height: rows,
         };

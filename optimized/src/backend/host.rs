@@ -7,7 +7,7 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::marker::PhantomData;
 
-use super::{Allocation, Backend};
+use super::{Allocation, Backend, Pitched};
 use crate::memory::attention::host_attention_bytes;
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::twin::{attention_backward, attention_forward};
@@ -141,16 +141,9 @@ impl<E: Elem> Backend for Host<E> {
         Ok(())
     }
 
-    fn copy_strided(
-        &self,
-        dst: u64,
-        dst_pitch: usize,
-        src: u64,
-        src_pitch: usize,
-        width: usize,
-        rows: usize,
-    ) -> Result<()> {
-        (0..rows).try_for_each(|r| self.copy(dst + (r * dst_pitch) as u64, src + (r * src_pitch) as u64, width))
+    fn copy_strided(&self, dst: Pitched, src: Pitched, width: usize, rows: usize) -> Result<()> {
+        let at = |p: Pitched, r: usize| p.addr + (r * p.pitch) as u64;
+        (0..rows).try_for_each(|r| self.copy(at(dst, r), at(src, r), width))
     }
 
     /// Every CPU "device" shares the host's memory: a plain copy.

@@ -14,6 +14,13 @@ use crate::ops::matmul::Mat;
 pub use crate::ops::Elem;
 use crate::Result;
 
+/// Rows in device memory: the first at `addr`, each `pitch` bytes after the one before.
+#[derive(Clone, Copy, Debug)]
+pub struct Pitched {
+    pub addr: u64,
+    pub pitch: usize,
+}
+
 /// An allocation of a backend, freed on drop.
 pub trait Allocation {
     /// The address of byte 0.
@@ -43,17 +50,9 @@ pub trait Backend {
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()>;
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()>;
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
-    /// Copies `rows` rows of `width` bytes from `src`, rows `src_pitch` bytes apart, to `dst`,
-    /// rows `dst_pitch` bytes apart (one column block of a row-major matrix into another).
-    fn copy_strided(
-        &self,
-        dst: u64,
-        dst_pitch: usize,
-        src: u64,
-        src_pitch: usize,
-        width: usize,
-        rows: usize,
-    ) -> Result<()>;
+    /// Copies `rows` rows of `width` bytes from `src` to `dst`, each at its own pitch (one column
+    /// block of a row-major matrix into another).
+    fn copy_strided(&self, dst: Pitched, src: Pitched, width: usize, rows: usize) -> Result<()>;
     /// Fills `dst` from `src` in the memory of another device of this kind that shared it with
     /// this one (a target worker's feature slot on another GPU), and waits for the copy.
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;

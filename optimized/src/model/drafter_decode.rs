@@ -15,7 +15,7 @@ use dflash_reference::config::{AttnKind, DraftConfig};
 use dflash_reference::mask::BlockLayout;
 use dflash_reference::ops::rope_tables;
 
-use crate::backend::{Allocation, Backend};
+use crate::backend::{Allocation, Backend, Pitched};
 use crate::memory::drafter_decode::{DrafterDecodeLayout, RowsScratch};
 use crate::memory::target::TargetLayerWeights;
 use crate::memory::Region;
@@ -176,8 +176,13 @@ impl<B: Backend> DrafterDecode<B> {
         let f = HeadNormRope { x: qkv + (z.qd * e) as u64, x_row: width, w: k_norm, cos: k_cos, sin: k_sin };
         let k_heads = Heads { tokens: rows, heads: z.nkv, head_dim: z.d };
         ops.head_norm_rope_forward(f, self.at(lay.k_cache[l]) + skip, self.at(lay.block.inv_k), k_heads, eps)?;
-        let v = qkv + ((z.qd + z.kd) * e) as u64;
-        self.dev.copy_strided(self.at(lay.v_cache[l]) + skip, z.kd * e, v, width * e, z.kd * e, rows)
+        let (v_cache, v) = (self.at(lay.v_cache[l]) + skip, qkv + ((z.qd + z.kd) * e) as u64);
+        self.dev.copy_strided(
+            Pitched { addr: v_cache, pitch: z.kd * e },
+            Pitched { addr: v, pitch: width * e },
+            z.kd * e,
+            rows,
+        )
     }
 
     /// Where the normed context rows of an append of `n` rows go: the last `n` rows of `ctx`,

@@ -21,7 +21,7 @@ use dflash_reference::config::{AttnKind, TargetConfig};
 use dflash_reference::data::{document_runs, Row};
 use dflash_reference::ops::rope_tables_scaled;
 
-use crate::backend::{download, Allocation, Backend};
+use crate::backend::{download, Allocation, Backend, Pitched};
 use crate::memory::target::{DecodeRegions, TargetLayout};
 use crate::memory::Region;
 use crate::ops::attention::ranges::KeyRanges;
@@ -351,8 +351,9 @@ impl<B: Backend> TargetForward<B> {
             let stacked = w.qkv_stacked() && s.q_pre.bytes >= (t * width) as u64 * e;
             let (q_pre, k_pre) = if stacked {
                 self.dev.linear(xn, t, z.h, at(w.q), width, at(s.q_pre), 0.0)?;
-                let (pitch, kd) = (width * e as usize, z.kd * e as usize);
-                self.dev.copy_strided(v, kd, at(s.q_pre) + ((z.qd + z.kd) as u64) * e, pitch, kd, t)?;
+                let kd = z.kd * e as usize;
+                let v_cols = Pitched { addr: at(s.q_pre) + ((z.qd + z.kd) as u64) * e, pitch: width * e as usize };
+                self.dev.copy_strided(Pitched { addr: v, pitch: kd }, v_cols, kd, t)?;
                 (at(s.q_pre), at(s.q_pre) + z.qd as u64 * e)
             } else {
                 self.dev.linear(xn, t, z.h, at(w.q), z.qd, at(s.q_pre), 0.0)?;
