@@ -235,7 +235,7 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
 
 /// `linear_rows` against the product in f64 of the same bf16 inputs, and each row bit for bit
 /// against the same row of 16 (a row's result does not depend on the other rows: a verify block
-/// gives what its first rows alone give), and on its other grid bit for bit: 1, some and 16
+/// gives what its first rows alone give), and on its other grids bit for bit: 1, some and 16
 /// rows, beta 0 and 1, n past a CTA's columns and k past a chunk.
 pub fn linear_rows_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     use crate::op_cases::{draw_bf16, Buffers, Kind};
@@ -256,16 +256,25 @@ pub fn linear_rows_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
             buf.get(Kind::Stored, y, m * n)
         };
         let all = product(LinearRowsGrid::CHOSEN, LINEAR_ROWS)?;
-        // The other grid than the chosen one: each CTA walks several tiles (n is past 264 of them).
-        let other = *LinearRowsGrid::ALL.iter().find(|&&g| g != LinearRowsGrid::CHOSEN).expect("two grids");
-        let walked = product(other, LINEAR_ROWS)?;
-        let differ = walked.iter().zip(&all).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-        checks.push(GpuCheck {
-            name: format!("op linear_rows, grid {other:?} against {:?}, beta {beta}", LinearRowsGrid::CHOSEN),
-            errors: vec![("values differing".to_string(), differ as f64)],
-            tolerance: GPU_KERNEL_BF16.rel,
-            memory: None,
-        });
+        // The grids other than the chosen one: each CTA walks several tiles (n is past the
+        // CTAs the SMs hold).
+        for other in LinearRowsGrid::ALL.into_iter().filter(|&g| g != LinearRowsGrid::CHOSEN) {
+            let m = match other {
+                LinearRowsGrid::Staged => rng.random_range(1..=LINEAR_ROWS), // stages only m rows
+                _ => LINEAR_ROWS,
+            };
+            let walked = product(other, m)?;
+            let differ = walked.iter().zip(&all).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            checks.push(GpuCheck {
+                name: format!(
+                    "op linear_rows, grid {other:?} ({m} rows) against {:?} (16), beta {beta}",
+                    LinearRowsGrid::CHOSEN
+                ),
+                errors: vec![("values differing".to_string(), differ as f64)],
+                tolerance: GPU_KERNEL_BF16.rel,
+                memory: None,
+            });
+        }
         for m in [1, rng.random_range(2..LINEAR_ROWS), LINEAR_ROWS] {
             let want: Vec<f64> = (0..m * n)
                 .map(|i| {

@@ -12,7 +12,7 @@ use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::constants::LINEAR_ROWS;
-use dflash_optimized::ops::elementwise::cuda::LinearRowsGrid;
+use dflash_optimized::ops::elementwise::cuda::{ElementwiseKernels, LinearRowsGrid};
 use dflash_optimized::ops::matmul::cuda::Blas;
 use half::bf16;
 use rand::SeedableRng;
@@ -143,8 +143,8 @@ fn decode_rows(
     let (stream, blas, dev) = (gpu.stream(), Blas::new(gpu).map_err(err)?, Cuda::new(gpu, 128).map_err(err)?);
     let kernels = dev.ops();
     println!(
-        "{:<26} {:>4} {:>10} {:>10} {:>10} {:>12}",
-        "decode linear", "rows", "cuBLAS", "row", "rows", "rows walked"
+        "{:<26} {:>4} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "decode linear", "rows", "cuBLAS", "row", "rows", "persistent", "staged"
     );
     for &(name, n, k) in DECODE_SHAPES {
         // As in decoding, the weights come from HBM, not from L2: copies of at least 256 MB in
@@ -171,21 +171,30 @@ fn decode_rows(
                 ),
                 _ => None,
             };
-            let many = gpu
-                .time_ms(warmup, iters, || wps.iter().try_for_each(|&wp| kernels.linear_rows(xp, wp, yp, m, n, k, 0.0)))
-                .map_err(err)?;
-            let walked = gpu
-                .time_ms(warmup, iters, || {
-                    wps.iter().try_for_each(|&wp| {
-                        kernels.linear_rows_grid(LinearRowsGrid::Persistent, xp, wp, yp, (m, n, k), 0.0)
-                    })
-                })
-                .map_err(err)?;
+            // Each grid of `linear_rows` (the staged one where x fits its shared memory).
+            let mut grids = Vec::new();
+            for grid in LinearRowsGrid::ALL {
+                let fits =
+                    grid != LinearRowsGrid::Staged || ElementwiseKernels::linear_rows_staged_bytes(m, k).is_some();
+                let ms = match fits {
+                    true => Some(
+                        gpu.time_ms(warmup, iters, || {
+                            wps.iter().try_for_each(|&wp| kernels.linear_rows_grid(grid, xp, wp, yp, (m, n, k), 0.0))
+                        })
+                        .map_err(err)?,
+                    ),
+                    false => None,
+                };
+                grids.push((grid, ms));
+            }
             let cell = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.0}", gb_per_s(ms)));
-            println!("{name:<26} {m:>4} {:>10} {:>10} {:>10}  GB/s", cell(Some(cublas)), cell(row), cell(Some(many)));
+            let cells: Vec<String> = grids.iter().map(|&(_, ms)| format!("{:>10}", cell(ms))).collect();
+            println!("{name:<26} {m:>4} {:>10} {:>10} {}  GB/s", cell(Some(cublas)), cell(row), cells.join(" "));
+            let by_grid: serde_json::Map<String, Value> =
+                grids.iter().map(|&(g, ms)| (format!("{g:?}"), json!(ms.map(gb_per_s)))).collect();
             rows.push(json!({"shape": format!("decode {name}"), "m": m, "n": n, "k": k,
                 "cublas_gb_per_s": gb_per_s(cublas), "linear_row_gb_per_s": row.map(gb_per_s),
-                "linear_rows_gb_per_s": gb_per_s(many), "linear_rows_persistent_gb_per_s": gb_per_s(walked)}));
+                "linear_rows_gb_per_s": by_grid}));
         }
     }
     Ok(())

@@ -31,6 +31,12 @@ pub const LINEAR_ROWS: usize = 16;
 pub const LINEAR_ROWS_COLUMNS: usize = 8;
 /// Warps of a `linear_rows` CTA, splitting k.
 pub const LINEAR_ROWS_WARPS: usize = 8;
+/// bf16 between the rows of x that `linear_rows_staged` holds in shared memory past k (64 bytes:
+/// rows g and g + 1 of a warp's loads fall in the two halves of the banks).
+pub const LINEAR_ROWS_PAD: usize = 32;
+/// Most shared memory the x rows of `linear_rows_staged` take (the H100's 227 KiB a CTA less the
+/// 8 KiB of partial sums, rounded down): 16 rows of k up to 6,368.
+pub const LINEAR_ROWS_STAGED_BYTES: usize = 200 * 1024;
 /// CTAs of the grid-stride elementwise kernels (2 waves of 132 SMs x 8).
 pub const ELEMENTWISE_CTAS: u32 = 2112;
 
@@ -68,6 +74,7 @@ pub fn prelude() -> String {
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),
         ("LINEAR_ROWS", LINEAR_ROWS),
         ("LINEAR_ROWS_WARPS", LINEAR_ROWS_WARPS),
+        ("LINEAR_ROWS_PAD", LINEAR_ROWS_PAD),
         ("GDN_CHUNK", GDN_CHUNK),
         ("GDN_THREADS", GDN_THREADS),
         ("GDN_STATE_THREADS", GDN_STATE_THREADS),

@@ -8,11 +8,12 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD,
-    MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_PAD, LINEAR_ROWS_STAGED_BYTES,
+    LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 
 /// Threads of a `linear_row` CTA: 8 warps, one output each.
@@ -26,12 +27,15 @@ pub enum LinearRowsGrid {
     /// At most the CTAs that fit the SMs at once (2 each), each walking its tiles in turn: a
     /// CTA's x rows stay in L1 across its tiles when k is small enough.
     Persistent,
+    /// The persistent grid of `linear_rows_staged`, which first copies x to shared memory (one
+    /// CTA an SM at 16 rows of k = 4096); x of more than [`LINEAR_ROWS_STAGED_BYTES`] is refused.
+    Staged,
 }
 
 impl LinearRowsGrid {
     /// The grid `linear_rows` launches (the H100 measurements of `bench gemm`).
     pub const CHOSEN: LinearRowsGrid = LinearRowsGrid::PerTile;
-    pub const ALL: [LinearRowsGrid; 2] = [LinearRowsGrid::PerTile, LinearRowsGrid::Persistent];
+    pub const ALL: [LinearRowsGrid; 3] = [LinearRowsGrid::PerTile, LinearRowsGrid::Persistent, LinearRowsGrid::Staged];
 }
 
 /// CTAs of `linear_rows` an SM holds at once (its `__launch_bounds__`).
@@ -75,6 +79,7 @@ pub struct ElementwiseKernels {
     argmax_rows: CudaFunction,
     linear_row: CudaFunction,
     linear_rows: CudaFunction,
+    linear_rows_staged: CudaFunction,
     /// SMs of the GPU (the persistent grid of `linear_rows`).
     sms: usize,
     gather_rows: CudaFunction,
@@ -109,6 +114,13 @@ impl ElementwiseKernels {
             argmax_rows: f("argmax_rows")?,
             linear_row: f("linear_row")?,
             linear_rows: f("linear_rows")?,
+            linear_rows_staged: {
+                let staged = f("linear_rows_staged")?;
+                staged
+                    .set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, LINEAR_ROWS_STAGED_BYTES as i32)
+                    .map_err(|e| Error::Gpu(format!("linear_rows_staged: raising its shared memory limit: {e}")))?;
+                staged
+            },
             sms: gpu.sm_count()?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
@@ -225,19 +237,34 @@ impl ElementwiseKernels {
             return Ok(());
         }
         let (rows, cols, inner) = (i32_of("m", m)?, i32_of("n", n)?, i32_of("k", k)?);
-        let mut b = self.stream.launch_builder(&self.linear_rows);
-        b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&inner).arg(&beta);
+        let threads = 32 * LINEAR_ROWS_WARPS as u32;
         let tiles = n.div_ceil(LINEAR_ROWS_COLUMNS);
-        let ctas = match grid {
-            LinearRowsGrid::PerTile => tiles,
-            LinearRowsGrid::Persistent => tiles.min(LINEAR_ROWS_CTAS_PER_SM * self.sms),
+        let (function, name, ctas, staged) = match grid {
+            LinearRowsGrid::PerTile => (&self.linear_rows, "linear_rows", tiles, 0),
+            LinearRowsGrid::Persistent => {
+                (&self.linear_rows, "linear_rows", tiles.min(LINEAR_ROWS_CTAS_PER_SM * self.sms), 0)
+            }
+            LinearRowsGrid::Staged => {
+                let bytes = Self::linear_rows_staged_bytes(m, k)
+                    .ok_or_else(|| Error::invalid("linear_rows_staged", format!("{m} rows of k = {k} do not fit")))?;
+                let per_sm = self
+                    .linear_rows_staged
+                    .occupancy_max_active_blocks_per_multiprocessor(threads, bytes as usize, None)
+                    .map_err(|e| Error::Gpu(format!("linear_rows_staged: occupancy: {e}")))?;
+                (&self.linear_rows_staged, "linear_rows_staged", tiles.min(per_sm.max(1) as usize * self.sms), bytes)
+            }
         };
-        let cfg = LaunchConfig {
-            grid_dim: (ctas as u32, 1, 1),
-            block_dim: (32 * LINEAR_ROWS_WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch("linear_rows", b, cfg)
+        let mut b = self.stream.launch_builder(function);
+        b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&inner).arg(&beta);
+        let cfg = LaunchConfig { grid_dim: (ctas as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: staged };
+        self.launch(name, b, cfg)
+    }
+
+    /// Shared memory of `linear_rows_staged` for `m` rows of `k` (`None` past
+    /// [`LINEAR_ROWS_STAGED_BYTES`]).
+    pub fn linear_rows_staged_bytes(m: usize, k: usize) -> Option<u32> {
+        let bytes = m.checked_mul(k.checked_add(LINEAR_ROWS_PAD)?)?.checked_mul(2)?;
+        (bytes <= LINEAR_ROWS_STAGED_BYTES).then_some(bytes as u32)
     }
 
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).

@@ -553,9 +553,12 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 // on any of the 8B shape's layers at 16 rows, most were slower.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
-    linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
-                float beta) {
+// STAGED: the m rows of x are first copied to shared memory (rows `k + LINEAR_ROWS_PAD` apart,
+// so that a warp's 16-byte loads of rows g and g + 8 take the fewest wavefronts) and read from
+// there across the CTA's tiles (launched on a persistent grid); the same bits as global x.
+template <bool STAGED>
+__device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                 bf16* __restrict__ y, int m, int n, int k, float beta) {
     constexpr int AHEAD = 8, CHAINS = 2 * LINEAR_ROWS_WARPS;
     __shared__ float partial[CHAINS][4][WARP];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -563,6 +566,18 @@ extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const bf16* x_lo = x + (size_t)g * k;
     const bf16* x_hi = x + (size_t)(g + 8) * k;
+    if constexpr (STAGED) {
+        extern __shared__ __align__(16) bf16 x_staged[];
+        const int stride = k + LINEAR_ROWS_PAD, per_row = k / 8;
+        for (int i = threadIdx.x; i < m * per_row; i += blockDim.x) {
+            const int r = i / per_row, c = 8 * (i % per_row);
+            *reinterpret_cast<uint4*>(x_staged + (size_t)r * stride + c) =
+                *reinterpret_cast<const uint4*>(x + (size_t)r * k + c);
+        }
+        __syncthreads();
+        x_lo = x_staged + (size_t)g * stride;
+        x_hi = x_staged + (size_t)(g + 8) * stride;
+    }
     const int chunks = (k + 31) / 32;
     // Tile c of 8 columns; a grid smaller than the tiles walks them (ops/elementwise/cuda.rs
     // LinearRowsGrid).
@@ -607,6 +622,19 @@ extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
+    linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
+                float beta) {
+    linear_rows_body<false>(x, w, y, m, n, k, beta);
+}
+
+// `linear_rows` with x staged in shared memory (m * (k + LINEAR_ROWS_PAD) bf16 of it, dynamic).
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 1)
+    linear_rows_staged(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n,
+                       int k, float beta) {
+    linear_rows_body<true>(x, w, y, m, n, k, beta);
 }
 
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
