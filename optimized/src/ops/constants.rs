@@ -31,6 +31,9 @@ pub const LINEAR_ROWS: usize = 16;
 pub const LINEAR_ROWS_COLUMNS: usize = 8;
 /// Warps of a `linear_rows` CTA, splitting k.
 pub const LINEAR_ROWS_WARPS: usize = 8;
+/// Accumulator chains of `linear_rows` (chunk c of 32 k into chain c % 16; two a warp) and the
+/// warps of `linear_rows_staged` (one each).
+pub const LINEAR_ROWS_CHAINS: usize = 16;
 /// bf16 between the rows of x that `linear_rows_staged` holds in shared memory past k (64 bytes:
 /// rows g and g + 1 of a warp's loads fall in the two halves of the banks).
 pub const LINEAR_ROWS_PAD: usize = 32;
@@ -74,6 +77,7 @@ pub fn prelude() -> String {
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),
         ("LINEAR_ROWS", LINEAR_ROWS),
         ("LINEAR_ROWS_WARPS", LINEAR_ROWS_WARPS),
+        ("LINEAR_ROWS_CHAINS", LINEAR_ROWS_CHAINS),
         ("LINEAR_ROWS_PAD", LINEAR_ROWS_PAD),
         ("GDN_CHUNK", GDN_CHUNK),
         ("GDN_THREADS", GDN_THREADS),

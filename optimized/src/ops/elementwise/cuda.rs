@@ -8,8 +8,8 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_PAD, LINEAR_ROWS_STAGED_BYTES,
-    LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_CHAINS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_PAD,
+    LINEAR_ROWS_STAGED_BYTES, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
@@ -28,7 +28,8 @@ pub enum LinearRowsGrid {
     /// CTA's x rows stay in L1 across its tiles when k is small enough.
     Persistent,
     /// The persistent grid of `linear_rows_staged`, which first copies x to shared memory (one
-    /// CTA an SM at 16 rows of k = 4096); x of more than [`LINEAR_ROWS_STAGED_BYTES`] is refused.
+    /// CTA of 16 warps an SM at 16 rows of k = 4096); x of more than
+    /// [`LINEAR_ROWS_STAGED_BYTES`] is refused.
     Staged,
 }
 
@@ -237,21 +238,23 @@ impl ElementwiseKernels {
             return Ok(());
         }
         let (rows, cols, inner) = (i32_of("m", m)?, i32_of("n", n)?, i32_of("k", k)?);
-        let threads = 32 * LINEAR_ROWS_WARPS as u32;
         let tiles = n.div_ceil(LINEAR_ROWS_COLUMNS);
-        let (function, name, ctas, staged) = match grid {
-            LinearRowsGrid::PerTile => (&self.linear_rows, "linear_rows", tiles, 0),
+        let warps = 32 * LINEAR_ROWS_WARPS as u32;
+        let (function, name, ctas, threads, staged) = match grid {
+            LinearRowsGrid::PerTile => (&self.linear_rows, "linear_rows", tiles, warps, 0),
             LinearRowsGrid::Persistent => {
-                (&self.linear_rows, "linear_rows", tiles.min(LINEAR_ROWS_CTAS_PER_SM * self.sms), 0)
+                (&self.linear_rows, "linear_rows", tiles.min(LINEAR_ROWS_CTAS_PER_SM * self.sms), warps, 0)
             }
             LinearRowsGrid::Staged => {
                 let bytes = Self::linear_rows_staged_bytes(m, k)
                     .ok_or_else(|| Error::invalid("linear_rows_staged", format!("{m} rows of k = {k} do not fit")))?;
+                let threads = 32 * LINEAR_ROWS_CHAINS as u32;
                 let per_sm = self
                     .linear_rows_staged
                     .occupancy_max_active_blocks_per_multiprocessor(threads, bytes as usize, None)
                     .map_err(|e| Error::Gpu(format!("linear_rows_staged: occupancy: {e}")))?;
-                (&self.linear_rows_staged, "linear_rows_staged", tiles.min(per_sm.max(1) as usize * self.sms), bytes)
+                let ctas = tiles.min(per_sm.max(1) as usize * self.sms);
+                (&self.linear_rows_staged, "linear_rows_staged", ctas, threads, bytes)
             }
         };
         let mut b = self.stream.launch_builder(function);

@@ -553,13 +553,16 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 // on any of the 8B shape's layers at 16 rows, most were slower.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
 // x and w 16-byte aligned.
+// Chains: chunk c is added into chain c % LINEAR_ROWS_CHAINS, each chain held by one warp
+// (WARPS warps hold LINEAR_ROWS_CHAINS / WARPS chains each), so any WARPS gives the same bits.
 // STAGED: the m rows of x are first copied to shared memory (rows `k + LINEAR_ROWS_PAD` apart,
 // so that a warp's 16-byte loads of rows g and g + 8 take the fewest wavefronts) and read from
 // there across the CTA's tiles (launched on a persistent grid); the same bits as global x.
-template <bool STAGED>
+template <bool STAGED, int WARPS>
 __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                  bf16* __restrict__ y, int m, int n, int k, float beta) {
-    constexpr int AHEAD = 8, CHAINS = 2 * LINEAR_ROWS_WARPS;
+    constexpr int AHEAD = 8, CHAINS = LINEAR_ROWS_CHAINS, HELD = CHAINS / WARPS;
+    static_assert(CHAINS % WARPS == 0 && AHEAD % HELD == 0, "a warp's chunks cycle through its chains");
     __shared__ float partial[CHAINS][4][WARP];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int g = lane / 4, t = lane % 4;
@@ -582,15 +585,19 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
     // Tile c of 8 columns; a grid smaller than the tiles walks them (ops/elementwise/cuda.rs
     // LinearRowsGrid).
     for (int col0 = blockIdx.x * 8; col0 < n; col0 += gridDim.x * 8) {
-        // acc[s]: chain warp + s * warps (chunk c0 + u * warps of a pass is in acc[u % 2]).
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        // acc[s]: chain warp + s * WARPS (chunk c0 + u * WARPS of a pass is in acc[u % HELD]).
+        float acc[HELD][4];
+#pragma unroll
+        for (int s = 0; s < HELD; ++s)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[s][r] = 0.f;
         const bool col_in = col0 + g < n;
         const bf16* w_row = w + (size_t)(col_in ? col0 + g : 0) * k;
-        for (int c0 = warp; c0 < chunks; c0 += LINEAR_ROWS_WARPS * AHEAD) {
+        for (int c0 = warp; c0 < chunks; c0 += WARPS * AHEAD) {
             uint4 wv[AHEAD], lo[AHEAD], hi[AHEAD];
 #pragma unroll
             for (int u = 0; u < AHEAD; ++u) {
-                const int kk = 32 * (c0 + u * LINEAR_ROWS_WARPS) + 8 * t;
+                const int kk = 32 * (c0 + u * WARPS) + 8 * t;
                 const bool in_k = kk < k;
                 wv[u] = in_k && col_in ? __ldcs(reinterpret_cast<const uint4*>(w_row + kk)) : zero;
                 lo[u] = in_k && g < m ? *reinterpret_cast<const uint4*>(x_lo + kk) : zero;
@@ -598,14 +605,14 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
             }
 #pragma unroll
             for (int u = 0; u < AHEAD; ++u) {
-                mma_bf16(acc[u % 2], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u].x, wv[u].y);
-                mma_bf16(acc[u % 2], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u].z, wv[u].w);
+                mma_bf16(acc[u % HELD], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u].x, wv[u].y);
+                mma_bf16(acc[u % HELD], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u].z, wv[u].w);
             }
         }
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
+        for (int s = 0; s < HELD; ++s)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) partial[warp + s * LINEAR_ROWS_WARPS][r][lane] = acc[s][r];
+            for (int r = 0; r < 4; ++r) partial[warp + s * WARPS][r][lane] = acc[s][r];
         __syncthreads();
         // Value v of the tile: accumulator r = v / WARP of lane v % WARP.
         if (threadIdx.x < 4 * WARP) {
@@ -627,14 +634,16 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
 extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
     linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
                 float beta) {
-    linear_rows_body<false>(x, w, y, m, n, k, beta);
+    linear_rows_body<false, LINEAR_ROWS_WARPS>(x, w, y, m, n, k, beta);
 }
 
-// `linear_rows` with x staged in shared memory (m * (k + LINEAR_ROWS_PAD) bf16 of it, dynamic).
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 1)
+// `linear_rows` with x staged in shared memory (m * (k + LINEAR_ROWS_PAD) bf16 of it, dynamic):
+// one CTA an SM at 16 rows of k = 4096, so a warp for each chain (the weight bytes in flight of
+// two `linear_rows` CTAs).
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_CHAINS * WARP, 1)
     linear_rows_staged(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n,
                        int k, float beta) {
-    linear_rows_body<true>(x, w, y, m, n, k, beta);
+    linear_rows_body<true, LINEAR_ROWS_CHAINS>(x, w, y, m, n, k, beta);
 }
 
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
