@@ -2,9 +2,9 @@
 //! `elementwise.cu` and `gdn.cu`, all on the GPU's one stream.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaStream, PinnedHostSlice};
 
 use super::{Allocation, Backend, Pitched};
 use crate::device::buffer::{copy_device, download_device, zero_device, Buf};
@@ -38,6 +38,9 @@ pub struct Cuda {
     /// Whether `linear` takes 2 to `LINEAR_ROWS` rows through `linear_rows` (the default) or
     /// through cuBLAS (the fallback, for benches that compare them).
     rows_kernel: AtomicBool,
+    /// Page-locked host memory `download_parts` lands in (grown on demand), so that its copies
+    /// queue without a wait each.
+    readback: Mutex<Option<PinnedHostSlice<u8>>>,
 }
 
 impl Cuda {
@@ -53,6 +56,7 @@ impl Cuda {
             blas: Blas::new(gpu)?,
             available: gpu.available_bytes()?,
             rows_kernel: AtomicBool::new(true),
+            readback: Mutex::new(None),
         })
     }
 
@@ -94,6 +98,39 @@ impl Backend for Cuda {
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
         let bytes = download_device::<u8>(&self.stream, src, dst.len())?;
         dst.copy_from_slice(&bytes);
+        Ok(())
+    }
+
+    fn download_parts(&self, parts: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let gpu = |what: &'static str| move |e: cudarc::driver::DriverError| crate::Error::Gpu(format!("{what}: {e}"));
+        let total: usize = parts.iter().map(|(_, dst)| dst.len()).sum();
+        let mut readback = self.readback.lock().map_err(|_| crate::Error::Gpu("readback buffer poisoned".into()))?;
+        if readback.as_ref().is_none_or(|p| p.len() < total) {
+            // SAFETY: plain bytes; flags 0 (cached, not write-combined: the host reads them).
+            let pinned = unsafe { self.stream.context().alloc_pinned_with_flags::<u8>(total.max(4096), 0) };
+            *readback = Some(pinned.map_err(gpu("page-locked readback buffer"))?);
+        }
+        let staging = readback.as_mut().expect("allocated above").as_mut_slice().map_err(gpu("readback buffer"))?;
+        let mut at = 0;
+        for (src, dst) in parts.iter() {
+            // SAFETY: callers pass live device ranges of `dst.len()` bytes; the staging slice
+            // outlives the copy (the wait below).
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut staging[at..at + dst.len()],
+                    *src,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(gpu("readback copy"))?;
+            at += dst.len();
+        }
+        self.stream.synchronize().map_err(gpu("readback wait"))?;
+        let mut at = 0;
+        for (_, dst) in parts.iter_mut() {
+            dst.copy_from_slice(&staging[at..at + dst.len()]);
+            at += dst.len();
+        }
         Ok(())
     }
 

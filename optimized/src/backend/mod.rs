@@ -48,6 +48,11 @@ pub trait Backend {
     fn upload(&self, dst: u64, src: &[u8]) -> Result<()>;
     /// Fills `dst` from address `src` (waits for queued work).
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()>;
+    /// Fills each `dst` from its address, waiting for queued work once (a decode step's readback
+    /// of its proposals and the target's tokens).
+    fn download_parts(&self, parts: &mut [(u64, &mut [u8])]) -> Result<()> {
+        parts.iter_mut().try_for_each(|(src, dst)| self.download(*src, dst))
+    }
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()>;
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     /// Copies `rows` rows of `width` bytes from `src` to `dst`, each at its own pitch (one column
@@ -98,8 +103,6 @@ pub trait Backend {
 /// `len` values of `T` from address `src` of `backend`.
 pub fn download<T: Copy + Default, B: Backend>(backend: &B, src: u64, len: usize) -> Result<Vec<T>> {
     let mut out = vec![T::default(); len];
-    // SAFETY: plain-old-data values viewed as their bytes.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
-    backend.download(src, bytes)?;
+    backend.download(src, crate::ops::bytes_of_mut(&mut out))?;
     Ok(out)
 }

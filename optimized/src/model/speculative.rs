@@ -22,7 +22,7 @@ use crate::memory::target::TargetLayout;
 use crate::model::drafter_decode::{ContextRows, DrafterDecode};
 use crate::model::hybrid_forward::{HybridDecodePlans, HybridForward};
 use crate::model::target_forward::{DecodePlans, TargetForward};
-use crate::ops::bytes_of;
+use crate::ops::{bytes_of, bytes_of_mut};
 use crate::{Error, Result};
 
 /// Tokens per prefill launch unless the block is longer: long prompts run in chunks of this.
@@ -284,6 +284,24 @@ impl<T: DecodeTarget> SpecDecoder<T> {
         Ok(chosen)
     }
 
+    /// A verify step's proposals `d_1..d_{B-1}` (at the launch's tokens after the bonus) and the
+    /// target's `B` tokens from `first` on ([`SpecDecoder::choose`]); greedy reads both back with
+    /// one wait.
+    fn read_step(&self, sampling: &Sampling, b: usize, first: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+        let dev = self.target.backend();
+        let drafts_at = self.target.tokens_addr() + 4;
+        if let Sampling::Greedy = sampling {
+            let (mut drafts, mut chosen) = (vec![0u32; b - 1], vec![0u32; b]);
+            dev.download_parts(&mut [
+                (drafts_at, bytes_of_mut(&mut drafts)),
+                (self.target.next_addr()?, bytes_of_mut(&mut chosen)),
+            ])?;
+            return Ok((drafts, chosen));
+        }
+        let drafts = download::<u32, T::Backend>(dev, drafts_at, b - 1)?;
+        Ok((drafts, self.choose(sampling, b, first)?))
+    }
+
     /// Runs the prompt through the target in chunks (and into the drafter's context); the
     /// target's next token after it (at the device's next tokens, row 0). Its logits are read
     /// back once per prompt, to refuse NaN or Inf (non-finite weights) as the reference does,
@@ -459,9 +477,8 @@ impl<T: DecodeTarget> SpecDecoder<T> {
             }
             self.target.backend().copy(verify, bonus_at, 4)?;
             self.target.verify(&verify_plans, b)?;
-            let dev = self.target.backend();
-            let drafts = download::<u32, T::Backend>(dev, verify + 4, b - 1)?;
-            let chosen = self.choose(sampling, b, n + 1)?; // chosen[i]: the target's token at n + i + 1
+            // chosen[i]: the target's token at n + i + 1.
+            let (drafts, chosen) = self.read_step(sampling, b, n + 1)?;
             let accepted = drafts.iter().zip(&chosen).take_while(|(d, g)| d == g).count();
             self.target.keep(accepted + 1)?;
             pending = Some((n, accepted + 1));

@@ -168,6 +168,13 @@ pub fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
 }
 
+/// Plain-old-data values viewed as their bytes, to be written (a readback's destination).
+pub fn bytes_of_mut<T: Copy>(values: &mut [T]) -> &mut [u8] {
+    // SAFETY: plain-old-data values viewed as their bytes; every byte pattern is a value of the
+    // integer and float types this is used with.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr() as *mut u8, std::mem::size_of_val(values)) }
+}
+
 /// `t`'s values in the arithmetic type of `E` (side values: RoPE tables).
 pub fn arithmetic<E: Elem>(t: candle_core::Tensor) -> crate::Result<Vec<E::Acc>> {
     Ok(t.flatten_all()?
