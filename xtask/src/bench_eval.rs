@@ -12,6 +12,7 @@ use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
 use dflash_optimized::model::target_forward::TargetForward;
+use dflash_optimized::ops::elementwise::cuda::LinearRowsGrid;
 use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
@@ -140,22 +141,26 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         false => None,
     };
     // The same steps with cuBLAS for the verify and drafter blocks' linear layers (`linear_rows`'
-    // fallback): what the kernel gains.
-    let cublas_spec = match draft.is_some() {
-        true => {
-            let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, on: bool| {
-                decoder.target.backend().set_rows_kernel(on);
-                if let Some(d) = decoder.drafter.as_ref() {
-                    d.backend().set_rows_kernel(on);
-                }
-            };
-            set(&decoder, false);
+    // fallback, `None`) and with `linear_rows` on its other grids: what the kernel and each grid
+    // gain.
+    let mut other_rows = Vec::new();
+    if draft.is_some() {
+        let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, grid: Option<LinearRowsGrid>| -> Result<(), String> {
+            decoder.target.backend().set_rows_grid(grid).map_err(|e| e.to_string())?;
+            match decoder.drafter.as_ref() {
+                Some(d) => d.backend().set_rows_grid(grid).map_err(|e| e.to_string()),
+                None => Ok(()),
+            }
+        };
+        let others = LinearRowsGrid::ALL.into_iter().filter(|&g| g != LinearRowsGrid::CHOSEN).map(Some);
+        for grid in std::iter::once(None).chain(others) {
+            set(&decoder, grid)?;
             let timed = timing.speculative(&mut decoder, &prompt);
-            set(&decoder, true);
-            Some(timed?)
+            set(&decoder, Some(LinearRowsGrid::CHOSEN))?;
+            other_rows.push((grid, timed?));
         }
-        false => None,
-    };
+    }
+    let cublas_spec = other_rows.iter().find(|(g, _)| g.is_none()).map(|(_, timed)| timed);
     if profile && random_spec.is_some() {
         crate::bench::profile_once("one speculative decode of 32 tokens, random drafter (prefill included)", || {
             decoder.speculative_decode(&prompt, 32)
@@ -227,7 +232,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                     "verify_steps": out.accept_lengths.len(),
                     "step_ms_over_plain_token_ms": step_over_token,
                     "projected_speedup_at_builtin_tau": builtin_tau / step_over_token,
-                    "cublas_rows_spec_tokens_per_s": cublas_spec.as_ref().map(|(ms, _)| rate(*ms)),
+                    "cublas_rows_spec_tokens_per_s": cublas_spec.map(|(ms, _)| rate(*ms)),
+                    "rows_grid_spec_tokens_per_s": other_rows
+                        .iter()
+                        .filter_map(|(g, (ms, _))| g.map(|g| (format!("{g:?}"), json!(rate(*ms)))))
+                        .collect::<serde_json::Map<String, Value>>(),
                 })
             }),
             "tokens_agreeing_with_hf": agree,
@@ -278,8 +287,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             rate(*ms),
             out.tau()
         );
-        if let Some((ms, _)) = &cublas_spec {
-            println!("{:<58} {:>10.1}", "  the same, its blocks' linear layers through cuBLAS", rate(*ms));
+        for (grid, (ms, _)) in &other_rows {
+            let how = match grid {
+                None => "  the same, its blocks' linear layers through cuBLAS".to_string(),
+                Some(g) => format!("  the same, linear_rows on the {g:?} grid"),
+            };
+            println!("{how:<58} {:>10.1}", rate(*ms));
         }
         let r = &result["random_drafter_8b"];
         println!(

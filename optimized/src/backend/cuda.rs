@@ -1,7 +1,6 @@
 //! The GPU as a backend: the device's memory pool, cuBLAS, the attention kernels,
 //! `elementwise.cu` and `gdn.cu`, all on the GPU's one stream.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaStream, PinnedHostSlice};
@@ -12,7 +11,7 @@ use crate::device::gpu::Gpu;
 use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
-use crate::ops::elementwise::cuda::ElementwiseKernels;
+use crate::ops::elementwise::cuda::{ElementwiseKernels, LinearRowsGrid};
 use crate::ops::gdn::cuda::GdnKernels;
 use crate::ops::gdn::GdnOps;
 use crate::ops::matmul::cuda::{Blas, Out};
@@ -35,9 +34,10 @@ pub struct Cuda {
     gdn: GdnKernels,
     blas: Blas,
     available: u64,
-    /// Whether `linear` takes 2 to `LINEAR_ROWS` rows through `linear_rows` (the default) or
-    /// through cuBLAS (the fallback, for benches that compare them).
-    rows_kernel: AtomicBool,
+    /// The grid `linear` takes 2 to `LINEAR_ROWS` rows through `linear_rows` on
+    /// ([`LinearRowsGrid::CHOSEN`] by default), or `None`: through cuBLAS (the fallback, for
+    /// benches that compare them).
+    rows_grid: Mutex<Option<LinearRowsGrid>>,
     /// Page-locked host memory `download_parts` lands in (grown on demand), so that its copies
     /// queue without a wait each.
     readback: Mutex<Option<PinnedHostSlice<u8>>>,
@@ -55,15 +55,16 @@ impl Cuda {
             gdn: GdnKernels::load(gpu)?,
             blas: Blas::new(gpu)?,
             available: gpu.available_bytes()?,
-            rows_kernel: AtomicBool::new(true),
+            rows_grid: Mutex::new(Some(LinearRowsGrid::CHOSEN)),
             readback: Mutex::new(None),
         })
     }
 
-    /// Sends `linear`'s 2 to `LINEAR_ROWS` rows through `linear_rows` (`true`, the default) or
-    /// through cuBLAS.
-    pub fn set_rows_kernel(&self, on: bool) {
-        self.rows_kernel.store(on, Ordering::Relaxed);
+    /// Sends `linear`'s 2 to `LINEAR_ROWS` rows through `linear_rows` on `grid` (the staged grid
+    /// where x fits it, else one CTA a tile), or with `None` through cuBLAS.
+    pub fn set_rows_grid(&self, grid: Option<LinearRowsGrid>) -> Result<()> {
+        *self.rows_grid.lock().map_err(|_| crate::Error::Gpu("rows grid setting poisoned".into()))? = grid;
+        Ok(())
     }
 }
 
@@ -209,9 +210,18 @@ impl Backend for Cuda {
         if rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
             return self.kernels.linear_row(x, w, y, n, k, beta);
         }
-        match self.rows_kernel.load(Ordering::Relaxed) && ElementwiseKernels::takes_linear_rows(x, w, rows, k) {
-            true => self.kernels.linear_rows(x, w, y, rows, n, k, beta),
-            false => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
+        let grid = *self.rows_grid.lock().map_err(|_| crate::Error::Gpu("rows grid setting poisoned".into()))?;
+        match grid {
+            Some(grid) if ElementwiseKernels::takes_linear_rows(x, w, rows, k) => {
+                let grid = match grid == LinearRowsGrid::Staged
+                    && ElementwiseKernels::linear_rows_staged_bytes(rows, k).is_none()
+                {
+                    true => LinearRowsGrid::PerTile,
+                    false => grid,
+                };
+                self.kernels.linear_rows_grid(grid, x, w, y, (rows, n, k), beta)
+            }
+            _ => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
         }
     }
 

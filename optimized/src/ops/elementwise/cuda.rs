@@ -202,7 +202,7 @@ impl ElementwiseKernels {
         self.launch("linear_row", b, cfg)
     }
 
-    /// Whether [`ElementwiseKernels::linear_rows`] takes `y [m, n] = x [m, k] @ w [n, k]^T`: `m`
+    /// Whether [`ElementwiseKernels::linear_rows_grid`] takes `y [m, n] = x [m, k] @ w [n, k]^T`: `m`
     /// from 1 to [`LINEAR_ROWS`], besides what `linear_row` needs (else the caller uses cuBLAS).
     pub fn takes_linear_rows(x: u64, w: u64, m: usize, k: usize) -> bool {
         (1..=LINEAR_ROWS).contains(&m) && Self::takes_linear_row(x, w, k)
@@ -210,15 +210,8 @@ impl ElementwiseKernels {
 
     /// `y [m, n] = x [m, k] @ w [n, k]^T + beta * y` (bf16, fp32 accumulation on the tensor
     /// cores) for up to [`LINEAR_ROWS`] rows: a verify block's and the drafter block's linear
-    /// layers, bound by reading `w` once; each row's result the same for every `m`. The grid is
-    /// [`LinearRowsGrid::CHOSEN`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_rows(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
-        self.linear_rows_grid(LinearRowsGrid::CHOSEN, x, w, y, (m, n, k), beta)
-    }
-
-    /// [`ElementwiseKernels::linear_rows`] on `grid` (the same bits on each; `bench gemm` times
-    /// both).
+    /// layers, bound by reading `w` once; each row's result the same for every `m` and `grid`
+    /// (`bench gemm` times each).
     pub fn linear_rows_grid(
         &self,
         grid: LinearRowsGrid,
