@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 use dflash_conformance::decode_cases::builtin_pair;
-use dflash_optimized::backend::cuda::Cuda;
+use dflash_optimized::backend::cuda::{Cuda, FewRows};
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
 use dflash_optimized::model::target_forward::TargetForward;
@@ -142,23 +142,30 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     };
     // The same steps with cuBLAS for the verify and drafter blocks' linear layers (`linear_rows`'
     // fallback, `None`) and with `linear_rows` on its other grids: what the kernel and each grid
-    // gain.
+    // gain. Then plain decoding with its one row through `linear_rows` on each grid.
+    let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, how: FewRows| -> Result<(), String> {
+        decoder.target.backend().set_few_rows(how).map_err(|e| e.to_string())?;
+        match decoder.drafter.as_ref() {
+            Some(d) => d.backend().set_few_rows(how).map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    };
     let mut other_rows = Vec::new();
     if draft.is_some() {
-        let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, grid: Option<LinearRowsGrid>| -> Result<(), String> {
-            decoder.target.backend().set_rows_grid(grid).map_err(|e| e.to_string())?;
-            match decoder.drafter.as_ref() {
-                Some(d) => d.backend().set_rows_grid(grid).map_err(|e| e.to_string()),
-                None => Ok(()),
-            }
-        };
         let others = LinearRowsGrid::ALL.into_iter().filter(|&g| g != LinearRowsGrid::CHOSEN).map(Some);
         for grid in std::iter::once(None).chain(others) {
-            set(&decoder, grid)?;
+            set(&decoder, FewRows { grid, ..FewRows::CHOSEN })?;
             let timed = timing.speculative(&mut decoder, &prompt);
-            set(&decoder, Some(LinearRowsGrid::CHOSEN))?;
+            set(&decoder, FewRows::CHOSEN)?;
             other_rows.push((grid, timed?));
         }
+    }
+    let mut one_row_as_rows = Vec::new();
+    for grid in LinearRowsGrid::ALL {
+        set(&decoder, FewRows { grid: Some(grid), one_row_as_rows: true })?;
+        let timed = timing.plain(&mut decoder, &prompt);
+        set(&decoder, FewRows::CHOSEN)?;
+        one_row_as_rows.push((grid, timed?.0));
     }
     let cublas_spec = other_rows.iter().find(|(g, _)| g.is_none()).map(|(_, timed)| timed);
     if profile && random_spec.is_some() {
@@ -233,6 +240,10 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                     "step_ms_over_plain_token_ms": step_over_token,
                     "projected_speedup_at_builtin_tau": builtin_tau / step_over_token,
                     "cublas_rows_spec_tokens_per_s": cublas_spec.map(|(ms, _)| rate(*ms)),
+                    "plain_one_row_as_rows_tokens_per_s": one_row_as_rows
+                        .iter()
+                        .map(|(g, ms)| (format!("{g:?}"), json!(rate(*ms))))
+                        .collect::<serde_json::Map<String, Value>>(),
                     "rows_grid_spec_tokens_per_s": other_rows
                         .iter()
                         .filter_map(|(g, (ms, _))| g.map(|g| (format!("{g:?}"), json!(rate(*ms)))))
@@ -287,6 +298,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             rate(*ms),
             out.tau()
         );
+        for (grid, ms) in &one_row_as_rows {
+            println!("{:<58} {:>10.1}", format!("  plain, its one row through linear_rows ({grid:?})"), rate(*ms));
+        }
         for (grid, (ms, _)) in &other_rows {
             let how = match grid {
                 None => "  the same, its blocks' linear layers through cuBLAS".to_string(),

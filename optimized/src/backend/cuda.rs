@@ -34,10 +34,8 @@ pub struct Cuda {
     gdn: GdnKernels,
     blas: Blas,
     available: u64,
-    /// The grid `linear` takes 2 to `LINEAR_ROWS` rows through `linear_rows` on
-    /// ([`LinearRowsGrid::CHOSEN`] by default), or `None`: through cuBLAS (the fallback, for
-    /// benches that compare them).
-    rows_grid: Mutex<Option<LinearRowsGrid>>,
+    /// How `linear` runs decoding's few rows ([`FewRows::CHOSEN`]; benches compare others).
+    few_rows: Mutex<FewRows>,
     /// Page-locked host memory `download_parts` lands in (grown on demand), so that its copies
     /// queue without a wait each.
     readback: Mutex<Option<PinnedHostSlice<u8>>>,
@@ -55,17 +53,31 @@ impl Cuda {
             gdn: GdnKernels::load(gpu)?,
             blas: Blas::new(gpu)?,
             available: gpu.available_bytes()?,
-            rows_grid: Mutex::new(Some(LinearRowsGrid::CHOSEN)),
+            few_rows: Mutex::new(FewRows::CHOSEN),
             readback: Mutex::new(None),
         })
     }
 
-    /// Sends `linear`'s 2 to `LINEAR_ROWS` rows through `linear_rows` on `grid` (the staged grid
-    /// where x fits it, else one CTA a tile), or with `None` through cuBLAS.
-    pub fn set_rows_grid(&self, grid: Option<LinearRowsGrid>) -> Result<()> {
-        *self.rows_grid.lock().map_err(|_| crate::Error::Gpu("rows grid setting poisoned".into()))? = grid;
+    /// Runs `linear`'s 1 to `LINEAR_ROWS` rows as `how` says.
+    pub fn set_few_rows(&self, how: FewRows) -> Result<()> {
+        *self.few_rows.lock().map_err(|_| crate::Error::Gpu("few-rows setting poisoned".into()))? = how;
         Ok(())
     }
+}
+
+/// How [`Cuda`]'s `linear` runs decoding's 1 to `LINEAR_ROWS` rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FewRows {
+    /// `linear_rows`' grid for 2 to `LINEAR_ROWS` rows (the staged grid where x fits it, else
+    /// one CTA a tile), or `None`: cuBLAS (the fallback).
+    pub grid: Option<LinearRowsGrid>,
+    /// One row through `linear_rows` on `grid` too, else through `linear_row`.
+    pub one_row_as_rows: bool,
+}
+
+impl FewRows {
+    /// What decoding uses.
+    pub const CHOSEN: FewRows = FewRows { grid: Some(LinearRowsGrid::CHOSEN), one_row_as_rows: false };
 }
 
 impl Backend for Cuda {
@@ -207,11 +219,11 @@ impl Backend for Cuda {
     /// cheaper to launch (`results/gemm-h100.json`, `results/eval-h100.json`); more rows
     /// through cuBLAS.
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
-        if rows == 1 && ElementwiseKernels::takes_linear_row(x, w, k) {
+        let how = *self.few_rows.lock().map_err(|_| crate::Error::Gpu("few-rows setting poisoned".into()))?;
+        if rows == 1 && !how.one_row_as_rows && ElementwiseKernels::takes_linear_row(x, w, k) {
             return self.kernels.linear_row(x, w, y, n, k, beta);
         }
-        let grid = *self.rows_grid.lock().map_err(|_| crate::Error::Gpu("rows grid setting poisoned".into()))?;
-        match grid {
+        match how.grid {
             Some(grid) if ElementwiseKernels::takes_linear_rows(x, w, rows, k) => {
                 let grid = match grid == LinearRowsGrid::Staged
                     && ElementwiseKernels::linear_rows_staged_bytes(rows, k).is_none()
