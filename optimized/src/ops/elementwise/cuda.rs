@@ -434,7 +434,8 @@ impl ElementwiseOps for ElementwiseKernels {
         let (r, v) = (i32_of("rows", rows)?, i32_of("vocab", vocab)?);
         let mut b = self.stream.launch_builder(&self.argmax_rows);
         b.arg(&z).arg(&out).arg(&r).arg(&v);
-        self.launch("argmax_rows", b, Self::rows_cfg(rows, ROW_THREADS))
+        // 1024 threads: a decoding row of 151,936 logits is 5 rounds of 4 loads in flight each.
+        self.launch("argmax_rows", b, Self::rows_cfg(rows, 1024))
     }
 
     fn copy_rows(&self, scatter: bool, src: u64, idx: u64, dst: u64, count: usize, cols: usize) -> Result<()> {

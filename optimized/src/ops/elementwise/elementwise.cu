@@ -446,20 +446,32 @@ __device__ __forceinline__ bool argmax_beats(float v, int i, float bv, int bi) {
     return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
 }
 
-// This thread's best (value, index) over its `V`-value chunks of a row, NaNs skipped.
+// This thread's best (value, index) over its `V`-value chunks of a row, NaNs skipped: AHEAD
+// chunks loaded before any is compared (one CTA reads a 151,936-logit row at the bandwidth the
+// loads in flight allow, not one load's latency at a time). `argmax_beats` is a total order of
+// the values that are not NaN, so the order of comparisons does not change the result.
 template <int V>
 __device__ void row_argmax(const bf16* zr, int vocab, float* v_out, int* i_out) {
+    constexpr int AHEAD = 4;
     float bv = NEG_INF;
     int bi = -1;
-    for (int c = threadIdx.x; c < vocab / V; c += blockDim.x) {
-        float v[V];
-        load_v<V>(zr + c * V, v);
+    const int chunks = vocab / V;
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += AHEAD * blockDim.x) {
+        float v[AHEAD][V];
 #pragma unroll
-        for (int e = 0; e < V; ++e)
-            if (!isnan(v[e]) && argmax_beats(v[e], c * V + e, bv, bi)) {
-                bv = v[e];
-                bi = c * V + e;
-            }
+        for (int u = 0; u < AHEAD; ++u)
+            if (c0 + u * (int)blockDim.x < chunks) load_v<V>(zr + (c0 + u * blockDim.x) * V, v[u]);
+#pragma unroll
+        for (int u = 0; u < AHEAD; ++u) {
+            const int c = c0 + u * blockDim.x;
+            if (c >= chunks) continue;
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                if (!isnan(v[u][e]) && argmax_beats(v[u][e], c * V + e, bv, bi)) {
+                    bv = v[u][e];
+                    bi = c * V + e;
+                }
+        }
     }
     *v_out = bv;
     *i_out = bi;
