@@ -208,6 +208,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     // Batch-1 decoding reads every weight once per token: the bandwidth ceiling of plain decoding.
     let weight_bytes = 2.0 * decoded_params(&config);
     let ceiling = decode_bytes_per_s(gpu.name()) / weight_bytes;
+    // A speculative step reads the target's weights and the drafter's (its layers, and the LM
+    // head once more for its proposals): at equal bandwidth, a step costs at least this many plain
+    // tokens, so speedup / tau is at most its inverse.
+    let drafter_bytes = draft.as_ref().map(|d| {
+        let own: usize =
+            dflash_reference::drafter::param_shapes(d).iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        2.0 * (own + d.dims.vocab_size * d.dims.hidden_size) as f64
+    });
+    let bytes_bound = drafter_bytes.map(|d| (weight_bytes + d) / weight_bytes);
     let ours_rate = rate(plain_ms);
     let builtin_tau = builtin_out.tau();
     let builtin_speedup = builtin_plain_ms / builtin_spec_ms;
@@ -238,6 +247,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                     "spec_tokens_per_s": rate(*ms), "tau": out.tau(), "spec_over_plain": plain_ms / ms,
                     "verify_steps": out.accept_lengths.len(),
                     "step_ms_over_plain_token_ms": step_over_token,
+                    "drafter_bytes_per_step": drafter_bytes,
+                    "step_over_token_bytes_bound": bytes_bound,
                     "projected_speedup_at_builtin_tau": builtin_tau / step_over_token,
                     "cublas_rows_spec_tokens_per_s": cublas_spec.map(|(ms, _)| rate(*ms)),
                     "plain_one_row_as_rows_tokens_per_s": one_row_as_rows
@@ -309,6 +320,15 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             println!("{how:<58} {:>10.1}", rate(*ms));
         }
         let r = &result["random_drafter_8b"];
+        if let (Some(d), Some(bound)) = (drafter_bytes, bytes_bound) {
+            println!(
+                "a step reads {:.1} GB of target and {:.1} GB of drafter weights: at least {bound:.3} plain tokens, \
+                 speedup at most {:.3} x tau",
+                weight_bytes / 1e9,
+                d / 1e9,
+                1.0 / bound
+            );
+        }
         println!(
             "a verify step costs {:.3} plain tokens on the 8B shape: {:.2}x at the built-in pair's tau {builtin_tau:.2} \
              (projected; goal 0.8 x tau = {:.2}x)",
