@@ -22,8 +22,9 @@ fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
 }
 
 /// An attention plan uploaded to the device in one copy: the row groups (6 u32 each), then the
-/// KV-tile group ranges (2 u32 each) of the key-major backward, then one 0 (so that either list,
-/// empty, still has an address to pass).
+/// KV-tile group ranges (2 u32 each) of the key-major backward (`memory::attention::
+/// key_ranges_bytes`, to the byte). An empty list's address is where it would start, never read
+/// (its kernel launches no CTA for it); one 0 when both are empty, so that there is a buffer.
 pub struct DeviceKeyRanges {
     pub plan: KeyRanges,
     /// Owns the memory `groups` and `kv_ranges` point into.
@@ -39,7 +40,9 @@ impl DeviceKeyRanges {
             plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
         let kv_at = words.len();
         words.extend(plan.kv_tile_group_ranges(TILE_K).into_iter().flat_map(|(a, b)| [a, b]));
-        words.push(0);
+        if words.is_empty() {
+            words.push(0);
+        }
         let data = stream.clone_htod(&words).map_err(gpu_err("upload an attention plan"))?;
         let base = data.device_ptr(stream).0;
         let kv_ranges = base + (kv_at * std::mem::size_of::<u32>()) as u64;
