@@ -76,8 +76,10 @@ pub struct FewRows {
 }
 
 impl FewRows {
-    /// What decoding uses.
-    pub const CHOSEN: FewRows = FewRows { grid: Some(LinearRowsGrid::CHOSEN), one_row_as_rows: false };
+    /// What decoding uses: a plain step's one row through `linear_rows` too (151.6 against 149.3
+    /// tokens/s through `linear_row` on the 8B shape, H100, `bench eval` of commit 4a06bf4), so a
+    /// verify step's rows and a plain step's row get the same bits from each linear layer.
+    pub const CHOSEN: FewRows = FewRows { grid: Some(LinearRowsGrid::CHOSEN), one_row_as_rows: true };
 }
 
 impl Backend for Cuda {
@@ -213,11 +215,10 @@ impl Backend for Cuda {
         self.blas.matmul(a, b, c, Out::Bf16, 1.0, beta)
     }
 
-    /// One row (batch-1 decoding) through `linear_row`, which reads `w` at full bandwidth where
-    /// cuBLAS's choices for `m = 1` reach half of it; up to `LINEAR_ROWS` (a verify block, the
-    /// drafter's block) through `linear_rows`, level with cuBLAS on the 8B shape's layers and
-    /// cheaper to launch (`results/gemm-h100.json`, `results/eval-h100.json`); more rows
-    /// through cuBLAS.
+    /// 1 to `LINEAR_ROWS` rows (a plain step's one row, a verify block, the drafter's block) as
+    /// [`FewRows::CHOSEN`] says: through `linear_rows`, which reads `w` at full bandwidth where
+    /// cuBLAS's choices for few rows reach half to 90% of it (`results/gemm-h100.json`); more
+    /// rows through cuBLAS.
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
         let how = *self.few_rows.lock().map_err(|_| crate::Error::Gpu("few-rows setting poisoned".into()))?;
         if rows == 1 && !how.one_row_as_rows && ElementwiseKernels::takes_linear_row(x, w, k) {
