@@ -235,12 +235,11 @@ pub fn kernel_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
 
 /// `linear_rows` against the product in f64 of the same bf16 inputs, and each row bit for bit
 /// against the same row of 16 (a row's result does not depend on the other rows: a verify block
-/// gives what its first rows alone give), and on its other grids bit for bit: 1, some and 16
-/// rows, beta 0 and 1, n past a CTA's columns and k past a chunk.
+/// gives what its first rows alone give, and a plain step's row what a verify step's gives): 1,
+/// some and 16 rows, beta 0 and 1, n past a CTA's columns and k past a chunk.
 pub fn linear_rows_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     use crate::op_cases::{draw_bf16, Buffers, Kind};
     use dflash_optimized::ops::constants::LINEAR_ROWS;
-    use dflash_optimized::ops::elementwise::cuda::LinearRowsGrid;
     let dev = Cuda::new(gpu, 64)?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x11ea);
     let mut buf = Buffers::new(&dev);
@@ -250,31 +249,12 @@ pub fn linear_rows_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
     let (x, w) = (buf.put(Kind::Stored, &xv)?, buf.put(Kind::Stored, &wv)?);
     let mut checks = Vec::new();
     for beta in [0.0f32, 1.0] {
-        let mut product = |grid: LinearRowsGrid, m: usize| -> Result<Vec<f64>> {
+        let mut product = |m: usize| -> Result<Vec<f64>> {
             let y = buf.put(Kind::Stored, &yv[..m * n])?;
-            dev.ops().linear_rows_grid(grid, x, w, y, (m, n, k), beta)?;
+            dev.ops().linear_rows(x, w, y, (m, n, k), beta)?;
             buf.get(Kind::Stored, y, m * n)
         };
-        let all = product(LinearRowsGrid::CHOSEN, LINEAR_ROWS)?;
-        // The grids other than the chosen one: each CTA walks several tiles (n is past the
-        // CTAs the SMs hold).
-        for other in LinearRowsGrid::ALL.into_iter().filter(|&g| g != LinearRowsGrid::CHOSEN) {
-            let m = match other {
-                LinearRowsGrid::Staged => rng.random_range(1..=LINEAR_ROWS), // stages only m rows
-                _ => LINEAR_ROWS,
-            };
-            let walked = product(other, m)?;
-            let differ = walked.iter().zip(&all).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            checks.push(GpuCheck {
-                name: format!(
-                    "op linear_rows, grid {other:?} ({m} rows) against {:?} (16), beta {beta}",
-                    LinearRowsGrid::CHOSEN
-                ),
-                errors: vec![("values differing".to_string(), differ as f64)],
-                tolerance: GPU_KERNEL_BF16.rel,
-                memory: None,
-            });
-        }
+        let all = product(LINEAR_ROWS)?;
         for m in [1, rng.random_range(2..LINEAR_ROWS), LINEAR_ROWS] {
             let want: Vec<f64> = (0..m * n)
                 .map(|i| {
@@ -283,7 +263,7 @@ pub fn linear_rows_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
                     dot + f64::from(beta) * yv[i]
                 })
                 .collect();
-            let got = product(LinearRowsGrid::CHOSEN, m)?;
+            let got = product(m)?;
             let differ = got.iter().zip(&all).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
             // The bit-for-bit row carries a count: a tolerance of the bf16 bound passes only 0.
             checks.push(GpuCheck {

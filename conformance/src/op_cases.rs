@@ -347,8 +347,8 @@ pub fn run_ops<B: Backend>(dev: &B, seed: u64) -> Result<Vec<OpOutputs>> {
         ],
     });
 
-    // A few rows through `Backend::linear` (the GPU's decoding kernels: `linear_row` for one row,
-    // `linear_rows` up to LINEAR_ROWS) with beta 0 and 1 (the residual), K past several 256-value
+    // A few rows through `Backend::linear` (the GPU's decoding kernel `linear_rows`, 1 to
+    // LINEAR_ROWS rows) with beta 0 and 1 (the residual), K past several 256-value
     // strides of a warp and never a multiple of 32 (a chunk's tail), N never a multiple of 32 (a
     // CTA's columns).
     let (kr, nr) = (

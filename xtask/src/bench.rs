@@ -6,7 +6,7 @@ const HELP: &str = "usage: xtask bench <benchmark> [options]
 benchmarks:
   attention   our attention vs PyTorch flex_attention and SDPA         (results/attention-h200.json)
   gemm        the cuBLAS bf16 linear: checked against the CPU, timed; decoding's linear layers
-              (cuBLAS, linear_row, linear_rows) in GB/s                (results/gemm-h200.json)
+              (cuBLAS, linear_rows) in GB/s                            (results/gemm-h200.json)
   step        the GPU training step per policy vs PyTorch, MFU, peaks  (results/step-h200.json)
   target      the target forward (features) vs transformers, 8B shape (results/target-h200.json)
   hybrid      the hybrid target forward vs transformers (fla and torch), 27B layer shapes
@@ -59,9 +59,9 @@ pub fn print_profile(what: &str, report: &dflash_optimized::device::profile::Rep
         ops.iter().map(|o| o.2).sum::<usize>(),
         report.span_ms
     );
-    // Matmuls: cuBLAS's and the decoding kernels' (`linear_row`, `linear_rows`).
+    // Matmuls: cuBLAS's and the decoding kernel's (`linear_rows`).
     let kind_of = |name: &str| match name {
-        n if n.starts_with("gemm") || n.starts_with("linear_row") => "matmul",
+        n if n.starts_with("gemm") || n.starts_with("linear_rows") => "matmul",
         n if n.starts_with("attention") => "attention",
         _ => "other",
     };

@@ -8,11 +8,10 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 use dflash_conformance::decode_cases::builtin_pair;
-use dflash_optimized::backend::cuda::{Cuda, FewRows};
+use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::model::speculative::{DecodeTarget, SpecDecoder};
 use dflash_optimized::model::target_forward::TargetForward;
-use dflash_optimized::ops::elementwise::cuda::LinearRowsGrid;
 use dflash_reference::config::{DraftConfig, TargetConfig};
 use dflash_reference::drafter::Drafter;
 use dflash_reference::io::WeightSet;
@@ -140,36 +139,22 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         true => Some(timing.speculative(&mut decoder, &prompt)?),
         false => None,
     };
-    // The same steps with cuBLAS for the verify and drafter blocks' linear layers (`linear_rows`'
-    // fallback, `None`) and with `linear_rows` on its other grids: what the kernel and each grid
-    // gain. Then plain decoding with its one row through `linear_rows` on each grid.
-    let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, how: FewRows| -> Result<(), String> {
-        decoder.target.backend().set_few_rows(how).map_err(|e| e.to_string())?;
-        match decoder.drafter.as_ref() {
-            Some(d) => d.backend().set_few_rows(how).map_err(|e| e.to_string()),
-            None => Ok(()),
+    // The same decodes with cuBLAS for every few-row linear layer (`linear_rows`' fallback): what
+    // the kernel gains, in plain steps and in verify and drafter blocks.
+    let set = |decoder: &SpecDecoder<TargetForward<Cuda>>, on: bool| {
+        decoder.target.backend().set_rows_kernel(on);
+        if let Some(d) = decoder.drafter.as_ref() {
+            d.backend().set_rows_kernel(on);
         }
     };
-    let mut other_rows = Vec::new();
-    if draft.is_some() {
-        let others = LinearRowsGrid::ALL.into_iter().filter(|&g| g != LinearRowsGrid::CHOSEN).map(Some);
-        for grid in std::iter::once(None).chain(others) {
-            set(&decoder, FewRows { grid, ..FewRows::CHOSEN })?;
-            let timed = timing.speculative(&mut decoder, &prompt);
-            set(&decoder, FewRows::CHOSEN)?;
-            other_rows.push((grid, timed?));
-        }
-    }
-    let mut plain_others = Vec::new();
-    let one_row = |grid, as_rows| FewRows { grid: Some(grid), one_row_as_rows: as_rows };
-    let plain_ways = LinearRowsGrid::ALL.into_iter().flat_map(|g| [one_row(g, true), one_row(g, false)]);
-    for how in plain_ways.filter(|&h| h != FewRows::CHOSEN && (h.one_row_as_rows || h.grid == FewRows::CHOSEN.grid)) {
-        set(&decoder, how)?;
-        let timed = timing.plain(&mut decoder, &prompt);
-        set(&decoder, FewRows::CHOSEN)?;
-        plain_others.push((how, timed?.0));
-    }
-    let cublas_spec = other_rows.iter().find(|(g, _)| g.is_none()).map(|(_, timed)| timed);
+    set(&decoder, false);
+    let cublas_plain = timing.plain(&mut decoder, &prompt).map(|(ms, _)| ms);
+    let cublas_spec = match draft.is_some() {
+        true => Some(timing.speculative(&mut decoder, &prompt)),
+        false => None,
+    };
+    set(&decoder, true);
+    let (cublas_plain, cublas_spec) = (cublas_plain?, cublas_spec.transpose()?);
     if profile && random_spec.is_some() {
         crate::bench::profile_once("one speculative decode of 32 tokens, random drafter (prefill included)", || {
             decoder.speculative_decode(&prompt, 32)
@@ -231,6 +216,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             .map(|t| t.iter().zip(&ours_tokens).take_while(|(a, b)| a.as_u64() == Some(**b as u64)).count());
         json!({
             "ours_decode_tokens_per_s": ours_rate,
+            "cublas_rows_decode_tokens_per_s": rate(cublas_plain),
             "hf_decode_tokens_per_s": hf_ms.map(rate),
             "decode_vs_hf": hf_ms.map(|h| h / plain_ms),
             "decode_ceiling_tokens_per_s": ceiling,
@@ -252,15 +238,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
                     "drafter_bytes_per_step": drafter_bytes,
                     "step_over_token_bytes_bound": bytes_bound,
                     "projected_speedup_at_builtin_tau": builtin_tau / step_over_token,
-                    "cublas_rows_spec_tokens_per_s": cublas_spec.map(|(ms, _)| rate(*ms)),
-                    "plain_other_ways_tokens_per_s": plain_others
-                        .iter()
-                        .map(|(h, ms)| (few_rows_name(h), json!(rate(*ms))))
-                        .collect::<serde_json::Map<String, Value>>(),
-                    "rows_grid_spec_tokens_per_s": other_rows
-                        .iter()
-                        .filter_map(|(g, (ms, _))| g.map(|g| (format!("{g:?}"), json!(rate(*ms)))))
-                        .collect::<serde_json::Map<String, Value>>(),
+                    "cublas_rows_spec_tokens_per_s": cublas_spec.as_ref().map(|(ms, _)| rate(*ms)),
                 })
             }),
             "tokens_agreeing_with_hf": agree,
@@ -293,6 +271,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let f = |v: &Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.1}"));
     println!("{:<58} {:>10}", "batch-1 decode, Qwen3-8B shape", "tokens/s");
     println!("{:<58} {:>10}", "ours, plain greedy (K/V caches)", f(&result["ours_decode_tokens_per_s"]));
+    println!("{:<58} {:>10.1}", "  the same, its linear layers through cuBLAS", rate(cublas_plain));
     println!(
         "{:<58} {:>10}",
         "transformers generate (same checkpoint and prompt)",
@@ -311,15 +290,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             rate(*ms),
             out.tau()
         );
-        for (how, ms) in &plain_others {
-            println!("{:<58} {:>10.1}", format!("  plain, {}", few_rows_name(how)), rate(*ms));
-        }
-        for (grid, (ms, _)) in &other_rows {
-            let how = match grid {
-                None => "  the same, its blocks' linear layers through cuBLAS".to_string(),
-                Some(g) => format!("  the same, linear_rows on the {g:?} grid"),
-            };
-            println!("{how:<58} {:>10.1}", rate(*ms));
+        if let Some((ms, _)) = &cublas_spec {
+            println!("{:<58} {:>10.1}", "  the same, its blocks' linear layers through cuBLAS", rate(*ms));
         }
         let r = &result["random_drafter_8b"];
         if let (Some(d), Some(bound)) = (drafter_bytes, bytes_bound) {
@@ -372,14 +344,6 @@ fn decoded_params(config: &TargetConfig) -> f64 {
         .filter(|(name, _)| !(embed_only && name == "model.embed_tokens.weight"))
         .map(|(_, shape)| shape.iter().product::<usize>() as f64)
         .sum()
-}
-
-/// A plain step's way through its one-row linear layers, in words.
-fn few_rows_name(how: &FewRows) -> String {
-    match (how.one_row_as_rows, how.grid) {
-        (true, Some(g)) => format!("its one row through linear_rows ({g:?})"),
-        _ => "its one row through linear_row".to_string(),
-    }
 }
 
 /// How decodes are timed: `warmup` untimed, then the median of `iters` CUDA-event timings.

@@ -1,7 +1,7 @@
 //! `xtask bench gemm` (GPU machine): the cuBLAS bf16 `linear` of the training step checked
 //! against the CPU (candle f32 on the same bf16 values) and timed with CUDA events on the
 //! matmul shapes of the Qwen3-8B drafter step; then decoding's linear layers (1 and 16 rows of
-//! the Qwen3-8B shapes): cuBLAS against `linear_row` and `linear_rows`, in GB/s of weight read;
+//! the Qwen3-8B shapes): cuBLAS against `linear_rows`, in GB/s of weight read;
 //! writes `results/gemm-h200.json`.
 
 use std::path::PathBuf;
@@ -12,7 +12,6 @@ use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::Backend;
 use dflash_optimized::device::gpu::Gpu;
 use dflash_optimized::ops::constants::LINEAR_ROWS;
-use dflash_optimized::ops::elementwise::cuda::{ElementwiseKernels, LinearRowsGrid};
 use dflash_optimized::ops::matmul::cuda::Blas;
 use half::bf16;
 use rand::SeedableRng;
@@ -129,9 +128,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     Ok(())
 }
 
-/// Decoding's linear layers at 1 and 16 rows ([`DECODE_SHAPES`]): cuBLAS, `linear_row` (1 row)
-/// and `linear_rows` (on each of its grids), each in GB/s of weight read (the bound of batch-1
-/// decoding); a row each.
+/// Decoding's linear layers at 1 and 16 rows ([`DECODE_SHAPES`]): cuBLAS and `linear_rows`,
+/// each in GB/s of weight read (the bound of batch-1 decoding); a row each.
 fn decode_rows(
     gpu: &Gpu,
     (warmup, iters): (usize, usize),
@@ -142,10 +140,7 @@ fn decode_rows(
     let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let (stream, blas, dev) = (gpu.stream(), Blas::new(gpu).map_err(err)?, Cuda::new(gpu, 128).map_err(err)?);
     let kernels = dev.ops();
-    println!(
-        "{:<26} {:>4} {:>10} {:>10} {:>10} {:>10} {:>10}",
-        "decode linear", "rows", "cuBLAS", "row", "rows", "persistent", "staged"
-    );
+    println!("{:<26} {:>4} {:>10} {:>12}", "decode linear", "rows", "cuBLAS", "linear_rows");
     for &(name, n, k) in DECODE_SHAPES {
         // As in decoding, the weights come from HBM, not from L2: copies of at least 256 MB in
         // all, one call on each per timed iteration.
@@ -162,39 +157,14 @@ fn decode_rows(
                 .map_err(err)?;
             let (xp, yp) = (x.device_ptr(stream).0, y.device_ptr(stream).0);
             let wps: Vec<u64> = ws.iter().map(|w| w.device_ptr(stream).0).collect();
-            let row = match m {
-                1 => Some(
-                    gpu.time_ms(warmup, iters, || {
-                        wps.iter().try_for_each(|&wp| kernels.linear_row(xp, wp, yp, n, k, 0.0))
-                    })
-                    .map_err(err)?,
-                ),
-                _ => None,
-            };
-            // Each grid of `linear_rows` (the staged one where x fits its shared memory).
-            let mut grids = Vec::new();
-            for grid in LinearRowsGrid::ALL {
-                let fits =
-                    grid != LinearRowsGrid::Staged || ElementwiseKernels::linear_rows_staged_bytes(m, k).is_some();
-                let ms = match fits {
-                    true => Some(
-                        gpu.time_ms(warmup, iters, || {
-                            wps.iter().try_for_each(|&wp| kernels.linear_rows_grid(grid, xp, wp, yp, (m, n, k), 0.0))
-                        })
-                        .map_err(err)?,
-                    ),
-                    false => None,
-                };
-                grids.push((grid, ms));
-            }
-            let cell = |ms: Option<f64>| ms.map_or("-".to_string(), |ms| format!("{:.0}", gb_per_s(ms)));
-            let cells: Vec<String> = grids.iter().map(|&(_, ms)| format!("{:>10}", cell(ms))).collect();
-            println!("{name:<26} {m:>4} {:>10} {:>10} {}  GB/s", cell(Some(cublas)), cell(row), cells.join(" "));
-            let by_grid: serde_json::Map<String, Value> =
-                grids.iter().map(|&(g, ms)| (format!("{g:?}"), json!(ms.map(gb_per_s)))).collect();
+            let ours = gpu
+                .time_ms(warmup, iters, || {
+                    wps.iter().try_for_each(|&wp| kernels.linear_rows(xp, wp, yp, (m, n, k), 0.0))
+                })
+                .map_err(err)?;
+            println!("{name:<26} {m:>4} {:>10.0} {:>12.0}  GB/s", gb_per_s(cublas), gb_per_s(ours));
             rows.push(json!({"shape": format!("decode {name}"), "m": m, "n": n, "k": k,
-                "cublas_gb_per_s": gb_per_s(cublas), "linear_row_gb_per_s": row.map(gb_per_s),
-                "linear_rows_gb_per_s": by_grid}));
+                "cublas_gb_per_s": gb_per_s(cublas), "linear_rows_gb_per_s": gb_per_s(ours)}));
         }
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! The GPU as a backend: the device's memory pool, cuBLAS, the attention kernels,
 //! `elementwise.cu` and `gdn.cu`, all on the GPU's one stream.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaStream, PinnedHostSlice};
@@ -11,7 +12,7 @@ use crate::device::gpu::Gpu;
 use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
-use crate::ops::elementwise::cuda::{ElementwiseKernels, LinearRowsGrid};
+use crate::ops::elementwise::cuda::ElementwiseKernels;
 use crate::ops::gdn::cuda::GdnKernels;
 use crate::ops::gdn::GdnOps;
 use crate::ops::matmul::cuda::{Blas, Out};
@@ -34,8 +35,9 @@ pub struct Cuda {
     gdn: GdnKernels,
     blas: Blas,
     available: u64,
-    /// How `linear` runs decoding's few rows ([`FewRows::CHOSEN`]; benches compare others).
-    few_rows: Mutex<FewRows>,
+    /// Whether `linear` takes 1 to `LINEAR_ROWS` rows through `linear_rows` (the default) or
+    /// through cuBLAS (the fallback, for benches that compare them).
+    rows_kernel: AtomicBool,
     /// Page-locked host memory `download_parts` lands in (grown on demand), so that its copies
     /// queue without a wait each.
     readback: Mutex<Option<PinnedHostSlice<u8>>>,
@@ -53,33 +55,16 @@ impl Cuda {
             gdn: GdnKernels::load(gpu)?,
             blas: Blas::new(gpu)?,
             available: gpu.available_bytes()?,
-            few_rows: Mutex::new(FewRows::CHOSEN),
+            rows_kernel: AtomicBool::new(true),
             readback: Mutex::new(None),
         })
     }
 
-    /// Runs `linear`'s 1 to `LINEAR_ROWS` rows as `how` says.
-    pub fn set_few_rows(&self, how: FewRows) -> Result<()> {
-        *self.few_rows.lock().map_err(|_| crate::Error::Gpu("few-rows setting poisoned".into()))? = how;
-        Ok(())
+    /// Sends `linear`'s 1 to `LINEAR_ROWS` rows through `linear_rows` (`true`, the default) or
+    /// through cuBLAS.
+    pub fn set_rows_kernel(&self, on: bool) {
+        self.rows_kernel.store(on, Ordering::Relaxed);
     }
-}
-
-/// How [`Cuda`]'s `linear` runs decoding's 1 to `LINEAR_ROWS` rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FewRows {
-    /// `linear_rows`' grid for 2 to `LINEAR_ROWS` rows (the staged grid where x fits it, else
-    /// one CTA a tile), or `None`: cuBLAS (the fallback).
-    pub grid: Option<LinearRowsGrid>,
-    /// One row through `linear_rows` on `grid` too, else through `linear_row`.
-    pub one_row_as_rows: bool,
-}
-
-impl FewRows {
-    /// What decoding uses: a plain step's one row through `linear_rows` too (151.6 against 149.3
-    /// tokens/s through `linear_row` on the 8B shape, H100, `bench eval` of commit 4a06bf4), so a
-    /// verify step's rows and a plain step's row get the same bits from each linear layer.
-    pub const CHOSEN: FewRows = FewRows { grid: Some(LinearRowsGrid::CHOSEN), one_row_as_rows: true };
 }
 
 impl Backend for Cuda {
@@ -215,26 +200,13 @@ impl Backend for Cuda {
         self.blas.matmul(a, b, c, Out::Bf16, 1.0, beta)
     }
 
-    /// 1 to `LINEAR_ROWS` rows (a plain step's one row, a verify block, the drafter's block) as
-    /// [`FewRows::CHOSEN`] says: through `linear_rows`, which reads `w` at full bandwidth where
-    /// cuBLAS's choices for few rows reach half to 90% of it (`results/gemm-h100.json`); more
-    /// rows through cuBLAS.
+    /// 1 to `LINEAR_ROWS` rows (a plain step's one row, a verify block, the drafter's block)
+    /// through `linear_rows`, which reads `w` at full bandwidth where cuBLAS's choices for few
+    /// rows reach half to 90% of it (`results/gemm-h100*.json`); more rows through cuBLAS.
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
-        let how = *self.few_rows.lock().map_err(|_| crate::Error::Gpu("few-rows setting poisoned".into()))?;
-        if rows == 1 && !how.one_row_as_rows && ElementwiseKernels::takes_linear_row(x, w, k) {
-            return self.kernels.linear_row(x, w, y, n, k, beta);
-        }
-        match how.grid {
-            Some(grid) if ElementwiseKernels::takes_linear_rows(x, w, rows, k) => {
-                let grid = match grid == LinearRowsGrid::Staged
-                    && ElementwiseKernels::linear_rows_staged_bytes(rows, k).is_none()
-                {
-                    true => LinearRowsGrid::PerTile,
-                    false => grid,
-                };
-                self.kernels.linear_rows_grid(grid, x, w, y, (rows, n, k), beta)
-            }
-            _ => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
+        match self.rows_kernel.load(Ordering::Relaxed) && ElementwiseKernels::takes_linear_rows(x, w, rows, k) {
+            true => self.kernels.linear_rows(x, w, y, (rows, n, k), beta),
+            false => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
         }
     }
 

@@ -127,15 +127,6 @@ impl Gpu {
         &self.name
     }
 
-    /// The GPU's streaming multiprocessors.
-    pub fn sm_count(&self) -> Result<usize> {
-        let sms = self
-            .ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| driver_error("cuDeviceGetAttribute (SMs)", e))?;
-        usize::try_from(sms).map_err(|_| Error::Gpu(format!("the GPU reports {sms} SMs")))
-    }
-
     /// The stream all work of this GPU is queued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream

@@ -31,15 +31,8 @@ pub const LINEAR_ROWS: usize = 16;
 pub const LINEAR_ROWS_COLUMNS: usize = 8;
 /// Warps of a `linear_rows` CTA, splitting k.
 pub const LINEAR_ROWS_WARPS: usize = 8;
-/// Accumulator chains of `linear_rows` (chunk c of 32 k into chain c % 16; two a warp) and the
-/// warps of `linear_rows_staged` (one each).
+/// Accumulator chains of `linear_rows` (chunk c of 32 k into chain c % 16; two a warp).
 pub const LINEAR_ROWS_CHAINS: usize = 16;
-/// bf16 between the rows of x that `linear_rows_staged` holds in shared memory past k (64 bytes:
-/// rows g and g + 1 of a warp's loads fall in the two halves of the banks).
-pub const LINEAR_ROWS_PAD: usize = 32;
-/// Most shared memory the x rows of `linear_rows_staged` take (the H100's 227 KiB a CTA less the
-/// 8 KiB of partial sums, rounded down): 16 rows of k up to 6,368.
-pub const LINEAR_ROWS_STAGED_BYTES: usize = 200 * 1024;
 /// CTAs of the grid-stride elementwise kernels (2 waves of 132 SMs x 8).
 pub const ELEMENTWISE_CTAS: u32 = 2112;
 
@@ -78,7 +71,6 @@ pub fn prelude() -> String {
         ("LINEAR_ROWS", LINEAR_ROWS),
         ("LINEAR_ROWS_WARPS", LINEAR_ROWS_WARPS),
         ("LINEAR_ROWS_CHAINS", LINEAR_ROWS_CHAINS),
-        ("LINEAR_ROWS_PAD", LINEAR_ROWS_PAD),
         ("GDN_CHUNK", GDN_CHUNK),
         ("GDN_THREADS", GDN_THREADS),
         ("GDN_STATE_THREADS", GDN_STATE_THREADS),

@@ -8,39 +8,12 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_CHAINS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_PAD,
-    LINEAR_ROWS_STAGED_BYTES, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD,
+    MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
-use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
-
-/// Threads of a `linear_row` CTA: 8 warps, one output each.
-const LINEAR_ROW_THREADS: u32 = 256;
-
-/// The grid of `linear_rows`: the same bits on each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LinearRowsGrid {
-    /// A CTA for each 8 output columns.
-    PerTile,
-    /// At most the CTAs that fit the SMs at once (2 each), each walking its tiles in turn: a
-    /// CTA's x rows stay in L1 across its tiles when k is small enough.
-    Persistent,
-    /// The persistent grid of `linear_rows_staged`, which first copies x to shared memory (one
-    /// CTA of 16 warps an SM at 16 rows of k = 4096); x of more than
-    /// [`LINEAR_ROWS_STAGED_BYTES`] is refused.
-    Staged,
-}
-
-impl LinearRowsGrid {
-    /// The grid `linear_rows` launches (the H100 measurements of `bench gemm`).
-    pub const CHOSEN: LinearRowsGrid = LinearRowsGrid::PerTile;
-    pub const ALL: [LinearRowsGrid; 3] = [LinearRowsGrid::PerTile, LinearRowsGrid::Persistent, LinearRowsGrid::Staged];
-}
-
-/// CTAs of `linear_rows` an SM holds at once (its `__launch_bounds__`).
-const LINEAR_ROWS_CTAS_PER_SM: usize = 2;
 
 /// Columns one thread of `rms_norm_backward` holds: rows of at most this many x `ROW_THREADS`.
 const MAX_COLS_PER_THREAD: usize = MAX_CHUNKS_PER_THREAD * VEC;
@@ -78,11 +51,7 @@ pub struct ElementwiseKernels {
     swiglu_backward: CudaFunction,
     ce_grad_rows: CudaFunction,
     argmax_rows: CudaFunction,
-    linear_row: CudaFunction,
     linear_rows: CudaFunction,
-    linear_rows_staged: CudaFunction,
-    /// SMs of the GPU (the persistent grid of `linear_rows`).
-    sms: usize,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     sum_squares_f32: CudaFunction,
@@ -113,16 +82,7 @@ impl ElementwiseKernels {
             swiglu_backward: f("swiglu_backward")?,
             ce_grad_rows: f("ce_grad_rows")?,
             argmax_rows: f("argmax_rows")?,
-            linear_row: f("linear_row")?,
             linear_rows: f("linear_rows")?,
-            linear_rows_staged: {
-                let staged = f("linear_rows_staged")?;
-                staged
-                    .set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, LINEAR_ROWS_STAGED_BYTES as i32)
-                    .map_err(|e| Error::Gpu(format!("linear_rows_staged: raising its shared memory limit: {e}")))?;
-                staged
-            },
-            sms: gpu.sm_count()?,
             gather_rows: f("gather_rows")?,
             scatter_rows: f("scatter_rows")?,
             sum_squares_f32: f("sum_squares_f32")?,
@@ -172,55 +132,18 @@ impl ElementwiseKernels {
         launch_named(&self.stream, name, b, cfg)
     }
 
-    /// Whether [`ElementwiseKernels::linear_row`] takes `y [1, n] = x [1, k] @ w [n, k]^T`: `k` a
-    /// multiple of 8 and x, w 16-byte aligned (else the caller uses cuBLAS).
-    pub fn takes_linear_row(x: u64, w: u64, k: usize) -> bool {
-        k.is_multiple_of(8) && x.is_multiple_of(16) && w.is_multiple_of(16) && k > 0
-    }
-
-    /// `y [n] = x [k] @ w [n, k]^T + beta * y` (bf16, fp32 accumulation): batch-1 decoding's
-    /// linear layers, bound by reading `w` once.
-    pub fn linear_row(&self, x: u64, w: u64, y: u64, n: usize, k: usize, beta: f32) -> Result<()> {
-        if !Self::takes_linear_row(x, w, k) {
-            return Err(Error::invalid(
-                "linear_row",
-                format!("k = {k} must be a multiple of 8 with x and w 16-byte aligned"),
-            ));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let (rows, cols) = (i32_of("n", n)?, i32_of("k", k)?);
-        let mut b = self.stream.launch_builder(&self.linear_row);
-        b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&beta);
-        let warps = LINEAR_ROW_THREADS / 32;
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(warps as usize) as u32, 1, 1),
-            block_dim: (LINEAR_ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch("linear_row", b, cfg)
-    }
-
-    /// Whether [`ElementwiseKernels::linear_rows_grid`] takes `y [m, n] = x [m, k] @ w [n, k]^T`: `m`
-    /// from 1 to [`LINEAR_ROWS`], besides what `linear_row` needs (else the caller uses cuBLAS).
+    /// Whether [`ElementwiseKernels::linear_rows`] takes `y [m, n] = x [m, k] @ w [n, k]^T`: `m`
+    /// from 1 to [`LINEAR_ROWS`], `k` a multiple of 8, x and w 16-byte aligned (else the caller
+    /// uses cuBLAS).
     pub fn takes_linear_rows(x: u64, w: u64, m: usize, k: usize) -> bool {
-        (1..=LINEAR_ROWS).contains(&m) && Self::takes_linear_row(x, w, k)
+        (1..=LINEAR_ROWS).contains(&m) && k > 0 && k.is_multiple_of(8) && x.is_multiple_of(16) && w.is_multiple_of(16)
     }
 
     /// `y [m, n] = x [m, k] @ w [n, k]^T + beta * y` (bf16, fp32 accumulation on the tensor
-    /// cores) for up to [`LINEAR_ROWS`] rows: a verify block's and the drafter block's linear
-    /// layers, bound by reading `w` once; each row's result the same for every `m` and `grid`
-    /// (`bench gemm` times each).
-    pub fn linear_rows_grid(
-        &self,
-        grid: LinearRowsGrid,
-        x: u64,
-        w: u64,
-        y: u64,
-        (m, n, k): (usize, usize, usize),
-        beta: f32,
-    ) -> Result<()> {
+    /// cores) for up to [`LINEAR_ROWS`] rows: batch-1 decoding's linear layers (a plain step's
+    /// row, a verify block's and the drafter block's), bound by reading `w` once; each row's
+    /// result the same for every `m`.
+    pub fn linear_rows(&self, x: u64, w: u64, y: u64, (m, n, k): (usize, usize, usize), beta: f32) -> Result<()> {
         if !Self::takes_linear_rows(x, w, m, k) {
             return Err(Error::invalid(
                 "linear_rows",
@@ -231,36 +154,14 @@ impl ElementwiseKernels {
             return Ok(());
         }
         let (rows, cols, inner) = (i32_of("m", m)?, i32_of("n", n)?, i32_of("k", k)?);
-        let tiles = n.div_ceil(LINEAR_ROWS_COLUMNS);
-        let warps = 32 * LINEAR_ROWS_WARPS as u32;
-        let (function, name, ctas, threads, staged) = match grid {
-            LinearRowsGrid::PerTile => (&self.linear_rows, "linear_rows", tiles, warps, 0),
-            LinearRowsGrid::Persistent => {
-                (&self.linear_rows, "linear_rows", tiles.min(LINEAR_ROWS_CTAS_PER_SM * self.sms), warps, 0)
-            }
-            LinearRowsGrid::Staged => {
-                let bytes = Self::linear_rows_staged_bytes(m, k)
-                    .ok_or_else(|| Error::invalid("linear_rows_staged", format!("{m} rows of k = {k} do not fit")))?;
-                let threads = 32 * LINEAR_ROWS_CHAINS as u32;
-                let per_sm = self
-                    .linear_rows_staged
-                    .occupancy_max_active_blocks_per_multiprocessor(threads, bytes as usize, None)
-                    .map_err(|e| Error::Gpu(format!("linear_rows_staged: occupancy: {e}")))?;
-                let ctas = tiles.min(per_sm.max(1) as usize * self.sms);
-                (&self.linear_rows_staged, "linear_rows_staged", ctas, threads, bytes)
-            }
-        };
-        let mut b = self.stream.launch_builder(function);
+        let mut b = self.stream.launch_builder(&self.linear_rows);
         b.arg(&x).arg(&w).arg(&y).arg(&rows).arg(&cols).arg(&inner).arg(&beta);
-        let cfg = LaunchConfig { grid_dim: (ctas as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: staged };
-        self.launch(name, b, cfg)
-    }
-
-    /// Shared memory of `linear_rows_staged` for `m` rows of `k` (`None` past
-    /// [`LINEAR_ROWS_STAGED_BYTES`]).
-    pub fn linear_rows_staged_bytes(m: usize, k: usize) -> Option<u32> {
-        let bytes = m.checked_mul(k.checked_add(LINEAR_ROWS_PAD)?)?.checked_mul(2)?;
-        (bytes <= LINEAR_ROWS_STAGED_BYTES).then_some(bytes as u32)
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, LINEAR_ROWS_COLUMNS as u32), 1, 1),
+            block_dim: (32 * LINEAR_ROWS_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("linear_rows", b, cfg)
     }
 
     /// Checks that device addresses are 16-byte aligned (the kernels move 8 bf16 at a time).

@@ -507,34 +507,6 @@ extern "C" __global__ void rms_norm_forward(const bf16* __restrict__ x, const bf
     if (threadIdx.x == 0) inv[row] = r;
 }
 
-// Twin: ops/matmul/twin.rs matmul of one row (`Backend::linear` on the host). The linear layer of
-// batch-1 decoding, bound by reading the weight once: one warp per output, 16-byte loads of the
-// weight row streamed past L1 and of x (shared by every warp, cached), fp32 accumulation in lane
-// order then a fixed warp reduction; `beta` 1 adds the output's previous value (the residual).
-// x [k], w [n, k] -> y [n] = x w^T + beta * y (bf16); k % 8 == 0, x and w 16-byte aligned.
-extern "C" __global__ void linear_row(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y,
-                                      int n, int k, float beta) {
-    const int lane = threadIdx.x % WARP;
-    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    if (row >= n) return;
-    const bf16* wr = w + (size_t)row * k;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int i = lane * VEC; i < k; i += WARP * VEC) {
-        Bf16x8 wv;
-        wv.raw = __ldcs(reinterpret_cast<const uint4*>(wr + i));
-        float xv[VEC];
-        load8(x + i, xv);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(wv.h2[j]);
-            acc += f.x * xv[2 * j] + f.y * xv[2 * j + 1];
-        }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) y[row] = to_bf(beta == 0.f ? acc : acc + beta * to_f(y[row]));
-}
-
 // d += a b on the tensor cores (mma.sync m16n8k16, row.col, bf16 operands, fp32 accumulators).
 // Fragments (g = lane / 4, t = lane % 4): a[0] (row g, k 2t, 2t+1), a[1] (row g+8), a[2] (row g,
 // k 2t+8, 2t+9), a[3] (row g+8, k +8); b[0] (k 2t, 2t+1, col g), b[1] (k +8); d[0], d[1] (row g,
@@ -549,31 +521,28 @@ __device__ __forceinline__ void mma_bf16(float d[4], unsigned a0, unsigned a1, u
 }
 
 // Twin: ops/matmul/twin.rs matmul of up to LINEAR_ROWS rows (`Backend::linear` on the host). The
-// linear layers of a verify block and of the drafter's block, bound like `linear_row` by reading
-// the weight once, on the tensor cores: a CTA owns 8 output columns (one mma's) and its
-// LINEAR_ROWS_WARPS warps split k in chunks of 32, chunk c to warp c % warps; a warp loads AHEAD
-// chunks (the weight bytes in flight) before multiplying them, into two accumulators by turns
-// (chunk c into chain c % (2 warps)): two independent mma chains, 2 to 13% faster per layer at
-// 16 rows on the H100 than one (two runs: results/gemm-h100*.json). A lane loads 16 bytes of a
-// weight row and of x rows g and g+8 at the same 8 k and feeds two mmas with them: k is permuted
-// alike in both operands (mma k 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e and
-// 8t+6+e), which leaves every dot product unchanged. Rows at or past m are zeros. A chain adds
-// its chunks in k order; the chains' sums are added in chain order through shared memory
-// (deterministic), and a row's result does not depend on the other rows, so every m gives a row
-// the same bits, whatever the grid. Measured on the H100 (bench gemm) against CTAs of 16 and 32
-// columns, of 16 warps, and passes double-buffered in registers: none was faster by more than 2%
-// on any of the 8B shape's layers at 16 rows, most were slower.
+// linear layers of batch-1 decoding (a plain step's one row, a verify block's and the drafter
+// block's 16), bound by reading the weight once, on the tensor cores: a CTA owns 8 output columns
+// (one mma's) and its LINEAR_ROWS_WARPS warps split k in chunks of 32, chunk c added into chain
+// c % LINEAR_ROWS_CHAINS, two chains a warp taken by turns (two independent mma chains: 2 to 13%
+// faster per layer at 16 rows on the H100 than one); a warp loads AHEAD chunks (the weight bytes
+// in flight) before multiplying them. A lane loads 16 bytes of a weight row and of x rows g and
+// g+8 at the same 8 k and feeds two mmas with them: k is permuted alike in both operands (mma k
+// 2t+e and 2t+8+e are phys 8t+e and 8t+2+e, then 8t+4+e and 8t+6+e), which leaves every dot
+// product unchanged. Rows at or past m are zeros. A chain adds its chunks in k order; the chains'
+// sums are added in chain order through shared memory (deterministic), and a row's result does
+// not depend on the other rows, so every m gives a row the same bits. Measured on the H100
+// (bench gemm, results/gemm-h100-linear-rows-*.json) against CTAs of 16 and 32 columns, 16 warps,
+// passes double-buffered in registers, a persistent grid (x kept in L1 across a CTA's tiles) and
+// x staged in shared memory: none was faster by more than 2% on any of the 8B shape's layers at
+// 16 rows, most were slower; at one row it is within 0.5% of a warp-per-output kernel on the LM
+// head and 0.2 to 36% faster on the other layers.
 // x [m, k], w [n, k] -> y [m, n] = x w^T + beta * y (bf16); 1 <= m <= LINEAR_ROWS, k % 8 == 0,
-// x and w 16-byte aligned.
-// Chains: chunk c is added into chain c % LINEAR_ROWS_CHAINS, each chain held by one warp
-// (WARPS warps hold LINEAR_ROWS_CHAINS / WARPS chains each), so any WARPS gives the same bits.
-// STAGED: the m rows of x are first copied to shared memory (rows `k + LINEAR_ROWS_PAD` apart,
-// so that a warp's 16-byte loads of rows g and g + 8 take the fewest wavefronts) and read from
-// there across the CTA's tiles (launched on a persistent grid); the same bits as global x.
-template <bool STAGED, int WARPS>
-__device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                                 bf16* __restrict__ y, int m, int n, int k, float beta) {
-    constexpr int AHEAD = 8, CHAINS = LINEAR_ROWS_CHAINS, HELD = CHAINS / WARPS;
+// x and w 16-byte aligned. A CTA per 8 columns (a smaller grid walks the tiles).
+extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
+    linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
+                float beta) {
+    constexpr int AHEAD = 8, CHAINS = LINEAR_ROWS_CHAINS, WARPS = LINEAR_ROWS_WARPS, HELD = CHAINS / WARPS;
     static_assert(CHAINS % WARPS == 0 && AHEAD % HELD == 0, "a warp's chunks cycle through its chains");
     __shared__ float partial[CHAINS][4][WARP];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -581,21 +550,7 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const bf16* x_lo = x + (size_t)g * k;
     const bf16* x_hi = x + (size_t)(g + 8) * k;
-    if constexpr (STAGED) {
-        extern __shared__ __align__(16) bf16 x_staged[];
-        const int stride = k + LINEAR_ROWS_PAD, per_row = k / 8;
-        for (int i = threadIdx.x; i < m * per_row; i += blockDim.x) {
-            const int r = i / per_row, c = 8 * (i % per_row);
-            *reinterpret_cast<uint4*>(x_staged + (size_t)r * stride + c) =
-                *reinterpret_cast<const uint4*>(x + (size_t)r * k + c);
-        }
-        __syncthreads();
-        x_lo = x_staged + (size_t)g * stride;
-        x_hi = x_staged + (size_t)(g + 8) * stride;
-    }
     const int chunks = (k + 31) / 32;
-    // Tile c of 8 columns; a grid smaller than the tiles walks them (ops/elementwise/cuda.rs
-    // LinearRowsGrid).
     for (int col0 = blockIdx.x * 8; col0 < n; col0 += gridDim.x * 8) {
         // acc[s]: chain warp + s * WARPS (chunk c0 + u * WARPS of a pass is in acc[u % HELD]).
         float acc[HELD][4];
@@ -641,21 +596,6 @@ __device__ __forceinline__ void linear_rows_body(const bf16* __restrict__ x, con
         }
         __syncthreads();
     }
-}
-
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_WARPS * WARP, 2)
-    linear_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n, int k,
-                float beta) {
-    linear_rows_body<false, LINEAR_ROWS_WARPS>(x, w, y, m, n, k, beta);
-}
-
-// `linear_rows` with x staged in shared memory (m * (k + LINEAR_ROWS_PAD) bf16 of it, dynamic):
-// one CTA an SM at 16 rows of k = 4096, so a warp for each chain (the weight bytes in flight of
-// two `linear_rows` CTAs).
-extern "C" __global__ void __launch_bounds__(LINEAR_ROWS_CHAINS * WARP, 1)
-    linear_rows_staged(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int m, int n,
-                       int k, float beta) {
-    linear_rows_body<true, LINEAR_ROWS_CHAINS>(x, w, y, m, n, k, beta);
 }
 
 // Twin: twin.rs argmax_rows (candle's argmax: the first index of the maximum, NaNs skipped; a
