@@ -500,3 +500,35 @@ fn wrong_lengths_are_refused_naming_the_tensor() {
         other => panic!("3 heads over 2 KV heads: {other:?}"),
     }
 }
+
+/// The words a plan puts on the GPU (`DeviceKeyRanges::words`) fit what the memory plan counts for
+/// it: a DFlash layer's in `key_ranges_bytes(N, keys)` (the training step's plan), a causal one's
+/// in `causal_plans_bytes(T, group_rows)` (the target's forward). One word over is a measured peak
+/// over the plan on the GPU (as `gpu-conformance` once found: a trailing 0 past each plan).
+#[test]
+fn device_plan_words_fit_their_memory_plan() {
+    use dflash_optimized::memory::attention::{causal_plans_bytes, key_ranges_bytes};
+    use dflash_optimized::ops::attention::cuda::DeviceKeyRanges;
+    let seed: u64 = rand::rng().random();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for _ in 0..256 {
+        let (plan, planned, label) = match rng.random_bool(0.5) {
+            true => {
+                let t = random_len(&mut rng);
+                let (kind, group_rows) = (random_kind(t, &mut rng), rng.random_range(1..=70));
+                let plan = KeyRanges::causal(t, kind, group_rows).expect("causal plan");
+                (plan, causal_plans_bytes(t, group_rows).expect("bytes"), format!("causal T={t} {kind:?} {group_rows}"))
+            }
+            false => {
+                let layout = random_layout(&mut rng);
+                let kind = random_kind(layout.context_len, &mut rng);
+                let plan = KeyRanges::dflash(&layout, kind).expect("dflash plan");
+                let planned = key_ranges_bytes(layout.anchors.len(), plan.num_keys).expect("bytes");
+                (plan, planned, format!("{layout:?} {kind:?}"))
+            }
+        };
+        let (words, _) = DeviceKeyRanges::words(&plan);
+        let bytes = 4 * words.len() as u64;
+        assert!(bytes <= planned, "seed {seed}: {label}: {bytes} bytes on the device, {planned} planned");
+    }
+}

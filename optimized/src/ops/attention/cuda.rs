@@ -34,8 +34,9 @@ pub struct DeviceKeyRanges {
 }
 
 impl DeviceKeyRanges {
-    /// Uploads `plan` (one host-to-device copy: a decode step uploads its plans each step).
-    pub fn upload(stream: &Arc<CudaStream>, plan: &KeyRanges) -> Result<Self> {
+    /// The words `upload` copies and where the KV-tile ranges start among them (what the memory
+    /// plan counts: `memory::attention::key_ranges_bytes`).
+    pub fn words(plan: &KeyRanges) -> (Vec<u32>, usize) {
         let mut words: Vec<u32> =
             plan.groups.iter().flat_map(|g| [g.ctx_lo, g.ctx_hi, g.hi_step, g.win_base, g.blk_lo, g.blk_len]).collect();
         let kv_at = words.len();
@@ -43,6 +44,12 @@ impl DeviceKeyRanges {
         if words.is_empty() {
             words.push(0);
         }
+        (words, kv_at)
+    }
+
+    /// Uploads `plan` (one host-to-device copy: a decode step uploads its plans each step).
+    pub fn upload(stream: &Arc<CudaStream>, plan: &KeyRanges) -> Result<Self> {
+        let (words, kv_at) = Self::words(plan);
         let data = stream.clone_htod(&words).map_err(gpu_err("upload an attention plan"))?;
         let base = data.device_ptr(stream).0;
         let kv_ranges = base + (kv_at * std::mem::size_of::<u32>()) as u64;
