@@ -9,6 +9,7 @@ use cudarc::driver::{CudaStream, PinnedHostSlice};
 use super::{Allocation, Backend, Pitched};
 use crate::device::buffer::{copy_device, download_device, zero_device, Buf};
 use crate::device::gpu::Gpu;
+use crate::device::staging::UploadRing;
 use crate::ops::attention::cuda::{AttentionKernels, DeviceKeyRanges};
 use crate::ops::attention::ranges::KeyRanges;
 use crate::ops::attention::AttnShape;
@@ -41,6 +42,9 @@ pub struct Cuda {
     /// Page-locked host memory `download_parts` lands in (grown on demand), so that its copies
     /// queue without a wait each.
     readback: Mutex<Option<PinnedHostSlice<u8>>>,
+    /// Page-locked slots `upload_ranges` stages plans in (made on first use), so that they queue
+    /// without waiting for the stream.
+    staging: Mutex<Option<UploadRing>>,
 }
 
 impl Cuda {
@@ -57,6 +61,7 @@ impl Cuda {
             available: gpu.available_bytes()?,
             rows_kernel: AtomicBool::new(true),
             readback: Mutex::new(None),
+            staging: Mutex::new(None),
         })
     }
 
@@ -211,7 +216,11 @@ impl Backend for Cuda {
     }
 
     fn upload_ranges(&self, ranges: &KeyRanges) -> Result<DeviceKeyRanges> {
-        DeviceKeyRanges::upload(&self.stream, ranges)
+        let mut staging = self.staging.lock().map_err(|_| crate::Error::Gpu("upload slots poisoned".into()))?;
+        if staging.is_none() {
+            *staging = Some(UploadRing::new(&self.stream)?);
+        }
+        DeviceKeyRanges::upload_staged(&self.stream, ranges, staging.as_mut().expect("made above"))
     }
 
     fn attention_forward(

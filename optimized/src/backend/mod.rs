@@ -74,6 +74,8 @@ pub trait Backend {
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
         self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta)
     }
+    /// An attention plan on the device, queued in stream order (on the GPU without waiting for
+    /// the work queued before it).
     fn upload_ranges(&self, ranges: &KeyRanges) -> Result<Self::Ranges>;
     /// Memory the attention takes beyond the step's layout under `ranges` (none on the GPU).
     fn attention_scratch_bytes(&self, _ranges: &Self::Ranges, _shape: AttnShape) -> u64 {

@@ -227,8 +227,8 @@ impl<B: Backend> DrafterDecode<B> {
         Ok(())
     }
 
-    /// The plans of a block after a context of `n` positions, per layer kind (uploaded: a host
-    /// copy waits for the queued work, so a step prepares its plans before queuing any).
+    /// The plans of a block after a context of `n` positions, per layer kind (uploaded in stream
+    /// order, without a wait: [`Backend::upload_ranges`]).
     pub fn plans(&self, n: usize) -> Result<DraftPlans<B>> {
         let z = self.layout.dims;
         if n == 0 || n > z.c {

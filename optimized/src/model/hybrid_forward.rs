@@ -309,8 +309,8 @@ impl<B: Backend> HybridForward<B> {
         Ok(self.at(self.decode_regions()?.next))
     }
 
-    /// The causal plan of `t` tokens after `past` cached positions (uploaded: a host copy waits
-    /// for the queued work, so a step prepares its plans before queuing any).
+    /// The causal plan of `t` tokens after `past` cached positions (uploaded in stream order,
+    /// without a wait: [`Backend::upload_ranges`]).
     pub fn decode_plans(&self, past: usize, t: usize) -> Result<HybridDecodePlans<B>> {
         let attention = match self.layout.attn {
             None => None,

@@ -465,7 +465,6 @@ impl<T: DecodeTarget> SpecDecoder<T> {
         let mut done = out.start(bonus, max_new, stop);
         while !done {
             let drafter = self.drafter.as_ref().expect("checked above");
-            // The step's plans first (their uploads wait for the queued work), then its work.
             let (draft_plans, verify_plans) = (drafter.plans(n)?, self.target.decode_plans(n, b)?);
             let appended =
                 pending.take().map(|(past, rows)| ContextRows { features: self.target.features_addr(), past, rows });

@@ -270,8 +270,8 @@ impl<B: Backend> TargetForward<B> {
         Ok(self.at(self.decode_regions()?.next))
     }
 
-    /// The causal plans of `t` tokens after `past` cached positions, per layer kind (uploaded: a
-    /// host copy waits for the queued work, so a step prepares its plans before queuing any).
+    /// The causal plans of `t` tokens after `past` cached positions, per layer kind (uploaded in
+    /// stream order, without a wait: [`Backend::upload_ranges`]).
     pub fn decode_plans(&self, past: usize, t: usize) -> Result<DecodePlans<B>> {
         let z = self.layout.dims;
         let group_rows = KeyRanges::causal_group_rows(z.nh / z.nkv);

@@ -10,6 +10,8 @@ use super::ranges::KeyRanges;
 use super::AttnShape;
 use crate::device::gpu::Gpu;
 use crate::device::profile;
+use crate::device::staging::UploadRing;
+use crate::ops::bytes_of;
 use crate::ops::constants::{DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
 use crate::ops::sources::{attention_source, ATTENTION_HEAD_DIMS};
 use crate::{Error, Result};
@@ -47,13 +49,31 @@ impl DeviceKeyRanges {
         (words, kv_at)
     }
 
-    /// Uploads `plan` (one host-to-device copy: a decode step uploads its plans each step).
+    /// Uploads `plan` in one copy from pageable memory (it waits for the work queued before it).
     pub fn upload(stream: &Arc<CudaStream>, plan: &KeyRanges) -> Result<Self> {
         let (words, kv_at) = Self::words(plan);
         let data = stream.clone_htod(&words).map_err(gpu_err("upload an attention plan"))?;
+        Ok(Self::over(stream, plan, data, kv_at))
+    }
+
+    /// [`DeviceKeyRanges::upload`] staged through `ring`: queued without waiting for the work
+    /// before it (a decode step's plans); from pageable memory when larger than a slot.
+    pub fn upload_staged(stream: &Arc<CudaStream>, plan: &KeyRanges, ring: &mut UploadRing) -> Result<Self> {
+        let (words, kv_at) = Self::words(plan);
+        // SAFETY: written by the copy below before any kernel reads it (stream order).
+        let mut data = unsafe { stream.alloc::<u32>(words.len()) }.map_err(gpu_err("allocate an attention plan"))?;
+        let dst = data.device_ptr(stream).0;
+        // SAFETY: `data` holds the words and is freed in stream order, after the copy.
+        if !unsafe { ring.upload(stream, dst, bytes_of(&words))? } {
+            stream.memcpy_htod(&words, &mut data).map_err(gpu_err("upload an attention plan"))?;
+        }
+        Ok(Self::over(stream, plan, data, kv_at))
+    }
+
+    fn over(stream: &Arc<CudaStream>, plan: &KeyRanges, data: CudaSlice<u32>, kv_at: usize) -> Self {
         let base = data.device_ptr(stream).0;
         let kv_ranges = base + (kv_at * std::mem::size_of::<u32>()) as u64;
-        Ok(DeviceKeyRanges { plan: plan.clone(), _data: data, groups: base, kv_ranges })
+        DeviceKeyRanges { plan: plan.clone(), _data: data, groups: base, kv_ranges }
     }
 
     /// The plan's scalar kernel arguments.
