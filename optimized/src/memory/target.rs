@@ -125,8 +125,9 @@ impl TargetLayerWeights {
 /// The attention half of a layer's scratch (overlaid with [`MlpScratch`]).
 #[derive(Clone, Copy, Debug)]
 pub struct AttnScratch {
-    pub q_pre: Region,
-    pub k_pre: Region,
+    /// The projections before the head norms and RoPE: the stacked `[t, qd + 2 kd]` rows of one
+    /// pass over stacked weights, else q `[t, qd]` then k `[t, kd]`.
+    pub qkv_pre: Region,
     pub v: Region,
     pub q: Region,
     pub k: Region,
@@ -295,8 +296,7 @@ impl TargetLayout {
                 let mut s =
                     |what: &str, dims: &[usize], w: u64| ar.take("target attention scratch", Layer, what, dims, w);
                 Ok(AttnScratch {
-                    q_pre: s("q_pre", &[t, z.qd], e)?,
-                    k_pre: s("k_pre", &[t, z.kd], e)?,
+                    qkv_pre: s("qkv_pre", &[t, z.qd + 2 * z.kd], e)?,
                     v: s("v", &[t, z.kd], e)?,
                     q: s("q", &[t, z.qd], e)?,
                     k: s("k", &[t, z.kd], e)?,

@@ -343,23 +343,22 @@ impl<B: Backend> TargetForward<B> {
                 }
                 _ => (at(s.k), at(s.v)),
             };
-            // Where q_pre holds the launch's rows of [q | k | v] (batch-1 decoding and verify
-            // blocks; q_pre holds T rows of q, so t <= T qd / (qd + 2 kd)): q, k and v in one pass
-            // over the stacked weights, q and k read in place by their head norms, v copied into
-            // its cache. Else (long launches) three projections.
-            let width = z.qd + 2 * z.kd;
-            let stacked = w.qkv_stacked() && s.q_pre.bytes >= (t * width) as u64 * e;
+            // Over stacked weights, q, k and v in one pass: q and k read in place by their head
+            // norms, v copied to where attention reads it. Else three projections.
+            let (width, pre) = (z.qd + 2 * z.kd, at(s.qkv_pre));
+            let stacked = w.qkv_stacked();
             let (q_pre, k_pre) = if stacked {
-                self.dev.linear(xn, t, z.h, at(w.q), width, at(s.q_pre), 0.0)?;
+                self.dev.linear(xn, t, z.h, at(w.q), width, pre, 0.0)?;
                 let kd = z.kd * e as usize;
-                let v_cols = Pitched { addr: at(s.q_pre) + ((z.qd + z.kd) as u64) * e, pitch: width * e as usize };
+                let v_cols = Pitched { addr: pre + ((z.qd + z.kd) as u64) * e, pitch: width * e as usize };
                 self.dev.copy_strided(Pitched { addr: v, pitch: kd }, v_cols, kd, t)?;
-                (at(s.q_pre), at(s.q_pre) + z.qd as u64 * e)
+                (pre, pre + z.qd as u64 * e)
             } else {
-                self.dev.linear(xn, t, z.h, at(w.q), z.qd, at(s.q_pre), 0.0)?;
-                self.dev.linear(xn, t, z.h, at(w.k), z.kd, at(s.k_pre), 0.0)?;
+                let k_pre = pre + (t * z.qd) as u64 * e;
+                self.dev.linear(xn, t, z.h, at(w.q), z.qd, pre, 0.0)?;
+                self.dev.linear(xn, t, z.h, at(w.k), z.kd, k_pre, 0.0)?;
                 self.dev.linear(xn, t, z.h, at(w.v), z.kd, v, 0.0)?;
-                (at(s.q_pre), at(s.k_pre))
+                (pre, k_pre)
             };
             let sides = [(q_pre, w.q_norm, at(s.q), s.inv_q, z.nh), (k_pre, w.k_norm, k, s.inv_k, z.nkv)];
             for (pre, norm, out, inv, heads) in sides {

@@ -8,8 +8,8 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_WARPS, MAX_CHUNKS_PER_THREAD,
-    MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
+    ELEMENTWISE_CTAS, GRAD_PARTS, HEAD_ROWS_PER_WARP, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_WARPS,
+    MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
 use crate::{Error, Result};
@@ -96,6 +96,13 @@ impl ElementwiseKernels {
 
     fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
         LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// The forward head kernels' grid: `HEAD_ROWS_PER_WARP` of the `rows` (token, head) rows a
+    /// warp.
+    fn head_rows_cfg(rows: usize) -> LaunchConfig {
+        let per_cta = (ROW_THREADS / 32) * HEAD_ROWS_PER_WARP as u32;
+        LaunchConfig { grid_dim: (grid(rows, per_cta), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
     }
 
     pub(crate) fn elementwise_cfg(n: usize) -> LaunchConfig {
@@ -244,10 +251,7 @@ impl ElementwiseOps for ElementwiseKernels {
         let mut b = self.stream.launch_builder(&self.head_norm_rope_forward);
         let xr = i32_of("x row", x_row)?;
         b.arg(&x).arg(&w).arg(&cos).arg(&sin).arg(&y).arg(&inv).arg(&t).arg(&h).arg(&dd).arg(&xr).arg(&eps);
-        let warps = ROW_THREADS / 32;
-        let cfg =
-            LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        self.launch("head_norm_rope_forward", b, cfg)
+        self.launch("head_norm_rope_forward", b, Self::head_rows_cfg(rows))
     }
 
     fn rope_forward(&self, x: u64, x_row: usize, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
@@ -262,10 +266,7 @@ impl ElementwiseOps for ElementwiseKernels {
         let mut b = self.stream.launch_builder(&self.rope_forward);
         let xr = i32_of("x row", x_row)?;
         b.arg(&x).arg(&cos).arg(&sin).arg(&y).arg(&t).arg(&h).arg(&dd).arg(&xr);
-        let warps = ROW_THREADS / 32;
-        let cfg =
-            LaunchConfig { grid_dim: (grid(rows, warps), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
-        self.launch("rope_forward", b, cfg)
+        self.launch("rope_forward", b, Self::head_rows_cfg(rows))
     }
 
     fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()> {

@@ -160,62 +160,91 @@ __device__ __forceinline__ void store_lane(bf16* row, int lane, int per_lane, co
         if (2 * k < per_lane) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
 }
 
+// One lane's `per_lane` consecutive fp32 values of a table row (RoPE's cos or sin of a token).
+__device__ __forceinline__ void load_table_lane(const float* __restrict__ row, int lane, int per_lane, float* v) {
+#pragma unroll
+    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+        if (k < per_lane) v[k] = row[lane * per_lane + k];
+}
+
 // Neox RoPE of one lane's values `v` (its `per_lane` consecutive elements of a head of d =
 // WARP * per_lane; the partner half comes from lane ^ WARP/2): out = v*cos + rotate_half(v)*sin
-// with cos/sin the token's table rows [d]. Every lane of the warp calls it.
-__device__ __forceinline__ void rope_lane(const float* v, const float* __restrict__ cos_row,
-                                          const float* __restrict__ sin_row, int lane, int per_lane, float* out) {
+// with c, s the lane's values of the token's cos/sin rows. Every lane of the warp calls it.
+__device__ __forceinline__ void rope_lane(const float* v, const float* c, const float* s, int lane, int per_lane,
+                                          float* out) {
     const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
 #pragma unroll
     for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
         const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
-        if (k < per_lane) {
-            const int at = lane * per_lane + k;
-            out[k] = v[k] * cos_row[at] + sign * partner * sin_row[at];
+        if (k < per_lane) out[k] = v[k] * c[k] + sign * partner * s[k];
+    }
+}
+
+// The forward head kernels' body: HEAD_ROWS_PER_WARP (token, head) rows per warp, every row's x
+// and its token's cos/sin loaded before any arithmetic, so that a warp has all its rows' loads
+// in flight at once (one row a warp, a warp waited for its row, then for its tables). Per row:
+// with NORM, RMSNorm over the head dim (x * w / sqrt(mean(x^2) + eps), inv = the reciprocal),
+// then RoPE. Rows past the last (the grid's tail) load the last row again and store nothing.
+// x [T, heads, d] (token t's heads at x + t * x_row), w [d], cos/sin [T, d] (fp32)
+// -> y [T, heads, d], inv [T*heads] (NORM).
+template <bool NORM>
+__device__ __forceinline__ void norm_rope_rows(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                               bf16* __restrict__ y, float* __restrict__ inv, int tokens, int heads,
+                                               int d, int x_row, float eps) {
+    constexpr int R = HEAD_ROWS_PER_WARP;
+    const int rows = tokens * heads, per_lane = d / WARP, lane = threadIdx.x % WARP;
+    const int row0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * R;
+    if (row0 >= rows) return;  // the whole warp: every lane has the same row0
+    float v[R][MAX_HEAD_LANE_ELEMS], c[R][MAX_HEAD_LANE_ELEMS], s[R][MAX_HEAD_LANE_ELEMS];
+    float wv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row = min(row0 + r, rows - 1);
+        load_lane(x + (size_t)(row / heads) * x_row + (size_t)(row % heads) * d, lane, per_lane, v[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const size_t t = min(row0 + r, rows - 1) / heads;
+        load_table_lane(cos_t + t * d, lane, per_lane, c[r]);
+        load_table_lane(sin_t + t * d, lane, per_lane, s[r]);
+    }
+    if (NORM) load_lane(w, lane, per_lane, wv);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float scale = 1.f;
+        if (NORM) {
+            float ss = 0.f;
+#pragma unroll
+            for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+                if (k < per_lane) ss += v[r][k] * v[r][k];
+            scale = 1.f / sqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+            for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
+                if (k < per_lane) v[r][k] *= scale * wv[k];
+        }
+        rope_lane(v[r], c[r], s[r], lane, per_lane, out);
+        const int row = row0 + r;
+        if (row < rows) {
+            store_lane(y + (size_t)row * d, lane, per_lane, out);
+            if (NORM && lane == 0) inv[row] = scale;
         }
     }
 }
 
-// Twin: twin.rs head_norm_rope_forward (RMSNorm over the head dim, then RoPE). One warp
-// per (token, head) row.
-// x [T, heads, d] (token t's heads at x + t * x_row), w [d], cos/sin [T, d] (fp32)
-// -> y [T, heads, d], inv [T*heads].
+// Twin: twin.rs head_norm_rope_forward (RMSNorm over the head dim, then RoPE): norm_rope_rows.
 extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                   const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                                   bf16* __restrict__ y, float* __restrict__ inv, int tokens, int heads,
                                                   int d, int x_row, float eps) {
-    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    if (row >= tokens * heads) return;
-    const int t = row / heads, per_lane = d / WARP;
-    float v[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
-    load_lane(x + (size_t)t * x_row + (size_t)(row % heads) * d, lane, per_lane, v);
-    load_lane(w, lane, per_lane, wv);
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-        if (k < per_lane) ss += v[k] * v[k];
-    const float r = 1.f / sqrtf(warp_sum(ss) / d + eps);
-#pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-        if (k < per_lane) v[k] *= r * wv[k];
-    rope_lane(v, cos_t + (size_t)t * d, sin_t + (size_t)t * d, lane, per_lane, out);
-    store_lane(y + (size_t)row * d, lane, per_lane, out);
-    if (lane == 0) inv[row] = r;
+    norm_rope_rows<true>(x, w, cos_t, sin_t, y, inv, tokens, heads, d, x_row, eps);
 }
 
-// Twin: twin.rs rope_forward (RoPE alone, for targets without q/k norms). One warp per
-// (token, head) row. x [T, heads, d] (token t's heads at x + t * x_row), cos/sin [T, d] (fp32)
-// -> y [T, heads, d].
+// Twin: twin.rs rope_forward (RoPE alone, for targets without q/k norms): norm_rope_rows.
 extern "C" __global__ void rope_forward(const bf16* __restrict__ x, const float* __restrict__ cos_t,
                                         const float* __restrict__ sin_t, bf16* __restrict__ y, int tokens, int heads,
                                         int d, int x_row) {
-    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    if (row >= tokens * heads) return;
-    const int t = row / heads, per_lane = d / WARP;
-    float v[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
-    load_lane(x + (size_t)t * x_row + (size_t)(row % heads) * d, lane, per_lane, v);
-    rope_lane(v, cos_t + (size_t)t * d, sin_t + (size_t)t * d, lane, per_lane, out);
-    store_lane(y + (size_t)row * d, lane, per_lane, out);
+    norm_rope_rows<false>(x, nullptr, cos_t, sin_t, y, nullptr, tokens, heads, d, x_row, 0.f);
 }
 
 // Twin: twin.rs head_norm_rope_backward (through RoPE, then the head RMSNorm). Warps
