@@ -16,9 +16,10 @@ pub const VEC: usize = 8;
 pub const MAX_CHUNKS_PER_THREAD: usize = 4;
 /// Elements one lane of a head kernel keeps: head dims of at most this many x 32.
 pub const MAX_HEAD_LANE_ELEMS: usize = 8;
-/// (token, head) rows a warp of the forward head kernels (`head_norm_rope_forward`,
-/// `rope_forward`) takes, their loads in flight together.
-pub const HEAD_ROWS_PER_WARP: usize = 4;
+/// Values of x a lane of the forward head kernels (`head_norm_rope_forward`, `rope_forward`)
+/// holds, its warp's rows' loads in flight together: a warp takes `HEAD_LANE_VALUES / (d / 32)`
+/// (token, head) rows (4 at d = 128).
+pub const HEAD_LANE_VALUES: usize = 16;
 /// Threads per CTA of the row kernels (`rms_norm_*`, `ce_grad_rows`, copies).
 pub const ROW_THREADS: u32 = 256;
 /// CTAs of the kernels that reduce a parameter gradient into per-CTA partials: the number of
@@ -71,7 +72,7 @@ pub fn prelude() -> String {
         ("VEC", VEC),
         ("MAX_CHUNKS_PER_THREAD", MAX_CHUNKS_PER_THREAD),
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),
-        ("HEAD_ROWS_PER_WARP", HEAD_ROWS_PER_WARP),
+        ("HEAD_LANE_VALUES", HEAD_LANE_VALUES),
         ("LINEAR_ROWS", LINEAR_ROWS),
         ("LINEAR_ROWS_WARPS", LINEAR_ROWS_WARPS),
         ("LINEAR_ROWS_CHAINS", LINEAR_ROWS_CHAINS),

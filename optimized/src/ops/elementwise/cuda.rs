@@ -8,7 +8,7 @@ use super::{AdamWArgs, AdamWBuffers, CeRows, ElementwiseOps, HeadNormRope, HeadN
 use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::ops::constants::{
-    ELEMENTWISE_CTAS, GRAD_PARTS, HEAD_ROWS_PER_WARP, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_WARPS,
+    ELEMENTWISE_CTAS, GRAD_PARTS, HEAD_LANE_VALUES, LINEAR_ROWS, LINEAR_ROWS_COLUMNS, LINEAR_ROWS_WARPS,
     MAX_CHUNKS_PER_THREAD, MAX_HEAD_LANE_ELEMS, ROW_THREADS, VEC,
 };
 use crate::ops::sources::elementwise_source;
@@ -98,10 +98,10 @@ impl ElementwiseKernels {
         LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
     }
 
-    /// The forward head kernels' grid: `HEAD_ROWS_PER_WARP` of the `rows` (token, head) rows a
-    /// warp.
-    fn head_rows_cfg(rows: usize) -> LaunchConfig {
-        let per_cta = (ROW_THREADS / 32) * HEAD_ROWS_PER_WARP as u32;
+    /// The forward head kernels' grid over `rows` (token, head) rows of `d`: `HEAD_LANE_VALUES
+    /// / (d / 32)` rows a warp.
+    fn head_rows_cfg(rows: usize, d: usize) -> LaunchConfig {
+        let per_cta = (ROW_THREADS / 32) * (HEAD_LANE_VALUES / (d / 32)) as u32;
         LaunchConfig { grid_dim: (grid(rows, per_cta), 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
     }
 
@@ -251,7 +251,7 @@ impl ElementwiseOps for ElementwiseKernels {
         let mut b = self.stream.launch_builder(&self.head_norm_rope_forward);
         let xr = i32_of("x row", x_row)?;
         b.arg(&x).arg(&w).arg(&cos).arg(&sin).arg(&y).arg(&inv).arg(&t).arg(&h).arg(&dd).arg(&xr).arg(&eps);
-        self.launch("head_norm_rope_forward", b, Self::head_rows_cfg(rows))
+        self.launch("head_norm_rope_forward", b, Self::head_rows_cfg(rows, d))
     }
 
     fn rope_forward(&self, x: u64, x_row: usize, cos: u64, sin: u64, y: u64, dims: Heads) -> Result<()> {
@@ -266,7 +266,7 @@ impl ElementwiseOps for ElementwiseKernels {
         let mut b = self.stream.launch_builder(&self.rope_forward);
         let xr = i32_of("x row", x_row)?;
         b.arg(&x).arg(&cos).arg(&sin).arg(&y).arg(&t).arg(&h).arg(&dd).arg(&xr);
-        self.launch("rope_forward", b, Self::head_rows_cfg(rows))
+        self.launch("rope_forward", b, Self::head_rows_cfg(rows, d))
     }
 
     fn head_norm_rope_backward(&self, g: HeadNormRopeGrad, dx: u64, dw: u64, partial: u64, dims: Heads) -> Result<()> {

@@ -141,11 +141,13 @@ extern "C" __global__ void column_sum(const float* __restrict__ partial, bf16* _
 
 // Lane `lane` of a head row holds its `per_lane = d / 32` contiguous elements from `lane * per_lane`:
 // loaded and stored as bf16 pairs (d a multiple of 64, so per_lane is even); the RoPE partner of
-// element i (i +- d/2) sits in lane `lane ^ 16` at the same position.
+// element i (i +- d/2) sits in lane `lane ^ 16` at the same position. N: the lane arrays' length
+// (per_lane itself where a kernel is made per head dim, else MAX_HEAD_LANE_ELEMS).
+template <int N = MAX_HEAD_LANE_ELEMS>
 __device__ __forceinline__ void load_lane(const bf16* row, int lane, int per_lane, float* v) {
     const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(row + lane * per_lane);
 #pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS / 2; ++k)
+    for (int k = 0; k < N / 2; ++k)
         if (2 * k < per_lane) {
             const float2 f = __bfloat1622float2(p[k]);
             v[2 * k] = f.x;
@@ -153,82 +155,84 @@ __device__ __forceinline__ void load_lane(const bf16* row, int lane, int per_lan
         }
 }
 
+template <int N = MAX_HEAD_LANE_ELEMS>
 __device__ __forceinline__ void store_lane(bf16* row, int lane, int per_lane, const float* v) {
     __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(row + lane * per_lane);
 #pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS / 2; ++k)
+    for (int k = 0; k < N / 2; ++k)
         if (2 * k < per_lane) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
 }
 
-// One lane's `per_lane` consecutive fp32 values of a table row (RoPE's cos or sin of a token).
-__device__ __forceinline__ void load_table_lane(const float* __restrict__ row, int lane, int per_lane, float* v) {
-#pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-        if (k < per_lane) v[k] = row[lane * per_lane + k];
-}
-
-// Neox RoPE of one lane's values `v` (its `per_lane` consecutive elements of a head of d =
-// WARP * per_lane; the partner half comes from lane ^ WARP/2): out = v*cos + rotate_half(v)*sin
-// with c, s the lane's values of the token's cos/sin rows. Every lane of the warp calls it.
-__device__ __forceinline__ void rope_lane(const float* v, const float* c, const float* s, int lane, int per_lane,
-                                          float* out) {
-    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
-#pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
-        const float partner = __shfl_xor_sync(0xffffffffu, v[k], WARP / 2);
-        if (k < per_lane) out[k] = v[k] * c[k] + sign * partner * s[k];
-    }
-}
-
-// The forward head kernels' body: HEAD_ROWS_PER_WARP (token, head) rows per warp, every row's x
-// and its token's cos/sin loaded before any arithmetic, so that a warp has all its rows' loads
-// in flight at once (one row a warp, a warp waited for its row, then for its tables). Per row:
-// with NORM, RMSNorm over the head dim (x * w / sqrt(mean(x^2) + eps), inv = the reciprocal),
-// then RoPE. Rows past the last (the grid's tail) load the last row again and store nothing.
+// The forward head kernels' body for heads of d = 32 N: HEAD_LANE_VALUES / N (token, head) rows a
+// warp (4 at d = 128), every row's x loaded (and its token's cos/sin rows prefetched to L1) before any
+// arithmetic, so that a warp has all its rows' loads in flight at once (one row a warp waited for
+// its row, then for its tables). Per row: with NORM, RMSNorm over the head dim (x * w /
+// sqrt(mean(x^2) + eps), inv = the reciprocal), then neox RoPE (out = v*cos + rotate_half(v)*sin,
+// the partner half from lane ^ 16). Rows past the last (the grid's tail) load the last row again
+// and store nothing.
 // x [T, heads, d] (token t's heads at x + t * x_row), w [d], cos/sin [T, d] (fp32)
 // -> y [T, heads, d], inv [T*heads] (NORM).
-template <bool NORM>
+template <bool NORM, int N>
 __device__ __forceinline__ void norm_rope_rows(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                                bf16* __restrict__ y, float* __restrict__ inv, int tokens, int heads,
-                                               int d, int x_row, float eps) {
-    constexpr int R = HEAD_ROWS_PER_WARP;
-    const int rows = tokens * heads, per_lane = d / WARP, lane = threadIdx.x % WARP;
+                                               int x_row, float eps) {
+    constexpr int R = HEAD_LANE_VALUES / N, D = N * WARP;
+    const int rows = tokens * heads, lane = threadIdx.x % WARP;
     const int row0 = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * R;
     if (row0 >= rows) return;  // the whole warp: every lane has the same row0
-    float v[R][MAX_HEAD_LANE_ELEMS], c[R][MAX_HEAD_LANE_ELEMS], s[R][MAX_HEAD_LANE_ELEMS];
-    float wv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
+    float v[R][N];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int row = min(row0 + r, rows - 1);
-        load_lane(x + (size_t)(row / heads) * x_row + (size_t)(row % heads) * d, lane, per_lane, v[r]);
+        load_lane<N>(x + (size_t)(row / heads) * x_row + (size_t)(row % heads) * D, lane, N, v[r]);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const size_t t = min(row0 + r, rows - 1) / heads;
-        load_table_lane(cos_t + t * d, lane, per_lane, c[r]);
-        load_table_lane(sin_t + t * d, lane, per_lane, s[r]);
+        const size_t at = (size_t)(min(row0 + r, rows - 1) / heads) * D + lane * N;
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(cos_t + at));
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(sin_t + at));
     }
-    if (NORM) load_lane(w, lane, per_lane, wv);
+    float wv[N];
+    if (NORM) load_lane<N>(w, lane, N, wv);
+    const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         float scale = 1.f;
         if (NORM) {
             float ss = 0.f;
 #pragma unroll
-            for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-                if (k < per_lane) ss += v[r][k] * v[r][k];
-            scale = 1.f / sqrtf(warp_sum(ss) / d + eps);
+            for (int k = 0; k < N; ++k) ss += v[r][k] * v[r][k];
+            scale = 1.f / sqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
-            for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-                if (k < per_lane) v[r][k] *= scale * wv[k];
+            for (int k = 0; k < N; ++k) v[r][k] *= scale * wv[k];
         }
-        rope_lane(v[r], c[r], s[r], lane, per_lane, out);
-        const int row = row0 + r;
-        if (row < rows) {
-            store_lane(y + (size_t)row * d, lane, per_lane, out);
-            if (NORM && lane == 0) inv[row] = scale;
+        const int row = min(row0 + r, rows - 1);
+        const float* c = cos_t + (size_t)(row / heads) * D + lane * N;
+        const float* s = sin_t + (size_t)(row / heads) * D + lane * N;
+        float out[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const float partner = __shfl_xor_sync(0xffffffffu, v[r][k], WARP / 2);
+            out[k] = v[r][k] * c[k] + sign * partner * s[k];
         }
+        if (row0 + r < rows) {
+            store_lane<N>(y + (size_t)(row0 + r) * D, lane, N, out);
+            if (NORM && lane == 0) inv[row0 + r] = scale;
+        }
+    }
+}
+
+// norm_rope_rows for the head dim d (64, 128, 192 or 256: checked by the launchers).
+template <bool NORM>
+__device__ __forceinline__ void norm_rope_rows_of(const bf16* x, const bf16* w, const float* cos_t,
+                                                  const float* sin_t, bf16* y, float* inv, int tokens, int heads,
+                                                  int d, int x_row, float eps) {
+    switch (d / WARP) {
+        case 2: norm_rope_rows<NORM, 2>(x, w, cos_t, sin_t, y, inv, tokens, heads, x_row, eps); break;
+        case 4: norm_rope_rows<NORM, 4>(x, w, cos_t, sin_t, y, inv, tokens, heads, x_row, eps); break;
+        case 6: norm_rope_rows<NORM, 6>(x, w, cos_t, sin_t, y, inv, tokens, heads, x_row, eps); break;
+        case 8: norm_rope_rows<NORM, 8>(x, w, cos_t, sin_t, y, inv, tokens, heads, x_row, eps); break;
     }
 }
 
@@ -237,14 +241,14 @@ extern "C" __global__ void head_norm_rope_forward(const bf16* __restrict__ x, co
                                                   const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                                   bf16* __restrict__ y, float* __restrict__ inv, int tokens, int heads,
                                                   int d, int x_row, float eps) {
-    norm_rope_rows<true>(x, w, cos_t, sin_t, y, inv, tokens, heads, d, x_row, eps);
+    norm_rope_rows_of<true>(x, w, cos_t, sin_t, y, inv, tokens, heads, d, x_row, eps);
 }
 
 // Twin: twin.rs rope_forward (RoPE alone, for targets without q/k norms): norm_rope_rows.
 extern "C" __global__ void rope_forward(const bf16* __restrict__ x, const float* __restrict__ cos_t,
                                         const float* __restrict__ sin_t, bf16* __restrict__ y, int tokens, int heads,
                                         int d, int x_row) {
-    norm_rope_rows<false>(x, nullptr, cos_t, sin_t, y, nullptr, tokens, heads, d, x_row, 0.f);
+    norm_rope_rows_of<false>(x, nullptr, cos_t, sin_t, y, nullptr, tokens, heads, d, x_row, 0.f);
 }
 
 // Twin: twin.rs head_norm_rope_backward (through RoPE, then the head RMSNorm). Warps
