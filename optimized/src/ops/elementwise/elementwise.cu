@@ -139,28 +139,25 @@ extern "C" __global__ void column_sum(const float* __restrict__ partial, bf16* _
     out[i] = to_bf(s);
 }
 
-// Lane `lane` of a head row holds its `per_lane = d / 32` contiguous elements from `lane * per_lane`:
-// loaded and stored as bf16 pairs (d a multiple of 64, so per_lane is even); the RoPE partner of
-// element i (i +- d/2) sits in lane `lane ^ 16` at the same position. N: the lane arrays' length
-// (per_lane itself where a kernel is made per head dim, else MAX_HEAD_LANE_ELEMS).
-template <int N = MAX_HEAD_LANE_ELEMS>
-__device__ __forceinline__ void load_lane(const bf16* row, int lane, int per_lane, float* v) {
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(row + lane * per_lane);
+// Lane `lane` of a head row of d = 32 N holds its N contiguous elements from `lane * N`: loaded
+// and stored as bf16 pairs (d a multiple of 64, so N is even); the RoPE partner of element i
+// (i +- d/2) sits in lane `lane ^ 16` at the same position.
+template <int N>
+__device__ __forceinline__ void load_lane(const bf16* row, int lane, float* v) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(row + lane * N);
 #pragma unroll
-    for (int k = 0; k < N / 2; ++k)
-        if (2 * k < per_lane) {
-            const float2 f = __bfloat1622float2(p[k]);
-            v[2 * k] = f.x;
-            v[2 * k + 1] = f.y;
-        }
+    for (int k = 0; k < N / 2; ++k) {
+        const float2 f = __bfloat1622float2(p[k]);
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+    }
 }
 
-template <int N = MAX_HEAD_LANE_ELEMS>
-__device__ __forceinline__ void store_lane(bf16* row, int lane, int per_lane, const float* v) {
-    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(row + lane * per_lane);
+template <int N>
+__device__ __forceinline__ void store_lane(bf16* row, int lane, const float* v) {
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(row + lane * N);
 #pragma unroll
-    for (int k = 0; k < N / 2; ++k)
-        if (2 * k < per_lane) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+    for (int k = 0; k < N / 2; ++k) p[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
 }
 
 // The forward head kernels' body for heads of d = 32 N: HEAD_LANE_VALUES / N (token, head) rows a
@@ -185,7 +182,7 @@ __device__ __forceinline__ void norm_rope_rows(const bf16* __restrict__ x, const
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int row = min(row0 + r, rows - 1);
-        load_lane<N>(x + (size_t)(row / heads) * x_row + (size_t)(row % heads) * D, lane, N, v[r]);
+        load_lane<N>(x + (size_t)(row / heads) * x_row + (size_t)(row % heads) * D, lane, v[r]);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -194,7 +191,7 @@ __device__ __forceinline__ void norm_rope_rows(const bf16* __restrict__ x, const
         asm volatile("prefetch.global.L1 [%0];" ::"l"(sin_t + at));
     }
     float wv[N];
-    if (NORM) load_lane<N>(w, lane, N, wv);
+    if (NORM) load_lane<N>(w, lane, wv);
     const float sign = lane < WARP / 2 ? -1.f : 1.f;  // rotate_half: [-x2, x1]
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -217,7 +214,7 @@ __device__ __forceinline__ void norm_rope_rows(const bf16* __restrict__ x, const
             out[k] = v[r][k] * c[k] + sign * partner * s[k];
         }
         if (row0 + r < rows) {
-            store_lane<N>(y + (size_t)(row0 + r) * D, lane, N, out);
+            store_lane<N>(y + (size_t)(row0 + r) * D, lane, out);
             if (NORM && lane == 0) inv[row0 + r] = scale;
         }
     }
@@ -251,8 +248,74 @@ extern "C" __global__ void rope_forward(const bf16* __restrict__ x, const float*
     norm_rope_rows_of<false>(x, nullptr, cos_t, sin_t, y, nullptr, tokens, heads, d, x_row, 0.f);
 }
 
-// Twin: twin.rs head_norm_rope_backward (through RoPE, then the head RMSNorm). Warps
-// take rows in a grid-stride loop; dx may alias dy.
+// head_norm_rope_backward for heads of d = 32 N. Warp w of the grid takes rows w, w + stride,
+// ... (stride: the grid's warps), HEAD_LANE_VALUES / (2 N) of them at a time (2 at d = 128)
+// with all their loads in flight before any arithmetic, and adds each row's dw in row order
+// (the same order, so the same bits, whatever the number at a time); cta_dw: shared [d].
+template <int N>
+__device__ __forceinline__ void head_norm_rope_backward_rows(const bf16* dy, const bf16* __restrict__ x,
+                                                             const bf16* __restrict__ w,
+                                                             const float* __restrict__ inv,
+                                                             const float* __restrict__ cos_t,
+                                                             const float* __restrict__ sin_t, bf16* dx,
+                                                             float* __restrict__ dw_partial, int tokens, int heads,
+                                                             float* cta_dw) {
+    constexpr int R = HEAD_LANE_VALUES / (2 * N) > 0 ? HEAD_LANE_VALUES / (2 * N) : 1, D = N * WARP;
+    const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP, rows = tokens * heads;
+    const int first = lane * N, stride = gridDim.x * warps;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) cta_dw[i] = 0.f;
+    __syncthreads();
+    float acc[N], wv[N];
+    load_lane<N>(w, lane, wv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) acc[k] = 0.f;
+    const float sign = lane < WARP / 2 ? 1.f : -1.f;  // rotate_half^T: [u2, -u1]
+    for (int row0 = blockIdx.x * warps + threadIdx.x / WARP; row0 < rows; row0 += R * stride) {
+        float g[R][N], xv[R][N];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = min(row0 + r * stride, rows - 1);
+            load_lane<N>(dy + (size_t)row * D, lane, g[r]);
+            load_lane<N>(x + (size_t)row * D, lane, xv[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = row0 + r * stride;
+            if (row >= rows) break;  // the whole warp: rows are per warp
+            const size_t at = (size_t)(row / heads) * D + first;
+            // dxn = dy*cos + rotate_half^T(dy*sin): the gradient of the normed, pre-RoPE values.
+            float dot = 0.f, out[N];
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                const float u = g[r][k] * sin_t[at + k];
+                const float partner = __shfl_xor_sync(0xffffffffu, u, WARP / 2);
+                g[r][k] = g[r][k] * cos_t[at + k] + sign * partner;
+                dot += g[r][k] * wv[k] * xv[r][k];
+            }
+            const float ri = inv[row];
+            const float coeff = ri * ri * ri * warp_sum(dot) / D;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                acc[k] += g[r][k] * xv[r][k] * ri;
+                out[k] = ri * g[r][k] * wv[k] - xv[r][k] * coeff;
+            }
+            store_lane<N>(dx + (size_t)row * D, lane, out);
+        }
+    }
+    // Lanes of different warps hold the same columns: add them in shared memory in warp order.
+    for (int wi = 0; wi < warps; ++wi) {
+        if (threadIdx.x / WARP == wi) {
+#pragma unroll
+            for (int k = 0; k < N; ++k) cta_dw[first + k] += acc[k];
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < D; i += blockDim.x) dw_partial[(size_t)blockIdx.x * D + i] = cta_dw[i];
+}
+
+// Twin: twin.rs head_norm_rope_backward (through RoPE, then the head RMSNorm):
+// head_norm_rope_backward_rows for the head dim d (64, 128, 192 or 256: checked by the launcher);
+// dx may alias dy.
 // dy, x [T, heads, d] (x before the norm), w [d], inv [T*heads], cos/sin [T, d]
 // -> dx [T, heads, d], dw_partial [gridDim.x, d].
 extern "C" __global__ void head_norm_rope_backward(const bf16* dy, const bf16* __restrict__ x,
@@ -261,52 +324,12 @@ extern "C" __global__ void head_norm_rope_backward(const bf16* dy, const bf16* _
                                                    bf16* dx, float* __restrict__ dw_partial, int tokens, int heads,
                                                    int d) {
     __shared__ float cta_dw[MAX_HEAD_LANE_ELEMS * WARP];
-    const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
-    const int per_lane = d / WARP, first = lane * per_lane;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) cta_dw[i] = 0.f;
-    __syncthreads();
-    float acc[MAX_HEAD_LANE_ELEMS], wv[MAX_HEAD_LANE_ELEMS];
-    load_lane(w, lane, per_lane, wv);
-#pragma unroll
-    for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) acc[k] = 0.f;
-    const float sign = lane < WARP / 2 ? 1.f : -1.f;  // rotate_half^T: [u2, -u1]
-    for (int row = blockIdx.x * warps + threadIdx.x / WARP; row < tokens * heads; row += gridDim.x * warps) {
-        const int t = row / heads;
-        float g[MAX_HEAD_LANE_ELEMS], xv[MAX_HEAD_LANE_ELEMS], out[MAX_HEAD_LANE_ELEMS];
-        load_lane(dy + (size_t)row * d, lane, per_lane, g);
-        load_lane(x + (size_t)row * d, lane, per_lane, xv);
-        // dxn = dy*cos + rotate_half^T(dy*sin): the gradient of the normed, pre-RoPE values.
-        float dot = 0.f;
-#pragma unroll
-        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k) {
-            const size_t at = (size_t)t * d + first + (k < per_lane ? k : 0);
-            const float u = g[k] * sin_t[at];
-            const float partner = __shfl_xor_sync(0xffffffffu, u, WARP / 2);
-            if (k < per_lane) {
-                g[k] = g[k] * cos_t[at] + sign * partner;
-                dot += g[k] * wv[k] * xv[k];
-            }
-        }
-        const float r = inv[row];
-        const float coeff = r * r * r * warp_sum(dot) / d;
-#pragma unroll
-        for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-            if (k < per_lane) {
-                acc[k] += g[k] * xv[k] * r;
-                out[k] = r * g[k] * wv[k] - xv[k] * coeff;
-            }
-        store_lane(dx + (size_t)row * d, lane, per_lane, out);
+    switch (d / WARP) {
+        case 2: head_norm_rope_backward_rows<2>(dy, x, w, inv, cos_t, sin_t, dx, dw_partial, tokens, heads, cta_dw); break;
+        case 4: head_norm_rope_backward_rows<4>(dy, x, w, inv, cos_t, sin_t, dx, dw_partial, tokens, heads, cta_dw); break;
+        case 6: head_norm_rope_backward_rows<6>(dy, x, w, inv, cos_t, sin_t, dx, dw_partial, tokens, heads, cta_dw); break;
+        case 8: head_norm_rope_backward_rows<8>(dy, x, w, inv, cos_t, sin_t, dx, dw_partial, tokens, heads, cta_dw); break;
     }
-    // Lanes of different warps hold the same columns: add them in shared memory in warp order.
-    for (int wi = 0; wi < warps; ++wi) {
-        if (threadIdx.x / WARP == wi) {
-#pragma unroll
-            for (int k = 0; k < MAX_HEAD_LANE_ELEMS; ++k)
-                if (k < per_lane) cta_dw[first + k] += acc[k];
-        }
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < d; i += blockDim.x) dw_partial[(size_t)blockIdx.x * d + i] = cta_dw[i];
 }
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
