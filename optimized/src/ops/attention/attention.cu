@@ -382,15 +382,26 @@ __device__ __forceinline__ void frags_times_tile_t(float d[8][4], const u32 a[DK
     for (int kk = 0; kk < DK; kk++) wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, 64, kk), kk > 0);
 }
 
+// acc (64 x HEAD_DIM) += A (64 x 16, k-step kk, in registers) . tile rows 16kk..16kk+15.
+__device__ __forceinline__ void frag_times_tile_rows(float acc[DN][4], const u32 a[4], const bf16* tile, int kk) {
+#pragma unroll
+    for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, 64, kk, pn));
+}
+
 // acc (64 x HEAD_DIM) += P (64 x 64 in accumulator layout, rounded to bf16) . tile (64 x HEAD_DIM).
 __device__ __forceinline__ void regs_times_tile(float acc[DN][4], const float p[8][4], const bf16* tile) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
         u32 a[4];
         pack_a(a, p, kk);
-#pragma unroll
-        for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, 64, kk, pn));
+        frag_times_tile_rows(acc, a, tile, kk);
     }
+}
+
+// acc (64 x HEAD_DIM) += P (64 x 64, its four k-steps' A fragments pa, pack_a) . tile (64 x HEAD_DIM).
+__device__ __forceinline__ void frags_times_tile(float acc[DN][4], const u32 pa[4][4], const bf16* tile) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) frag_times_tile_rows(acc, pa[kk], tile, kk);
 }
 
 // Row rho of a group as (head hh, row r), rho = hh * R + r, through a float reciprocal of R:
@@ -504,8 +515,9 @@ __device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk&
     cp_async_commit();
 }
 
-// Walks the CTA's K/V tiles through the stage ring: body(t, tK, tV) for every tile t of this
-// warpgroup's own walk, once tile t has landed for the whole CTA; then waits for every load.
+// Walks the CTA's K/V tiles through the stage ring: body(t, own, tK, tV) for every tile t of the
+// CTA's walk once it has landed for the whole CTA (own: this warpgroup's walk visits it, uniform
+// across the warpgroup); then waits for every load.
 template <typename Body>
 __device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* sV, const bf16* k, const bf16* v,
                                               int num_keys, int nkv, int kh, Body body) {
@@ -515,8 +527,7 @@ __device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* s
         const int t = w.all.tile(i);
         kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
         land_tiles(i + 1 < n);
-        if (visits(w.own, t))  // uniform across the warpgroup
-            body(t, sK + (i % KV_STAGES) * TILE_K * HEAD_DIM, sV + (i % KV_STAGES) * TILE_K * HEAD_DIM);
+        body(t, visits(w.own, t), sK + (i % KV_STAGES) * TILE_K * HEAD_DIM, sV + (i % KV_STAGES) * TILE_K * HEAD_DIM);
     }
     cp_async_wait_all();
 }
@@ -541,17 +552,44 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV) {
+    // Up to head dim 128, odd warpgroups run half a tile behind the even ones: each of their
+    // tiles' P.V product waits for the next tile's landing barrier, where it runs while the even
+    // warpgroup computes that tile's scores, and their scores' product runs during the even one's
+    // softmax (the ring still holds a tile's V one tile later: KV_STAGES). The same products in
+    // the same order. (Above 128 the deferred fragments cost registers ptxas does not have: it
+    // serialises the wgmma, note C7512. The index is read through a shuffle from lane 0, which
+    // ptxas knows is warp-uniform: a branch on a thread index around wgmma serialises every
+    // wgmma of the kernel, note C7519.)
+    const bool behind =
+        HEAD_DIM <= 128 && __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128) % 2, 0) == 1;
+    u32 pa[4][4];                    // the deferred product's probabilities (bf16 A fragments)
+    const bf16* deferred = nullptr;  // its V tile
+    const auto product = [&]() {
+        wg_fence();
+        frags_times_tile(acc, pa, deferred);
+        wg_commit_wait();
+        deferred = nullptr;
+    };
+    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+        if (deferred) product();
+        if (!own) return;
         float s[TILE_K / 8][4];
         wg_fence();
         frags_times_tile_t(s, qa, tK);
         wg_commit_wait();
         if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
         online_softmax(s, acc, m, l, scale_log2);
-        wg_fence();
-        regs_times_tile(acc, s, tV);
-        wg_commit_wait();
+        if (behind) {
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) pack_a(pa[kk], s, kk);
+            deferred = tV;
+        } else {
+            wg_fence();
+            regs_times_tile(acc, s, tV);
+            wg_commit_wait();
+        }
     });
+    if (deferred) product();
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
 
@@ -580,7 +618,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
 #pragma unroll
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
-    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, const bf16* tK, const bf16* tV) {
+    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+        if (!own) return;
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         wg_fence();
         frags_times_tile_t(s, qa, tK);
