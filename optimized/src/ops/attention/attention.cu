@@ -517,16 +517,23 @@ __device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk&
 
 // Walks the CTA's K/V tiles through the stage ring: body(t, own, tK, tV) for every tile t of the
 // CTA's walk once it has landed for the whole CTA (own: this warpgroup's walk visits it, uniform
-// across the warpgroup); then waits for every load.
-template <typename Body>
+// across the warpgroup); then waits for every load. With V_LATE (a body reads tile i - 1's V
+// during tile i), tile i + 1 starts loading after tile i's landing barrier instead of before it:
+// its stage last held tile i - 2, which every thread finished before that barrier.
+template <bool V_LATE, typename Body>
 __device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* sV, const bf16* k, const bf16* v,
                                               int num_keys, int nkv, int kh, Body body) {
     const int n = w.all.count();
     kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
     for (int i = 0; i < n; i++) {
         const int t = w.all.tile(i);
-        kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
-        land_tiles(i + 1 < n);
+        if (V_LATE) {
+            land_tiles(0);
+            kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
+        } else {
+            kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
+            land_tiles(i + 1 < n);
+        }
         body(t, visits(w.own, t), sK + (i % KV_STAGES) * TILE_K * HEAD_DIM, sV + (i % KV_STAGES) * TILE_K * HEAD_DIM);
     }
     cp_async_wait_all();
@@ -555,8 +562,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     // Up to head dim 128, odd warpgroups run half a tile behind the even ones: each of their
     // tiles' P.V product waits for the next tile's landing barrier, where it runs while the even
     // warpgroup computes that tile's scores, and their scores' product runs during the even one's
-    // softmax (the ring still holds a tile's V one tile later: KV_STAGES). The same products in
-    // the same order. (Above 128 the deferred fragments cost registers ptxas does not have: it
+    // softmax (the ring still holds a tile's V one tile later: walk_kv_tiles' V_LATE). The same
+    // products in the same order. (Above 128 the deferred fragments cost registers ptxas does not have: it
     // serialises the wgmma, note C7512. The index is read through a shuffle from lane 0, which
     // ptxas knows is warp-uniform: a branch on a thread index around wgmma serialises every
     // wgmma of the kernel, note C7519.)
@@ -570,7 +577,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
         wg_commit_wait();
         deferred = nullptr;
     };
-    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+    walk_kv_tiles<(HEAD_DIM <= 128)>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
         if (deferred) product();
         if (!own) return;
         float s[TILE_K / 8][4];
@@ -618,7 +625,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
 #pragma unroll
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
-    walk_kv_tiles(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+    walk_kv_tiles<false>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
         if (!own) return;
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         wg_fence();
