@@ -469,6 +469,7 @@ __device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
 // KV_STAGES (3) K/V stages of the query-major kernels: tile i loads into stage (i + 1) % 3 while
 // tile i is computed; that stage last held tile i - 2, which every thread finished before passing
 // tile i - 1's landing barrier: one barrier per tile, and warpgroups may drift apart by a tile.
+// (Ping-pong, PINGPONG below: tile i + 1 loads after tile i's barrier instead, walk_kv_tiles.)
 
 // A CTA of the query-major kernels: a group of R * G rows takes ceil(R * G / 64) (at most
 // two) warpgroups, and a CTA holds blockDim.x / 128 warpgroups: one or two groups, which share
@@ -515,6 +516,43 @@ __device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk&
     cp_async_commit();
 }
 
+// Up to head dim 128 the query-major kernels run their odd warpgroups half a tile behind the
+// even ones (ping-pong): each of their tiles' last product (P.V, dS.K) waits for the next tile's
+// landing barrier, where it runs while the even warpgroup's first products of that tile run, and
+// their first products run during the even one's softmax; the ring still holds a tile one tile
+// later (walk_kv_tiles' V_LATE). The same products in the same order. Above 128 the deferred
+// fragments cost registers ptxas does not have (it serialises the wgmma, note C7512).
+#define PINGPONG (HEAD_DIM <= 128)
+
+// Whether this warpgroup runs behind. Read through a shuffle from lane 0, which ptxas knows is
+// warp-uniform: a branch on a thread index around wgmma serialises every wgmma of the kernel
+// (ptxas note C7519).
+__device__ __forceinline__ bool runs_behind() {
+    return PINGPONG && __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128) % 2, 0) == 1;
+}
+
+// A tile's last product deferred into the next tile's step: acc += p . tile, p kept as the four
+// k-steps' bf16 A fragments.
+struct DeferredProduct {
+    u32 pa[4][4];
+    const bf16* tile = nullptr;
+
+    __device__ __forceinline__ void defer(const float p[8][4], const bf16* t) {
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) pack_a(pa[kk], p, kk);
+        tile = t;
+    }
+
+    // Runs the deferred product, if any, into acc.
+    __device__ __forceinline__ void run(float acc[DN][4]) {
+        if (!tile) return;
+        wg_fence();
+        frags_times_tile(acc, pa, tile);
+        wg_commit_wait();
+        tile = nullptr;
+    }
+};
+
 // Walks the CTA's K/V tiles through the stage ring: body(t, own, tK, tV) for every tile t of the
 // CTA's walk once it has landed for the whole CTA (own: this warpgroup's walk visits it, uniform
 // across the warpgroup); then waits for every load. With V_LATE (a body reads tile i - 1's V
@@ -559,26 +597,10 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    // Up to head dim 128, odd warpgroups run half a tile behind the even ones: each of their
-    // tiles' P.V product waits for the next tile's landing barrier, where it runs while the even
-    // warpgroup computes that tile's scores, and their scores' product runs during the even one's
-    // softmax (the ring still holds a tile's V one tile later: walk_kv_tiles' V_LATE). The same
-    // products in the same order. (Above 128 the deferred fragments cost registers ptxas does not have: it
-    // serialises the wgmma, note C7512. The index is read through a shuffle from lane 0, which
-    // ptxas knows is warp-uniform: a branch on a thread index around wgmma serialises every
-    // wgmma of the kernel, note C7519.)
-    const bool behind =
-        HEAD_DIM <= 128 && __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128) % 2, 0) == 1;
-    u32 pa[4][4];                    // the deferred product's probabilities (bf16 A fragments)
-    const bf16* deferred = nullptr;  // its V tile
-    const auto product = [&]() {
-        wg_fence();
-        frags_times_tile(acc, pa, deferred);
-        wg_commit_wait();
-        deferred = nullptr;
-    };
-    walk_kv_tiles<(HEAD_DIM <= 128)>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
-        if (deferred) product();
+    const bool behind = runs_behind();
+    DeferredProduct deferred;
+    walk_kv_tiles<PINGPONG>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+        deferred.run(acc);
         if (!own) return;
         float s[TILE_K / 8][4];
         wg_fence();
@@ -587,16 +609,14 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
         if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
         online_softmax(s, acc, m, l, scale_log2);
         if (behind) {
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) pack_a(pa[kk], s, kk);
-            deferred = tV;
+            deferred.defer(s, tV);
         } else {
             wg_fence();
             regs_times_tile(acc, s, tV);
             wg_commit_wait();
         }
     });
-    if (deferred) product();
+    deferred.run(acc);
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
 
@@ -625,7 +645,10 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
 #pragma unroll
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
-    walk_kv_tiles<false>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+    const bool behind = runs_behind();
+    DeferredProduct deferred;
+    walk_kv_tiles<PINGPONG>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+        deferred.run(acc);
         if (!own) return;
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         wg_fence();
@@ -637,10 +660,15 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
         query_major_probs(s, lr, lse2, t * TILE_K, w.own.full(t), scale_log2);
         wg_wait<0>();
         query_major_ds(s, dp, ds_row);
-        wg_fence();
-        regs_times_tile(acc, s, tK);
-        wg_commit_wait();
+        if (behind) {
+            deferred.defer(s, tK);
+        } else {
+            wg_fence();
+            regs_times_tile(acc, s, tK);
+            wg_commit_wait();
+        }
     });
+    deferred.run(acc);
     write_dq_rows(acc, lr, dq, nh, scale, tq);
 }
 
