@@ -520,7 +520,7 @@ __device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk&
 // even ones (ping-pong): each of their tiles' last product (P.V, dS.K) waits for the next tile's
 // landing barrier, where it runs while the even warpgroup's first products of that tile run, and
 // their first products run during the even one's softmax; the ring still holds a tile one tile
-// later (walk_kv_tiles' V_LATE). The same products in the same order. Above 128 the deferred
+// later (walk_kv_tiles' LATE). The same products in the same order. Above 128 the deferred
 // fragments cost registers ptxas does not have (it serialises the wgmma, note C7512).
 #define PINGPONG (HEAD_DIM <= 128)
 
@@ -555,17 +555,17 @@ struct DeferredProduct {
 
 // Walks the CTA's K/V tiles through the stage ring: body(t, own, tK, tV) for every tile t of the
 // CTA's walk once it has landed for the whole CTA (own: this warpgroup's walk visits it, uniform
-// across the warpgroup); then waits for every load. With V_LATE (a body reads tile i - 1's V
+// across the warpgroup); then waits for every load. With LATE (a body reads tile i - 1's K or V
 // during tile i), tile i + 1 starts loading after tile i's landing barrier instead of before it:
 // its stage last held tile i - 2, which every thread finished before that barrier.
-template <bool V_LATE, typename Body>
+template <bool LATE, typename Body>
 __device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* sV, const bf16* k, const bf16* v,
                                               int num_keys, int nkv, int kh, Body body) {
     const int n = w.all.count();
     kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
     for (int i = 0; i < n; i++) {
         const int t = w.all.tile(i);
-        if (V_LATE) {
+        if (LATE) {
             land_tiles(0);
             kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
         } else {
