@@ -319,14 +319,21 @@ __device__ __forceinline__ u64 smem_desc(const bf16* p, u32 lbo) {
     return (u64)((a & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// desc moved `elems` bf16 further on in shared memory: its address field (bits 0-13, the address
+// / 16) grows by elems / 8, in the low word only (shared addresses stay below 2^18: no carry), so
+// the k-steps of one tile cost one add each.
+__device__ __forceinline__ u64 desc_advance(u64 desc, u32 elems) {
+    return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (elems >> 3));
+}
+
 // K-major operand: tile rows as M (or N), the head dim as K; k-step kk = columns 16kk..16kk+15.
 __device__ __forceinline__ u64 desc_kmajor(const bf16* tile, int rows, int kk) {
-    return smem_desc(tile + (kk >> 2) * rows * 64 + (kk & 3) * 16, 0);
+    return desc_advance(smem_desc(tile, 0), (kk >> 2) * rows * 64 + (kk & 3) * 16);
 }
 
 // MN-major operand: tile rows as K (k-step kk = rows 16kk..16kk+15), head-dim panel p as N.
 __device__ __forceinline__ u64 desc_mnmajor(const bf16* tile, int rows, int kk, int p) {
-    return smem_desc(tile + p * rows * 64 + kk * 16 * 64, rows * 128);
+    return desc_advance(smem_desc(tile, rows * 128), p * rows * 64 + kk * 16 * 64);
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -416,10 +423,26 @@ __device__ __forceinline__ void split_row(int rho, int R, float inv_R, int& hh, 
 template <int THREADS>
 __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf16* k, const bf16* v, int t,
                                                     int num_keys, int nkv, int kh) {
-    constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int CPR = HEAD_DIM / 8;    // 16-byte chunks per row
+    constexpr int RPP = THREADS / CPR;   // rows one pass of the threads covers
     const int col = (threadIdx.x % CPR) * 8;
+    if (THREADS % CPR == 0 && RPP % 8 == 0) {
+        // A thread's rows are RPP apart, a multiple of 8: the same swizzle phase, so one address
+        // of each kind, then strides (a quarter of the instructions of the general loop below).
+        const int row0 = threadIdx.x / CPR, key0 = t * TILE_K + row0;
+        const size_t step = (size_t)RPP * nkv * HEAD_DIM;
+        const int to = swz(row0, col, TILE_K);
+        size_t at = ((size_t)key0 * nkv + kh) * HEAD_DIM + col;
 #pragma unroll
-    for (int row = threadIdx.x / CPR; row < TILE_K; row += THREADS / CPR) {
+        for (int j = 0; j < TILE_K / RPP; j++, at += step) {
+            const bool valid = key0 + j * RPP < num_keys;
+            cp_async16(tK + to + j * RPP * 64, k + (valid ? at : 0), valid);
+            cp_async16(tV + to + j * RPP * 64, v + (valid ? at : 0), valid);
+        }
+        return;
+    }
+#pragma unroll
+    for (int row = threadIdx.x / CPR; row < TILE_K; row += RPP) {
         const int key = t * TILE_K + row;
         const bool valid = key < num_keys;
         const size_t at = ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col;
