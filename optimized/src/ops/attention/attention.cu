@@ -366,6 +366,14 @@ __device__ __forceinline__ void wgmma_rs(float d[8][4], const u32 a[4], u64 b) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// d (64 x 128) += A (64 x 16, this warp's 16 rows in registers) . B (16 x 128, MN-major at b: two
+// 64-column panels, b's leading byte offset apart), d the two 64-column accumulators in a row.
+__device__ __forceinline__ void wgmma_rs_n128(float d[16][4], const u32 a[4], u64 b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
 // d (64 x 64) = A (64 x 16, this warp's 16 rows in registers) . B (16 x 64, K-major at b: [n][k]
 // rows), plus d when `accumulate`.
 __device__ __forceinline__ void wgmma_rs_kmajor(float d[8][4], const u32 a[4], u64 b, int accumulate) {
@@ -389,10 +397,16 @@ __device__ __forceinline__ void frags_times_tile_t(float d[8][4], const u32 a[DK
     for (int kk = 0; kk < DK; kk++) wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, 64, kk), kk > 0);
 }
 
-// acc (64 x HEAD_DIM) += A (64 x 16, k-step kk, in registers) . tile rows 16kk..16kk+15.
+// acc (64 x HEAD_DIM) += A (64 x 16, k-step kk, in registers) . tile rows 16kk..16kk+15: one
+// wgmma over both panels at head dim 128 (half the instructions and descriptors), one a panel
+// otherwise (at 192 and 256 the wide accumulators cost registers ptxas does not have).
 __device__ __forceinline__ void frag_times_tile_rows(float acc[DN][4], const u32 a[4], const bf16* tile, int kk) {
+#if HEAD_DIM == 128
+    wgmma_rs_n128(acc, a, desc_mnmajor(tile, 64, kk, 0));
+#else
 #pragma unroll
     for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, 64, kk, pn));
+#endif
 }
 
 // acc (64 x HEAD_DIM) += P (64 x 64 in accumulator layout, rounded to bf16) . tile (64 x HEAD_DIM).
