@@ -743,18 +743,39 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
                                                     int R, float inv_R, int G, int kh, int num_queries, const bf16* q,
                                                     const bf16* dout, const float* lse, const float* dsum, int nh) {
     constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int RPP = 128 / CPR;     // rows one pass of the threads covers
     const int tid = threadIdx.x, col = (tid % CPR) * 8;
     const int rows_valid = min(R, num_queries - group * R);
     const size_t group_at = (size_t)group * R * nh * HEAD_DIM + col;
-#pragma unroll
-    for (int rr = tid / CPR; rr < DKDV_CHUNK; rr += 128 / CPR) {
+    if (128 % CPR == 0 && RPP % 8 == 0 && R >= RPP) {
+        // A thread's rows are RPP apart (the same swizzle phase): its (head, row) steps by RPP
+        // rows, wrapping at most once into the next head, instead of a division each.
+        const int rr0 = tid / CPR, to = swz(rr0, col, DKDV_CHUNK);
         int hh, r;
-        split_row(c0 + rr, R, inv_R, hh, r);
-        const bool ok = hh < G && r < rows_valid;
-        const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
-        const int to = swz(rr, col, DKDV_CHUNK);
-        cp_async16(st.q + to, q + at, ok);
-        cp_async16(st.dout + to, dout + at, ok);
+        split_row(c0 + rr0, R, inv_R, hh, r);
+#pragma unroll
+        for (int j = 0; j < DKDV_CHUNK / RPP; j++) {
+            const bool ok = hh < G && r < rows_valid;
+            const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
+            cp_async16(st.q + to + j * RPP * 64, q + at, ok);
+            cp_async16(st.dout + to + j * RPP * 64, dout + at, ok);
+            r += RPP;
+            if (r >= R) {
+                r -= R;
+                hh++;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int rr = tid / CPR; rr < DKDV_CHUNK; rr += RPP) {
+            int hh, r;
+            split_row(c0 + rr, R, inv_R, hh, r);
+            const bool ok = hh < G && r < rows_valid;
+            const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
+            const int to = swz(rr, col, DKDV_CHUNK);
+            cp_async16(st.q + to, q + at, ok);
+            cp_async16(st.dout + to, dout + at, ok);
+        }
     }
     if (tid < DKDV_CHUNK) {
         int hh, r;
