@@ -7,6 +7,11 @@ pub const TILE_K: usize = 64;
 pub const WG_ROWS: usize = 64;
 /// Query rows staged per step of the key-major attention backward.
 pub const DKDV_CHUNK: usize = 64;
+/// How far (log2 units) a tile's largest score may exceed the attention forward's running max
+/// before the max moves: probabilities stay at most 2^8, and the accumulator is rescaled only
+/// when the max moves by more (the kernel and its twin; exact, since the row's sum and
+/// accumulator are both taken against the same max).
+pub const RESCALE_SLACK_LOG2: usize = 8;
 /// K/V stages of the query-major attention kernels.
 pub const KV_STAGES: usize = 3;
 /// bf16 values per 16-byte vector load of the elementwise kernels.
@@ -69,6 +74,7 @@ pub fn prelude() -> String {
         ("WG_ROWS", WG_ROWS),
         ("DKDV_CHUNK", DKDV_CHUNK),
         ("KV_STAGES", KV_STAGES),
+        ("RESCALE_SLACK_LOG2", RESCALE_SLACK_LOG2),
         ("VEC", VEC),
         ("MAX_CHUNKS_PER_THREAD", MAX_CHUNKS_PER_THREAD),
         ("MAX_HEAD_LANE_ELEMS", MAX_HEAD_LANE_ELEMS),

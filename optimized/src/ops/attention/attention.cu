@@ -179,8 +179,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // One online-softmax step of this lane's two rows over a tile of raw scores s (masked keys at
-// -inf): s becomes the probabilities exp2(s * scale_log2 - m) against the new running max m (log2
-// domain), l is rescaled to it and so is acc, unless no row of the warp moved its max.
+// -inf): s becomes the probabilities exp2(s * scale_log2 - m) against the running max m (log2
+// domain), which moves to the tile's max only when that exceeds it by more than
+// RESCALE_SLACK_LOG2 (probabilities stay below 2^RESCALE_SLACK_LOG2); l is rescaled to it and so
+// is acc, unless no row of the warp moved its max.
 __device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc[DN][4], float m[2], float l[2],
                                                float scale_log2) {
     float alpha[2];
@@ -189,7 +191,8 @@ __device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc
         float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < TILE_K / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i2], s[nt][2 * i2 + 1]));
-        const float m_new = fmaxf(m[i2], quad_max(mx) * scale_log2);
+        const float mt = quad_max(mx) * scale_log2;
+        const float m_new = mt > m[i2] + (float)RESCALE_SLACK_LOG2 ? mt : m[i2];
         const float base = m_new == -INFINITY ? 0.f : m_new;
         alpha[i2] = fast_exp2(m[i2] - base);
         float sum = 0.f;

@@ -10,7 +10,7 @@
 
 use super::ranges::KeyRanges;
 pub use super::AttnShape;
-use crate::ops::constants::TILE_K;
+use crate::ops::constants::{RESCALE_SLACK_LOG2, TILE_K};
 use crate::ops::Real;
 use crate::{Error, Result};
 
@@ -106,6 +106,8 @@ pub fn attention_forward<T: Real>(
     let (nq, nk) = (plan.num_queries, plan.num_keys);
     check(shape, &[("q", q.len(), &[nq, nh, d]), ("k", k.len(), &[nk, nkv, d]), ("v", v.len(), &[nk, nkv, d])])?;
     let scale = T::from_f64(scale);
+    // The running max moves only past this (the kernel's RESCALE_SLACK_LOG2, natural units).
+    let slack = T::from_f64(RESCALE_SLACK_LOG2 as f64 * std::f64::consts::LN_2);
     let mut out = vec![T::ZERO; nq * nh * d];
     let mut lse = vec![T::NEG_INFINITY; nh * nq];
     let rows_max = plan.group_rows * (nh / nkv);
@@ -135,7 +137,7 @@ pub fn attention_forward<T: Real>(
                         });
                     }
                     let Some(tile_max) = tile_max else { continue };
-                    let m_new = if m[i] >= tile_max { m[i] } else { tile_max };
+                    let m_new = if tile_max > m[i] + slack { tile_max } else { m[i] };
                     let alpha = (m[i] - m_new).exp();
                     let acc_row = &mut acc[i * d..][..d];
                     acc_row.iter_mut().for_each(|a| *a = *a * alpha);
