@@ -583,6 +583,17 @@ struct DeferredProduct {
         tile = t;
     }
 
+    // A tile's last product acc += p . t: deferred when this warpgroup runs behind, else run now.
+    __device__ __forceinline__ void last_product(bool behind, float acc[DN][4], const float p[8][4], const bf16* t) {
+        if (behind) {
+            defer(p, t);
+        } else {
+            wg_fence();
+            regs_times_tile(acc, p, t);
+            wg_commit_wait();
+        }
+    }
+
     // Runs the deferred product, if any, into acc.
     __device__ __forceinline__ void run(float acc[DN][4]) {
         if (!tile) return;
@@ -648,13 +659,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
         wg_commit_wait();
         if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
         online_softmax(s, acc, m, l, scale_log2);
-        if (behind) {
-            deferred.defer(s, tV);
-        } else {
-            wg_fence();
-            regs_times_tile(acc, s, tV);
-            wg_commit_wait();
-        }
+        deferred.last_product(behind, acc, s, tV);
     });
     deferred.run(acc);
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
@@ -700,13 +705,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
         query_major_probs(s, lr, lse2, t * TILE_K, w.own.full(t), scale_log2);
         wg_wait<0>();
         query_major_ds(s, dp, ds_row);
-        if (behind) {
-            deferred.defer(s, tK);
-        } else {
-            wg_fence();
-            regs_times_tile(acc, s, tK);
-            wg_commit_wait();
-        }
+        deferred.last_product(behind, acc, s, tK);
     });
     deferred.run(acc);
     write_dq_rows(acc, lr, dq, nh, scale, tq);
