@@ -445,7 +445,7 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
     const int col = (threadIdx.x % CPR) * 8;
     if (THREADS % CPR == 0 && RPP % 8 == 0) {
         // A thread's rows are RPP apart, a multiple of 8: the same swizzle phase, so one address
-        // of each kind, then strides (a quarter of the instructions of the general loop below).
+        // of each kind, then strides (half the instructions of the general loop below).
         const int row0 = threadIdx.x / CPR, key0 = t * TILE_K + row0;
         const size_t step = (size_t)RPP * nkv * HEAD_DIM;
         const int to = swz(row0, col, TILE_K);
