@@ -181,7 +181,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // One online-softmax step of this lane's two rows over a tile of raw scores s (masked keys at
 // -inf): s becomes the probabilities exp2(s * scale_log2 - m) against the running max m (log2
 // domain), which moves to the tile's max only when that exceeds it by more than
-// RESCALE_SLACK_LOG2 (probabilities stay below 2^RESCALE_SLACK_LOG2); l is rescaled to it and so
+// RESCALE_SLACK_LOG2 (probabilities stay at most 2^RESCALE_SLACK_LOG2); l is rescaled to it and so
 // is acc, unless no row of the warp moved its max.
 __device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc[DN][4], float m[2], float l[2],
                                                float scale_log2) {
@@ -443,6 +443,11 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
     constexpr int CPR = HEAD_DIM / 8;    // 16-byte chunks per row
     constexpr int RPP = THREADS / CPR;   // rows one pass of the threads covers
     const int col = (threadIdx.x % CPR) * 8;
+    // The chunk of a key row at global offset `at` (`valid`: else zeros) into tile offset `to`.
+    auto load = [&](int to, size_t at, bool valid) {
+        cp_async16(tK + to, k + at, valid);
+        cp_async16(tV + to, v + at, valid);
+    };
     if (THREADS % CPR == 0 && RPP % 8 == 0) {
         // A thread's rows are RPP apart, a multiple of 8: the same swizzle phase, so one address
         // of each kind, then strides (half the instructions of the general loop below).
@@ -453,8 +458,7 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
 #pragma unroll
         for (int j = 0; j < TILE_K / RPP; j++, at += step) {
             const bool valid = key0 + j * RPP < num_keys;
-            cp_async16(tK + to + j * RPP * 64, k + (valid ? at : 0), valid);
-            cp_async16(tV + to + j * RPP * 64, v + (valid ? at : 0), valid);
+            load(to + j * RPP * 64, valid ? at : 0, valid);
         }
         return;
     }
@@ -462,9 +466,7 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
     for (int row = threadIdx.x / CPR; row < TILE_K; row += RPP) {
         const int key = t * TILE_K + row;
         const bool valid = key < num_keys;
-        const size_t at = ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col;
-        cp_async16(tK + swz(row, col, TILE_K), k + at, valid);
-        cp_async16(tV + swz(row, col, TILE_K), v + at, valid);
+        load(swz(row, col, TILE_K), ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col, valid);
     }
 }
 
@@ -749,6 +751,13 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
     const int tid = threadIdx.x, col = (tid % CPR) * 8;
     const int rows_valid = min(R, num_queries - group * R);
     const size_t group_at = (size_t)group * R * nh * HEAD_DIM + col;
+    // The chunk of row r of head hh of the group (zeros past its rows) into stage offset `to`.
+    auto load = [&](int to, int hh, int r) {
+        const bool ok = hh < G && r < rows_valid;
+        const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
+        cp_async16(st.q + to, q + at, ok);
+        cp_async16(st.dout + to, dout + at, ok);
+    };
     if (128 % CPR == 0 && RPP % 8 == 0 && R >= RPP) {
         // A thread's rows are RPP apart (the same swizzle phase): its (head, row) steps by RPP
         // rows, wrapping at most once into the next head, instead of a division each.
@@ -757,10 +766,7 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
         split_row(c0 + rr0, R, inv_R, hh, r);
 #pragma unroll
         for (int j = 0; j < DKDV_CHUNK / RPP; j++) {
-            const bool ok = hh < G && r < rows_valid;
-            const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
-            cp_async16(st.q + to + j * RPP * 64, q + at, ok);
-            cp_async16(st.dout + to + j * RPP * 64, dout + at, ok);
+            load(to + j * RPP * 64, hh, r);
             r += RPP;
             if (r >= R) {
                 r -= R;
@@ -772,11 +778,7 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
         for (int rr = tid / CPR; rr < DKDV_CHUNK; rr += RPP) {
             int hh, r;
             split_row(c0 + rr, R, inv_R, hh, r);
-            const bool ok = hh < G && r < rows_valid;
-            const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
-            const int to = swz(rr, col, DKDV_CHUNK);
-            cp_async16(st.q + to, q + at, ok);
-            cp_async16(st.dout + to, dout + at, ok);
+            load(swz(rr, col, DKDV_CHUNK), hh, r);
         }
     }
     if (tid < DKDV_CHUNK) {
