@@ -751,13 +751,6 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
     const int tid = threadIdx.x, col = (tid % CPR) * 8;
     const int rows_valid = min(R, num_queries - group * R);
     const size_t group_at = (size_t)group * R * nh * HEAD_DIM + col;
-    // The chunk of row r of head hh of the group (zeros past its rows) into stage offset `to`.
-    auto load = [&](int to, int hh, int r) {
-        const bool ok = hh < G && r < rows_valid;
-        const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
-        cp_async16(st.q + to, q + at, ok);
-        cp_async16(st.dout + to, dout + at, ok);
-    };
     if (128 % CPR == 0 && RPP % 8 == 0 && R >= RPP) {
         // A thread's rows are RPP apart (the same swizzle phase): its (head, row) steps by RPP
         // rows, wrapping at most once into the next head, instead of a division each.
@@ -766,7 +759,10 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
         split_row(c0 + rr0, R, inv_R, hh, r);
 #pragma unroll
         for (int j = 0; j < DKDV_CHUNK / RPP; j++) {
-            load(to + j * RPP * 64, hh, r);
+            const bool ok = hh < G && r < rows_valid;
+            const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
+            cp_async16(st.q + to + j * RPP * 64, q + at, ok);
+            cp_async16(st.dout + to + j * RPP * 64, dout + at, ok);
             r += RPP;
             if (r >= R) {
                 r -= R;
@@ -778,7 +774,11 @@ __device__ __forceinline__ void load_chunk_async(const ChunkStage& st, const Row
         for (int rr = tid / CPR; rr < DKDV_CHUNK; rr += RPP) {
             int hh, r;
             split_row(c0 + rr, R, inv_R, hh, r);
-            load(swz(rr, col, DKDV_CHUNK), hh, r);
+            const bool ok = hh < G && r < rows_valid;
+            const size_t at = ok ? group_at + (size_t)((r * nh + kh * G + hh) * HEAD_DIM) : 0;
+            const int to = swz(rr, col, DKDV_CHUNK);
+            cp_async16(st.q + to, q + at, ok);
+            cp_async16(st.dout + to, dout + at, ok);
         }
     }
     if (tid < DKDV_CHUNK) {
