@@ -21,11 +21,14 @@ pub const KERNEL_SOURCES: &[(&str, &str)] =
 /// Head dims the attention kernels are built for (multiples of 64 up to 256).
 pub const ATTENTION_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
 
-/// The per-head-dim `#define`s of `attention.cu`: `HEAD_DIM` and the key-major stage size.
+/// The per-head-dim `#define`s of `attention.cu`: `HEAD_DIM`, the key-major stage size and the
+/// forward's KV tile.
 pub fn attention_defines(head_dim: usize) -> String {
+    use super::attention::cuda::{dkdv_stage_bytes, forward_tile_k};
     format!(
-        "#define HEAD_DIM {head_dim}\n#define DKDV_STAGE_BYTES {}\n",
-        super::attention::cuda::dkdv_stage_bytes(head_dim)
+        "#define HEAD_DIM {head_dim}\n#define DKDV_STAGE_BYTES {}\n#define FORWARD_TILE_K {}\n",
+        dkdv_stage_bytes(head_dim),
+        forward_tile_k(head_dim)
     )
 }
 

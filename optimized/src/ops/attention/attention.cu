@@ -76,17 +76,20 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-// The KV tiles a query-major CTA visits: context tiles [ct0, ct1) then block tiles [bt0, bt1),
-// a tile straddling both visited once; and the context keys every valid row sees ([full_lo, full_hi)).
+// The KV tiles of TK keys a query-major CTA visits: context tiles [ct0, ct1) then block tiles
+// [bt0, bt1), a tile straddling both visited once; and the context keys every valid row sees
+// ([full_lo, full_hi)).
+template <int TK>
 struct TileWalk {
     int ct0, ct1, bt0, bt1, full_lo, full_hi;
     __device__ int count() const { return (ct1 - ct0) + (bt1 - bt0); }
     __device__ int tile(int i) const { return i < ct1 - ct0 ? ct0 + i : bt0 + (i - (ct1 - ct0)); }
-    __device__ bool full(int t) const { return t < ct1 && t * TILE_K >= full_lo && (t + 1) * TILE_K <= full_hi; }
+    __device__ bool full(int t) const { return t < ct1 && t * TK >= full_lo && (t + 1) * TK <= full_hi; }
 };
 
-__device__ TileWalk tile_walk(const RowGroup& g, int rows_valid, int window) {
-    TileWalk w;
+template <int TK>
+__device__ TileWalk<TK> tile_walk(const RowGroup& g, int rows_valid, int window) {
+    TileWalk<TK> w;
     int lo_min = (int)g.ctx_lo, lo_max = (int)g.ctx_lo;
     if (window > 0) {
         lo_min = max(lo_min, (int)g.win_base + 1 - window);
@@ -94,14 +97,14 @@ __device__ TileWalk tile_walk(const RowGroup& g, int rows_valid, int window) {
     }
     int hi_min = (int)g.ctx_hi, hi_max = (int)g.ctx_hi + (rows_valid - 1) * (int)g.hi_step;
     if (hi_max > lo_min && rows_valid > 0) {
-        w.ct0 = lo_min / TILE_K;
-        w.ct1 = (hi_max + TILE_K - 1) / TILE_K;
+        w.ct0 = lo_min / TK;
+        w.ct1 = (hi_max + TK - 1) / TK;
     } else {
         w.ct0 = w.ct1 = 0;
     }
     if (g.blk_len > 0 && rows_valid > 0) {
-        w.bt0 = max((int)g.blk_lo / TILE_K, w.ct1);
-        w.bt1 = max(((int)g.blk_lo + (int)g.blk_len + TILE_K - 1) / TILE_K, w.bt0);
+        w.bt0 = max((int)g.blk_lo / TK, w.ct1);
+        w.bt1 = max(((int)g.blk_lo + (int)g.blk_len + TK - 1) / TK, w.bt0);
     } else {
         w.bt0 = w.bt1 = 0;
     }
@@ -150,10 +153,11 @@ __device__ __forceinline__ void load_row_frags(u32 frag[DK][4], const bf16* x, c
 }
 
 // Masks s (scores of this lane's two rows) to -inf where the row does not see the key.
-__device__ __forceinline__ void mask_scores(float s[TILE_K / 8][4], const LaneRows& lr, int key0) {
+template <int TK>
+__device__ __forceinline__ void mask_scores(float s[TK / 8][4], const LaneRows& lr, int key0) {
     const int tq = (threadIdx.x % 32) % 4;
 #pragma unroll
-    for (int nt = 0; nt < TILE_K / 8; nt++)
+    for (int nt = 0; nt < TK / 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             int key = key0 + nt * 8 + 2 * tq + (e & 1);
@@ -183,21 +187,22 @@ __device__ __forceinline__ float quad_sum(float x) {
 // domain), which moves to the tile's max only when that exceeds it by more than
 // RESCALE_SLACK_LOG2 (probabilities stay at most 2^RESCALE_SLACK_LOG2); l is rescaled to it and so
 // is acc, unless no row of the warp moved its max.
-__device__ __forceinline__ void online_softmax(float s[TILE_K / 8][4], float acc[DN][4], float m[2], float l[2],
+template <int TK>
+__device__ __forceinline__ void online_softmax(float s[TK / 8][4], float acc[DN][4], float m[2], float l[2],
                                                float scale_log2) {
     float alpha[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; i2++) {
         float mx = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i2], s[nt][2 * i2 + 1]));
+        for (int nt = 0; nt < TK / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i2], s[nt][2 * i2 + 1]));
         const float mt = quad_max(mx) * scale_log2;
         const float m_new = mt > m[i2] + (float)RESCALE_SLACK_LOG2 ? mt : m[i2];
         const float base = m_new == -INFINITY ? 0.f : m_new;
         alpha[i2] = fast_exp2(m[i2] - base);
         float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < TILE_K / 8; nt++) {
+        for (int nt = 0; nt < TK / 8; nt++) {
             s[nt][2 * i2] = fast_exp2(fmaf(s[nt][2 * i2], scale_log2, -base));
             s[nt][2 * i2 + 1] = fast_exp2(fmaf(s[nt][2 * i2 + 1], scale_log2, -base));
             sum += s[nt][2 * i2] + s[nt][2 * i2 + 1];
@@ -386,6 +391,15 @@ __device__ __forceinline__ void wgmma_rs_kmajor(float d[8][4], const u32 a[4], u
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
+// d (64 x 128) = A (64 x 16, this warp's 16 rows in registers) . B (16 x 128, K-major at b: [n][k]
+// rows), plus d when `accumulate`.
+__device__ __forceinline__ void wgmma_rs_kmajor_n128(float d[16][4], const u32 a[4], u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
 // d (64 x 64) = A . B^T over the head dim, A and B K-major [64][HEAD_DIM] swizzled tiles (d's
 // old values are ignored).
 __device__ __forceinline__ void tile_times_tile_t(float d[8][4], const bf16* a, const bf16* b) {
@@ -393,39 +407,46 @@ __device__ __forceinline__ void tile_times_tile_t(float d[8][4], const bf16* a, 
     for (int kk = 0; kk < HEAD_DIM / 16; kk++) wgmma_ss(d, desc_kmajor(a, 64, kk), desc_kmajor(b, 64, kk), kk > 0);
 }
 
-// d (64 rows x 64 keys) = A . tile^T over the head dim, A in registers (load_row_frags), the
-// tile a K-major [64][HEAD_DIM] swizzled tile (d's old values are ignored).
-__device__ __forceinline__ void frags_times_tile_t(float d[8][4], const u32 a[DK][4], const bf16* tile) {
+// d (64 rows x TK keys, TK 64 or 128) = A . tile^T over the head dim, A in registers
+// (load_row_frags), the tile a K-major [TK][HEAD_DIM] swizzled tile (d's old values are ignored).
+template <int TK>
+__device__ __forceinline__ void frags_times_tile_t(float d[TK / 8][4], const u32 a[DK][4], const bf16* tile) {
 #pragma unroll
-    for (int kk = 0; kk < DK; kk++) wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, 64, kk), kk > 0);
+    for (int kk = 0; kk < DK; kk++) {
+        if constexpr (TK == 128) wgmma_rs_kmajor_n128(d, a[kk], desc_kmajor(tile, TK, kk), kk > 0);
+        else wgmma_rs_kmajor(d, a[kk], desc_kmajor(tile, TK, kk), kk > 0);
+    }
 }
 
 // acc (64 x HEAD_DIM) += A (64 x 16, k-step kk, in registers) . tile rows 16kk..16kk+15: one
 // wgmma over both panels at head dim 128 (half the instructions and descriptors), one a panel
 // otherwise (at 192 and 256 the wide accumulators cost registers ptxas does not have).
+template <int ROWS>
 __device__ __forceinline__ void frag_times_tile_rows(float acc[DN][4], const u32 a[4], const bf16* tile, int kk) {
 #if HEAD_DIM == 128
-    wgmma_rs_n128(acc, a, desc_mnmajor(tile, 64, kk, 0));
+    wgmma_rs_n128(acc, a, desc_mnmajor(tile, ROWS, kk, 0));
 #else
 #pragma unroll
-    for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, 64, kk, pn));
+    for (int pn = 0; pn < PANELS; pn++) wgmma_rs(acc + 8 * pn, a, desc_mnmajor(tile, ROWS, kk, pn));
 #endif
 }
 
-// acc (64 x HEAD_DIM) += P (64 x 64 in accumulator layout, rounded to bf16) . tile (64 x HEAD_DIM).
-__device__ __forceinline__ void regs_times_tile(float acc[DN][4], const float p[8][4], const bf16* tile) {
+// acc (64 x HEAD_DIM) += P (64 x ROWS in accumulator layout, rounded to bf16) . tile (ROWS x HEAD_DIM).
+template <int ROWS = 64>
+__device__ __forceinline__ void regs_times_tile(float acc[DN][4], const float p[ROWS / 8][4], const bf16* tile) {
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
+    for (int kk = 0; kk < ROWS / 16; kk++) {
         u32 a[4];
         pack_a(a, p, kk);
-        frag_times_tile_rows(acc, a, tile, kk);
+        frag_times_tile_rows<ROWS>(acc, a, tile, kk);
     }
 }
 
-// acc (64 x HEAD_DIM) += P (64 x 64, its four k-steps' A fragments pa, pack_a) . tile (64 x HEAD_DIM).
-__device__ __forceinline__ void frags_times_tile(float acc[DN][4], const u32 pa[4][4], const bf16* tile) {
+// acc (64 x HEAD_DIM) += P (64 x ROWS, its k-steps' A fragments pa, pack_a) . tile (ROWS x HEAD_DIM).
+template <int ROWS>
+__device__ __forceinline__ void frags_times_tile(float acc[DN][4], const u32 pa[ROWS / 16][4], const bf16* tile) {
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) frag_times_tile_rows(acc, pa[kk], tile, kk);
+    for (int kk = 0; kk < ROWS / 16; kk++) frag_times_tile_rows<ROWS>(acc, pa[kk], tile, kk);
 }
 
 // Row rho of a group as (head hh, row r), rho = hh * R + r, through a float reciprocal of R:
@@ -437,7 +458,7 @@ __device__ __forceinline__ void split_row(int rho, int R, float inv_R, int& hh, 
 
 // Starts loading KV tile t (keys 64t..64t+63; zero past num_keys) of k and v, KV head kh, into
 // swizzled [64][HEAD_DIM] tiles; the CTA's THREADS threads.
-template <int THREADS>
+template <int THREADS, int TK = TILE_K>
 __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf16* k, const bf16* v, int t,
                                                     int num_keys, int nkv, int kh) {
     constexpr int CPR = HEAD_DIM / 8;    // 16-byte chunks per row
@@ -451,22 +472,22 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
     if (THREADS % CPR == 0 && RPP % 8 == 0) {
         // A thread's rows are RPP apart, a multiple of 8: the same swizzle phase, so one address
         // of each kind, then strides (half the instructions of the general loop below).
-        const int row0 = threadIdx.x / CPR, key0 = t * TILE_K + row0;
+        const int row0 = threadIdx.x / CPR, key0 = t * TK + row0;
         const size_t step = (size_t)RPP * nkv * HEAD_DIM;
-        const int to = swz(row0, col, TILE_K);
+        const int to = swz(row0, col, TK);
         size_t at = ((size_t)key0 * nkv + kh) * HEAD_DIM + col;
 #pragma unroll
-        for (int j = 0; j < TILE_K / RPP; j++, at += step) {
+        for (int j = 0; j < TK / RPP; j++, at += step) {
             const bool valid = key0 + j * RPP < num_keys;
             load(to + j * RPP * 64, valid ? at : 0, valid);
         }
         return;
     }
 #pragma unroll
-    for (int row = threadIdx.x / CPR; row < TILE_K; row += RPP) {
-        const int key = t * TILE_K + row;
+    for (int row = threadIdx.x / CPR; row < TK; row += RPP) {
+        const int key = t * TK + row;
         const bool valid = key < num_keys;
-        load(swz(row, col, TILE_K), ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col, valid);
+        load(swz(row, col, TK), ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col, valid);
     }
 }
 
@@ -479,12 +500,14 @@ __device__ __forceinline__ void land_tiles(int pending) {
     __syncthreads();
 }
 
-__device__ __forceinline__ bool visits(const TileWalk& w, int t) {
+template <int TK>
+__device__ __forceinline__ bool visits(const TileWalk<TK>& w, int t) {
     return (t >= w.ct0 && t < w.ct1) || (t >= w.bt0 && t < w.bt1);
 }
 
 // The walk over the union of two walks' tiles (each tile once).
-__device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
+template <int TK>
+__device__ TileWalk<TK> walk_union(TileWalk<TK> a, const TileWalk<TK>& b) {
     if (b.ct1 > b.ct0) {
         if (a.ct1 > a.ct0) {
             a.ct0 = min(a.ct0, b.ct0);
@@ -517,23 +540,25 @@ __device__ TileWalk walk_union(TileWalk a, const TileWalk& b) {
 // two) warpgroups, and a CTA holds blockDim.x / 128 warpgroups: one or two groups, which share
 // each K/V tile. Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later
 // groups see more).
+template <int TK>
 struct WgRows {
-    int group, row0;    // this warpgroup's group and its first row in the group
-    TileWalk own, all;  // the tiles its group visits; the tiles the CTA visits
+    int group, row0;        // this warpgroup's group and its first row in the group
+    TileWalk<TK> own, all;  // the tiles its group visits; the tiles the CTA visits
 };
 
-__device__ WgRows wg_rows(const RowGroup* groups, int R, int G, int num_queries, int window) {
+template <int TK>
+__device__ WgRows<TK> wg_rows(const RowGroup* groups, int R, int G, int num_queries, int window) {
     const int wpg = (R * G + WG_ROWS - 1) / WG_ROWS, gpc = blockDim.x / 128 / wpg;
     const int num_groups = (num_queries + R - 1) / R, first = (gridDim.y - 1 - blockIdx.y) * gpc;
     const int wg = threadIdx.x / 128;
-    WgRows w;
+    WgRows<TK> w;
     w.group = first + wg / wpg;
     w.row0 = (wg % wpg) * WG_ROWS;
-    TileWalk none;
+    TileWalk<TK> none;
     none.ct0 = none.ct1 = none.bt0 = none.bt1 = none.full_lo = none.full_hi = 0;
     w.own = w.all = none;
     for (int j = first; j < min(first + gpc, num_groups); j++) {
-        const TileWalk tw = tile_walk(groups[j], min(R, num_queries - j * R), window);
+        const TileWalk<TK> tw = tile_walk<TK>(groups[j], min(R, num_queries - j * R), window);
         if (j == w.group) w.own = tw;
         w.all = walk_union(w.all, tw);
     }
@@ -541,7 +566,8 @@ __device__ WgRows wg_rows(const RowGroup* groups, int R, int G, int num_queries,
 }
 
 // This lane's two rows in warpgroup rows w (a row group's rows, or none past the last group).
-__device__ __forceinline__ LaneRows wg_lane_rows(const RowGroup* groups, const WgRows& w, int R, int G, int kh,
+template <int TK>
+__device__ __forceinline__ LaneRows wg_lane_rows(const RowGroup* groups, const WgRows<TK>& w, int R, int G, int kh,
                                                  int num_queries, int window, int causal_in_block) {
     const RowGroup g = groups[w.group < (num_queries + R - 1) / R ? w.group : 0];
     return lane_rows(g, w.group, R, G, kh, num_queries, window, causal_in_block, w.row0 + (threadIdx.x / 32) % 4 * 16);
@@ -549,11 +575,12 @@ __device__ __forceinline__ LaneRows wg_lane_rows(const RowGroup* groups, const W
 
 // Starts loading walk tile i (of n; nothing past the last) into K/V stage i % KV_STAGES, as one
 // cp.async group.
-__device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk& walk, int i, int n, const bf16* k,
+template <int TK>
+__device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk<TK>& walk, int i, int n, const bf16* k,
                                              const bf16* v, int num_keys, int nkv, int kh) {
     if (i >= n) return;
     const int stage = i % KV_STAGES;
-    load_kv_tiles_async<256>(sK + stage * TILE_K * HEAD_DIM, sV + stage * TILE_K * HEAD_DIM, k, v, walk.tile(i),
+    load_kv_tiles_async<256, TK>(sK + stage * TK * HEAD_DIM, sV + stage * TK * HEAD_DIM, k, v, walk.tile(i),
                              num_keys, nkv, kh);
     cp_async_commit();
 }
@@ -575,23 +602,24 @@ __device__ __forceinline__ bool runs_behind() {
 
 // A tile's last product deferred into the next tile's step: acc += p . tile, p kept as the four
 // k-steps' bf16 A fragments.
+template <int TK>
 struct DeferredProduct {
-    u32 pa[4][4];
+    u32 pa[TK / 16][4];
     const bf16* tile = nullptr;
 
-    __device__ __forceinline__ void defer(const float p[8][4], const bf16* t) {
+    __device__ __forceinline__ void defer(const float p[TK / 8][4], const bf16* t) {
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) pack_a(pa[kk], p, kk);
+        for (int kk = 0; kk < TK / 16; kk++) pack_a(pa[kk], p, kk);
         tile = t;
     }
 
     // A tile's last product acc += p . t: deferred when this warpgroup runs behind, else run now.
-    __device__ __forceinline__ void last_product(bool behind, float acc[DN][4], const float p[8][4], const bf16* t) {
+    __device__ __forceinline__ void last_product(bool behind, float acc[DN][4], const float p[TK / 8][4], const bf16* t) {
         if (behind) {
             defer(p, t);
         } else {
             wg_fence();
-            regs_times_tile(acc, p, t);
+            regs_times_tile<TK>(acc, p, t);
             wg_commit_wait();
         }
     }
@@ -600,7 +628,7 @@ struct DeferredProduct {
     __device__ __forceinline__ void run(float acc[DN][4]) {
         if (!tile) return;
         wg_fence();
-        frags_times_tile(acc, pa, tile);
+        frags_times_tile<TK>(acc, pa, tile);
         wg_commit_wait();
         tile = nullptr;
     }
@@ -611,8 +639,8 @@ struct DeferredProduct {
 // across the warpgroup); then waits for every load. With LATE (a body reads tile i - 1's K or V
 // during tile i), tile i + 1 starts loading after tile i's landing barrier instead of before it:
 // its stage last held tile i - 2, which every thread finished before that barrier.
-template <bool LATE, typename Body>
-__device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* sV, const bf16* k, const bf16* v,
+template <int TK, bool LATE, typename Body>
+__device__ __forceinline__ void walk_kv_tiles(const WgRows<TK>& w, bf16* sK, bf16* sV, const bf16* k, const bf16* v,
                                               int num_keys, int nkv, int kh, Body body) {
     const int n = w.all.count();
     kv_ring_load(sK, sV, w.all, 0, n, k, v, num_keys, nkv, kh);
@@ -625,7 +653,7 @@ __device__ __forceinline__ void walk_kv_tiles(const WgRows& w, bf16* sK, bf16* s
             kv_ring_load(sK, sV, w.all, i + 1, n, k, v, num_keys, nkv, kh);
             land_tiles(i + 1 < n);
         }
-        body(t, visits(w.own, t), sK + (i % KV_STAGES) * TILE_K * HEAD_DIM, sV + (i % KV_STAGES) * TILE_K * HEAD_DIM);
+        body(t, visits(w.own, t), sK + (i % KV_STAGES) * TK * HEAD_DIM, sV + (i % KV_STAGES) * TK * HEAD_DIM);
     }
     cp_async_wait_all();
 }
@@ -636,10 +664,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
     float* __restrict__ lse, int nh, int nkv, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    bf16* sK = align_1024(smem);                    // [KV_STAGES][TILE_K][HEAD_DIM]
-    bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;  // [KV_STAGES][TILE_K][HEAD_DIM]
+    constexpr int TK = FORWARD_TILE_K;
+    bf16* sK = align_1024(smem);                // [KV_STAGES][TK][HEAD_DIM]
+    bf16* sV = sK + KV_STAGES * TK * HEAD_DIM;  // [KV_STAGES][TK][HEAD_DIM]
     const int kh = blockIdx.x, tq = threadIdx.x % 4;
-    const WgRows w = wg_rows(groups, group_rows, nh / nkv, num_queries, window);
+    const WgRows<TK> w = wg_rows<TK>(groups, group_rows, nh / nkv, num_queries, window);
     const LaneRows lr = wg_lane_rows(groups, w, group_rows, nh / nkv, kh, num_queries, window, causal_in_block);
     const float scale_log2 = scale * LOG2E;
     u32 qa[DK][4];
@@ -651,16 +680,16 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     const bool behind = runs_behind();
-    DeferredProduct deferred;
-    walk_kv_tiles<PINGPONG>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+    DeferredProduct<TK> deferred;
+    walk_kv_tiles<TK, PINGPONG>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
         deferred.run(acc);
         if (!own) return;
-        float s[TILE_K / 8][4];
+        float s[TK / 8][4];
         wg_fence();
-        frags_times_tile_t(s, qa, tK);
+        frags_times_tile_t<TK>(s, qa, tK);
         wg_commit_wait();
-        if (!w.own.full(t)) mask_scores(s, lr, t * TILE_K);
-        online_softmax(s, acc, m, l, scale_log2);
+        if (!w.own.full(t)) mask_scores<TK>(s, lr, t * TK);
+        online_softmax<TK>(s, acc, m, l, scale_log2);
         deferred.last_product(behind, acc, s, tV);
     });
     deferred.run(acc);
@@ -676,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     bf16* sK = align_1024(smem);                    // [KV_STAGES][TILE_K][HEAD_DIM]
     bf16* sV = sK + KV_STAGES * TILE_K * HEAD_DIM;  // [KV_STAGES][TILE_K][HEAD_DIM]
     const int kh = blockIdx.x, tq = threadIdx.x % 4;
-    const WgRows w = wg_rows(groups, group_rows, nh / nkv, num_queries, window);
+    const WgRows<TILE_K> w = wg_rows<TILE_K>(groups, group_rows, nh / nkv, num_queries, window);
     const LaneRows lr = wg_lane_rows(groups, w, group_rows, nh / nkv, kh, num_queries, window, causal_in_block);
     const float scale_log2 = scale * LOG2E;
     u32 qa[DK][4], da[DK][4];
@@ -693,15 +722,15 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_dq(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
     const bool behind = runs_behind();
-    DeferredProduct deferred;
-    walk_kv_tiles<PINGPONG>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+    DeferredProduct<TILE_K> deferred;
+    walk_kv_tiles<TILE_K, PINGPONG>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
         deferred.run(acc);
         if (!own) return;
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
         wg_fence();
-        frags_times_tile_t(s, qa, tK);
+        frags_times_tile_t<TILE_K>(s, qa, tK);
         wg_commit();
-        frags_times_tile_t(dp, da, tV);
+        frags_times_tile_t<TILE_K>(dp, da, tV);
         wg_commit();
         wg_wait<1>();  // s; p is computed while dp's matmul runs
         query_major_probs(s, lr, lse2, t * TILE_K, w.own.full(t), scale_log2);
@@ -882,7 +911,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv(
         const ChunkStage st = chunk_stage(stages + (i & 1) * DKDV_STAGE_BYTES);
         const RowGroup g = *st.g;
         const int rows_valid = min(R, num_queries - group * R);
-        const bool full = tile_walk(g, rows_valid, window).full(tile) && rows_valid == R && c0 + DKDV_CHUNK <= R * G;
+        const bool full = tile_walk<TILE_K>(g, rows_valid, window).full(tile) && rows_valid == R && c0 + DKDV_CHUNK <= R * G;
         float sT[DKDV_CHUNK / 8][4], dpT[DKDV_CHUNK / 8][4];
         wg_fence();
         tile_times_tile_t(sT, sK, st.q);

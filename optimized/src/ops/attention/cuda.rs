@@ -134,10 +134,18 @@ pub struct AttentionKernels {
     dkdv: CudaFunction,
 }
 
-/// Dynamic shared memory of the forward and the dQ pass: `KV_STAGES` stages of swizzled K and V
-/// tiles of `head_dim`, and 1024 bytes to align them (q and dout stay in registers).
-pub fn query_major_shared_bytes(head_dim: usize) -> usize {
-    1024 + KV_STAGES * 2 * TILE_K * head_dim * 2
+/// Keys per KV tile of the forward at `head_dim` (injected as `FORWARD_TILE_K`): two of the
+/// backward's tiles up to head dim 128, where a warpgroup's 64 x 128 scores fit its registers
+/// beside the accumulator (half the tile barriers and softmax row steps); `TILE_K` above.
+pub fn forward_tile_k(head_dim: usize) -> usize {
+    if head_dim <= 128 { 2 * TILE_K } else { TILE_K }
+}
+
+/// Dynamic shared memory of the forward (`tile_k` = [`forward_tile_k`]) and the dQ pass
+/// (`TILE_K`): `KV_STAGES` stages of swizzled K and V tiles of `tile_k` keys and `head_dim`, and
+/// 1024 bytes to align them (q and dout stay in registers).
+pub fn query_major_shared_bytes(head_dim: usize, tile_k: usize) -> usize {
+    1024 + KV_STAGES * 2 * tile_k * head_dim * 2
 }
 
 /// One stage of the key-major pass: swizzled q and dout rows (`DKDV_CHUNK` x `head_dim` bf16
@@ -175,9 +183,9 @@ impl AttentionKernels {
         };
         Ok(AttentionKernels {
             head_dim,
-            forward: function("attention_forward", query_major_shared_bytes(head_dim))?,
+            forward: function("attention_forward", query_major_shared_bytes(head_dim, forward_tile_k(head_dim)))?,
             dsum: function("attention_backward_dsum", 0)?,
-            dq: function("attention_backward_dq", query_major_shared_bytes(head_dim))?,
+            dq: function("attention_backward_dq", query_major_shared_bytes(head_dim, TILE_K))?,
             dkdv: function("attention_backward_dkdv", dkdv_shared_bytes(head_dim))?,
         })
     }
@@ -211,12 +219,12 @@ impl AttentionKernels {
         Ok((plan.groups.len() as u32).div_ceil(if rows <= WG_ROWS { 2 } else { 1 }))
     }
 
-    /// Grid (KV heads, CTAs of row groups), two warpgroups per CTA.
-    fn query_major_config(&self, shape: AttnShape, ctas: u32) -> LaunchConfig {
+    /// Grid (KV heads, CTAs of row groups), two warpgroups per CTA, KV tiles of `tile_k` keys.
+    fn query_major_config(&self, shape: AttnShape, ctas: u32, tile_k: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (shape.num_kv_heads as u32, ctas, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: query_major_shared_bytes(self.head_dim) as u32,
+            shared_mem_bytes: query_major_shared_bytes(self.head_dim, tile_k) as u32,
         }
     }
 
@@ -235,7 +243,7 @@ impl AttentionKernels {
             return Ok(());
         }
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
-        let cfg = self.query_major_config(shape, ctas);
+        let cfg = self.query_major_config(shape, ctas, forward_tile_k(self.head_dim));
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups);
         plan_args.push(&mut b);
@@ -277,7 +285,7 @@ impl AttentionKernels {
             )?;
         }
         if ctas > 0 {
-            let cfg = self.query_major_config(shape, ctas);
+            let cfg = self.query_major_config(shape, ctas, TILE_K);
             let mut b = stream.launch_builder(&self.dq);
             b.arg(&dp.groups);
             plan_args.push(&mut b);
