@@ -12,7 +12,7 @@ use dflash_optimized::ops::attention::ranges::KeyRanges;
 use dflash_optimized::ops::attention::twin::{
     attention_backward, attention_forward, group_tiles, tile_kind, AttnShape, TileKind,
 };
-use dflash_optimized::ops::constants::TILE_K;
+use dflash_optimized::ops::constants::{forward_tile_k, TILE_K};
 use dflash_optimized::ops::Real;
 use dflash_optimized::Error;
 use dflash_reference::attention::dense_attention;
@@ -313,6 +313,7 @@ struct Coverage {
     full_tiles: AtomicUsize,
     partial_tiles: AtomicUsize,
     multi_tile: AtomicUsize,
+    multi_forward_tile: AtomicUsize,
     blind_rows: AtomicUsize,
     gqa4: AtomicUsize,
 }
@@ -322,11 +323,14 @@ impl Coverage {
         let add = |c: &AtomicUsize, n: usize| c.fetch_add(n, Ordering::Relaxed);
         add(&self.cases, 1);
         for g in 0..p.plan.groups.len() {
-            for (_, kind) in group_tiles(&p.plan, g) {
-                add(if kind == TileKind::Full { &self.full_tiles } else { &self.partial_tiles }, 1);
+            for tile_k in [TILE_K, forward_tile_k(p.shape.head_dim)] {
+                for (_, kind) in group_tiles(&p.plan, g, tile_k) {
+                    add(if kind == TileKind::Full { &self.full_tiles } else { &self.partial_tiles }, 1);
+                }
             }
         }
         add(&self.multi_tile, usize::from(p.plan.num_keys > TILE_K));
+        add(&self.multi_forward_tile, usize::from(p.plan.num_keys > forward_tile_k(p.shape.head_dim)));
         let nk = p.plan.num_keys;
         add(&self.blind_rows, p.mask.chunks(nk).filter(|row| !row.contains(&true)).count());
         add(&self.gqa4, usize::from(p.shape.num_heads == 4 * p.shape.num_kv_heads));
@@ -340,6 +344,7 @@ impl Coverage {
             ("full tiles", n(&self.full_tiles)),
             ("partial tiles", n(&self.partial_tiles)),
             ("cases of several KV tiles", n(&self.multi_tile)),
+            ("cases of several forward KV tiles", n(&self.multi_forward_tile)),
             ("cases of 4 query heads per KV head", n(&self.gqa4)),
         ];
         if blind_rows {
@@ -385,7 +390,8 @@ fn twin_matches_dense_attention_on_causal_plans() {
 
 /// Checks `plan` against the reference predicate `allow`: elementwise, the allowed-pair count,
 /// the inverse ranges of `kv_tile_group_ranges` (for `TILE_K` and `tile_k`), and each group's
-/// tile kinds and visited tiles against the allowed pairs of its rows in each tile.
+/// tile kinds and visited tiles against the allowed pairs of its rows in each tile (for `TILE_K`,
+/// the forward's tile at head dim 128 and `tile_k`).
 fn check_plan(plan: &KeyRanges, allow: impl Fn(usize, usize) -> bool, tile_k: usize, label: &str) -> usize {
     let (nq, nk) = (plan.num_queries, plan.num_keys);
     let mut pairs = 0;
@@ -404,11 +410,13 @@ fn check_plan(plan: &KeyRanges, allow: impl Fn(usize, usize) -> bool, tile_k: us
             assert!(first as usize <= g && g < end as usize, "{label}: ({q}, {k}) of group {g} outside {first}..{end}");
         }
     }
-    for g in 0..plan.groups.len() {
+    for (tile, g) in
+        [TILE_K, forward_tile_k(128), tile_k].into_iter().flat_map(|t| (0..plan.groups.len()).map(move |g| (t, g)))
+    {
         let (first, end) = plan.group_row_range(g);
         let mut want_tiles = Vec::new();
-        for t in 0..nk.div_ceil(TILE_K) {
-            let keys = t * TILE_K..((t + 1) * TILE_K).min(nk);
+        for t in 0..nk.div_ceil(tile) {
+            let keys = t * tile..((t + 1) * tile).min(nk);
             let seen =
                 (first..end).flat_map(|q| keys.clone().map(move |k| (q, k))).filter(|&(q, k)| allow(q, k)).count();
             let want = match seen {
@@ -416,10 +424,10 @@ fn check_plan(plan: &KeyRanges, allow: impl Fn(usize, usize) -> bool, tile_k: us
                 n if n == (end - first) * keys.len() => Some(TileKind::Full),
                 _ => Some(TileKind::Partial),
             };
-            assert_eq!(tile_kind(plan, g, t), want, "{label}: group {g} tile {t}");
+            assert_eq!(tile_kind(plan, g, t, tile), want, "{label}: group {g} tile {t} of {tile}");
             want_tiles.extend(want.map(|kind| (t, kind)));
         }
-        assert_eq!(group_tiles(plan, g).collect::<Vec<_>>(), want_tiles, "{label}: tiles of group {g}");
+        assert_eq!(group_tiles(plan, g, tile).collect::<Vec<_>>(), want_tiles, "{label}: tiles of {tile}, group {g}");
     }
     nq * nk
 }

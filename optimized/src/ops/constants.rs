@@ -1,7 +1,7 @@
 //! Constants shared by the launchers, the CPU twins and the CUDA kernels: defined once here and
 //! injected into every NVRTC compile as `#define`s ([`prelude`]), so the two sides cannot drift.
 
-/// Keys per KV tile of the attention kernels and their twin.
+/// Keys per KV tile of the attention kernels and their twin (the forward's: [`forward_tile_k`]).
 pub const TILE_K: usize = 64;
 /// Query rows a warpgroup of the attention kernels holds.
 pub const WG_ROWS: usize = 64;
@@ -66,6 +66,18 @@ pub const GDN_MAX_CONV: usize = 4;
 pub const GDN_CONV_TOKENS: usize = 32;
 /// Values one lane of `gated_rms_norm` holds: value head dims of at most this many x 32.
 pub const GDN_NORM_LANE_ELEMS: usize = 8;
+
+/// Keys per KV tile of the attention forward and its twin at `head_dim` (injected per head dim as
+/// `FORWARD_TILE_K`): two of the backward's tiles up to head dim 128, where a warpgroup's 64 x 128
+/// scores fit its registers beside the accumulator (half the tile barriers and softmax row
+/// steps); `TILE_K` above.
+pub fn forward_tile_k(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        2 * TILE_K
+    } else {
+        TILE_K
+    }
+}
 
 /// The `#define`s every kernel source is compiled with (and hashed with).
 pub fn prelude() -> String {

@@ -1,8 +1,9 @@
 // Fused attention over KeyRanges (optimized/src/ops/attention/ranges.rs) on Hopper
 // (compute_90a): bf16 inputs, fp32 accumulation, warpgroup MMA (wgmma) with both operands in
 // shared memory, or A (q, dout, the probabilities, ds) in registers. The CPU twin is
-// optimized/src/ops/attention/twin.rs: the same tiling (KV tiles of TILE_K keys), the same online
-// softmax, the same key-major dK/dV and query-major dQ passes.
+// optimized/src/ops/attention/twin.rs: the same tiling (KV tiles of FORWARD_TILE_K keys in the
+// forward, TILE_K in the backward), the same online softmax, the same key-major dK/dV and
+// query-major dQ passes.
 //
 // Layouts: q, out, dout, dq [Q, nh, HEAD_DIM]; k, v, dk, dv [K, nkv, HEAD_DIM]; lse, dsum [nh, Q].
 // The query-major kernels give each row group of each KV head its rows times the nh/nkv query
@@ -11,9 +12,9 @@
 // 16w..16w+15 in the accumulator layout of mma.sync m16n8k16. Shared tiles are 128-byte swizzled: a
 // [rows][HEAD_DIM] tile is stored as PANELS panels [rows][64] (one 128-byte line per row), the
 // 16-byte chunk c of row r at chunk c ^ (r % 8); every tile starts 1024-byte aligned. HEAD_DIM (a
-// multiple of 64) and DKDV_STAGE_BYTES are defined per head dim, and the shared constants (TILE_K,
-// WG_ROWS, DKDV_CHUNK, KV_STAGES) for every kernel, by the host before compilation
-// (optimized/src/ops/sources.rs, constants.rs).
+// multiple of 64), DKDV_STAGE_BYTES and FORWARD_TILE_K are defined per head dim, and the shared
+// constants (TILE_K, WG_ROWS, DKDV_CHUNK, KV_STAGES) for every kernel, by the host before
+// compilation (optimized/src/ops/sources.rs, constants.rs).
 
 #include <cuda_bf16.h>
 
@@ -456,8 +457,8 @@ __device__ __forceinline__ void split_row(int rho, int R, float inv_R, int& hh, 
     r = rho - hh * R;
 }
 
-// Starts loading KV tile t (keys 64t..64t+63; zero past num_keys) of k and v, KV head kh, into
-// swizzled [64][HEAD_DIM] tiles; the CTA's THREADS threads.
+// Starts loading KV tile t (keys TK t..TK t + TK - 1; zero past num_keys) of k and v, KV head kh,
+// into swizzled [TK][HEAD_DIM] tiles; the CTA's THREADS threads.
 template <int THREADS, int TK = TILE_K>
 __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf16* k, const bf16* v, int t,
                                                     int num_keys, int nkv, int kh) {
@@ -600,8 +601,8 @@ __device__ __forceinline__ bool runs_behind() {
     return PINGPONG && __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128) % 2, 0) == 1;
 }
 
-// A tile's last product deferred into the next tile's step: acc += p . tile, p kept as the four
-// k-steps' bf16 A fragments.
+// A tile's last product deferred into the next tile's step: acc += p . tile (TK keys), p kept as
+// its TK / 16 k-steps' bf16 A fragments.
 template <int TK>
 struct DeferredProduct {
     u32 pa[TK / 16][4];

@@ -12,7 +12,7 @@ use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::device::staging::UploadRing;
 use crate::ops::bytes_of;
-use crate::ops::constants::{DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
+use crate::ops::constants::{forward_tile_k, DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
 use crate::ops::sources::{attention_source, ATTENTION_HEAD_DIMS};
 use crate::{Error, Result};
 
@@ -132,13 +132,6 @@ pub struct AttentionKernels {
     dsum: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
-}
-
-/// Keys per KV tile of the forward at `head_dim` (injected as `FORWARD_TILE_K`): two of the
-/// backward's tiles up to head dim 128, where a warpgroup's 64 x 128 scores fit its registers
-/// beside the accumulator (half the tile barriers and softmax row steps); `TILE_K` above.
-pub fn forward_tile_k(head_dim: usize) -> usize {
-    if head_dim <= 128 { 2 * TILE_K } else { TILE_K }
 }
 
 /// Dynamic shared memory of the forward (`tile_k` = [`forward_tile_k`]) and the dQ pass

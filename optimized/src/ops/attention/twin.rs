@@ -3,14 +3,15 @@
 //! (DESIGN.md, "Never materialise what the kernel can stream").
 //!
 //! Forward, query-major: for each row group and KV head, the group's rows times that KV head's
-//! query heads walk the group's KV tiles once (full tiles without a per-key test), keeping a
-//! running max `m`, sum `l` and output accumulator per row. Backward: `Dsum = rowsum(dout * out)`,
-//! then key-major for dK and dV (each KV tile walks the groups of `kv_tile_group_ranges`), then
-//! query-major for dQ. All arithmetic, accumulation included, runs in the element type.
+//! query heads walk the group's KV tiles (of `forward_tile_k(d)` keys, as the kernel) once (full
+//! tiles without a per-key test), keeping a running max `m`, sum `l` and output accumulator per
+//! row. Backward: `Dsum = rowsum(dout * out)`, then key-major for dK and dV (each KV tile of
+//! `TILE_K` keys walks the groups of `kv_tile_group_ranges`), then query-major for dQ (tiles of
+//! `TILE_K`). All arithmetic, accumulation included, runs in the element type.
 
 use super::ranges::KeyRanges;
 pub use super::AttnShape;
-use crate::ops::constants::{RESCALE_SLACK_LOG2, TILE_K};
+use crate::ops::constants::{forward_tile_k, RESCALE_SLACK_LOG2, TILE_K};
 use crate::ops::Real;
 use crate::{Error, Result};
 
@@ -23,16 +24,16 @@ pub enum TileKind {
     Partial,
 }
 
-/// The keys `[lo, hi)` of KV tile `t`.
-fn tile_keys(plan: &KeyRanges, t: usize) -> (usize, usize) {
-    (t * TILE_K, ((t + 1) * TILE_K).min(plan.num_keys))
+/// The keys `[lo, hi)` of KV tile `t` of `tile_k` keys.
+fn tile_keys(plan: &KeyRanges, t: usize, tile_k: usize) -> (usize, usize) {
+    (t * tile_k, ((t + 1) * tile_k).min(plan.num_keys))
 }
 
-/// How group `g` sees KV tile `t`, or `None` when no row of it sees any key there. A row's two
-/// intervals are disjoint (context keys lie below the block; causal plans have no block), so the
-/// keys a row sees in the tile are the sum of the two overlaps.
-pub fn tile_kind(plan: &KeyRanges, g: usize, t: usize) -> Option<TileKind> {
-    let (k0, k1) = tile_keys(plan, t);
+/// How group `g` sees KV tile `t` (of `tile_k` keys), or `None` when no row of it sees any key
+/// there. A row's two intervals are disjoint (context keys lie below the block; causal plans have
+/// no block), so the keys a row sees in the tile are the sum of the two overlaps.
+pub fn tile_kind(plan: &KeyRanges, g: usize, t: usize, tile_k: usize) -> Option<TileKind> {
+    let (k0, k1) = tile_keys(plan, t, tile_k);
     let (first, end) = plan.group_row_range(g);
     let (mut any, mut all) = (false, true);
     for q in first..end {
@@ -47,13 +48,14 @@ pub fn tile_kind(plan: &KeyRanges, g: usize, t: usize) -> Option<TileKind> {
     }
 }
 
-/// The KV tiles group `g` visits with their kinds, ascending and each once: the union of the
-/// tiles overlapping its context span and its block span, less the tiles no row of it sees.
-pub fn group_tiles(plan: &KeyRanges, g: usize) -> impl Iterator<Item = (usize, TileKind)> + '_ {
-    let [a, b] = plan.group_spans(g).map(|(lo, hi)| lo / TILE_K..hi.div_ceil(TILE_K));
+/// The KV tiles (of `tile_k` keys) group `g` visits with their kinds, ascending and each once:
+/// the union of the tiles overlapping its context span and its block span, less the tiles no row
+/// of it sees.
+pub fn group_tiles(plan: &KeyRanges, g: usize, tile_k: usize) -> impl Iterator<Item = (usize, TileKind)> + '_ {
+    let [a, b] = plan.group_spans(g).map(|(lo, hi)| lo / tile_k..hi.div_ceil(tile_k));
     let (first, second) = if a.start <= b.start { (a, b) } else { (b, a) };
     let second = second.start.max(first.end)..second.end;
-    first.chain(second).filter_map(move |t| tile_kind(plan, g, t).map(|kind| (t, kind)))
+    first.chain(second).filter_map(move |t| tile_kind(plan, g, t, tile_k).map(|kind| (t, kind)))
 }
 
 /// The keys of `[k0, k1)` that a row with `intervals` (`row_intervals`) sees, in a tile of `kind`.
@@ -112,7 +114,8 @@ pub fn attention_forward<T: Real>(
     let mut lse = vec![T::NEG_INFINITY; nh * nq];
     let rows_max = plan.group_rows * (nh / nkv);
     let (mut m, mut l, mut acc) = (Vec::with_capacity(rows_max), Vec::with_capacity(rows_max), Vec::new());
-    let mut s = [T::ZERO; TILE_K];
+    let tile_k = forward_tile_k(d);
+    let mut s = vec![T::ZERO; tile_k];
     for g in 0..plan.groups.len() {
         for kh in 0..nkv {
             let rows = group_rows(plan, shape, g, kh).count();
@@ -122,8 +125,8 @@ pub fn attention_forward<T: Real>(
             l.resize(rows, T::ZERO);
             acc.clear();
             acc.resize(rows * d, T::ZERO);
-            for (t, kind) in group_tiles(plan, g) {
-                let (k0, k1) = tile_keys(plan, t);
+            for (t, kind) in group_tiles(plan, g, tile_k) {
+                let (k0, k1) = tile_keys(plan, t, tile_k);
                 for (i, (qi, h)) in group_rows(plan, shape, g, kh).enumerate() {
                     let intervals = plan.row_intervals(qi);
                     let q_row = &q[(qi * nh + h) * d..][..d];
@@ -208,10 +211,10 @@ pub fn attention_backward<T: Real>(
 
     let (mut dk, mut dv) = (vec![T::ZERO; nk * nkv * d], vec![T::ZERO; nk * nkv * d]);
     for (t, &(g_first, g_end)) in plan.kv_tile_group_ranges(TILE_K).iter().enumerate() {
-        let (k0, k1) = tile_keys(plan, t);
+        let (k0, k1) = tile_keys(plan, t, TILE_K);
         for kh in 0..nkv {
             for g in g_first as usize..g_end as usize {
-                let Some(kind) = tile_kind(plan, g, t) else { continue };
+                let Some(kind) = tile_kind(plan, g, t, TILE_K) else { continue };
                 for (qi, h) in group_rows(plan, shape, g, kh) {
                     let row = (qi * nh + h) * d;
                     for key in row_keys(kind, plan.row_intervals(qi), k0, k1) {
@@ -228,8 +231,8 @@ pub fn attention_backward<T: Real>(
     let mut dq = vec![T::ZERO; nq * nh * d];
     for g in 0..plan.groups.len() {
         for kh in 0..nkv {
-            for (t, kind) in group_tiles(plan, g) {
-                let (k0, k1) = tile_keys(plan, t);
+            for (t, kind) in group_tiles(plan, g, TILE_K) {
+                let (k0, k1) = tile_keys(plan, t, TILE_K);
                 for (qi, h) in group_rows(plan, shape, g, kh) {
                     let dq_row = &mut dq[(qi * nh + h) * d..][..d];
                     for key in row_keys(kind, plan.row_intervals(qi), k0, k1) {
