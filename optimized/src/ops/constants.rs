@@ -73,11 +73,14 @@ pub const GDN_NORM_LANE_ELEMS: usize = 8;
 /// steps); `TILE_K` above.
 pub fn forward_tile_k(head_dim: usize) -> usize {
     if head_dim <= 128 {
-        2 * TILE_K
+        MAX_FORWARD_TILE_K
     } else {
         TILE_K
     }
 }
+
+/// The largest [`forward_tile_k`] (the twin's row of scores lives on the stack at this size).
+pub const MAX_FORWARD_TILE_K: usize = 2 * TILE_K;
 
 /// The `#define`s every kernel source is compiled with (and hashed with).
 pub fn prelude() -> String {

@@ -11,7 +11,7 @@
 
 use super::ranges::KeyRanges;
 pub use super::AttnShape;
-use crate::ops::constants::{forward_tile_k, RESCALE_SLACK_LOG2, TILE_K};
+use crate::ops::constants::{forward_tile_k, MAX_FORWARD_TILE_K, RESCALE_SLACK_LOG2, TILE_K};
 use crate::ops::Real;
 use crate::{Error, Result};
 
@@ -115,7 +115,7 @@ pub fn attention_forward<T: Real>(
     let rows_max = plan.group_rows * (nh / nkv);
     let (mut m, mut l, mut acc) = (Vec::with_capacity(rows_max), Vec::with_capacity(rows_max), Vec::new());
     let tile_k = forward_tile_k(d);
-    let mut s = vec![T::ZERO; tile_k];
+    let mut s = [T::ZERO; MAX_FORWARD_TILE_K];
     for g in 0..plan.groups.len() {
         for kh in 0..nkv {
             let rows = group_rows(plan, shape, g, kh).count();
