@@ -464,7 +464,7 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
                                                     int num_keys, int nkv, int kh) {
     constexpr int CPR = HEAD_DIM / 8;    // 16-byte chunks per row
     constexpr int RPP = THREADS / CPR;   // rows one pass of the threads covers
-    const int col = (threadIdx.x % CPR) * 8;
+    const int tid = threadIdx.x % THREADS, col = (tid % CPR) * 8;
     // The chunk of a key row at global offset `at` (`valid`: else zeros) into tile offset `to`.
     auto load = [&](int to, size_t at, bool valid) {
         cp_async16(tK + to, k + at, valid);
@@ -473,7 +473,7 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
     if (THREADS % CPR == 0 && RPP % 8 == 0) {
         // A thread's rows are RPP apart, a multiple of 8: the same swizzle phase, so one address
         // of each kind, then strides (half the instructions of the general loop below).
-        const int row0 = threadIdx.x / CPR, key0 = t * TK + row0;
+        const int row0 = tid / CPR, key0 = t * TK + row0;
         const size_t step = (size_t)RPP * nkv * HEAD_DIM;
         const int to = swz(row0, col, TK);
         size_t at = ((size_t)key0 * nkv + kh) * HEAD_DIM + col;
@@ -485,7 +485,7 @@ __device__ __forceinline__ void load_kv_tiles_async(bf16* tK, bf16* tV, const bf
         return;
     }
 #pragma unroll
-    for (int row = threadIdx.x / CPR; row < TK; row += RPP) {
+    for (int row = tid / CPR; row < TK; row += RPP) {
         const int key = t * TK + row;
         const bool valid = key < num_keys;
         load(swz(row, col, TK), ((size_t)(valid ? key : 0) * nkv + kh) * HEAD_DIM + col, valid);
@@ -549,7 +549,7 @@ struct WgRows {
 
 template <int TK>
 __device__ WgRows<TK> wg_rows(const RowGroup* groups, int R, int G, int num_queries, int window) {
-    const int wpg = (R * G + WG_ROWS - 1) / WG_ROWS, gpc = blockDim.x / 128 / wpg;
+    const int wpg = (R * G + WG_ROWS - 1) / WG_ROWS, gpc = 2 / wpg;
     const int num_groups = (num_queries + R - 1) / R, first = (gridDim.y - 1 - blockIdx.y) * gpc;
     const int wg = threadIdx.x / 128;
     WgRows<TK> w;
@@ -659,8 +659,31 @@ __device__ __forceinline__ void walk_kv_tiles(const WgRows<TK>& w, bf16* sK, bf1
     cp_async_wait_all();
 }
 
-// Forward: out and lse (natural log) of every row.
-extern "C" __global__ void __launch_bounds__(256) attention_forward(
+// mbarrier helpers (shared::cta): init with an arrival count, arrive (release), wait on a phase
+// parity (acquire).
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    const u32 a = (u32)__cvta_generic_to_shared(bar);
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(a), "r"(parity)
+                     : "memory");
+    }
+}
+
+// Forward: out and lse (natural log) of every row. Warp-specialised: warpgroup 2 (threads
+// 256..383, 32 registers) loads the CTA's K/V tiles into the KV_STAGES ring and marks each
+// landed (full[stage], 128 arrivals); warpgroups 0 and 1 (240 registers) compute on their own
+// time and release each stage once their last product on it has retired (empty[stage], 256
+// arrivals), no CTA barrier per tile.
+extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
     float* __restrict__ lse, int nh, int nkv, float scale) {
@@ -668,8 +691,42 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     constexpr int TK = FORWARD_TILE_K;
     bf16* sK = align_1024(smem);                // [KV_STAGES][TK][HEAD_DIM]
     bf16* sV = sK + KV_STAGES * TK * HEAD_DIM;  // [KV_STAGES][TK][HEAD_DIM]
-    const int kh = blockIdx.x, tq = threadIdx.x % 4;
+    u64* full = reinterpret_cast<u64*>(sV + KV_STAGES * TK * HEAD_DIM);  // [KV_STAGES]
+    u64* empty = full + KV_STAGES;                                       // [KV_STAGES]
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < KV_STAGES; st++) {
+            mbar_init(full + st, 128);
+            mbar_init(empty + st, 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int kh = blockIdx.x;
     const WgRows<TK> w = wg_rows<TK>(groups, group_rows, nh / nkv, num_queries, window);
+    const int n = w.all.count();
+    if (__shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0) == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        for (int i = 0; i < n; i++) {
+            const int st = i % KV_STAGES;
+            if (i >= KV_STAGES) mbar_wait(empty + st, (i / KV_STAGES - 1) & 1);
+            load_kv_tiles_async<128, TK>(sK + st * TK * HEAD_DIM, sV + st * TK * HEAD_DIM, k, v, w.all.tile(i),
+                                         num_keys, nkv, kh);
+            cp_async_commit();
+            if (i > 0) {
+                cp_async_wait_all_but_one();
+                fence_async_proxy();
+                mbar_arrive(full + (i - 1) % KV_STAGES);
+            }
+        }
+        if (n > 0) {
+            cp_async_wait_all();
+            fence_async_proxy();
+            mbar_arrive(full + (n - 1) % KV_STAGES);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int tq = threadIdx.x % 4;
     const LaneRows lr = wg_lane_rows(groups, w, group_rows, nh / nkv, kh, num_queries, window, causal_in_block);
     const float scale_log2 = scale * LOG2E;
     u32 qa[DK][4];
@@ -680,20 +737,23 @@ extern "C" __global__ void __launch_bounds__(256) attention_forward(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    const bool behind = runs_behind();
-    DeferredProduct<TK> deferred;
-    walk_kv_tiles<TK, PINGPONG>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
-        deferred.run(acc);
-        if (!own) return;
-        float s[TK / 8][4];
-        wg_fence();
-        frags_times_tile_t<TK>(s, qa, tK);
-        wg_commit_wait();
-        if (!w.own.full(t)) mask_scores<TK>(s, lr, t * TK);
-        online_softmax<TK>(s, acc, m, l, scale_log2);
-        deferred.last_product(behind, acc, s, tV);
-    });
-    deferred.run(acc);
+    for (int i = 0; i < n; i++) {
+        const int t = w.all.tile(i), st = i % KV_STAGES;
+        mbar_wait(full + st, (i / KV_STAGES) & 1);
+        if (visits(w.own, t)) {
+            const bf16 *tK = sK + st * TK * HEAD_DIM, *tV = sV + st * TK * HEAD_DIM;
+            float s[TK / 8][4];
+            wg_fence();
+            frags_times_tile_t<TK>(s, qa, tK);
+            wg_commit_wait();
+            if (!w.own.full(t)) mask_scores<TK>(s, lr, t * TK);
+            online_softmax<TK>(s, acc, m, l, scale_log2);
+            wg_fence();
+            regs_times_tile<TK>(acc, s, tV);
+            wg_commit_wait();
+        }
+        mbar_arrive(empty + st);
+    }
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
 

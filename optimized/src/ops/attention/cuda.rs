@@ -141,6 +141,12 @@ pub fn query_major_shared_bytes(head_dim: usize, tile_k: usize) -> usize {
     1024 + KV_STAGES * 2 * tile_k * head_dim * 2
 }
 
+/// Dynamic shared memory of the warp-specialised forward: its K/V ring and the ring's full and
+/// empty mbarriers (8 bytes each).
+pub fn forward_shared_bytes(head_dim: usize) -> usize {
+    query_major_shared_bytes(head_dim, forward_tile_k(head_dim)) + 2 * KV_STAGES * 8
+}
+
 /// One stage of the key-major pass: swizzled q and dout rows (`DKDV_CHUNK` x `head_dim` bf16
 /// each), their lse and dsum (fp32) and the row group (32 bytes), rounded to 1024 bytes. Injected
 /// into the kernel as `DKDV_STAGE_BYTES`.
@@ -176,7 +182,7 @@ impl AttentionKernels {
         };
         Ok(AttentionKernels {
             head_dim,
-            forward: function("attention_forward", query_major_shared_bytes(head_dim, forward_tile_k(head_dim)))?,
+            forward: function("attention_forward", forward_shared_bytes(head_dim))?,
             dsum: function("attention_backward_dsum", 0)?,
             dq: function("attention_backward_dq", query_major_shared_bytes(head_dim, TILE_K))?,
             dkdv: function("attention_backward_dkdv", dkdv_shared_bytes(head_dim))?,
@@ -212,12 +218,13 @@ impl AttentionKernels {
         Ok((plan.groups.len() as u32).div_ceil(if rows <= WG_ROWS { 2 } else { 1 }))
     }
 
-    /// Grid (KV heads, CTAs of row groups), two warpgroups per CTA, KV tiles of `tile_k` keys.
-    fn query_major_config(&self, shape: AttnShape, ctas: u32, tile_k: usize) -> LaunchConfig {
+    /// Grid (KV heads, CTAs of row groups), two computing warpgroups per CTA (`threads`: the dQ
+    /// pass's 256, the forward's 384 with its loading warpgroup), `smem` bytes of shared memory.
+    fn query_major_config(&self, shape: AttnShape, ctas: u32, threads: u32, smem: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (shape.num_kv_heads as u32, ctas, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: query_major_shared_bytes(self.head_dim, tile_k) as u32,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
         }
     }
 
@@ -236,7 +243,7 @@ impl AttentionKernels {
             return Ok(());
         }
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
-        let cfg = self.query_major_config(shape, ctas, forward_tile_k(self.head_dim));
+        let cfg = self.query_major_config(shape, ctas, 384, forward_shared_bytes(self.head_dim));
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups);
         plan_args.push(&mut b);
@@ -278,7 +285,7 @@ impl AttentionKernels {
             )?;
         }
         if ctas > 0 {
-            let cfg = self.query_major_config(shape, ctas, TILE_K);
+            let cfg = self.query_major_config(shape, ctas, 256, query_major_shared_bytes(self.head_dim, TILE_K));
             let mut b = stream.launch_builder(&self.dq);
             b.arg(&dp.groups);
             plan_args.push(&mut b);
