@@ -679,10 +679,12 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 }
 
 // Forward: out and lse (natural log) of every row. Warp-specialised: warpgroup 2 (threads
-// 256..383, 32 registers) loads the CTA's K/V tiles into the KV_STAGES ring and marks each
+// 256..383, 24 registers) loads the CTA's K/V tiles into the KV_STAGES ring and marks each
 // landed (full[stage], 128 arrivals); warpgroups 0 and 1 (240 registers) compute on their own
 // time and release each stage once their last product on it has retired (empty[stage], 256
-// arrivals), no CTA barrier per tile.
+// arrivals), no CTA barrier per tile. setmaxnreg moves registers within the CTA's allocation
+// (384 x 168): 2 x 240 + 24 = 3 x 168 exactly; a larger producer share leaves the consumers'
+// increase waiting forever (the first try, 32, hung on the device).
 extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
@@ -705,7 +707,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
     const WgRows<TK> w = wg_rows<TK>(groups, group_rows, nh / nkv, num_queries, window);
     const int n = w.all.count();
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0) == 2) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         for (int i = 0; i < n; i++) {
             const int st = i % KV_STAGES;
             if (i >= KV_STAGES) mbar_wait(empty + st, (i / KV_STAGES - 1) & 1);
