@@ -153,6 +153,31 @@ __device__ __forceinline__ void load_lane(const bf16* row, int lane, float* v) {
     }
 }
 
+// This lane's N fp32 values of row (from lane * N on) in 16-byte loads (8-byte when N is not a
+// multiple of 4); rows of RoPE tables, 32 N values apart from 256-byte-aligned regions.
+template <int N>
+__device__ __forceinline__ void load_lane_f32(const float* row, int lane, float* v) {
+    if constexpr (N % 4 == 0) {
+        const float4* p = reinterpret_cast<const float4*>(row + lane * N);
+#pragma unroll
+        for (int k = 0; k < N / 4; ++k) {
+            const float4 f = p[k];
+            v[4 * k] = f.x;
+            v[4 * k + 1] = f.y;
+            v[4 * k + 2] = f.z;
+            v[4 * k + 3] = f.w;
+        }
+    } else {
+        const float2* p = reinterpret_cast<const float2*>(row + lane * N);
+#pragma unroll
+        for (int k = 0; k < N / 2; ++k) {
+            const float2 f = p[k];
+            v[2 * k] = f.x;
+            v[2 * k + 1] = f.y;
+        }
+    }
+}
+
 template <int N>
 __device__ __forceinline__ void store_lane(bf16* row, int lane, const float* v) {
     __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(row + lane * N);
@@ -205,9 +230,9 @@ __device__ __forceinline__ void norm_rope_rows(const bf16* __restrict__ x, const
             for (int k = 0; k < N; ++k) v[r][k] *= scale * wv[k];
         }
         const int row = min(row0 + r, rows - 1);
-        const float* c = cos_t + (size_t)(row / heads) * D + lane * N;
-        const float* s = sin_t + (size_t)(row / heads) * D + lane * N;
-        float out[N];
+        float c[N], s[N], out[N];
+        load_lane_f32<N>(cos_t + (size_t)(row / heads) * D, lane, c);
+        load_lane_f32<N>(sin_t + (size_t)(row / heads) * D, lane, s);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
             const float partner = __shfl_xor_sync(0xffffffffu, v[r][k], WARP / 2);
@@ -282,14 +307,16 @@ __device__ __forceinline__ void head_norm_rope_backward_rows(const bf16* dy, con
         for (int r = 0; r < R; ++r) {
             const int row = row0 + r * stride;
             if (row >= rows) break;  // the whole warp: rows are per warp
-            const size_t at = (size_t)(row / heads) * D + first;
+            float c[N], sn[N];
+            load_lane_f32<N>(cos_t + (size_t)(row / heads) * D, lane, c);
+            load_lane_f32<N>(sin_t + (size_t)(row / heads) * D, lane, sn);
             // dxn = dy*cos + rotate_half^T(dy*sin): the gradient of the normed, pre-RoPE values.
             float dot = 0.f, out[N];
 #pragma unroll
             for (int k = 0; k < N; ++k) {
-                const float u = g[r][k] * sin_t[at + k];
+                const float u = g[r][k] * sn[k];
                 const float partner = __shfl_xor_sync(0xffffffffu, u, WARP / 2);
-                g[r][k] = g[r][k] * cos_t[at + k] + sign * partner;
+                g[r][k] = g[r][k] * c[k] + sign * partner;
                 dot += g[r][k] * wv[k] * xv[r][k];
             }
             const float ri = inv[row];
