@@ -82,6 +82,18 @@ pub fn forward_tile_k(head_dim: usize) -> usize {
 /// The largest [`forward_tile_k`] (the twin's row of scores lives on the stack at this size).
 pub const MAX_FORWARD_TILE_K: usize = 2 * TILE_K;
 
+/// Threads of the attention forward's CTA (injected per head dim as `FORWARD_THREADS`): up to
+/// head dim 128, two computing warpgroups and a loading one (warp-specialised; the computing
+/// ones' 240 registers hold a 64 x 128 tile of scores beside the accumulator); above, the two
+/// computing warpgroups load their own tiles, as 240 registers would spill their accumulator.
+pub fn forward_threads(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        3 * 128
+    } else {
+        2 * 128
+    }
+}
+
 /// The `#define`s every kernel source is compiled with (and hashed with).
 pub fn prelude() -> String {
     [

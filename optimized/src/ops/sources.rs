@@ -22,13 +22,17 @@ pub const KERNEL_SOURCES: &[(&str, &str)] =
 pub const ATTENTION_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
 
 /// The per-head-dim `#define`s of `attention.cu`: `HEAD_DIM`, the key-major stage size and the
-/// forward's KV tile.
+/// forward's KV tile and threads.
 pub fn attention_defines(head_dim: usize) -> String {
-    use super::{attention::cuda::dkdv_stage_bytes, constants::forward_tile_k};
+    use super::{
+        attention::cuda::dkdv_stage_bytes,
+        constants::{forward_threads, forward_tile_k},
+    };
     format!(
-        "#define HEAD_DIM {head_dim}\n#define DKDV_STAGE_BYTES {}\n#define FORWARD_TILE_K {}\n",
+        "#define HEAD_DIM {head_dim}\n#define DKDV_STAGE_BYTES {}\n#define FORWARD_TILE_K {}\n#define FORWARD_THREADS {}\n",
         dkdv_stage_bytes(head_dim),
-        forward_tile_k(head_dim)
+        forward_tile_k(head_dim),
+        forward_threads(head_dim)
     )
 }
 

@@ -586,12 +586,13 @@ __device__ __forceinline__ void kv_ring_load(bf16* sK, bf16* sV, const TileWalk<
     cp_async_commit();
 }
 
-// Up to head dim 128 the query-major kernels run their odd warpgroups half a tile behind the
-// even ones (ping-pong): each of their tiles' last product (P.V, dS.K) waits for the next tile's
-// landing barrier, where it runs while the even warpgroup's first products of that tile run, and
-// their first products run during the even one's softmax; the ring still holds a tile one tile
-// later (walk_kv_tiles' LATE). The same products in the same order. Above 128 the deferred
-// fragments cost registers ptxas does not have (it serialises the wgmma, note C7512).
+// Up to head dim 128 the dQ pass runs its odd warpgroups half a tile behind the even ones
+// (ping-pong; the forward is warp-specialised there): each of their tiles' last product (dS.K)
+// waits for the next tile's landing barrier, where it runs while the even warpgroup's first
+// products of that tile run, and their first products run during the even one's softmax; the
+// ring still holds a tile one tile later (walk_kv_tiles' LATE). The same products in the same
+// order. Above 128 the deferred fragments cost registers ptxas does not have (it serialises the
+// wgmma, note C7512).
 #define PINGPONG (HEAD_DIM <= 128)
 
 // Whether this warpgroup runs behind. Read through a shuffle from lane 0, which ptxas knows is
@@ -678,14 +679,32 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     }
 }
 
-// Forward: out and lse (natural log) of every row. Warp-specialised: warpgroup 2 (threads
-// 256..383, 24 registers) loads the CTA's K/V tiles into the KV_STAGES ring and marks each
-// landed (full[stage], 128 arrivals); warpgroups 0 and 1 (240 registers) compute on their own
-// time and release each stage once their last product on it has retired (empty[stage], 256
-// arrivals), no CTA barrier per tile. setmaxnreg moves registers within the CTA's allocation
-// (384 x 168): 2 x 240 + 24 = 3 x 168 exactly; a larger producer share leaves the consumers'
-// increase waiting forever (the first try, 32, hung on the device).
-extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
+// One KV tile of the forward for a warpgroup whose walk visits it: scores s = q k^T (TK keys),
+// the mask where the tile is not fully allowed, the online softmax, then acc += p v.
+template <int TK>
+__device__ __forceinline__ void forward_tile(float acc[DN][4], float m[2], float l[2], const u32 qa[DK][4],
+                                             const LaneRows& lr, bool full, int t, const bf16* tK, const bf16* tV,
+                                             float scale_log2) {
+    float s[TK / 8][4];
+    wg_fence();
+    frags_times_tile_t<TK>(s, qa, tK);
+    wg_commit_wait();
+    if (!full) mask_scores<TK>(s, lr, t * TK);
+    online_softmax<TK>(s, acc, m, l, scale_log2);
+    wg_fence();
+    regs_times_tile<TK>(acc, s, tV);
+    wg_commit_wait();
+}
+
+// Forward: out and lse (natural log) of every row. FORWARD_THREADS 384 (head dim up to 128):
+// warp-specialised, warpgroup 2 (threads 256..383, 24 registers) loads the CTA's K/V tiles into
+// the KV_STAGES ring and marks each landed (full[stage], 128 arrivals); warpgroups 0 and 1 (240
+// registers) compute on their own time and release each stage once their last product on it has
+// retired (empty[stage], 256 arrivals), no CTA barrier per tile. setmaxnreg moves registers
+// within the CTA's allocation (384 x 168): 2 x 240 + 24 = 3 x 168 exactly; a larger producer
+// share leaves the consumers' increase waiting forever (a first try with 32 hung on the device).
+// FORWARD_THREADS 256: the two computing warpgroups load the ring themselves (walk_kv_tiles).
+extern "C" __global__ void __launch_bounds__(FORWARD_THREADS, 1) attention_forward(
     const RowGroup* __restrict__ groups, int group_rows, int num_queries, int num_keys, int window, int causal_in_block,
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out,
     float* __restrict__ lse, int nh, int nkv, float scale) {
@@ -693,6 +712,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
     constexpr int TK = FORWARD_TILE_K;
     bf16* sK = align_1024(smem);                // [KV_STAGES][TK][HEAD_DIM]
     bf16* sV = sK + KV_STAGES * TK * HEAD_DIM;  // [KV_STAGES][TK][HEAD_DIM]
+    const int kh = blockIdx.x;
+#if FORWARD_THREADS == 384
     u64* full = reinterpret_cast<u64*>(sV + KV_STAGES * TK * HEAD_DIM);  // [KV_STAGES]
     u64* empty = full + KV_STAGES;                                       // [KV_STAGES]
     if (threadIdx.x == 0) {
@@ -703,8 +724,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    const int kh = blockIdx.x;
+#endif
     const WgRows<TK> w = wg_rows<TK>(groups, group_rows, nh / nkv, num_queries, window);
+#if FORWARD_THREADS == 384
     const int n = w.all.count();
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0) == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
@@ -728,6 +750,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+#endif
     const int tq = threadIdx.x % 4;
     const LaneRows lr = wg_lane_rows(groups, w, group_rows, nh / nkv, kh, num_queries, window, causal_in_block);
     const float scale_log2 = scale * LOG2E;
@@ -739,23 +762,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) attention_forward(
     for (int nd = 0; nd < DN; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
+#if FORWARD_THREADS == 384
     for (int i = 0; i < n; i++) {
         const int t = w.all.tile(i), st = i % KV_STAGES;
         mbar_wait(full + st, (i / KV_STAGES) & 1);
-        if (visits(w.own, t)) {
-            const bf16 *tK = sK + st * TK * HEAD_DIM, *tV = sV + st * TK * HEAD_DIM;
-            float s[TK / 8][4];
-            wg_fence();
-            frags_times_tile_t<TK>(s, qa, tK);
-            wg_commit_wait();
-            if (!w.own.full(t)) mask_scores<TK>(s, lr, t * TK);
-            online_softmax<TK>(s, acc, m, l, scale_log2);
-            wg_fence();
-            regs_times_tile<TK>(acc, s, tV);
-            wg_commit_wait();
-        }
+        if (visits(w.own, t))
+            forward_tile<TK>(acc, m, l, qa, lr, w.own.full(t), t, sK + st * TK * HEAD_DIM, sV + st * TK * HEAD_DIM,
+                             scale_log2);
         mbar_arrive(empty + st);
     }
+#else
+    walk_kv_tiles<TK, false>(w, sK, sV, k, v, num_keys, nkv, kh, [&](int t, bool own, const bf16* tK, const bf16* tV) {
+        if (own) forward_tile<TK>(acc, m, l, qa, lr, w.own.full(t), t, tK, tV, scale_log2);
+    });
+#endif
     write_forward_rows(acc, m, l, lr, out, lse, num_queries, nh, tq);
 }
 

@@ -12,7 +12,7 @@ use crate::device::gpu::Gpu;
 use crate::device::profile;
 use crate::device::staging::UploadRing;
 use crate::ops::bytes_of;
-use crate::ops::constants::{forward_tile_k, DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
+use crate::ops::constants::{forward_threads, forward_tile_k, DKDV_CHUNK, KV_STAGES, TILE_K, WG_ROWS};
 use crate::ops::sources::{attention_source, ATTENTION_HEAD_DIMS};
 use crate::{Error, Result};
 
@@ -141,10 +141,11 @@ pub fn query_major_shared_bytes(head_dim: usize, tile_k: usize) -> usize {
     1024 + KV_STAGES * 2 * tile_k * head_dim * 2
 }
 
-/// Dynamic shared memory of the warp-specialised forward: its K/V ring and the ring's full and
-/// empty mbarriers (8 bytes each).
+/// Dynamic shared memory of the forward: its K/V ring and, for the warp-specialised forward
+/// ([`forward_threads`] 384), the ring's full and empty mbarriers (8 bytes each).
 pub fn forward_shared_bytes(head_dim: usize) -> usize {
-    query_major_shared_bytes(head_dim, forward_tile_k(head_dim)) + 2 * KV_STAGES * 8
+    let barriers = if forward_threads(head_dim) > 256 { 2 * KV_STAGES * 8 } else { 0 };
+    query_major_shared_bytes(head_dim, forward_tile_k(head_dim)) + barriers
 }
 
 /// One stage of the key-major pass: swizzled q and dout rows (`DKDV_CHUNK` x `head_dim` bf16
@@ -219,7 +220,7 @@ impl AttentionKernels {
     }
 
     /// Grid (KV heads, CTAs of row groups), two computing warpgroups per CTA (`threads`: the dQ
-    /// pass's 256, the forward's 384 with its loading warpgroup), `smem` bytes of shared memory.
+    /// pass's 256, the forward's [`forward_threads`]), `smem` bytes of shared memory.
     fn query_major_config(&self, shape: AttnShape, ctas: u32, threads: u32, smem: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (shape.num_kv_heads as u32, ctas, 1),
@@ -243,7 +244,12 @@ impl AttentionKernels {
             return Ok(());
         }
         let (plan_args, head_args) = (dp.args(), HeadArgs::new(shape));
-        let cfg = self.query_major_config(shape, ctas, 384, forward_shared_bytes(self.head_dim));
+        let cfg = self.query_major_config(
+            shape,
+            ctas,
+            forward_threads(self.head_dim) as u32,
+            forward_shared_bytes(self.head_dim),
+        );
         let mut b = stream.launch_builder(&self.forward);
         b.arg(&dp.groups);
         plan_args.push(&mut b);
