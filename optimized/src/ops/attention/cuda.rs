@@ -324,3 +324,32 @@ impl AttentionKernels {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The most dynamic shared memory a CTA may opt into on compute capability 9.0 (H100, H200):
+    /// 227 KB (CUDA C++ Programming Guide, the compute capabilities' technical specifications).
+    const SM90_MAX_DYNAMIC_SHARED: usize = 227 * 1024;
+
+    #[test]
+    fn every_attention_kernel_fits_the_shared_memory_of_a_cta() {
+        for d in ATTENTION_HEAD_DIMS {
+            let kernels = [
+                ("forward", forward_shared_bytes(d)),
+                ("dQ", query_major_shared_bytes(d, TILE_K)),
+                ("dK/dV", dkdv_shared_bytes(d)),
+            ];
+            for (kernel, bytes) in kernels {
+                assert!(
+                    bytes <= SM90_MAX_DYNAMIC_SHARED,
+                    "head dim {d}: the {kernel} kernel asks for {bytes} bytes of shared memory, above {SM90_MAX_DYNAMIC_SHARED}"
+                );
+            }
+            // The warp-specialised forward's mbarriers follow the ring: 8-byte aligned.
+            assert_eq!((query_major_shared_bytes(d, forward_tile_k(d)) - 1024) % 8, 0, "head dim {d}");
+            assert!(matches!(forward_threads(d), 256 | 384), "head dim {d}: two or three warpgroups");
+        }
+    }
+}
