@@ -538,8 +538,8 @@ __device__ TileWalk<TK> walk_union(TileWalk<TK> a, const TileWalk<TK>& b) {
 // (Ping-pong, PINGPONG below: tile i + 1 loads after tile i's barrier instead, walk_kv_tiles.)
 
 // A CTA of the query-major kernels: a group of R * G rows takes ceil(R * G / 64) (at most
-// two) warpgroups, and a CTA holds blockDim.x / 128 warpgroups: one or two groups, which share
-// each K/V tile. Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later
+// two) warpgroups, and a CTA computes with two warpgroups: one or two groups, which share each
+// K/V tile (the warp-specialised forward's third warpgroup only loads). Grid (nkv, ceil(groups / groups per CTA)), CTAs launched last-first (later
 // groups see more).
 template <int TK>
 struct WgRows {
