@@ -157,24 +157,16 @@ __device__ __forceinline__ void load_lane(const bf16* row, int lane, float* v) {
 // multiple of 4); rows of RoPE tables, 32 N values apart from 256-byte-aligned regions.
 template <int N>
 __device__ __forceinline__ void load_lane_f32(const float* row, int lane, float* v) {
-    if constexpr (N % 4 == 0) {
-        const float4* p = reinterpret_cast<const float4*>(row + lane * N);
+    constexpr int W = N % 4 == 0 ? 4 : 2;  // floats a load
+    struct alignas(4 * W) Chunk {
+        float f[W];
+    };
+    const Chunk* p = reinterpret_cast<const Chunk*>(row + lane * N);
 #pragma unroll
-        for (int k = 0; k < N / 4; ++k) {
-            const float4 f = p[k];
-            v[4 * k] = f.x;
-            v[4 * k + 1] = f.y;
-            v[4 * k + 2] = f.z;
-            v[4 * k + 3] = f.w;
-        }
-    } else {
-        const float2* p = reinterpret_cast<const float2*>(row + lane * N);
+    for (int k = 0; k < N / W; ++k) {
+        const Chunk c = p[k];
 #pragma unroll
-        for (int k = 0; k < N / 2; ++k) {
-            const float2 f = p[k];
-            v[2 * k] = f.x;
-            v[2 * k + 1] = f.y;
-        }
+        for (int j = 0; j < W; ++j) v[W * k + j] = c.f[j];
     }
 }
 
