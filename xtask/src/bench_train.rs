@@ -54,8 +54,8 @@ options:
   --out FILE      results file                (default results/train-h200.json)
   --seed N        seed of tokens, anchors, init (default 0)
   --profile yes|no  print each operation's GPU time in one more step per shape (default no)
-  --checkpointing POLICY  our step's policy: per-layer (the PyTorch pipeline's), selective or
-                  none; each object records it    (default per-layer)
+  --checkpointing POLICY  both steps' policy, ours and the PyTorch pipeline's: per-layer,
+                  selective or none; each object records it    (default per-layer)
   --commit SHA    the commit measured         (default: commit.txt next to the binary)";
 
 const OPTIONS: &[&str] =
@@ -147,6 +147,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "torch_target_ms": torch.and_then(|t| t["target_ms"].as_f64()),
             "torch_step_ms": torch.and_then(|t| t["step_ms"].as_f64()),
             "torch_form": torch.map(|t| t["form"].clone()),
+            "torch_checkpointing": torch.map(|t| t["policy"].clone()),
             "torch_errors": torch.map(|t| t["errors"].clone()),
             "torch_losses": torch.map(|t| t["losses"].clone()),
             "speedup": torch_ms.map(|t| t / on.ms),
@@ -164,7 +165,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         if !with_torch {
             break;
         }
-        let spec = torch_spec(&dir, &draft, s, n, (warmup, iters, seed));
+        let spec = torch_spec(&dir, &draft, (s, n), policy.name(), (warmup, iters, seed));
         match run_python_json(&python, &script, &spec) {
             Ok(v) => objects[k] = object(k, Some(&v)),
             Err(e) => errors.push(format!("PyTorch at S={s} N={n}: {e}")),
@@ -198,12 +199,13 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
 }
 
-/// The PyTorch pipeline's spec at one shape (the drafter of `draft`, its target's folder).
+/// The PyTorch pipeline's spec at one shape (the drafter of `draft`, its target's folder), its
+/// step checkpointing by `policy` (step_torch.py's names are ours).
 fn torch_spec(
     dir: &Path,
     draft: &DraftConfig,
-    s: usize,
-    n: usize,
+    (s, n): (usize, usize),
+    policy: &str,
     (warmup, iters, seed): (usize, usize, u64),
 ) -> Value {
     let c = &draft.dims;
@@ -223,7 +225,7 @@ fn torch_spec(
         "iters": iters,
         "seed": seed,
         "form": "compiled",
-        "policy": "per-layer",
+        "policy": policy,
         "config": {
             "hidden": c.hidden_size, "intermediate": c.intermediate_size, "num_heads": c.num_heads,
             "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
