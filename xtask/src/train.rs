@@ -297,17 +297,22 @@ fn train_loop(
         println!("resume: {note}");
     }
     println!(
-        "training ({} step) {} steps of {} rows x {} anchors{}, AdamW peak lr {:e}, warmup {:.0}% + cosine, clip {}",
+        "training ({} step) {} of {} x {}{}, AdamW peak lr {:e}, warmup {:.0}% + cosine, clip {}",
         engine.name(),
-        trainer.total_steps(),
-        config.rows_per_step,
-        config.anchors,
+        counted(trainer.total_steps(), "step"),
+        counted(config.rows_per_step, "row"),
+        counted(config.anchors, "anchor"),
         if config.grad_accum > 1 { format!(" x {} accumulated", config.grad_accum) } else { String::new() },
         config.lr,
         config.warmup_frac * 100.0,
         config.clip_norm
     );
     trainer.run(engine).map_err(err)
+}
+
+/// `n` and `noun`, plural unless `n` is 1 ("1 row", "4 rows").
+fn counted(n: usize, noun: &str) -> String {
+    format!("{n} {noun}{}", if n == 1 { "" } else { "s" })
 }
 
 /// The end of a run: the final servable drafter, the plot, the loss and held-out summary.
@@ -332,8 +337,12 @@ fn report_end(
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
     println!();
     if !losses.is_empty() {
+        let (first, last) = match window {
+            1 => ("the first logged step".to_string(), "the last".to_string()),
+            _ => (format!("mean of the first {window} logged steps"), format!("mean of the last {window}")),
+        };
         println!(
-            "loss: {:.4} (mean of the first {window} logged steps) -> {:.4} (mean of the last {window})",
+            "loss: {:.4} ({first}) -> {:.4} ({last})",
             mean(&losses[..window]),
             mean(&losses[losses.len() - window..])
         );
