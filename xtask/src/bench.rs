@@ -36,6 +36,18 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
 }
 
+/// This machine's CPU model and core count (what host-bound timings follow).
+pub fn host_machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned()))
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    format!("{cpu}, {} cores", std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// Runs `run` once with the GPU profile on and prints its operations as `what`
 /// ([`print_profile`]).
 pub fn profile_once<T>(what: &str, run: impl FnOnce() -> dflash_optimized::Result<T>) -> Result<(), String> {

@@ -220,17 +220,6 @@ fn throughput(m: &Measured) -> (f64, f64) {
     (m.rows as f64 / m.seconds, m.tokens as f64 / m.seconds)
 }
 
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned()))
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    format!("{cpu}, {} cores", std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
 pub fn run(args: Vec<String>) -> Result<(), String> {
     let Some(opts) = Options::parse(args, OPTIONS)? else {
         println!("{HELP}");
@@ -258,7 +247,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let file = work.join("conversations.jsonl");
     generate(&file, n, u64::MAX, 1)?;
     let size = std::fs::metadata(&file).map_or(0, |m| m.len());
-    println!("{n} conversations ({:.1} MB) on {}", size as f64 / 1e6, machine());
+    println!("{n} conversations ({:.1} MB) on {}", size as f64 / 1e6, crate::bench::host_machine());
     let ours = prepare(&target, &file, &work.join("cache"))?;
     let (our_rows, our_tokens) = throughput(&ours);
     println!(
@@ -323,7 +312,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let results = json!({
         "benchmark": "data pipeline: render + tokenize + mask + pack, from a jsonl of generated conversations",
         "date": utc_now(),
-        "machine": machine(),
+        "machine": crate::bench::host_machine(),
         "commit": commit(None)?,
         "tokenizer": target_dir.strip_prefix(&root).unwrap_or(&target_dir).display().to_string(),
         "conversations": ours.conversations,

@@ -250,6 +250,8 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "iters": iters,
             "date": utc_now(),
             "gpu": gpu.name(),
+            // The built-in pair's decoding is bound by the host's kernel launches.
+            "host": crate::bench::host_machine(),
             "commit": commit,
         })
     };
@@ -311,6 +313,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             0.8 * builtin_tau
         );
     }
+    println!("built-in pair, bound by the host's launches, on: {}", result["host"].as_str().unwrap_or("-"));
     println!("{:<58} {:>10.1}", "built-in pair: plain", rate(builtin_plain_ms));
     println!(
         "{:<58} {:>10.1}  (tau {builtin_tau:.2}, {builtin_speedup:.2}x)",
