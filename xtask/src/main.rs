@@ -7,6 +7,7 @@
 //! - `features`: the offline feature cache (every document through the target, in shards).
 //! - `eval`: a drafter by speculative decoding with its target (tau, acceptance, speed).
 //! - `demo-target`: a small random Qwen3 target folder with a real tokenizer (no download).
+//! - `kernels`: every CUDA kernel compiled here as the GPU machine compiles it (no GPU); checked.
 //! - `gpu-bundle`: the release binary and baseline scripts in `gpu-bundle/`, for the GPU machine.
 //! - `gpu-conformance` (GPU machine): the CUDA kernels against the reference; the attestation.
 //! - `bench attention` (GPU machine): our attention against PyTorch flex_attention and SDPA.
@@ -32,6 +33,7 @@ mod eval;
 mod features;
 mod gpu_bundle;
 mod gpu_conformance;
+mod kernels;
 mod plan;
 mod train;
 
@@ -46,6 +48,7 @@ commands:
   features           the offline feature cache: every document through the target, in shards
   eval               a drafter by speculative decoding with its target: tau, acceptance, speed
   demo-target        a small random Qwen3 target folder with a real tokenizer, to try the above
+  kernels            compile every CUDA kernel here with NVRTC and ptxas (no GPU); check the SASS
   gpu-bundle         build the release binary into gpu-bundle/ for the GPU machine
   gpu-conformance    (GPU machine) CUDA kernels vs the reference; writes the attestation
   bench attention    (GPU machine) our attention vs PyTorch flex_attention and SDPA
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
         Some("features") => features::run(argv.collect()),
         Some("eval") => eval::run(argv.collect()),
         Some("demo-target") => demo_target::run(argv.collect()),
+        Some("kernels") => kernels::run(argv.collect()),
         Some("gpu-bundle") => gpu_bundle::run(argv.collect()),
         Some("gpu-conformance") => gpu_conformance::run(argv.collect()),
         Some("bench") => bench::run(argv.collect()),
