@@ -19,10 +19,11 @@ impl Options {
             }
             let name = arg.strip_prefix("--").ok_or_else(|| format!("unexpected argument `{arg}`"))?;
             if !known.contains(&name) {
-                return Err(format!(
-                    "unknown option `--{name}` (known: {})",
-                    known.iter().map(|k| format!("--{k}")).collect::<Vec<_>>().join(", ")
-                ));
+                let known = match known {
+                    [] => "this command takes none".to_string(),
+                    _ => format!("known: {}", known.iter().map(|k| format!("--{k}")).collect::<Vec<_>>().join(", ")),
+                };
+                return Err(format!("unknown option `--{name}` ({known})"));
             }
             let value = it.next().ok_or_else(|| format!("option `--{name}` needs a value"))?;
             if values.insert(name.to_string(), value).is_some() {
