@@ -60,7 +60,7 @@ pub fn check(strict: bool) -> Result<(), String> {
         let ptx = compile(&module, &source).map_err(|e| e.to_string())?;
         println!("kernels: {module} compiles with NVRTC ({:.1}s)", started.elapsed().as_secs_f64());
         if ptxas.is_file() {
-            for line in kernel_resources(&ptxas, &module, &ptx.to_src())? {
+            for line in kernel_resources(&ptxas, &module, &ptx.to_src(), strict)? {
                 println!("  {line}");
             }
         }
@@ -69,9 +69,9 @@ pub fn check(strict: bool) -> Result<(), String> {
 }
 
 /// What `ptxas -arch=sm_90a -v` says of `ptx`'s kernels ([`ptxas_summary`]), and for an
-/// attention module the SASS check of its forwards ([`forward_sass_lines`]); the PTX and the
-/// cubin written to temporary files and removed.
-fn kernel_resources(ptxas: &Path, module: &str, ptx: &str) -> Result<Vec<String>, String> {
+/// attention module the SASS check of its forwards ([`forward_sass_lines`], `strict` as there);
+/// the PTX and the cubin written to temporary files and removed.
+fn kernel_resources(ptxas: &Path, module: &str, ptx: &str, strict: bool) -> Result<Vec<String>, String> {
     let stem = std::env::temp_dir().join(format!("dflash-{module}-{}", std::process::id()));
     let (file, cubin) = (stem.with_extension("ptx"), stem.with_extension("cubin"));
     std::fs::write(&file, ptx).map_err(|e| format!("{}: {e}", file.display()))?;
@@ -89,7 +89,7 @@ fn kernel_resources(ptxas: &Path, module: &str, ptx: &str) -> Result<Vec<String>
         }
         let mut lines = ptxas_summary(&log);
         if module.starts_with("attention") {
-            lines.extend(forward_sass_lines(&ptxas.with_file_name("cuobjdump"), &cubin, module)?);
+            lines.extend(forward_sass_lines(&ptxas.with_file_name("cuobjdump"), &cubin, module, strict)?);
         }
         Ok(lines)
     });
@@ -99,7 +99,8 @@ fn kernel_resources(ptxas: &Path, module: &str, ptx: &str) -> Result<Vec<String>
 
 /// The SASS check ([`forward_keeps_q_registers`]) of every forward kernel (`attention_forward*`)
 /// of `cubin` (module `module`): a line per kernel, nothing without `cuobjdump`, or the error.
-fn forward_sass_lines(cuobjdump: &Path, cubin: &Path, module: &str) -> Result<Vec<String>, String> {
+/// `strict`: a disassembly that fails or holds no forward kernel is an error, not a line.
+fn forward_sass_lines(cuobjdump: &Path, cubin: &Path, module: &str, strict: bool) -> Result<Vec<String>, String> {
     if !cuobjdump.is_file() {
         return Ok(Vec::new());
     }
@@ -114,8 +115,8 @@ fn forward_sass_lines(cuobjdump: &Path, cubin: &Path, module: &str) -> Result<Ve
         .output()
         .map_err(|e| format!("running {}: {e}", cuobjdump.display()))?;
     if !out.status.success() {
-        let log = String::from_utf8_lossy(&out.stderr);
-        return Ok(vec![format!("SASS not checked ({})", log.trim())]);
+        let what = format!("SASS not checked ({})", String::from_utf8_lossy(&out.stderr).trim());
+        return if strict { Err(format!("module `{module}`: {what}")) } else { Ok(vec![what]) };
     }
     let sass = String::from_utf8_lossy(&out.stdout);
     let mut lines = Vec::new();
@@ -130,6 +131,9 @@ fn forward_sass_lines(cuobjdump: &Path, cubin: &Path, module: &str) -> Result<Ve
             Ok(false) => format!("{name}: no q.k product reads q from registers"),
             Err(e) => return Err(format!("module `{module}`, {name}: {e}")),
         });
+    }
+    if strict && lines.is_empty() {
+        return Err(format!("module `{module}`: no attention_forward kernel in cuobjdump's SASS, nothing checked"));
     }
     Ok(lines)
 }
