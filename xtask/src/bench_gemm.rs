@@ -29,9 +29,12 @@ options:
   --out FILE      results file                          (default results/gemm-h200.json)
   --warmup N      warm-up iterations                    (default 10)
   --iters N       timed iterations (median)             (default 50)
+  --algos N       also time cuBLASLt's first N heuristic candidates for each shape of the
+                  training step and of the target's forward (S=8192), back to back, against
+                  cublasGemmEx's default choice (default 0: not run)
   --commit SHA    the commit measured                   (default: commit.txt next to the binary)";
 
-const OPTIONS: &[&str] = &["out", "warmup", "iters", "commit"];
+const OPTIONS: &[&str] = &["out", "warmup", "iters", "commit", "algos"];
 
 /// bf16 output rounding (2^-8 relative per element) over random-sign sums: the GPU result (NaN
 /// gives an infinite relative error, so it fails)
@@ -46,6 +49,20 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
     ("qwen3-8b down_proj", 8192, 4096, 12288),
     ("qwen3-8b lm_head chunk", 1024, 151936, 4096),
 ];
+
+/// (name, m, n, k) of the target forward's stacked linears at S=8192 (Qwen3-8B), for `--algos`.
+const TARGET_SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("target qkv_proj (stacked)", 8192, 6144, 4096),
+    ("target o_proj", 8192, 4096, 4096),
+    ("target gate_up_proj", 8192, 24576, 4096),
+    ("target down_proj", 8192, 4096, 12288),
+];
+
+/// Back-to-back calls per timed sample of `--algos` (the GPU kept busy, as in a forward).
+const ALGO_REPS: usize = 10;
+/// Rounds over every candidate of a shape (interleaved, so that clocks and temperature drift
+/// alike for all); a candidate's time is the median of its rounds.
+const ALGO_ROUNDS: usize = 3;
 
 /// (name, n, k) of decoding's linear layers on the Qwen3-8B shape, timed at 1 and 16 rows.
 const DECODE_SHAPES: &[(&str, usize, usize)] = &[
@@ -69,6 +86,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let out: PathBuf = opts.get("out", gpu_bundle::repo_root().join("results/gemm-h200.json"))?;
     let (warmup, iters): (usize, usize) = (opts.get("warmup", 10)?, opts.get("iters", 50)?);
     let commit: String = opts.get("commit", String::new())?;
+    let algos: usize = opts.get("algos", 0)?;
     let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
     let gpu = open_gpu()?;
     let blas = Blas::new(&gpu).map_err(|e| e.to_string())?;
@@ -115,6 +133,9 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         row["check_rel_error"] = json!(rel);
     }
     decode_rows(&gpu, (warmup, iters), &mut rng, &mut rows)?;
+    if algos > 0 {
+        algo_rows(&gpu, &blas, algos, (warmup, iters), &mut rng, &mut rows)?;
+    }
     for row in rows.iter_mut() {
         row["date"] = json!(date);
         row["gpu"] = json!(gpu_name);
@@ -166,6 +187,92 @@ fn decode_rows(
             rows.push(json!({"shape": format!("decode {name}"), "m": m, "n": n, "k": k,
                 "cublas_gb_per_s": gb_per_s(cublas), "linear_rows_gb_per_s": gb_per_s(ours)}));
         }
+    }
+    Ok(())
+}
+
+/// `--algos N`: for each forward linear of the training step and of the target ([`SHAPES`],
+/// [`TARGET_SHAPES`]), cublasGemmEx's default choice and cuBLASLt's first `count` heuristic
+/// candidates, each timed over [`ALGO_REPS`] back-to-back calls per sample in [`ALGO_ROUNDS`]
+/// interleaved rounds, its output checked against the default's; a row each shape.
+fn algo_rows(
+    gpu: &Gpu,
+    blas: &Blas,
+    count: usize,
+    (warmup, iters): (usize, usize),
+    rng: &mut ChaCha8Rng,
+    rows: &mut Vec<Value>,
+) -> Result<(), String> {
+    use dflash_optimized::ops::matmul::cuda::LtLinear;
+    let err = |e: dflash_optimized::Error| e.to_string();
+    let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
+    let stream = gpu.stream();
+    for &(name, m, n, k) in SHAPES.iter().chain(TARGET_SHAPES) {
+        let (x, w) = (random_bf16(m * k, rng), random_bf16(n * k, rng));
+        let (dx, dw) = (stream.clone_htod(&x).map_err(gpu_err)?, stream.clone_htod(&w).map_err(gpu_err)?);
+        let mut dy = stream.alloc_zeros::<bf16>(m * n).map_err(gpu_err)?;
+        let lt = LtLinear::new(gpu, (m, n, k)).map_err(err)?;
+        let candidates = lt.algos(count).map_err(err)?;
+        // The default's output, the reference of every candidate's (its first 2^20 values).
+        blas.linear(&dx, &dw, &mut dy, (m, n, k)).map_err(err)?;
+        let check = (m * n).min(1 << 20);
+        let first = |y: &cudarc::driver::CudaSlice<bf16>| -> Result<Vec<f64>, String> {
+            let v = stream.clone_dtoh(&y.slice(0..check)).map_err(gpu_err)?;
+            Ok(v.iter().map(|e| e.to_f64()).collect())
+        };
+        let want = first(&dy)?;
+        let (xp, wp) = (dx.device_ptr(stream).0, dw.device_ptr(stream).0);
+        let yp = dy.device_ptr(stream).0;
+        let mut errors = Vec::with_capacity(candidates.len());
+        for a in &candidates {
+            lt.run(a, xp, wp, yp).map_err(err)?;
+            errors.push(dflash_conformance::attention_cases::rel_error(&first(&dy)?, &want));
+        }
+        // times[0]: the default; times[1 + i]: candidate i; per round.
+        let mut times = vec![Vec::with_capacity(ALGO_ROUNDS); 1 + candidates.len()];
+        for _ in 0..ALGO_ROUNDS {
+            let t = gpu
+                .time_ms(warmup, iters, || (0..ALGO_REPS).try_for_each(|_| blas.linear(&dx, &dw, &mut dy, (m, n, k))))
+                .map_err(err)?;
+            times[0].push(t / ALGO_REPS as f64);
+            for (i, a) in candidates.iter().enumerate() {
+                let t = gpu
+                    .time_ms(warmup, iters, || (0..ALGO_REPS).try_for_each(|_| lt.run(a, xp, wp, yp)))
+                    .map_err(err)?;
+                times[1 + i].push(t / ALGO_REPS as f64);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let ms: Vec<f64> = times.iter_mut().map(median).collect();
+        let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+        println!("{name} ({m}x{n}x{k}): gemmEx default {:.3} ms, {:.1} TFLOP/s", ms[0], tflops(ms[0]));
+        println!(
+            "  {:>3} {:>5} {:>5} {:>6} {:>6} {:>7} {:>6} {:>9} {:>8} {:>9}",
+            "#", "algo", "tile", "stages", "splitk", "cluster", "waves", "ms", "vs dflt", "rel err"
+        );
+        let mut listed = Vec::with_capacity(candidates.len());
+        for (i, a) in candidates.iter().enumerate() {
+            let t = ms[1 + i];
+            println!(
+                "  {i:>3} {:>5} {:>5} {:>6} {:>6} {:>7} {:>6.2} {t:>9.3} {:>8.3} {:>9.1e}",
+                a.id,
+                a.tile,
+                a.stages,
+                a.splitk,
+                a.cluster,
+                a.waves,
+                ms[0] / t,
+                errors[i]
+            );
+            listed.push(json!({"rank": i, "algo": a.id, "tile": a.tile, "stages": a.stages, "splitk": a.splitk,
+                "cluster": a.cluster, "waves": a.waves, "workspace": a.workspace, "ms": t, "tflops": tflops(t),
+                "speedup_vs_default": ms[0] / t, "rel_error_vs_default": errors[i]}));
+        }
+        rows.push(json!({"shape": format!("algos {name}"), "m": m, "n": n, "k": k, "default_ms": ms[0],
+            "default_tflops": tflops(ms[0]), "reps": ALGO_REPS, "rounds": ALGO_ROUNDS, "candidates": listed}));
     }
     Ok(())
 }

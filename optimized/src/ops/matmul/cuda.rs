@@ -106,3 +106,187 @@ impl Blas {
         self.matmul(Mat::n(x, m, k), Mat::t(w, n, k), y, Out::Bf16, 1.0, 0.0)
     }
 }
+
+/// One of cuBLASLt's candidate algorithms for an [`LtLinear`], with its configuration (for
+/// printing): algorithm id, tile, stages, split-k, cluster shape (cuBLASLt's enum values).
+#[derive(Clone, Copy, Debug)]
+pub struct LtAlgo {
+    algo: cudarc::cublaslt::sys::cublasLtMatmulAlgo_t,
+    pub workspace: usize,
+    pub waves: f32,
+    pub id: u32,
+    pub tile: u32,
+    pub stages: u32,
+    pub splitk: u32,
+    pub cluster: u32,
+}
+
+/// The row-major linear `y [m, n] = x [m, k] @ w [n, k]^T` (bf16, fp32 accumulation, the same
+/// operation as [`Blas::linear`]) through cuBLASLt with a chosen algorithm: `bench gemm --algos`
+/// times cuBLASLt's heuristic candidates against `cublasGemmEx`'s default choice.
+pub struct LtLinear {
+    handle: cudarc::cublaslt::sys::cublasLtHandle_t,
+    desc: cudarc::cublaslt::sys::cublasLtMatmulDesc_t,
+    /// w `[n, k]` row-major as column-major `[k, n]` used transposed; x `[m, k]` as `[k, m]`;
+    /// y `[m, n]` as `[n, m]`.
+    layouts: [cudarc::cublaslt::sys::cublasLtMatrixLayout_t; 3],
+    pref: cudarc::cublaslt::sys::cublasLtMatmulPreference_t,
+    workspace: CudaSlice<u8>,
+    stream: Arc<CudaStream>,
+}
+
+impl LtLinear {
+    /// Workspace bytes offered to cuBLASLt (NVIDIA's recommendation on Hopper: 32 MiB).
+    const WORKSPACE: usize = 32 << 20;
+
+    pub fn new(gpu: &Gpu, (m, n, k): (usize, usize, usize)) -> Result<Self> {
+        use cudarc::cublaslt::{result as lt, sys as ltsys};
+        let e = |what: &'static str| move |err: lt::CublasError| Error::Gpu(format!("cuBLASLt {what}: {err:?}"));
+        let (m64, n64, k64) = (m as u64, n as u64, k as u64);
+        let handle = lt::create_handle().map_err(e("create"))?;
+        let desc =
+            lt::create_matmul_desc(ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F, ltsys::cudaDataType::CUDA_R_32F)
+                .map_err(e("matmul descriptor"))?;
+        let trans = cublasOperation_t::CUBLAS_OP_T;
+        // SAFETY: `desc` is live; the attribute is a cublasOperation_t passed by address and size.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &trans as *const _ as *const c_void,
+                std::mem::size_of_val(&trans),
+            )
+        }
+        .map_err(e("transpose attribute"))?;
+        let bf = ltsys::cudaDataType::CUDA_R_16BF;
+        let layouts = [
+            lt::create_matrix_layout(bf, k64, n64, k as i64).map_err(e("layout of w"))?,
+            lt::create_matrix_layout(bf, k64, m64, k as i64).map_err(e("layout of x"))?,
+            lt::create_matrix_layout(bf, n64, m64, n as i64).map_err(e("layout of y"))?,
+        ];
+        let pref = lt::create_matmul_pref().map_err(e("preference"))?;
+        let bytes = Self::WORKSPACE as u64;
+        // SAFETY: `pref` is live; the attribute is a u64 passed by address and size.
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &bytes as *const u64 as *const c_void,
+                8,
+            )
+        }
+        .map_err(e("workspace preference"))?;
+        let stream = gpu.stream().clone();
+        let workspace = stream
+            .alloc_zeros::<u8>(Self::WORKSPACE)
+            .map_err(|err| Error::Gpu(format!("cuBLASLt workspace: {err:?}")))?;
+        Ok(LtLinear { handle, desc, layouts, pref, workspace, stream })
+    }
+
+    /// Up to `count` of cuBLASLt's heuristic candidates, its first choice first.
+    pub fn algos(&self, count: usize) -> Result<Vec<LtAlgo>> {
+        use cudarc::cublaslt::sys as ltsys;
+        let mut results: Vec<ltsys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(count);
+        let mut found: i32 = 0;
+        let [w, x, y] = self.layouts;
+        // SAFETY: the descriptors are live; `results` has room for `count` entries, of which
+        // cuBLASLt writes `found`.
+        unsafe {
+            ltsys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                self.desc,
+                w,
+                x,
+                y,
+                y,
+                self.pref,
+                i32::try_from(count).map_err(|_| Error::invalid("algos", "count exceeds i32"))?,
+                results.as_mut_ptr(),
+                &mut found,
+            )
+            .result()
+            .map_err(|err| Error::Gpu(format!("cuBLASLt heuristics: {err:?}")))?;
+            results.set_len(usize::try_from(found).unwrap_or(0).min(count));
+        }
+        let config = |algo: &ltsys::cublasLtMatmulAlgo_t, attr| -> u32 {
+            let (mut v, mut written) = (0u32, 0usize);
+            // SAFETY: `algo` came from the heuristics; the attributes read are 4-byte values.
+            let status = unsafe {
+                ltsys::cublasLtMatmulAlgoConfigGetAttribute(
+                    algo,
+                    attr,
+                    &mut v as *mut u32 as *mut c_void,
+                    4,
+                    &mut written,
+                )
+            };
+            if status.result().is_ok() {
+                v
+            } else {
+                u32::MAX
+            }
+        };
+        use ltsys::cublasLtMatmulAlgoConfigAttributes_t as A;
+        Ok(results
+            .iter()
+            .filter(|r| r.state.result().is_ok())
+            .map(|r| LtAlgo {
+                algo: r.algo,
+                workspace: r.workspaceSize,
+                waves: r.wavesCount,
+                id: config(&r.algo, A::CUBLASLT_ALGO_CONFIG_ID),
+                tile: config(&r.algo, A::CUBLASLT_ALGO_CONFIG_TILE_ID),
+                stages: config(&r.algo, A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                splitk: config(&r.algo, A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                cluster: config(&r.algo, A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+            })
+            .collect())
+    }
+
+    /// `y = x @ w^T` by `algo` (one of [`LtLinear::algos`]), queued on the GPU's stream.
+    pub fn run(&self, algo: &LtAlgo, x: u64, w: u64, y: u64) -> Result<()> {
+        use cudarc::cublaslt::{result as lt, sys as ltsys};
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let [wl, xl, yl] = self.layouts;
+        let (ws, _guard) = self.workspace.device_ptr(&self.stream);
+        // SAFETY: the descriptors are live, x, w and y are device buffers of this linear's
+        // shapes (the caller's contract), the workspace holds `WORKSPACE` bytes.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                self.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w as *const c_void,
+                wl,
+                x as *const c_void,
+                xl,
+                y as *const c_void,
+                yl,
+                y as *mut c_void,
+                yl,
+                &algo.algo,
+                ws as *mut c_void,
+                Self::WORKSPACE,
+                self.stream.cu_stream() as ltsys::cudaStream_t,
+            )
+        }
+        .map_err(|err| Error::Gpu(format!("cuBLASLt matmul: {err:?}")))
+    }
+}
+
+impl Drop for LtLinear {
+    fn drop(&mut self) {
+        use cudarc::cublaslt::result as lt;
+        // SAFETY: each descriptor was created by `new` and is destroyed once; errors at teardown
+        // have no one to go to.
+        unsafe {
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_pref(self.pref);
+            let _ = lt::destroy_matmul_desc(self.desc);
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
