@@ -74,6 +74,14 @@ const DECODE_SHAPES: &[(&str, usize, usize)] = &[
     ("lm_head", 151936, 4096),
 ];
 
+fn err(e: dflash_optimized::Error) -> String {
+    e.to_string()
+}
+
+fn gpu_err(e: cudarc::driver::DriverError) -> String {
+    format!("{e:?}")
+}
+
 fn random_bf16(n: usize, rng: &mut ChaCha8Rng) -> Vec<bf16> {
     (0..n).map(|_| bf16::from_f32(StandardNormal.sample(rng))).collect()
 }
@@ -91,8 +99,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let gpu = open_gpu()?;
     let blas = Blas::new(&gpu).map_err(|e| e.to_string())?;
     let stream = gpu.stream();
-    let err = |e: dflash_optimized::Error| e.to_string();
-    let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let mut rng = ChaCha8Rng::seed_from_u64(0);
 
     // Correctness on an odd shape: GPU bf16 against the CPU in f32 on the same bf16 values.
@@ -157,8 +163,6 @@ fn decode_rows(
     rng: &mut ChaCha8Rng,
     rows: &mut Vec<Value>,
 ) -> Result<(), String> {
-    let err = |e: dflash_optimized::Error| e.to_string();
-    let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let (stream, blas, dev) = (gpu.stream(), Blas::new(gpu).map_err(err)?, Cuda::new(gpu, 128).map_err(err)?);
     let kernels = dev.ops();
     println!("{:<26} {:>4} {:>10} {:>12}", "decode linear", "rows", "cuBLAS", "linear_rows");
@@ -204,8 +208,6 @@ fn algo_rows(
     rows: &mut Vec<Value>,
 ) -> Result<(), String> {
     use dflash_optimized::ops::matmul::cuda::LtLinear;
-    let err = |e: dflash_optimized::Error| e.to_string();
-    let gpu_err = |e: cudarc::driver::DriverError| format!("{e:?}");
     let stream = gpu.stream();
     for &(name, m, n, k) in SHAPES.iter().chain(TARGET_SHAPES) {
         let (x, w) = (random_bf16(m * k, rng), random_bf16(n * k, rng));
