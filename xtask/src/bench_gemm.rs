@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use cudarc::driver::DevicePtr;
 use dflash_optimized::backend::cuda::Cuda;
 use dflash_optimized::backend::Backend;
-use dflash_optimized::device::gpu::Gpu;
+use dflash_optimized::device::gpu::{median, Gpu};
 use dflash_optimized::ops::constants::LINEAR_ROWS;
 use dflash_optimized::ops::matmul::cuda::Blas;
 use half::bf16;
@@ -31,7 +31,7 @@ options:
   --iters N       timed iterations (median)             (default 50)
   --algos N       also time cuBLASLt's first N heuristic candidates for each shape of the
                   training step and of the target's forward (S=8192), back to back, against
-                  cublasGemmEx's default choice (default 0: not run)
+                  cublasGemmEx's default choice (default 0: not run; at most 64)
   --commit SHA    the commit measured                   (default: commit.txt next to the binary)";
 
 const OPTIONS: &[&str] = &["out", "warmup", "iters", "commit", "algos"];
@@ -57,6 +57,9 @@ const TARGET_SHAPES: &[(&str, usize, usize, usize)] = &[
     ("target gate_up_proj", 8192, 24576, 4096),
     ("target down_proj", 8192, 4096, 12288),
 ];
+
+/// Most cuBLASLt candidates `--algos` asks for.
+const MAX_ALGOS: usize = 64;
 
 /// Back-to-back calls per timed sample of `--algos` (the GPU kept busy, as in a forward).
 const ALGO_REPS: usize = 10;
@@ -95,6 +98,12 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     let (warmup, iters): (usize, usize) = (opts.get("warmup", 10)?, opts.get("iters", 50)?);
     let commit: String = opts.get("commit", String::new())?;
     let algos: usize = opts.get("algos", 0)?;
+    if iters == 0 {
+        return Err("option `--iters`: 0; at least 1 timed iteration".into());
+    }
+    if algos > MAX_ALGOS {
+        return Err(format!("option `--algos`: {algos}; at most {MAX_ALGOS} candidates (0: not run)"));
+    }
     let commit = gpu_bundle::commit(Some(commit).filter(|c| !c.is_empty()))?;
     let gpu = open_gpu()?;
     let blas = Blas::new(&gpu).map_err(|e| e.to_string())?;
@@ -244,11 +253,7 @@ fn algo_rows(
                 times[1 + i].push(t / ALGO_REPS as f64);
             }
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        let ms: Vec<f64> = times.iter_mut().map(median).collect();
+        let ms: Vec<f64> = times.iter_mut().map(|t| median(t)).collect();
         let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
         println!("{name} ({m}x{n}x{k}): gemmEx default {:.3} ms, {:.1} TFLOP/s", ms[0], tflops(ms[0]));
         println!(

@@ -328,7 +328,7 @@ pub fn compile(module: &str, source: &str) -> Result<Ptx> {
 
 /// The median of `values` (the mean of the two middle ones for an even count); `values` is
 /// sorted in place and must not be empty.
-fn median(values: &mut [f64]) -> f64 {
+pub fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     let mid = values.len() / 2;
     if values.len() % 2 == 1 {
