@@ -148,9 +148,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
         row["check_rel_error"] = json!(rel);
     }
     decode_rows(&gpu, (warmup, iters), &mut rng, &mut rows)?;
-    if algos > 0 {
-        algo_rows(&gpu, &blas, algos, (warmup, iters), &mut rng, &mut rows)?;
-    }
+    // The largest relative error of a cuBLASLt candidate against the default's output.
+    let algo_error = match algos {
+        0 => 0.0,
+        n => algo_rows(&gpu, &blas, n, (warmup, iters), &mut rng, &mut rows)?,
+    };
     for row in rows.iter_mut() {
         row["date"] = json!(date);
         row["gpu"] = json!(gpu_name);
@@ -160,6 +162,11 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     println!("wrote {}", out.display());
     if rel >= GEMM_BF16_TOLERANCE {
         return Err(format!("cuBLAS linear relative error {rel:.2e} above {GEMM_BF16_TOLERANCE:.0e}"));
+    }
+    if algo_error >= GEMM_BF16_TOLERANCE {
+        return Err(format!(
+            "a cuBLASLt candidate's output is {algo_error:.2e} from the default's, above {GEMM_BF16_TOLERANCE:.0e}"
+        ));
     }
     Ok(())
 }
@@ -207,7 +214,8 @@ fn decode_rows(
 /// `--algos N`: for each forward linear of the training step and of the target ([`SHAPES`],
 /// [`TARGET_SHAPES`]), cublasGemmEx's default choice and cuBLASLt's first `count` heuristic
 /// candidates, each timed over [`ALGO_REPS`] back-to-back calls per sample in [`ALGO_ROUNDS`]
-/// interleaved rounds, its output checked against the default's; a row each shape.
+/// interleaved rounds, its output checked against the default's; a row each shape. Returns the
+/// largest relative error of a candidate's output against the default's.
 fn algo_rows(
     gpu: &Gpu,
     blas: &Blas,
@@ -215,9 +223,10 @@ fn algo_rows(
     (warmup, iters): (usize, usize),
     rng: &mut ChaCha8Rng,
     rows: &mut Vec<Value>,
-) -> Result<(), String> {
+) -> Result<f64, String> {
     use dflash_optimized::ops::matmul::cuda::LtLinear;
     let stream = gpu.stream();
+    let mut worst = 0.0f64;
     for &(name, m, n, k) in SHAPES.iter().chain(TARGET_SHAPES) {
         let (x, w) = (random_bf16(m * k, rng), random_bf16(n * k, rng));
         let (dx, dw) = (stream.clone_htod(&x).map_err(gpu_err)?, stream.clone_htod(&w).map_err(gpu_err)?);
@@ -239,6 +248,7 @@ fn algo_rows(
             lt.run(a, xp, wp, yp).map_err(err)?;
             errors.push(dflash_conformance::attention_cases::rel_error(&first(&dy)?, &want));
         }
+        worst = errors.iter().copied().fold(worst, f64::max);
         // times[0]: the default; times[1 + i]: candidate i; per round.
         let mut times = vec![Vec::with_capacity(ALGO_ROUNDS); 1 + candidates.len()];
         for _ in 0..ALGO_ROUNDS {
@@ -281,5 +291,5 @@ fn algo_rows(
         rows.push(json!({"shape": format!("algos {name}"), "m": m, "n": n, "k": k, "default_ms": ms[0],
             "default_tflops": tflops(ms[0]), "reps": ALGO_REPS, "rounds": ALGO_ROUNDS, "candidates": listed}));
     }
-    Ok(())
+    Ok(worst)
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::{result, CudaBlas};
+use cudarc::cublaslt::{result as lt, sys as ltsys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
@@ -111,7 +112,7 @@ impl Blas {
 /// printing): algorithm id, tile, stages, split-k, cluster shape (cuBLASLt's enum values).
 #[derive(Clone, Copy, Debug)]
 pub struct LtAlgo {
-    algo: cudarc::cublaslt::sys::cublasLtMatmulAlgo_t,
+    algo: ltsys::cublasLtMatmulAlgo_t,
     pub workspace: usize,
     pub waves: f32,
     pub id: u32,
@@ -125,12 +126,12 @@ pub struct LtAlgo {
 /// operation as [`Blas::linear`]) through cuBLASLt with a chosen algorithm: `bench gemm --algos`
 /// times cuBLASLt's heuristic candidates against `cublasGemmEx`'s default choice.
 pub struct LtLinear {
-    handle: cudarc::cublaslt::sys::cublasLtHandle_t,
-    desc: cudarc::cublaslt::sys::cublasLtMatmulDesc_t,
+    handle: ltsys::cublasLtHandle_t,
+    desc: ltsys::cublasLtMatmulDesc_t,
     /// w `[n, k]` row-major as column-major `[k, n]` used transposed; x `[m, k]` as `[k, m]`;
     /// y `[m, n]` as `[n, m]`.
-    layouts: [cudarc::cublaslt::sys::cublasLtMatrixLayout_t; 3],
-    pref: cudarc::cublaslt::sys::cublasLtMatmulPreference_t,
+    layouts: [ltsys::cublasLtMatrixLayout_t; 3],
+    pref: ltsys::cublasLtMatmulPreference_t,
     workspace: CudaSlice<u8>,
     stream: Arc<CudaStream>,
 }
@@ -140,7 +141,6 @@ impl LtLinear {
     const WORKSPACE: usize = 32 << 20;
 
     pub fn new(gpu: &Gpu, (m, n, k): (usize, usize, usize)) -> Result<Self> {
-        use cudarc::cublaslt::{result as lt, sys as ltsys};
         let e = |what: &'static str| move |err: lt::CublasError| Error::Gpu(format!("cuBLASLt {what}: {err:?}"));
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         let handle = lt::create_handle().map_err(e("create"))?;
@@ -185,7 +185,6 @@ impl LtLinear {
 
     /// Up to `count` of cuBLASLt's heuristic candidates, its first choice first.
     pub fn algos(&self, count: usize) -> Result<Vec<LtAlgo>> {
-        use cudarc::cublaslt::sys as ltsys;
         let mut results: Vec<ltsys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(count);
         let mut found: i32 = 0;
         let [w, x, y] = self.layouts;
@@ -245,7 +244,6 @@ impl LtLinear {
 
     /// `y = x @ w^T` by `algo` (one of [`LtLinear::algos`]), queued on the GPU's stream.
     pub fn run(&self, algo: &LtAlgo, x: u64, w: u64, y: u64) -> Result<()> {
-        use cudarc::cublaslt::{result as lt, sys as ltsys};
         let (alpha, beta) = (1.0f32, 0.0f32);
         let [wl, xl, yl] = self.layouts;
         let (ws, _guard) = self.workspace.device_ptr(&self.stream);
@@ -277,7 +275,6 @@ impl LtLinear {
 
 impl Drop for LtLinear {
     fn drop(&mut self) {
-        use cudarc::cublaslt::result as lt;
         // SAFETY: each descriptor was created by `new` and is destroyed once; errors at teardown
         // have no one to go to.
         unsafe {
