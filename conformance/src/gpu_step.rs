@@ -22,7 +22,7 @@ pub use crate::attention_cases::rel_error;
 use crate::gdn_cases::run_gdn_ops;
 use crate::op_cases::{run_ops, OpOutputs};
 use crate::setups::{gpu_draft_case, DraftCase};
-use crate::tolerance::{Tolerance, BESIDE_IN_LINE, GPU_KERNEL_BF16, GPU_STEP_BF16, STEP_F32, STEP_F64};
+use crate::tolerance::{Tolerance, GPU_KERNEL_BF16, GPU_STEP_BF16, STEP_F32, STEP_F64};
 
 /// Gradients of the same step under two checkpointing policies.
 pub const POLICIES_AGREE: Tolerance = Tolerance {
@@ -101,47 +101,6 @@ impl PeakMeter for PoolMeter<'_> {
     fn peak(&mut self) -> Result<u64> {
         Ok(self.gpu.pool_used_high()?.saturating_sub(self.before))
     }
-}
-
-/// Values the beside check fills (`fill_normal` of bf16, 128 MB: a fill takes tens of
-/// microseconds, so the fills queued beside run long after the next operation is queued).
-const BESIDE_VALUES: usize = 64 << 20;
-/// Fills queued beside, each of another seed over the last.
-const BESIDE_FILLS: u64 = 8;
-
-/// Work queued beside is waited for: [`BESIDE_FILLS`] fills of one buffer queued
-/// [`Backend::beside`] (the second stream), then at once a sum of squares of the buffer in
-/// line, whose partial sums must be bitwise those of the same work all in line and of the
-/// last fill alone (read before the fills end, they differ).
-pub fn beside_checks(gpu: &Gpu, seed: u64) -> Result<Vec<GpuCheck>> {
-    use dflash_optimized::ops::constants::NORM_PARTS;
-    use dflash_optimized::ops::elementwise::ElementwiseOps;
-    let sums = |beside: bool, fills: std::ops::RangeInclusive<u64>| -> Result<Vec<f32>> {
-        let dev = Cuda::new(gpu, 64)?;
-        dev.set_beside_stream(beside);
-        let x = dev.alloc("beside check values", BESIDE_VALUES * 2)?;
-        let partial = dev.alloc("beside check sums", NORM_PARTS * 4)?;
-        dev.beside(&mut |ops| {
-            fills.clone().try_for_each(|k| ops.fill_normal(x.ptr(), BESIDE_VALUES, seed * 1000 + k, 0.0, 1.0))
-        })?;
-        dev.ops().sum_squares(true, x.ptr(), partial.ptr(), BESIDE_VALUES, NORM_PARTS)?;
-        dflash_optimized::backend::download(&dev, partial.ptr(), NORM_PARTS)
-    };
-    let beside = sums(true, 1..=BESIDE_FILLS)?;
-    let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
-    let errors = vec![
-        ("vs in line".to_string(), rel_error(&wide(&beside), &wide(&sums(false, 1..=BESIDE_FILLS)?))),
-        (
-            "vs the last fill alone".to_string(),
-            rel_error(&wide(&beside), &wide(&sums(false, BESIDE_FILLS..=BESIDE_FILLS)?)),
-        ),
-    ];
-    Ok(vec![GpuCheck {
-        name: format!("beside seed {seed}: {BESIDE_FILLS} fills of {BESIDE_VALUES} values, then their sum"),
-        errors,
-        tolerance: BESIDE_IN_LINE.rel,
-        memory: None,
-    }])
 }
 
 /// The GPU step of the random case `seed` under every policy against the reference in f64:

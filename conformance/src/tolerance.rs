@@ -149,14 +149,6 @@ pub const GPU_STEP_BF16: Tolerance = Tolerance {
              cancels; measured up to 1.4e-2 on the q/k norm weights (sums over every row and head)",
 };
 
-/// What follows work queued beside (`Backend::beside`, a second stream) against the same work
-/// queued in line.
-pub const BESIDE_IN_LINE: Tolerance = Tolerance {
-    rel: 0.0,
-    reason: "the same deterministic kernels on the same inputs: only the stream differs, so a result \
-             that is not bitwise the same read memory before the work beside had finished",
-};
-
 /// A bf16 output of an elementwise kernel (or the bf16 twin) against the f64 twin on the same
 /// (bf16-exact) inputs.
 pub const GPU_KERNEL_BF16: Tolerance = Tolerance {

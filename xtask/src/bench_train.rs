@@ -56,32 +56,16 @@ options:
   --profile yes|no  print each operation's GPU time in one more step per shape (default no)
   --checkpointing POLICY  both steps' policy, ours and the PyTorch pipeline's: per-layer,
                   selective or none; each object records it    (default per-layer)
-  --in-line yes|no  also time our online steps with the optimizer update queued in line, not
-                  beside the next row's target forward; their losses must be identical (default no)
   --commit SHA    the commit measured         (default: commit.txt next to the binary)";
 
-const OPTIONS: &[&str] = &[
-    "target",
-    "shapes",
-    "warmup",
-    "iters",
-    "torch",
-    "python",
-    "out",
-    "seed",
-    "commit",
-    "profile",
-    "checkpointing",
-    "in-line",
-];
+const OPTIONS: &[&str] =
+    &["target", "shapes", "warmup", "iters", "torch", "python", "out", "seed", "commit", "profile", "checkpointing"];
 
 /// What our engine measured at one shape.
 struct Measured {
     ms: f64,
     peak_bytes: u64,
     losses: Vec<f64>,
-    /// The same steps with the optimizer update queued in line (`--in-line yes`, online).
-    in_line_ms: Option<f64>,
 }
 
 pub fn run(args: Vec<String>) -> Result<(), String> {
@@ -110,7 +94,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     }
     let with_torch = opts.yes_no("torch", true)?;
     let profile = opts.yes_no("profile", false)?;
-    let in_line = opts.yes_no("in-line", false)?;
     let policy_name: String = opts.get("checkpointing", "per-layer".to_string())?;
     let policy = Checkpointing::from_name(&policy_name)
         .ok_or_else(|| format!("option `--checkpointing`: `{policy_name}` is not none, selective or per-layer"))?;
@@ -136,8 +119,7 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
     draft.check_target(&target).map_err(|e| e.to_string())?;
 
     let gpu = Arc::new(open_gpu()?);
-    let (online, offline) =
-        measure_ours(&gpu, &dir, &target, &draft, &shapes, (warmup, iters, seed), (profile, in_line), policy)?;
+    let (online, offline) = measure_ours(&gpu, &dir, &target, &draft, &shapes, (warmup, iters, seed), profile, policy)?;
     let mut errors = Vec::new();
     let (date, name) = (utc_now(), gpu.name().to_string());
     drop(gpu);
@@ -152,7 +134,6 @@ pub fn run(args: Vec<String>) -> Result<(), String> {
             "anchors": n,
             "checkpointing": policy.name(),
             "ours_ms_per_step": on.ms,
-            "ours_in_line_ms_per_step": on.in_line_ms,
             "ours_samples_per_s": per_s(on.ms),
             "ours_tokens_per_s": per_s(on.ms) * s as f64,
             "ours_peak_gb": on.peak_bytes as f64 / 1e9,
@@ -322,7 +303,7 @@ fn time_engine(
         if losses.iter().any(|l| !l.is_finite()) {
             return Err(format!("non-finite losses {losses:?}"));
         }
-        Ok(Measured { ms, peak_bytes: peak, losses, in_line_ms: None })
+        Ok(Measured { ms, peak_bytes: peak, losses })
     })
 }
 
@@ -384,8 +365,7 @@ impl RowSource for CachedRows {
 }
 
 /// Online (the target's forward in the engine) and offline (features read from a cache on disk)
-/// per shape, the step checkpointing by `policy`; with `in_line`, the online steps again with
-/// the optimizer update queued in line.
+/// per shape, the step checkpointing by `policy`.
 #[allow(clippy::too_many_arguments)]
 fn measure_ours(
     gpu: &Arc<Gpu>,
@@ -394,7 +374,7 @@ fn measure_ours(
     draft: &DraftConfig,
     shapes: &[(usize, usize)],
     (warmup, iters, seed): (usize, usize, u64),
-    (profile, in_line): (bool, bool),
+    profile: bool,
     policy: Checkpointing,
 ) -> Result<(Vec<Measured>, Vec<Measured>), String> {
     let err = |e: dflash_optimized::Error| e.to_string();
@@ -423,15 +403,9 @@ fn measure_ours(
     };
     let adamw = AdamWConfig { lr: 6e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
     let head_dim = draft.dims.head_dim;
-    // `beside`: the optimizer update on the GPU's second stream (the product's way) or in line.
-    let engine_of = |frozen: Frozen<Cuda>, beside: bool| -> Result<DeviceEngine<Cuda>, String> {
+    let engine_of = |frozen: Frozen<Cuda>| -> Result<DeviceEngine<Cuda>, String> {
         let g = gpu.clone();
-        let make = move || {
-            let cuda = Cuda::new(&g, head_dim)?;
-            cuda.set_beside_stream(beside);
-            Ok(cuda)
-        };
-        Ok(DeviceEngine::new(make, copy()?, frozen, adamw.clone(), &[policy]))
+        Ok(DeviceEngine::new(move || Cuda::new(&g, head_dim), copy()?, frozen, adamw.clone(), &[policy]))
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut frozen = Frozen::Target(Box::new(forward));
@@ -445,25 +419,12 @@ fn measure_ours(
             .map(|r| TrainRow::from_row(r.clone(), Tensor::zeros((s, 0), DType::F32, &Device::Cpu)?))
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string())?;
-        let mut engine = engine_of(frozen, true)?;
+        let mut engine = engine_of(frozen)?;
         let what = format!("one online step at S={s} N={n}");
-        let mut m = time_engine(gpu, &mut engine, &train, n, (warmup, iters, seed), before, profile.then_some(&*what))?;
+        let m = time_engine(gpu, &mut engine, &train, n, (warmup, iters, seed), before, profile.then_some(&*what))?;
         println!("ours online S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);
-        frozen = engine.into_frozen();
-        if in_line {
-            let mut engine = engine_of(frozen, false)?;
-            let l = time_engine(gpu, &mut engine, &train, n, (warmup, iters, seed), before, None)?;
-            println!("ours online S={s} N={n}, the update in line: {:.1} ms per step", l.ms);
-            if l.losses != m.losses {
-                return Err(format!(
-                    "S={s} N={n}: the losses with the update beside ({:?}) differ from those in line ({:?})",
-                    m.losses, l.losses
-                ));
-            }
-            m.in_line_ms = Some(l.ms);
-            frozen = engine.into_frozen();
-        }
         online.push(m);
+        frozen = engine.into_frozen();
         // The same rows' features in a cache on disk, as an offline run reads them.
         let Frozen::Target(forward) = &mut frozen else { unreachable!("the forward was given") };
         let mut features = Vec::new();
@@ -492,7 +453,7 @@ fn measure_ours(
     let before = gpu.pool_used().map_err(err)?;
     let mut offline = Vec::new();
     for (&(s, n), rows) in shapes.iter().zip(&offline_rows) {
-        let mut engine = engine_of(Frozen::Host(head.clone()), true)?;
+        let mut engine = engine_of(Frozen::Host(head.clone()))?;
         let what = format!("one offline step at S={s} N={n}");
         let m = time_engine(gpu, &mut engine, rows, n, (warmup, iters, seed), before, profile.then_some(&*what))?;
         println!("ours offline S={s} N={n}: {:.1} ms per step, peak {:.2} GB", m.ms, m.peak_bytes as f64 / 1e9);

@@ -346,7 +346,6 @@ fn step_checks(gpu: &Gpu, runs: &dyn Fn(&str) -> bool) -> Result<Vec<Value>, Str
     type Group<'a> = (&'a str, String, Box<dyn Fn() -> dflash_optimized::Result<Vec<GpuCheck>> + 'a>);
     let mut groups: Vec<Group> = vec![
         ("kernels", "kernel twins".to_string(), Box::new(|| kernel_checks(gpu, KERNEL_SEED))),
-        ("kernels", "work beside".to_string(), Box::new(|| gpu_step::beside_checks(gpu, KERNEL_SEED))),
         ("target", "target forward".to_string(), Box::new(|| target_checks(gpu))),
         ("hybrid", "hybrid forward".to_string(), Box::new(|| hybrid_checks(gpu))),
         ("decoding", "decoding".to_string(), Box::new(|| decode_checks(gpu))),

@@ -1,11 +1,10 @@
 //! The GPU as a backend: the device's memory pool, cuBLAS, the attention kernels,
-//! `elementwise.cu` and `gdn.cu`, on the GPU's stream; what [`Backend::beside`] queues runs on a
-//! second stream, and every operation of the backend first makes the GPU's stream wait for it.
+//! `elementwise.cu` and `gdn.cu`, all on the GPU's one stream.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaEvent, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaStream, PinnedHostSlice};
 
 use super::{Allocation, Backend, Pitched};
 use crate::device::buffer::{copy_device, download_device, zero_device, Buf};
@@ -46,17 +45,6 @@ pub struct Cuda {
     /// Page-locked slots `upload_ranges` stages plans in (made on first use), so that they queue
     /// without waiting for the stream.
     staging: Mutex<Option<UploadRing>>,
-    /// Whether `beside` queues on the second stream (the default) or in line (benches compare).
-    beside_stream: AtomicBool,
-    /// The second stream and the elementwise kernels launched on it (made on first use).
-    side: Mutex<Option<(Arc<CudaStream>, ElementwiseKernels)>>,
-    /// The end of the last work queued `beside`, until an operation has made the stream wait
-    /// for it.
-    pending: Mutex<Option<CudaEvent>>,
-}
-
-fn gpu_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> crate::Error {
-    move |e| crate::Error::Gpu(format!("{what}: {e}"))
 }
 
 impl Cuda {
@@ -74,49 +62,13 @@ impl Cuda {
             rows_kernel: AtomicBool::new(true),
             readback: Mutex::new(None),
             staging: Mutex::new(None),
-            beside_stream: AtomicBool::new(true),
-            side: Mutex::new(None),
-            pending: Mutex::new(None),
         })
-    }
-
-    /// Sends `beside`'s work to the second stream (`true`, the default) or queues it in line.
-    pub fn set_beside_stream(&self, on: bool) {
-        self.beside_stream.store(on, Ordering::Relaxed);
-    }
-
-    /// The GPU's stream, made to wait first for the work last queued `beside` (every operation
-    /// queues through this).
-    fn queue(&self) -> Result<&Arc<CudaStream>> {
-        let end = self.pending.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(end) = end {
-            if let Err(e) = self.stream.wait(&end) {
-                // Not queued: the host waits instead, so that nothing runs before that work ends.
-                end.synchronize().map_err(gpu_err("waiting for the second stream"))?;
-                return Err(gpu_err("queueing a wait for the second stream")(e));
-            }
-        }
-        Ok(&self.stream)
-    }
-
-    /// [`Cuda::queue`] where the signature cannot fail (`ops`, `gdn_ops`, drop): a wait that
-    /// could not be queued was waited for on the host, and a context where that failed too
-    /// fails the next launch.
-    fn queued(&self) {
-        _ = self.queue();
     }
 
     /// Sends `linear`'s 1 to `LINEAR_ROWS` rows through `linear_rows` (`true`, the default) or
     /// through cuBLAS.
     pub fn set_rows_kernel(&self, on: bool) {
         self.rows_kernel.store(on, Ordering::Relaxed);
-    }
-}
-
-impl Drop for Cuda {
-    /// The memory freed after the backend (on the GPU's stream) may be what `beside` work uses.
-    fn drop(&mut self) {
-        self.queued();
     }
 }
 
@@ -137,26 +89,25 @@ impl Backend for Cuda {
     }
 
     fn alloc(&self, name: &str, bytes: usize) -> Result<Buf<u8>> {
-        Buf::zeros(self.queue()?, name, bytes)
+        Buf::zeros(&self.stream, name, bytes)
     }
 
     fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
         // SAFETY: callers pass an allocation of at least `src.len()` bytes; the copy from pageable
         // memory completes before the call returns.
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.queue()?.cu_stream()) }
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
             .and_then(|()| self.stream.synchronize())
             .map_err(|e| crate::Error::Gpu(format!("upload of {} bytes: {e}", src.len())))
     }
 
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
-        let bytes = download_device::<u8>(self.queue()?, src, dst.len())?;
+        let bytes = download_device::<u8>(&self.stream, src, dst.len())?;
         dst.copy_from_slice(&bytes);
         Ok(())
     }
 
     fn download_parts(&self, parts: &mut [(u64, &mut [u8])]) -> Result<()> {
-        let gpu = gpu_err;
-        self.queue()?;
+        let gpu = |what: &'static str| move |e: cudarc::driver::DriverError| crate::Error::Gpu(format!("{what}: {e}"));
         let total: usize = parts.iter().map(|(_, dst)| dst.len()).sum();
         let mut readback = self.readback.lock().map_err(|_| crate::Error::Gpu("readback buffer poisoned".into()))?;
         if readback.as_ref().is_none_or(|p| p.len() < total) {
@@ -189,17 +140,18 @@ impl Backend for Cuda {
     }
 
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
-        zero_device(self.queue()?, ptr, bytes)
+        zero_device(&self.stream, ptr, bytes)
     }
 
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        copy_device::<u8>(self.queue()?, dst, src, bytes)
+        copy_device::<u8>(&self.stream, dst, src, bytes)
     }
 
     fn copy_strided(&self, dst: Pitched, src: Pitched, width: usize, rows: usize) -> Result<()> {
         if rows <= 1 || (dst.pitch == width && src.pitch == width) {
             return self.copy(dst.addr, src.addr, width * rows);
         }
+        use cudarc::driver::sys;
         let copy = sys::CUDA_MEMCPY2D_st {
             srcXInBytes: 0,
             srcY: 0,
@@ -220,7 +172,7 @@ impl Backend for Cuda {
         };
         // SAFETY: callers pass live device buffers holding `rows` rows at their pitches; the
         // stream orders the copy.
-        unsafe { sys::cuMemcpy2DAsync_v2(&copy, self.queue()?.cu_stream()) }
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, self.stream.cu_stream()) }
             .result()
             .map_err(|e| crate::Error::Gpu(format!("strided copy of {rows} rows of {width} bytes: {e}")))
     }
@@ -229,51 +181,27 @@ impl Backend for Cuda {
     /// to peer where the source's pool shares it ([`Gpu::share_pool_with`]).
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         // The copy goes to the context current on this thread: this GPU's.
-        let stream = self.queue()?;
-        stream.context().bind_to_thread().map_err(|e| crate::Error::Gpu(format!("binding the context: {e}")))?;
+        self.stream.context().bind_to_thread().map_err(|e| crate::Error::Gpu(format!("binding the context: {e}")))?;
         // SAFETY: callers pass allocations of at least `bytes` bytes, the source's complete.
-        unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream.cu_stream()) }
+        unsafe { cudarc::driver::sys::cuMemcpyAsync(dst, src, bytes, self.stream.cu_stream()) }
             .result()
             .and_then(|()| self.stream.synchronize())
             .map_err(|e| crate::Error::Gpu(format!("copy of {bytes} bytes from another GPU: {e}")))
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.queue()?.synchronize().map_err(|e| crate::Error::Gpu(format!("synchronizing the stream: {e}")))
-    }
-
-    fn beside(&self, f: &mut dyn FnMut(&ElementwiseKernels) -> Result<()>) -> Result<()> {
-        if !self.beside_stream.load(Ordering::Relaxed) {
-            return f(self.ops());
-        }
-        let stream = self.queue()?;
-        let mut side = self.side.lock().map_err(|_| crate::Error::Gpu("the second stream poisoned".into()))?;
-        if side.is_none() {
-            let second = stream.fork().map_err(gpu_err("making the second stream"))?;
-            *side = Some((second.clone(), self.kernels.on_stream(second)));
-        }
-        let (second, kernels) = side.as_ref().expect("made above");
-        second.join(stream).map_err(gpu_err("ordering the second stream after the first"))?;
-        f(kernels)?;
-        let end = second
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(gpu_err("recording the second stream's end"))?;
-        *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(end);
-        Ok(())
+        self.stream.synchronize().map_err(|e| crate::Error::Gpu(format!("synchronizing the stream: {e}")))
     }
 
     fn ops(&self) -> &ElementwiseKernels {
-        self.queued();
         &self.kernels
     }
 
     fn gdn_ops(&self) -> &dyn GdnOps {
-        self.queued();
         &self.gdn
     }
 
     fn matmul(&self, a: Mat, b: Mat, c: u64, beta: f32) -> Result<()> {
-        self.queue()?;
         self.blas.matmul(a, b, c, Out::Bf16, 1.0, beta)
     }
 
@@ -282,18 +210,17 @@ impl Backend for Cuda {
     /// rows reach half to 90% of it (`results/gemm-h100*.json`); more rows through cuBLAS.
     fn linear(&self, x: u64, rows: usize, k: usize, w: u64, n: usize, y: u64, beta: f32) -> Result<()> {
         match self.rows_kernel.load(Ordering::Relaxed) && ElementwiseKernels::takes_linear_rows(x, w, rows, k) {
-            true => self.ops().linear_rows(x, w, y, (rows, n, k), beta),
+            true => self.kernels.linear_rows(x, w, y, (rows, n, k), beta),
             false => self.matmul(Mat::n(x, rows, k), Mat::t(w, n, k), y, beta),
         }
     }
 
     fn upload_ranges(&self, ranges: &KeyRanges) -> Result<DeviceKeyRanges> {
         let mut staging = self.staging.lock().map_err(|_| crate::Error::Gpu("upload slots poisoned".into()))?;
-        let stream = self.queue()?;
         if staging.is_none() {
-            *staging = Some(UploadRing::new(stream)?);
+            *staging = Some(UploadRing::new(&self.stream)?);
         }
-        DeviceKeyRanges::upload_staged(stream, ranges, staging.as_mut().expect("made above"))
+        DeviceKeyRanges::upload_staged(&self.stream, ranges, staging.as_mut().expect("made above"))
     }
 
     fn attention_forward(
@@ -303,7 +230,7 @@ impl Backend for Cuda {
         qkv: (u64, u64, u64),
         out_lse: (u64, u64),
     ) -> Result<()> {
-        self.attention.forward(self.queue()?, ranges, shape, qkv, out_lse)
+        self.attention.forward(&self.stream, ranges, shape, qkv, out_lse)
     }
 
     fn attention_backward(
@@ -315,6 +242,6 @@ impl Backend for Cuda {
         dsum: u64,
         grads: (u64, u64, u64),
     ) -> Result<()> {
-        self.attention.backward(self.queue()?, ranges, shape, qkv, out_lse_dout, dsum, grads)
+        self.attention.backward(&self.stream, ranges, shape, qkv, out_lse_dout, dsum, grads)
     }
 }

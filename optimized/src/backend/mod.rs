@@ -63,13 +63,6 @@ pub trait Backend {
     fn copy_from_peer(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     /// Waits for the work queued so far (before another worker reads what it wrote).
     fn synchronize(&self) -> Result<()>;
-    /// Queues `f`'s ops after the work queued so far, on a second stream of the GPU, so that
-    /// what other backends of the GPU queue next runs beside them (the optimizer update beside
-    /// the next row's target forward); this backend's next operation waits for them. `f` must
-    /// touch only this backend's memory. The CPU twins run `f` at once.
-    fn beside(&self, f: &mut dyn FnMut(&Self::Ops) -> Result<()>) -> Result<()> {
-        f(self.ops())
-    }
     fn ops(&self) -> &Self::Ops;
     /// The hybrid target's ops (GatedDeltaNet, partial RoPE, output gate): the CPU twins on the
     /// host, `gdn.cu` on the GPU.

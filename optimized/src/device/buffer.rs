@@ -1,7 +1,6 @@
 //! Device buffers of the GPU step: typed allocations from the memory pool that hand out their
 //! raw address, so that one step can pass many buffers (some in place) to kernels and cuBLAS
-//! without borrowing them. All work is on the GPU's one stream, which orders every access (but
-//! for `Cuda::beside`'s, ordered by events).
+//! without borrowing them. All work is on the GPU's one stream, which orders every access.
 
 use std::marker::PhantomData;
 use std::sync::Arc;

@@ -9,8 +9,7 @@
 //!
 //! All work goes to one stream, the context's default (null) stream (a second worker on the same
 //! GPU opens it with a stream of its own), so that allocations, kernels and copies are ordered
-//! without events; the one exception, the optimizer update queued on a second stream by
-//! `Cuda::beside`, is ordered by explicit events. Device memory comes from the device's default memory
+//! without events; device memory comes from the device's default memory
 //! pool (stream-ordered allocation), whose release threshold is raised so that freed memory is
 //! kept for reuse instead of being returned to the driver at every synchronisation.
 
@@ -109,8 +108,7 @@ impl Gpu {
             CudaContext::new(ordinal).map_err(|e| driver_error(&format!("creating a context on GPU {ordinal}"), e))?;
         let name = ctx.name().map_err(|e| driver_error("cuDeviceGetName", e))?;
         // SAFETY: all work of this context goes to its one stream (see the module doc), which
-        // orders every access, or is ordered by explicit events (`Cuda::beside`); cudarc's
-        // per-buffer events would only add overhead to launches.
+        // orders every access; cudarc's per-buffer events would only add overhead to launches.
         unsafe { ctx.disable_event_tracking() };
         let stream = match own_stream {
             true => ctx.new_stream().map_err(|e| driver_error(&format!("creating a stream on GPU {ordinal}"), e))?,

@@ -2,8 +2,7 @@
 //! the arithmetic type (gradient accumulation; with one row per update on one worker the
 //! update reads the step's own stored gradients), then clipped by
 //! their global norm and applied to the master weights, which are written back as the stored
-//! compute weights. An update of the step's own gradients runs beside the GPU's next work
-//! ([`crate::backend::Backend::beside`]). The reference is `dflash_reference::optim` (`AdamW::step`,
+//! compute weights. The reference is `dflash_reference::optim` (`AdamW::step`,
 //! `clip_grad_norm`); the kernels' twins are checked by `xtask gpu-conformance`.
 
 use dflash_reference::optim::AdamWConfig;
@@ -107,14 +106,9 @@ impl DeviceAdamW {
             v: step.addr(r.adam_v),
             p_stored: step.addr(step.layout.weights) + (lo * stored) as u64,
         };
-        match r.grads.accumulator() {
-            // The step's own gradients: the update runs beside what the GPU does next until
-            // the step's next operation (the next row's target forward, on the GPU).
-            None => step.backend().beside(&mut |ops| ops.adamw_update(buffers, hi - lo, args))?,
-            Some(g) => {
-                step.backend().ops().adamw_update(buffers, hi - lo, args)?;
-                step.zero(g)?;
-            }
+        step.backend().ops().adamw_update(buffers, hi - lo, args)?;
+        if let Some(g) = r.grads.accumulator() {
+            step.zero(g)?;
         }
         Ok(norm)
     }

@@ -38,8 +38,7 @@ pub(crate) fn i32_of(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(what, format!("{v} exceeds i32")))
 }
 
-/// The compiled kernels of `elementwise.cu`, launched on one stream.
-#[derive(Clone)]
+/// The compiled kernels of `elementwise.cu`.
 pub struct ElementwiseKernels {
     stream: Arc<CudaStream>,
     rms_norm_forward: CudaFunction,
@@ -93,11 +92,6 @@ impl ElementwiseKernels {
             adamw_update_bf16_grad: f("adamw_update_bf16_grad")?,
             fill_normal_bf16: f("fill_normal_bf16")?,
         })
-    }
-
-    /// The same kernels launched on `stream`.
-    pub fn on_stream(&self, stream: Arc<CudaStream>) -> Self {
-        ElementwiseKernels { stream, ..self.clone() }
     }
 
     fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
